@@ -1,0 +1,271 @@
+"""Precisions, what each device can run natively, and FP8 scaling and emulation.
+
+FP8 follows the per-tensor ("tensorwise") recipes of Transformer Engine and torchao:
+E4M3 for weights and activations in the forward pass, E5M2 for gradients in the
+backward pass, each tensor scaled by ``fp8_max / amax`` before the cast. Activations can
+use delayed scaling (the amax of the last N steps, as Transformer Engine does); weights
+and gradients always use the current tensor's amax.
+
+Where no FP8 kernel exists (every CPU, CUDA below compute capability 8.9) the FP8 linear
+is *emulated*: quantize-dequantize, then an fp32 matmul on exactly the values FP8 would
+have produced. That gives FP8's accuracy, never its speed; the tuner only ever sees the
+latency it measured, so it will not pick an emulation for speed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = [
+    "Precision",
+    "Capability",
+    "FP8Recipe",
+    "FP8Linear",
+    "E4M3_MAX",
+    "E5M2_MAX",
+    "device_capabilities",
+    "fp8_scale",
+    "fp8_quantize",
+    "fp8_fake_quantize",
+    "sqnr_db",
+]
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+E4M3_MAX = torch.finfo(E4M3).max  # 448.0
+E5M2_MAX = torch.finfo(E5M2).max  # 57344.0
+_AMAX_EPS = 1e-12  # keeps an all-zero tensor from giving an infinite scale
+
+
+class Precision(str, enum.Enum):
+    """A precision a layer can run in. The string value is what policy files hold."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP8 = "fp8"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: str | Precision) -> Precision:
+        if isinstance(value, Precision):
+            return value
+        try:
+            return cls(str(value).strip().lower())
+        except ValueError:
+            known = ", ".join(p.value for p in cls)
+            raise ValueError(f"unknown precision {value!r}; use one of: {known}") from None
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The autocast dtype of this precision's region; None where autocast is off."""
+        return {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}.get(self)
+
+    @property
+    def is_low(self) -> bool:
+        return self is not Precision.FP32
+
+
+class Capability(str, enum.Enum):
+    NATIVE = "native"  # a fast kernel exists on this device
+    EMULATED = "emulated"  # numerics only (quantize-dequantize or upcast): never a speed-up
+
+
+def _cuda_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+@lru_cache(maxsize=None)
+def _capabilities(device_type: str, index: int | None) -> dict[Precision, Capability]:
+    native, emulated = Capability.NATIVE, Capability.EMULATED
+    if device_type == "cuda":
+        major, minor = _cuda_capability(torch.device("cuda", index))
+        return {
+            Precision.FP32: native,
+            Precision.BF16: native if major >= 8 else emulated,
+            Precision.FP16: native,
+            Precision.FP8: native if (major, minor) >= (8, 9) else emulated,
+        }
+    # CPU: oneDNN reports whether the hardware has bf16 / fp16 instructions (AMX, AVX512-BF16,
+    # AVX512-FP16); without them the op upcasts internally. FP8 has no CPU kernel.
+    mkldnn = torch.ops.mkldnn
+    return {
+        Precision.FP32: native,
+        Precision.BF16: native if mkldnn._is_mkldnn_bf16_supported() else emulated,
+        Precision.FP16: native if mkldnn._is_mkldnn_fp16_supported() else emulated,
+        Precision.FP8: emulated,
+    }
+
+
+def device_capabilities(device: str | torch.device = "cpu") -> dict[Precision, Capability]:
+    """Which precisions run natively on ``device`` and which are only emulated."""
+    device = torch.device(device)
+    return dict(_capabilities(device.type, device.index))
+
+
+@dataclass(frozen=True)
+class FP8Recipe:
+    """Per-tensor FP8 scaling. ``amax_history=1`` is current (just-in-time) scaling."""
+
+    recipe: str = "tensorwise"
+    amax_history: int = 16
+
+    def __post_init__(self) -> None:
+        if self.recipe != "tensorwise":
+            raise ValueError(f"unknown FP8 recipe {self.recipe!r}; the supported recipe is 'tensorwise'")
+        if not isinstance(self.amax_history, int) or isinstance(self.amax_history, bool) or self.amax_history < 1:
+            raise ValueError(f"fp8 amax_history must be a whole number >= 1, got {self.amax_history!r}")
+
+
+def fp8_scale(amax: torch.Tensor, fp8_dtype: torch.dtype = E4M3) -> torch.Tensor:
+    """The multiplier that maps ``amax`` onto the largest finite value of ``fp8_dtype``."""
+    fp8_max = torch.finfo(fp8_dtype).max
+    return fp8_max / amax.float().clamp(min=_AMAX_EPS)
+
+
+def fp8_quantize(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype = E4M3) -> torch.Tensor:
+    """``x * scale`` cast to FP8, saturating at the format's range (never inf or NaN)."""
+    fp8_max = torch.finfo(fp8_dtype).max
+    return (x.float() * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+
+
+def fp8_fake_quantize(
+    x: torch.Tensor, fp8_dtype: torch.dtype = E4M3, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Quantize-dequantize in fp32: the values an FP8 kernel would see, as float32."""
+    if scale is None:
+        scale = fp8_scale(x.detach().abs().amax(), fp8_dtype)
+    return fp8_quantize(x, scale, fp8_dtype).float() / scale
+
+
+def sqnr_db(reference: torch.Tensor, actual: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB; +inf when equal, -inf on a non-finite result."""
+    reference, actual = reference.detach().double(), actual.detach().double()
+    if not torch.isfinite(actual).all():
+        return float("-inf")
+    noise = (reference - actual).pow(2).sum()
+    if noise == 0:
+        return float("inf")
+    signal = reference.pow(2).sum().clamp(min=1e-300)
+    return float(10 * torch.log10(signal / noise))
+
+
+class _EmulatedFP8Matmul(torch.autograd.Function):
+    """y = xq @ wq.T + b on FP8-quantized values; gradients quantized to E5M2."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, x_scale):  # type: ignore[override]
+        xq = fp8_quantize(x, x_scale).float() / x_scale
+        wq = fp8_fake_quantize(weight)
+        ctx.save_for_backward(xq, wq)
+        ctx.has_bias = bias is not None
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        return F.linear(xq, wq, None if bias is None else bias.float())
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        xq, wq = ctx.saved_tensors
+        gq = fp8_fake_quantize(grad_out.float(), E5M2)
+        grad_x = (gq @ wq).to(ctx.x_dtype)
+        grad_w = (gq.reshape(-1, gq.shape[-1]).t() @ xq.reshape(-1, xq.shape[-1])).to(ctx.w_dtype)
+        grad_b = grad_out.float().reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
+def _scaled_mm_ok(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
+    if x2d.device.type != "cuda" or device_capabilities(x2d.device)[Precision.FP8] is not Capability.NATIVE:
+        return False
+    # cuBLASLt FP8 GEMMs need every dimension a multiple of 16.
+    return all(d % 16 == 0 for d in (x2d.shape[0], weight.shape[0], weight.shape[1]))
+
+
+class FP8Linear(nn.Linear):
+    """``nn.Linear`` computing in FP8 (E4M3 forward, E5M2 gradients) over fp32 master weights.
+
+    Parameter names match ``nn.Linear`` so checkpoints load both ways. The amax history
+    is a non-persistent buffer: it is run-time scaling state, not part of the model.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, recipe: FP8Recipe | None = None,
+                 cache_weight: bool = False, device=None, dtype=None) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self._init_fp8_state(recipe or FP8Recipe(), cache_weight)
+
+    def _init_fp8_state(self, recipe: FP8Recipe, cache_weight: bool) -> None:
+        self.recipe = recipe
+        # Inference: quantize the weight once and reuse it until the weight changes.
+        self.cache_weight = cache_weight
+        self._weight_cache: tuple[tuple, torch.Tensor] | None = None
+        self.register_buffer("input_amax_history", torch.zeros(recipe.amax_history, device=self.weight.device),
+                             persistent=False)
+        self.register_buffer("amax_steps", torch.zeros((), dtype=torch.long, device=self.weight.device),
+                             persistent=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: FP8Recipe | None = None, cache_weight: bool = False) -> FP8Linear:
+        """An FP8Linear sharing ``linear``'s Parameter objects (optimizers keep working)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new._init_fp8_state(recipe or FP8Recipe(), cache_weight)
+        return new
+
+    def quantized_weight(self) -> torch.Tensor:
+        """The weight as FP8 (E4M3, current scaling) would hold it, dequantized to fp32."""
+        key = (self.weight.data_ptr(), self.weight._version, self.weight.device)
+        if self.cache_weight and self._weight_cache is not None and self._weight_cache[0] == key:
+            return self._weight_cache[1]
+        wq = fp8_fake_quantize(self.weight.detach())
+        if self.cache_weight:
+            self._weight_cache = (key, wq)
+        return wq
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", fp8={self.recipe.recipe}, amax_history={self.recipe.amax_history}"
+
+    def input_scale(self, x: torch.Tensor) -> torch.Tensor:
+        """Scale for this step's input; records its amax (delayed scaling when history > 1)."""
+        amax = x.detach().abs().amax().float()
+        history = self.input_amax_history
+        with torch.no_grad():
+            if len(history) > 1 and int(self.amax_steps) > 0:
+                scale = fp8_scale(history.amax())
+            else:
+                scale = fp8_scale(amax)
+            history.copy_(torch.roll(history, 1))
+            history[0] = amax
+            self.amax_steps += 1
+        return scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out_dtype = x.dtype if x.is_floating_point() else torch.float32
+        with torch.autocast(x.device.type, enabled=False):
+            x_scale = self.input_scale(x)
+            x2d = x.reshape(-1, x.shape[-1])
+            if _scaled_mm_ok(x2d, self.weight) and not torch.is_grad_enabled():
+                y = self._native_forward(x2d, x_scale)
+            elif torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+                y = _EmulatedFP8Matmul.apply(x, self.weight, self.bias, x_scale)
+            else:  # inference: the same numerics without autograd bookkeeping
+                xq = fp8_quantize(x, x_scale).float() / x_scale
+                y = F.linear(xq, self.quantized_weight(), None if self.bias is None else self.bias.float())
+        return y.reshape(*x.shape[:-1], self.out_features).to(out_dtype)
+
+    def _native_forward(self, x2d: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        w_scale = fp8_scale(self.weight.detach().abs().amax())
+        xq = fp8_quantize(x2d, x_scale)
+        wq = fp8_quantize(self.weight, w_scale)
+        bias = None if self.bias is None else self.bias.to(torch.bfloat16)
+        y = torch._scaled_mm(xq, wq.t(), scale_a=x_scale.reciprocal(), scale_b=w_scale.reciprocal(),
+                             bias=bias, out_dtype=torch.bfloat16)
+        return y.float()
