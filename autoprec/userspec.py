@@ -1,0 +1,247 @@
+"""Loading the user's ``model.py``: the model, its batches and the optional metric.
+
+The contract (DESIGN.md, "model.py"): ``get_model()`` returns an ``nn.Module``, ``get_batches()``
+a list of inputs (a tensor, a tuple/list of tensors, or a dict), ``evaluate(model, batches)``
+optionally returns the metric, and ``HIGHER_IS_BETTER`` optionally says which way it points.
+Anything wrong inside the user's code becomes one :class:`UserCodeError` line naming the file,
+the function and the fix, never a traceback from deep inside autoprec.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import numbers
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+__all__ = ["UserCodeError", "UserSpec", "batch_args", "call_model", "load_model_py", "run_evaluate", "to_device"]
+
+_BATCH_FORMS = "a tensor (model(x)), a tuple/list of tensors (model(*x)) or a dict (model(**x))"
+
+
+class UserCodeError(Exception):
+    """A problem in the user's model.py, said in one line: the file, the function, the fix."""
+
+    def __init__(self, path: str | Path, function: str, problem: str, fix: str):
+        self.path, self.function, self.problem, self.fix = str(path), function, problem, fix
+        super().__init__(f"{self.path}: {function}: {problem}; fix: {fix}")
+
+    def __reduce__(self) -> tuple:  # picklable, e.g. across worker processes
+        return type(self), (self.path, self.function, self.problem, self.fix)
+
+
+@dataclass
+class UserSpec:
+    """What a model.py provides, with its batches split into a search part and a held-out part."""
+
+    path: Path
+    model: nn.Module
+    search_batches: list  # for profiling and search
+    holdout_batches: list  # for the final verification only
+    evaluate: Callable[[nn.Module, list], float] | None  # None: fidelity against the fp32 model
+    higher_is_better: bool = True
+
+    @property
+    def batches(self) -> list:
+        """Every batch, the search ones first, then the held-out ones."""
+        return [*self.search_batches, *self.holdout_batches]
+
+
+def batch_args(batch: Any) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` a batch is called with: tensor -> (x,), tuple/list -> args, dict -> kwargs."""
+    if isinstance(batch, torch.Tensor):
+        return (batch,), {}
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch), {}
+    if isinstance(batch, dict):
+        return (), dict(batch)
+    raise TypeError(f"a batch must be {_BATCH_FORMS}, got {type(batch).__name__}")
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """Run ``model`` on one batch as the model.py contract says it is called."""
+    args, kwargs = batch_args(batch)
+    return model(*args, **kwargs)
+
+
+def to_device(batch: Any, device: torch.device | str) -> Any:
+    """The batch with every tensor in it moved to ``device`` (containers keep their type)."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
+
+
+def _a(value: Any) -> str:
+    name = type(value).__name__
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
+
+
+def _one_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def _where(error: BaseException, path: Path) -> str:
+    """' (line N)' for the deepest frame of the traceback that is in the user's file."""
+    if isinstance(error, SyntaxError) and error.filename and Path(error.filename).resolve() == path:
+        return f" (line {error.lineno})"
+    lines = [f.lineno for f in traceback.extract_tb(error.__traceback__) if Path(f.filename).resolve() == path]
+    return f" (line {lines[-1]})" if lines else ""
+
+
+@contextlib.contextmanager
+def _folder_on_path(path: Path) -> Iterator[None]:
+    """The model.py's folder on sys.path, so that it can import its sibling files."""
+    folder = str(path.parent)
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        if added and folder in sys.path:
+            sys.path.remove(folder)
+
+
+def _call_user(path: Path, name: str, fn: Callable, *args: Any) -> Any:
+    with _folder_on_path(path):
+        try:
+            return fn(*args)
+        except Exception as error:
+            raise UserCodeError(
+                path, f"{name}()", f"raised {_one_line(error)}{_where(error, path)}",
+                f"make {name}() run without errors (try calling it in a Python shell)",
+            ) from error
+
+
+def _import(path: Path) -> Any:
+    if not path.is_file():
+        raise UserCodeError(path, "import", "no such file", "pass the path of an existing model.py")
+    if path.suffix != ".py":
+        raise UserCodeError(path, "import", f"not a Python file ({path.suffix or 'no suffix'})",
+                            "pass a .py file that defines get_model() and get_batches()")
+    name = f"autoprec_user_{path.stem}_{abs(hash(str(path)))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling inside the user's file look themselves up here
+    with _folder_on_path(path):
+        try:
+            spec.loader.exec_module(module)
+        except SyntaxError as error:
+            del sys.modules[name]
+            raise UserCodeError(path, "import", f"syntax error{_where(error, path)}: {error.msg}",
+                                "fix the syntax on that line") from error
+        except Exception as error:
+            del sys.modules[name]
+            raise UserCodeError(path, "import", f"raised {_one_line(error)}{_where(error, path)}",
+                                f"make the file import on its own (python {path.name})") from error
+    return module
+
+
+def _function(module: Any, path: Path, name: str, signature: str, required: bool) -> Callable | None:
+    fn = getattr(module, name, None)
+    if fn is None and not required:
+        return None
+    if fn is None:
+        raise UserCodeError(path, f"{name}()", "not defined", f"add `def {signature}` to the file")
+    if not callable(fn):
+        raise UserCodeError(path, f"{name}()", f"is {_a(fn)}, not a function",
+                            f"define it as `def {signature}`")
+    return fn
+
+
+def _check_batches(batches: Any, path: Path) -> list:
+    where = "get_batches()"
+    if not isinstance(batches, list):
+        raise UserCodeError(path, where, f"returned {_a(batches)}, not a list",
+                            "return a list of batches, e.g. `return [x[i:i + 8] for i in range(0, len(x), 8)]`")
+    if len(batches) < 2:
+        got = "an empty list" if not batches else "only 1 batch"
+        raise UserCodeError(path, where, f"returned {got}; autoprec needs at least 2 (one or more are held "
+                            "out for the final verification)", "return 2 or more batches")
+    for i, batch in enumerate(batches):
+        if isinstance(batch, torch.Tensor) or isinstance(batch, dict) and all(isinstance(k, str) for k in batch):
+            continue
+        if isinstance(batch, (tuple, list)) and batch and all(isinstance(t, torch.Tensor) for t in batch):
+            continue
+        raise UserCodeError(path, where, f"batch {i} is {_a(batch)} that autoprec cannot call "
+                            "the model with", f"make each batch {_BATCH_FORMS}")
+    return batches
+
+
+def _check_model_runs(model: nn.Module, batch: Any, path: Path) -> None:
+    training = {m: m.training for m in model.modules()}
+    model.eval()  # a check must not move BatchNorm statistics
+    try:
+        with torch.no_grad():
+            call_model(model, batch)
+    except Exception as error:
+        how = {torch.Tensor: "model(x)", dict: "model(**x)"}.get(type(batch), "model(*x)")
+        raise UserCodeError(
+            path, "get_batches()", f"batch 0 does not fit the model from get_model(): {_one_line(error)}",
+            f"return batches shaped as the model's forward expects (called as {how})",
+        ) from error
+    finally:
+        for module, mode in training.items():
+            module.training = mode
+
+
+def _as_metric(value: Any, path: Path) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise UserCodeError(path, "evaluate()", f"returned {_a(value)} ({value!r:.40}), not a number",
+                            "return the metric as a float, e.g. `return float(accuracy)`")
+    return float(value)
+
+
+def run_evaluate(spec: UserSpec, model: nn.Module, batches: list) -> float:
+    """The user's metric of ``model`` on ``batches``; NaN when the model's numbers broke down."""
+    if spec.evaluate is None:
+        raise ValueError(f"{spec.path} has no evaluate(); measure output fidelity instead")
+    value = _call_user(spec.path, "evaluate", spec.evaluate, model, batches)
+    return _as_metric(value, spec.path)  # non-finite is a finding about the precision, not a user error
+
+
+def load_model_py(path: str | Path, holdout_fraction: float = 0.25, check: bool = True) -> UserSpec:
+    """Import ``path`` and check what it provides; ``check`` also runs the model and evaluate() once.
+
+    The last ``ceil(n * holdout_fraction)`` batches (at least one) are held out for verification.
+    """
+    if not 0.0 < holdout_fraction < 1.0:
+        raise ValueError(f"holdout_fraction must be between 0 and 1, got {holdout_fraction}")
+    path = Path(path).resolve()
+    module = _import(path)
+
+    get_model = _function(module, path, "get_model", "get_model() -> torch.nn.Module", required=True)
+    get_batches = _function(module, path, "get_batches", "get_batches() -> list", required=True)
+    evaluate = _function(module, path, "evaluate", "evaluate(model, batches) -> float", required=False)
+    higher_is_better = getattr(module, "HIGHER_IS_BETTER", True)
+    if not isinstance(higher_is_better, bool):
+        raise UserCodeError(path, "HIGHER_IS_BETTER", f"is {higher_is_better!r}, not a bool",
+                            "set `HIGHER_IS_BETTER = False` (lower is better) or leave it out (higher is better)")
+
+    model = _call_user(path, "get_model", get_model)
+    if not isinstance(model, nn.Module):
+        raise UserCodeError(path, "get_model()", f"returned {_a(model)}, not a torch.nn.Module",
+                            "return the model itself, e.g. `return Net()`")
+    batches = _check_batches(_call_user(path, "get_batches", get_batches), path)
+
+    n_holdout = min(len(batches) - 1, max(1, math.ceil(len(batches) * holdout_fraction)))
+    spec = UserSpec(path, model, batches[:-n_holdout], batches[-n_holdout:], evaluate, higher_is_better)
+    if check:
+        _check_model_runs(model, batches[0], path)
+        if evaluate is not None:
+            metric = run_evaluate(spec, model, batches[:1])
+            if not math.isfinite(metric):
+                raise UserCodeError(path, "evaluate()", f"returned {metric} for the unchanged fp32 model",
+                                    "return a finite metric for the model as get_model() builds it")
+    return spec

@@ -1,0 +1,240 @@
+"""Loading model.py: a good file works; every bad one gives one line naming the file, the
+function and the fix."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from autoprec.userspec import UserCodeError, UserSpec, call_model, load_model_py, run_evaluate, to_device
+
+BAD = Path(__file__).parent / "bad_model_py"
+
+# file in tests/bad_model_py -> (the function the message names, words the message must contain)
+BAD_FILES = {
+    "missing_get_model.py": ("get_model()", "not defined"),
+    "missing_get_batches.py": ("get_batches()", "not defined"),
+    "get_model_returns_dict.py": ("get_model()", "returned an OrderedDict, not a torch.nn.Module"),
+    "get_model_raises.py": ("get_model()", "raised FileNotFoundError"),
+    "get_batches_returns_tensor.py": ("get_batches()", "returned a Tensor, not a list"),
+    "get_batches_raises.py": ("get_batches()", "raised KeyError: 'validation' (line 12)"),
+    "get_batches_empty.py": ("get_batches()", "returned an empty list"),
+    "batch_is_not_a_tensor.py": ("get_batches()", "batch 0 is a list"),
+    "one_batch.py": ("get_batches()", "held out"),
+    "batches_dont_fit.py": ("get_batches()", "mat1 and mat2 shapes cannot be multiplied (2x5 and 4x2)"),
+    "syntax_error.py": ("import", "syntax error (line 7)"),
+    "raises_at_import.py": ("import", "No module named 'helpers_that_do_not_exist' (line 3)"),
+    "evaluate_returns_string.py": ("evaluate()", "returned a str"),
+    "evaluate_raises.py": ("evaluate()", "raised ValueError: too many values to unpack"),
+    "evaluate_not_callable.py": ("evaluate()", "not a function"),
+    "higher_is_better_yes.py": ("HIGHER_IS_BETTER", "is 'yes', not a bool"),
+}
+
+GOOD = '''
+import torch
+from torch import nn
+
+from helpers import make_batches  # a sibling module
+
+HIGHER_IS_BETTER = False
+
+
+def get_model():
+    torch.manual_seed(0)
+    return nn.Linear(4, 2)
+
+
+def get_batches():
+    return make_batches()
+
+
+def evaluate(model, batches):
+    return sum(model(x).pow(2).mean().item() for x in batches) / len(batches)
+'''
+
+HELPERS = '''
+import torch
+
+
+def make_batches():
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(3, 4, generator=generator) for _ in range(6)]
+'''
+
+
+def write(folder: Path, name: str, text: str) -> Path:
+    path = folder / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.fixture
+def good(tmp_path: Path) -> Path:
+    write(tmp_path, "helpers.py", HELPERS)
+    return write(tmp_path, "model.py", GOOD)
+
+
+def test_enough_bad_files() -> None:
+    assert sorted(p.name for p in BAD.glob("*.py")) == sorted(BAD_FILES)
+
+
+@pytest.mark.parametrize("name", BAD_FILES)
+def test_bad_model_py(name: str) -> None:
+    function, words = BAD_FILES[name]
+    with pytest.raises(UserCodeError) as info:
+        load_model_py(BAD / name)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(str(BAD / name) + f": {function}: ")
+    assert words in message
+    assert "; fix: " in message
+    assert info.value.function == function
+
+
+def test_user_code_error_pickles() -> None:
+    error = UserCodeError("model.py", "get_model()", "not defined", "add it")
+    again = pickle.loads(pickle.dumps(error))
+    assert str(again) == str(error) == "model.py: get_model(): not defined; fix: add it"
+    assert again.function == "get_model()"
+
+
+def test_good_model_py(good: Path) -> None:
+    spec = load_model_py(good)
+    assert isinstance(spec, UserSpec) and isinstance(spec.model, nn.Linear)
+    assert spec.path == good.resolve()
+    assert len(spec.search_batches) == 4 and len(spec.holdout_batches) == 2  # ceil(6 * 0.25) = 2
+    assert spec.batches == spec.search_batches + spec.holdout_batches
+    assert spec.higher_is_better is False
+    metric = run_evaluate(spec, spec.model, spec.holdout_batches)
+    assert isinstance(metric, float) and math.isfinite(metric)
+    assert str(good.parent) not in sys.path  # the folder is on sys.path only while user code runs
+
+
+@pytest.mark.parametrize(("n", "fraction", "holdout"), [(2, 0.25, 1), (4, 0.25, 1), (5, 0.25, 2), (10, 0.5, 5),
+                                                       (3, 0.9, 2), (8, 0.01, 1)])
+def test_holdout_split(tmp_path: Path, n: int, fraction: float, holdout: int) -> None:
+    path = write(tmp_path, "model.py", f"""
+        import torch
+        from torch import nn
+
+        def get_model():
+            return nn.Linear(4, 2)
+
+        def get_batches():
+            return [torch.full((1, 4), float(i)) for i in range({n})]
+    """)
+    spec = load_model_py(path, holdout_fraction=fraction)
+    assert len(spec.holdout_batches) == holdout
+    assert [int(b[0, 0]) for b in spec.batches] == list(range(n))  # the last ones are held out
+    assert spec.evaluate is None and spec.higher_is_better is True
+
+
+def test_bad_holdout_fraction(good: Path) -> None:
+    with pytest.raises(ValueError, match="holdout_fraction"):
+        load_model_py(good, holdout_fraction=1.0)
+
+
+def test_missing_and_non_python_files(tmp_path: Path) -> None:
+    with pytest.raises(UserCodeError, match="no such file"):
+        load_model_py(tmp_path / "nope.py")
+    with pytest.raises(UserCodeError, match=r"not a Python file \(.txt\)"):
+        load_model_py(write(tmp_path, "model.txt", "x = 1\n"))
+
+
+def test_check_false_skips_running_the_model() -> None:
+    spec = load_model_py(BAD / "batches_dont_fit.py", check=False)
+    assert len(spec.batches) == 4
+
+
+def test_check_leaves_model_mode(tmp_path: Path) -> None:
+    path = write(tmp_path, "model.py", """
+        import torch
+        from torch import nn
+
+        def get_model():
+            return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).train()
+
+        def get_batches():
+            return [torch.randn(3, 4) for _ in range(3)]
+    """)
+    spec = load_model_py(path)
+    assert spec.model.training
+    assert int(spec.model[1].num_batches_tracked) == 0  # the check ran in eval mode
+
+
+def _spec_with(evaluate) -> UserSpec:
+    return UserSpec(Path("model.py").resolve(), nn.Linear(4, 2), [torch.randn(2, 4)], [torch.randn(2, 4)], evaluate)
+
+
+@pytest.mark.parametrize("value", [1, 0.5, torch.tensor(0.25), torch.tensor([2.0])])
+def test_run_evaluate_accepts_numbers(value) -> None:
+    assert run_evaluate(_spec_with(lambda model, batches: value), nn.Linear(4, 2), []) == float(value)
+
+
+def test_run_evaluate_nan_is_a_result_not_an_error() -> None:
+    assert math.isnan(run_evaluate(_spec_with(lambda model, batches: float("nan")), nn.Linear(4, 2), []))
+    assert run_evaluate(_spec_with(lambda model, batches: float("inf")), nn.Linear(4, 2), []) == math.inf
+
+
+@pytest.mark.parametrize(("value", "words"), [("0.5", "returned a str"), (None, "returned a NoneType"),
+                                              (True, "returned a bool"), (torch.ones(3), "returned a Tensor")])
+def test_run_evaluate_rejects_non_numbers(value, words: str) -> None:
+    with pytest.raises(UserCodeError, match=words):
+        run_evaluate(_spec_with(lambda model, batches: value), nn.Linear(4, 2), [])
+
+
+def test_run_evaluate_wraps_exceptions() -> None:
+    def evaluate(model, batches):
+        raise ZeroDivisionError("division by zero")
+
+    with pytest.raises(UserCodeError, match=r"evaluate\(\): raised ZeroDivisionError: division by zero") as info:
+        run_evaluate(_spec_with(evaluate), nn.Linear(4, 2), [])
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+def test_fp32_nan_metric_is_a_user_error(tmp_path: Path) -> None:
+    path = write(tmp_path, "model.py", """
+        import torch
+        from torch import nn
+
+        def get_model():
+            return nn.Linear(4, 2)
+
+        def get_batches():
+            return [torch.randn(2, 4) for _ in range(2)]
+
+        def evaluate(model, batches):
+            return float("nan")
+    """)
+    with pytest.raises(UserCodeError, match="returned nan for the unchanged fp32 model"):
+        load_model_py(path)
+
+
+class TwoInputs(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return (x + y) * scale
+
+
+def test_call_model_conventions() -> None:
+    x, y = torch.ones(2), torch.full((2,), 2.0)
+    assert torch.equal(call_model(nn.Identity(), x), x)
+    assert torch.equal(call_model(TwoInputs(), (x, y)), x + y)
+    assert torch.equal(call_model(TwoInputs(), [x, y]), x + y)
+    assert torch.equal(call_model(TwoInputs(), {"x": x, "y": y, "scale": 2.0}), 2 * (x + y))
+    with pytest.raises(TypeError, match="a batch must be"):
+        call_model(TwoInputs(), "x")
+
+
+def test_to_device_keeps_structure() -> None:
+    batch = {"x": torch.ones(2), "pair": (torch.zeros(1), torch.ones(1)), "scale": 2.0}
+    moved = to_device(batch, "cpu")
+    assert moved.keys() == batch.keys() and isinstance(moved["pair"], tuple) and moved["scale"] == 2.0
+    assert torch.equal(moved["x"], batch["x"])
+    assert isinstance(to_device([torch.ones(1)], torch.device("cpu")), list)
