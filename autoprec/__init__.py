@@ -16,6 +16,9 @@ from .formats import Capability, FP8Linear, FP8Recipe, Precision, device_capabil
 from .policy import Policy, PolicyError
 from .apply import apply_policy, remove_policy
 
+# Tuning (imports optuna lazily, when called)
+from .tune import TuneResult, tune
+
 __all__ = [
     "__version__",
     # precisions and FP8
@@ -29,4 +32,7 @@ __all__ = [
     "PolicyError",
     "apply_policy",
     "remove_policy",
+    # tuning
+    "tune",
+    "TuneResult",
 ]

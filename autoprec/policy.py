@@ -16,15 +16,16 @@ from __future__ import annotations
 import json
 import re
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from .formats import FP8Recipe, Precision
 
-__all__ = ["Policy", "PolicyError", "SCHEMA", "VERSION"]
+__all__ = ["SCHEMA", "VERSION", "Policy", "PolicyError"]
 
 SCHEMA = "autoprec.policy"
 VERSION = 1
@@ -73,6 +74,31 @@ class Policy:
         self._patterns = patterns
         if isinstance(self.fp8, Mapping):
             self.fp8 = _fp8_from_dict(self.fp8)
+        elif not isinstance(self.fp8, FP8Recipe):
+            raise PolicyError(f"policy 'fp8' must be an FP8Recipe or a mapping, got {type(self.fp8).__name__}")
+
+    @classmethod
+    def from_assignment(cls, assignment: Mapping[str, str | Precision], default: str | Precision = Precision.FP32,
+                        **fields: Any) -> Policy:
+        """The policy that runs each named module in its assigned precision and all else in ``default``.
+
+        Rules are written only where a module's precision differs from what it would inherit
+        from its nearest assigned ancestor (or the default), so nested layers stay exact.
+        """
+        default = Precision.parse(default)
+        wanted = {name: Precision.parse(p) for name, p in assignment.items()}
+        layers: dict[str, Precision] = {}
+        for name, precision in wanted.items():
+            inherited = default
+            parts = name.split(".")
+            for i in range(len(parts) - 1, 0, -1):
+                ancestor = ".".join(parts[:i])
+                if ancestor in wanted:
+                    inherited = wanted[ancestor]
+                    break
+            if precision is not inherited:
+                layers[name] = precision
+        return cls(layers=layers, default=default, **fields)
 
     # ---- rules -------------------------------------------------------------------------------
     @property
@@ -133,6 +159,8 @@ class Policy:
         version = data.get("version")
         if not isinstance(version, int) or isinstance(version, bool):
             raise PolicyError(f"{source}: 'version' must be a whole number, got {version!r}")
+        if version < 1:
+            raise PolicyError(f"{source}: 'version' must be 1 or more, got {version}")
         if version > VERSION:
             raise PolicyError(f"{source}: policy version {version} is newer than this autoprec reads "
                               f"(version {VERSION}); upgrade autoprec")
@@ -160,9 +188,12 @@ class Policy:
         except OSError as e:
             raise PolicyError(f"cannot read policy file {str(path)!r}: {e.strerror}") from None
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
         except json.JSONDecodeError as e:
             raise PolicyError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+        except _DuplicateKey as e:
+            # JSON would silently keep the last one; in 'layers' the order and the rule both matter.
+            raise PolicyError(f"{path}: key {e.args[0]!r} appears twice in one object; keep one") from None
         return cls.from_dict(data, source=str(path))
 
     def save(self, path: str | Path) -> Path:
@@ -186,6 +217,19 @@ class Policy:
         if self.needs_grad_scaler:
             lines.append("training: fp16 layers present, use a GradScaler (policy.grad_scaler())")
         return "\n".join(lines)
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 def _fp8_from_dict(fp8: Mapping[str, Any]) -> FP8Recipe:

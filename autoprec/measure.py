@@ -1,0 +1,175 @@
+"""Measuring a model under a policy: its metric, its fidelity to fp32, and its latency.
+
+Shared by the profile, search and verify stages, so that all three measure the same way:
+latency is the median of timed repeats after warm-up (CUDA synchronised around each
+repeat); fidelity is the SQNR of every output tensor against the fp32 reference, worst
+case over batches; the metric is the user's ``evaluate`` or, without one, that fidelity.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from .apply import apply_policy, remove_policy
+from .formats import sqnr_db
+from .policy import Policy
+
+__all__ = ["Evaluator", "Measurement", "call_model", "output_tensors", "time_ms", "median_ms", "to_device"]
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """Call ``model`` on one batch as the model.py contract says: x, *x or **x."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def to_device(batch: Any, device: str | torch.device) -> Any:
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
+
+
+def output_tensors(output: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of a model's output, in a stable order."""
+    return [t.detach() for t in pytree.tree_leaves(output)
+            if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], Any], device: str | torch.device = "cpu", warmup: int = 1, repeats: int = 5) -> list[float]:
+    """Wall-clock milliseconds of ``repeats`` calls of ``fn`` after ``warmup`` calls."""
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def median_ms(fn: Callable[[], Any], device: str | torch.device = "cpu", warmup: int = 1, repeats: int = 5) -> float:
+    return statistics.median(time_ms(fn, device, warmup, repeats))
+
+
+@dataclass
+class Measurement:
+    """One model run under one policy on a list of batches."""
+
+    metric: float  # the user's metric, or the fidelity SQNR (dB) without one
+    sqnr_db: float  # worst output-tensor SQNR against fp32 over the batches
+    nonfinite: bool  # any inf/NaN in the outputs or in a watched layer's output
+    seconds: float
+    error: str | None = None  # an exception raised while running, as one line
+    nonfinite_layers: list[str] = field(default_factory=list)
+
+
+class Evaluator:
+    """Measures a model under candidate policies against its own fp32 run on fixed batches."""
+
+    def __init__(self, model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module, list], float] | None = None,
+                 higher_is_better: bool = True, device: str | torch.device = "cpu") -> None:
+        self.model = model
+        self.device = torch.device(device)
+        self.batches = [to_device(b, self.device) for b in batches]
+        self.evaluate = evaluate
+        self.higher_is_better = higher_is_better if evaluate is not None else True
+        self.evaluations = 0
+        self.reference: list[list[torch.Tensor]] = []
+        fp32 = self._run(None, ())
+        if fp32.error:
+            raise RuntimeError(f"the fp32 model failed on its own batches: {fp32.error}")
+        self.metric_fp32 = fp32.metric
+
+    @property
+    def uses_fidelity(self) -> bool:
+        return self.evaluate is None
+
+    def drop(self, metric: float) -> float:
+        """How much worse ``metric`` is than fp32's (positive = worse; inf for NaN)."""
+        if math.isnan(metric):
+            return math.inf
+        return self.metric_fp32 - metric if self.higher_is_better else metric - self.metric_fp32
+
+    def measure(self, policy: Policy | None, watch: Sequence[str] = ()) -> Measurement:
+        """Run every batch with ``policy`` applied (then removed) and compare to fp32."""
+        self.evaluations += 1
+        return self._run(policy, watch)
+
+    def _run(self, policy: Policy | None, watch: Sequence[str]) -> Measurement:
+        start = time.perf_counter()
+        outputs: list[Any] = []
+        bad_layers: list[str] = []
+        model = self.model
+        hooks = [model.register_forward_hook(lambda _m, _i, out: outputs.append(output_tensors(out)))]
+        modules = dict(model.named_modules())
+        applied = False
+        try:
+            if policy is not None:
+                apply_policy(model, policy)
+                applied = True
+                modules = dict(model.named_modules())
+            for name in watch:
+                hooks.append(modules[name].register_forward_hook(_nonfinite_hook(name, bad_layers)))
+            with torch.no_grad():
+                metric = self._metric(outputs)
+                if len(outputs) != len(self.batches):
+                    # evaluate() called the model other than once a batch: compare plain forwards
+                    outputs[:] = [output_tensors(call_model(model, batch)) for batch in self.batches]
+                if not self.reference:  # this is the fp32 run
+                    self.reference = outputs
+                sqnr = self._sqnr(outputs)
+        except Exception as e:  # a trial that crashes is infeasible, not fatal
+            return Measurement(math.nan, -math.inf, True, time.perf_counter() - start,
+                               error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        finally:
+            for h in hooks:
+                h.remove()
+            if applied:
+                remove_policy(model)
+        nonfinite = bool(bad_layers) or any(not torch.isfinite(t).all() for out in outputs for t in out)
+        if self.evaluate is None:
+            metric = sqnr
+        return Measurement(float(metric), sqnr, nonfinite, time.perf_counter() - start,
+                           nonfinite_layers=sorted(set(bad_layers)))
+
+    def _metric(self, outputs: list) -> float:
+        if self.evaluate is None:
+            for batch in self.batches:
+                call_model(self.model, batch)
+            return math.nan  # replaced by the SQNR once outputs are compared
+        value = self.evaluate(self.model, self.batches)
+        if not isinstance(value, (int, float)) and not (isinstance(value, torch.Tensor) and value.numel() == 1):
+            raise TypeError(f"evaluate() returned {type(value).__name__}, expected a number")
+        return float(value)
+
+    def _sqnr(self, outputs: list[list[torch.Tensor]]) -> float:
+        worst = math.inf
+        for ref_out, out in zip(self.reference, outputs):
+            for ref, actual in zip(ref_out, out):
+                worst = min(worst, sqnr_db(ref, actual.to(ref.dtype)))
+        return worst
+
+
+def _nonfinite_hook(name: str, bad_layers: list[str]) -> Callable:
+    def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
+        if any(not torch.isfinite(t).all() for t in output_tensors(output)):
+            bad_layers.append(name)
+
+    return hook

@@ -1,0 +1,87 @@
+"""Profile stage: each tunable layer's sensitivity and measured latency in each precision.
+
+Public: :func:`profile_model` and the :class:`Profile` it returns (saved as profile.json).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+from tqdm.auto import tqdm
+
+from .. import __version__
+from ..apply import takes_precision
+from ..capture import LayerTable
+from ..formats import Precision, device_capabilities
+from ..measure import Evaluator, to_device
+from .latency import measure_latency, predict_ms
+from .result import LayerProfile, Profile, ProfileError, Sensitivity, device_name, fingerprint
+from .sensitivity import measure_sensitivity
+
+__all__ = ["Profile", "LayerProfile", "Sensitivity", "ProfileError", "profile_model", "fingerprint", "predict_ms",
+           "device_name"]
+
+DEFAULT_PRECISIONS = (Precision.BF16, Precision.FP16, Precision.FP8)
+
+
+def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
+                  evaluate: Callable[[nn.Module, list], float] | None = None, higher_is_better: bool = True,
+                  device: str | torch.device = "cpu", precisions: Sequence[str | Precision] = DEFAULT_PRECISIONS,
+                  sensitivity_batches: int | None = 1, repeats: int = 5, progress: bool = True,
+                  capture_seconds: float = 0.0) -> Profile:
+    """Profile every layer of ``table`` in each of ``precisions`` on ``device``.
+
+    ``batches`` are the search batches: sensitivity uses the first ``sensitivity_batches``
+    of them (all when None), latency the first one.
+    """
+    device = torch.device(device)
+    low = [Precision.parse(p) for p in precisions if Precision.parse(p).is_low]
+    if not low:
+        raise ValueError("profile needs at least one low precision (bf16, fp16 or fp8)")
+    if not batches:
+        raise ValueError("profile needs at least one batch")
+    model = model.to(device).eval()
+    modules = dict(model.named_modules())
+    names = [layer.name for layer in table]
+    candidates = {n: [p.value for p in low if takes_precision(modules[n], p)] for n in names}
+    fp8_layers = [n for n in names if "fp8" in candidates[n]]
+    seconds: dict[str, float] = {"capture": capture_seconds}
+
+    start = time.perf_counter()
+    sens_batches = list(batches) if sensitivity_batches is None else list(batches)[:sensitivity_batches]
+    evaluator = Evaluator(model, sens_batches, evaluate, higher_is_better, device)
+    total = sum(len(c) for c in candidates.values())
+    with tqdm(total=total, desc="sensitivity", unit="eval", disable=not progress, leave=False) as bar:
+        sensitivity = measure_sensitivity(evaluator, candidates, progress=lambda _n: bar.update())
+    seconds["sensitivity"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    with tqdm(total=len(low) + 2, desc="latency", unit="run", disable=not progress, leave=False) as bar:
+        latency = measure_latency(model, to_device(batches[0], device), names, fp8_layers, low, device,
+                                  repeats=repeats, progress=lambda _p: bar.update())
+        bar.update()
+    seconds["latency"] = time.perf_counter() - start
+
+    layers = [LayerProfile(name=layer.name, kind=layer.kind, type=layer.type, flops=int(layer.flops),
+                           latency_ms=latency.latency_ms[layer.name], cast_ms=latency.cast_ms[layer.name],
+                           sensitivity=sensitivity[layer.name]) for layer in table]
+    caps = device_capabilities(device)
+    return Profile(
+        fingerprint=fingerprint(model, batches),
+        device=device_name(device),
+        torch=torch.__version__,
+        precisions=[p.value for p in low],
+        capabilities={p.value: caps[p].value for p in Precision},
+        capture_method=table.method,
+        layers=layers,
+        end_to_end_ms=latency.end_to_end_ms,
+        remainder_ms=latency.remainder_ms,
+        prediction_error_pct=latency.prediction_error_pct,
+        metric={"kind": "fidelity" if evaluator.uses_fidelity else "user", "fp32": evaluator.metric_fp32,
+                "higher_is_better": evaluator.higher_is_better, "batches": len(sens_batches)},
+        cost={"evaluations": evaluator.evaluations, "seconds": seconds, "autoprec": __version__},
+    )
+

@@ -1,0 +1,150 @@
+"""The profile: per layer and precision, how sensitive and how fast; saved as profile.json."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+__all__ = ["Sensitivity", "LayerProfile", "Profile", "ProfileError", "fingerprint", "device_name",
+           "PROFILE_SCHEMA", "PROFILE_VERSION"]
+
+PROFILE_SCHEMA = "autoprec.profile"
+PROFILE_VERSION = 1
+
+
+class ProfileError(ValueError):
+    pass
+
+
+@dataclass
+class Sensitivity:
+    sqnr_db: float  # output SQNR against fp32 with only this layer lowered (worst over batches)
+    metric_drop: float | None  # drop of the user's metric; None in fidelity mode
+    nonfinite: bool  # inf/NaN in this layer's output or the model's (e.g. fp16 overflow)
+
+    @property
+    def noise(self) -> float:
+        """Relative noise power the layer adds (10^(-SQNR/10)); inf when it overflows."""
+        if self.nonfinite or math.isnan(self.sqnr_db):
+            return math.inf
+        return 10 ** (-self.sqnr_db / 10)
+
+
+@dataclass
+class LayerProfile:
+    name: str
+    kind: str
+    type: str
+    flops: int
+    latency_ms: dict[str, float]  # precision -> ms, measured in context on the device
+    cast_ms: dict[str, float] = field(default_factory=dict)  # precision -> ms to cast its output to fp32
+    sensitivity: dict[str, Sensitivity] = field(default_factory=dict)  # precision -> sensitivity
+
+    @property
+    def precisions(self) -> list[str]:
+        """Precisions this layer was profiled in, fp32 included."""
+        return list(self.latency_ms)
+
+
+@dataclass
+class Profile:
+    fingerprint: str
+    device: str
+    torch: str
+    precisions: list[str]  # the candidate low precisions profiled
+    capabilities: dict[str, str]  # precision -> native | emulated on this device
+    capture_method: str
+    layers: list[LayerProfile]
+    end_to_end_ms: dict[str, float]  # whole model, measured without hooks: fp32, blanket <p>, mixed check
+    remainder_ms: dict[str, float]  # region default precision -> time outside the tunable layers
+    prediction_error_pct: dict[str, float]  # additive model vs end_to_end_ms, in %
+    metric: dict[str, Any]  # {"kind": "user"|"fidelity", "fp32": float, "higher_is_better": bool}
+    cost: dict[str, Any]  # {"evaluations": n, "seconds": {phase: s}}
+    version: int = PROFILE_VERSION
+
+    def layer(self, name: str) -> LayerProfile:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(f"layer {name!r} is not in the profile")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": PROFILE_SCHEMA, **_json_safe(asdict(self))}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        if data.get("schema") != PROFILE_SCHEMA or data.get("version") != PROFILE_VERSION:
+            raise ProfileError(f"not an autoprec profile of version {PROFILE_VERSION}")
+        data = {k: v for k, v in data.items() if k != "schema"}
+        layers = []
+        for layer in data.pop("layers"):
+            sens = {p: Sensitivity(**_from_json(s)) for p, s in layer.pop("sensitivity").items()}
+            layers.append(LayerProfile(**layer, sensitivity=sens))
+        return cls(layers=layers, **data)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError, TypeError, KeyError) as e:
+            raise ProfileError(f"cannot read profile {str(path)!r}: {e}") from None
+
+    def matches(self, fingerprint: str, device: str, precisions: Sequence[str]) -> bool:
+        """Whether this profile can stand in for profiling again."""
+        return (self.fingerprint == fingerprint and self.device == device and self.torch == torch.__version__
+                and set(precisions) <= set(self.precisions))
+
+
+def _json_safe(obj: Any) -> Any:
+    """JSON has no inf/NaN: write them as strings that read back."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def _from_json(obj: dict[str, Any]) -> dict[str, Any]:
+    return {k: float(v) if v in ("inf", "-inf", "nan") else v for k, v in obj.items()}
+
+
+def fingerprint(model: nn.Module, batches: Sequence[Any]) -> str:
+    """A hash of the model's structure and weights and of the profiling batches."""
+    h = hashlib.sha256()
+    for name, module in model.named_modules():
+        h.update(f"{name}:{type(module).__qualname__};".encode())
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+            if t.is_floating_point() and t.numel():
+                h.update(f"{float(t.double().sum()):.9e},{float(t.double().abs().sum()):.9e}".encode())
+        for t in pytree.tree_leaves(list(batches)):
+            if isinstance(t, torch.Tensor):
+                h.update(f"{tuple(t.shape)}{t.dtype}{float(t.double().sum()):.9e}".encode())
+    return h.hexdigest()[:16]
+
+
+def device_name(device: str | torch.device) -> str:
+    """The device a profile's latencies hold for: its kind, and the CPU's ISA and threads."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"cpu:{torch.backends.cpu.get_cpu_capability()}:{torch.get_num_threads()}threads"

@@ -1,0 +1,34 @@
+"""Per-layer sensitivity: each layer alone lowered to each precision, the rest in fp32."""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+from ..measure import Evaluator
+from ..policy import Policy
+from .result import Sensitivity
+
+__all__ = ["measure_sensitivity"]
+
+
+def measure_sensitivity(evaluator: Evaluator, candidates: Mapping[str, Sequence[str]],
+                        progress: Callable[[str], None] | None = None) -> dict[str, dict[str, Sensitivity]]:
+    """``candidates``: layer -> precisions to try. One evaluation on the evaluator's batches each.
+
+    The metric drop is the user's metric against fp32 (None in fidelity mode, where the SQNR
+    is the metric); ``nonfinite`` is set when the layer's own output or the model's output
+    holds an inf or NaN, as fp16 gives where activations pass its range.
+    """
+    result: dict[str, dict[str, Sensitivity]] = {}
+    for name, precisions in candidates.items():
+        result[name] = {}
+        for precision in precisions:
+            # Nested layers keep fp32: only this layer's own compute is lowered.
+            nested = {other: "fp32" for other in candidates if other.startswith(name + ".")}
+            policy = Policy.from_assignment({name: precision, **nested})
+            m = evaluator.measure(policy, watch=[name])
+            drop = None if evaluator.uses_fidelity else evaluator.drop(m.metric)
+            result[name][precision] = Sensitivity(sqnr_db=m.sqnr_db, metric_drop=drop, nonfinite=m.nonfinite)
+            if progress:
+                progress(name)
+    return result

@@ -1,0 +1,424 @@
+"""Search stage: the fastest per-layer assignment whose metric stays within the budget.
+
+An Optuna study with one categorical parameter per search unit (a layer or a group). The
+objective is the latency the profile predicts for the assignment (per-layer times, casts at
+boundaries, the remainder of the region default); the constraint is the metric measured
+with the assignment's policy on the search batches. Candidates the profile shows to be
+slower than fp32 on this device, or to overflow, are dropped before searching, so a precision
+without a fast kernel here is never picked for speed.
+
+Seed trials come first: all-fp32, all-fastest, and a greedy assignment that lowers units in
+order of sensitivity per millisecond saved while the budget holds. The study lives in an
+Optuna storage (an SQLite file by default), so an interrupted search resumes and several
+workers can share one study.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from .formats import Precision
+from .measure import Evaluator, Measurement
+from .policy import Policy
+from .profile import Profile, predict_ms
+from .searchspace import SearchSpace, Unit
+
+__all__ = ["Budget", "Candidate", "SearchResult", "search", "plan_units", "choose_default", "pareto_front"]
+
+_REGION_DEFAULTS = ("fp32", "bf16", "fp16")
+# A candidate must be measured at least this much faster than fp32 to be worth a boundary:
+# smaller gains are within the noise of a shared machine.
+SPEED_MARGIN = 0.03
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much worse than fp32 the tuned model may be.
+
+    ``drop``: largest allowed drop of the user's metric (absolute, or a fraction of
+    |fp32 metric| when ``relative``). ``min_sqnr``: floor on the output SQNR in dB (the
+    metric in fidelity mode). A non-finite output is never within budget.
+    """
+
+    drop: float | None = None
+    relative: bool = False
+    min_sqnr: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.drop is None and self.min_sqnr is None:
+            raise ValueError("a budget needs a metric drop (--budget) or an SQNR floor (--min-sqnr)")
+        if self.drop is not None and (not math.isfinite(self.drop) or self.drop < 0):
+            raise ValueError(f"the budget must be a finite number >= 0, got {self.drop}")
+
+    @classmethod
+    def parse(cls, budget: str | float | None = None, min_sqnr: float | None = None) -> Budget:
+        """``--budget 0.5`` (absolute) or ``--budget 1%`` (relative to the fp32 metric)."""
+        if budget is None:
+            return cls(min_sqnr=min_sqnr)
+        text = str(budget).strip()
+        relative = text.endswith("%")
+        try:
+            value = float(text.rstrip("%"))
+        except ValueError:
+            raise ValueError(f"cannot read budget {budget!r}: give a number (0.5) or a percentage (1%)") from None
+        return cls(drop=value / 100 if relative else value, relative=relative, min_sqnr=min_sqnr)
+
+    def allowed_drop(self, metric_fp32: float) -> float | None:
+        if self.drop is None:
+            return None
+        return self.drop * abs(metric_fp32) if self.relative else self.drop
+
+    def violation(self, m: Measurement, evaluator: Evaluator) -> float:
+        """How far ``m`` is outside the budget: <= 0 within it, inf for a broken run."""
+        if m.error or m.nonfinite or math.isnan(m.metric):
+            return math.inf
+        worst = -math.inf
+        if self.min_sqnr is not None:
+            worst = max(worst, self.min_sqnr - m.sqnr_db)
+        allowed = self.allowed_drop(evaluator.metric_fp32)
+        if allowed is not None and not evaluator.uses_fidelity:
+            worst = max(worst, evaluator.drop(m.metric) - allowed)
+        return worst
+
+    def __str__(self) -> str:
+        parts = []
+        if self.drop is not None:
+            parts.append(f"metric drop <= {self.drop * 100:g}%" if self.relative else f"metric drop <= {self.drop:g}")
+        if self.min_sqnr is not None:
+            parts.append(f"SQNR >= {self.min_sqnr:g} dB")
+        return " and ".join(parts)
+
+    def tag(self) -> str:
+        return re.sub(r"[^A-Za-z0-9.=]+", "_", str(self))
+
+
+@dataclass
+class Candidate:
+    """One evaluated assignment (an Optuna trial)."""
+
+    number: int
+    assignment: dict[str, str]  # every profiled layer -> precision
+    default: str
+    predicted_ms: float
+    metric: float
+    sqnr_db: float
+    violation: float
+    error: str | None = None
+    seed: str | None = None  # "fp32", "fastest", "greedy" for seed trials
+
+    @property
+    def feasible(self) -> bool:
+        return self.violation <= 0
+
+    def policy(self, **fields: Any) -> Policy:
+        return Policy.from_assignment(self.assignment, self.default, **fields)
+
+    def lowered(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for p in self.assignment.values():
+            counts[p] = counts.get(p, 0) + 1
+        return counts
+
+
+@dataclass
+class SearchResult:
+    units: list[Unit]
+    pinned: list[str]
+    dropped: dict[str, list[str]]  # unit -> precisions dropped before searching, with the reason
+    trials: list[Candidate]
+    front: list[Candidate]
+    best: Candidate | None
+    study_name: str
+    storage: str
+    seconds: float
+    evaluations: int
+    stopped_because: str
+    notes: list[str] = field(default_factory=list)
+
+
+def plan_units(profile: Profile, space: SearchSpace, precisions: Sequence[str]) -> tuple[list[Unit], list[str], dict]:
+    """Search units with the candidates worth trying on this device.
+
+    A candidate is dropped when it overflowed (inf/NaN) in any of the unit's layers, when the
+    device only emulates it (never a speed-up, whatever a noisy timing says), or when the profile
+    does not show it measurably faster than fp32 for the unit on this device.
+    """
+    units, pinned = space.units([(layer.name, layer.kind) for layer in profile.layers], precisions)
+    layers = {layer.name: layer for layer in profile.layers}
+    kept_units, dropped = [], {}
+    for unit in units:
+        keep = ["fp32"]
+        fp32_ms = sum(layers[n].latency_ms["fp32"] for n in unit.layers)
+        for p in unit.candidates[1:]:
+            if any(p not in layers[n].latency_ms for n in unit.layers):
+                continue
+            # Casts are left out here: inside a region of its own precision a layer pays none.
+            ms = sum(layers[n].latency_ms[p] for n in unit.layers)
+            why = None
+            if any(layers[n].sensitivity.get(p) is not None and layers[n].sensitivity[p].nonfinite
+                   for n in unit.layers):
+                why = "overflows (inf/NaN)"
+            elif profile.capabilities.get(p) == "emulated":
+                why = f"emulated on this device (accuracy only; measured {ms:.3g} vs fp32 {fp32_ms:.3g} ms)"
+            elif ms > (1 - SPEED_MARGIN) * fp32_ms:
+                why = f"not faster than fp32 here ({ms:.3g} vs {fp32_ms:.3g} ms)"
+            if why:
+                dropped.setdefault(unit.key, []).append(f"{p}: {why}")
+            else:
+                keep.append(p)
+        kept_units.append(Unit(unit.key, unit.layers, tuple(keep)))
+    return kept_units, pinned, dropped
+
+
+def choose_default(assignment: Mapping[str, str], profile: Profile) -> str:
+    """The region default for a policy: the precision that covers most of the fp32 layer time.
+
+    With most layers in bf16 the policy becomes a bf16 region with fp32 islands, so the
+    ops between layers run as under blanket autocast and no boundary is paid twice.
+    """
+    weight: dict[str, float] = {}
+    for layer in profile.layers:
+        p = assignment[layer.name]
+        if p in _REGION_DEFAULTS and p in profile.remainder_ms:
+            weight[p] = weight.get(p, 0.0) + layer.latency_ms["fp32"]
+    if not weight:
+        return "fp32"
+    best = max(weight, key=lambda p: (weight[p], p == "fp32"))
+    return best
+
+
+def pareto_front(trials: Sequence[Candidate]) -> list[Candidate]:
+    """Trials no other trial beats on both predicted latency and SQNR/metric, fastest first."""
+    def quality(c: Candidate) -> float:
+        return c.metric if not math.isnan(c.metric) else -math.inf
+
+    seen, front = set(), []
+    ok = sorted((c for c in trials if not c.error and not math.isnan(c.metric)),
+                key=lambda c: (c.predicted_ms, -quality(c)))
+    best_quality = -math.inf
+    for c in ok:
+        key = tuple(sorted(c.assignment.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        if quality(c) > best_quality:
+            front.append(c)
+            best_quality = quality(c)
+    return front
+
+
+class _Study:
+    """The Optuna side: storage, resume, seeds, trials as Candidates."""
+
+    def __init__(self, storage: str, study_name: str, seed: int, fail_stale: bool) -> None:
+        import optuna
+
+        self.optuna = optuna
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        # Optuna 5 reads constraints that trials set; older versions take a constraints_func.
+        self.trial_constraints = hasattr(optuna.trial.Trial, "set_constraint")
+        extra = {} if self.trial_constraints else {
+            "constraints_func": lambda t: (t.user_attrs.get("violation", math.inf),)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=8,
+                                                 **extra)
+            self.study = optuna.create_study(storage=storage, study_name=study_name, direction="minimize",
+                                             sampler=sampler, load_if_exists=True)
+        if fail_stale:  # a single-worker run killed mid-trial: that trial is lost, nothing else
+            for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+                self.study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+
+    def completed(self) -> list:
+        return self.study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.COMPLETE,))
+
+    def n_trials(self) -> int:
+        states = (self.optuna.trial.TrialState.COMPLETE, self.optuna.trial.TrialState.FAIL)
+        return len(self.study.get_trials(deepcopy=False, states=states))
+
+
+def search(model: Any, profile: Profile, evaluator: Evaluator, budget: Budget, space: SearchSpace,
+           precisions: Sequence[str] = ("bf16", "fp16", "fp8"), trials: int = 60, timeout: float | None = None,
+           patience: int = 20, storage: str = "sqlite:///study.db", study_name: str | None = None, seed: int = 0,
+           fail_stale: bool = True, progress: bool = True) -> SearchResult:
+    """Search the per-layer assignment; ``evaluator`` holds the model and the search batches."""
+    from tqdm.auto import tqdm
+
+    start = time.perf_counter()
+    units, pinned, dropped = plan_units(profile, space, [Precision.parse(p).value for p in precisions])
+    layer_names = [layer.name for layer in profile.layers]
+    latency = {layer.name: layer.latency_ms for layer in profile.layers}
+    casts = {layer.name: layer.cast_ms for layer in profile.layers}
+    study_name = study_name or f"autoprec-{profile.fingerprint}-{space.name}-{budget.tag()}"
+    state = _Study(storage, study_name, seed, fail_stale)
+    study, optuna = state.study, state.optuna
+    searchable = [u for u in units if len(u.candidates) > 1]
+    distributions = {u.key: optuna.distributions.CategoricalDistribution(list(u.candidates)) for u in searchable}
+    evaluations_before = evaluator.evaluations
+
+    def assignment_of(params: Mapping[str, str]) -> dict[str, str]:
+        out = {n: "fp32" for n in layer_names}
+        for u in searchable:
+            for n in u.layers:
+                out[n] = params[u.key]
+        return out
+
+    def objective(trial: Any) -> float:
+        params = {key: trial.suggest_categorical(key, list(d.choices)) for key, d in distributions.items()}
+        assignment = assignment_of(params)
+        default = choose_default(assignment, profile)
+        predicted = predict_ms(assignment, default, latency, casts, profile.remainder_ms)
+        trial.set_user_attr("default", default)
+        trial.set_user_attr("predicted_ms", predicted)
+        done = _same_params(state.completed(), params, trial.number)
+        if done is not None:  # another trial (or worker) measured this assignment already
+            values = {key: done.user_attrs.get(key) for key in ("metric", "sqnr_db", "violation", "error")}
+            trial.set_user_attr("same_as", done.number)
+        else:
+            m = evaluator.measure(Policy.from_assignment(assignment, default))
+            values = {"metric": _finite_or_str(m.metric), "sqnr_db": _finite_or_str(m.sqnr_db),
+                      "violation": _finite_or_str(budget.violation(m, evaluator)), "error": m.error}
+        for key, value in values.items():
+            trial.set_user_attr(key, value)
+        if state.trial_constraints:
+            trial.set_constraint("budget", _num(values["violation"]))
+        return predicted
+
+    def run(n: int, params: Mapping[str, str] | None = None, seed_name: str | None = None) -> None:
+        if params is not None:
+            study.enqueue_trial(dict(params), user_attrs={"seed": seed_name})
+        study.optimize(objective, n_trials=n, timeout=None, catch=(Exception,), gc_after_trial=False)
+        bar.update(n)
+
+    def latest(seed_name: str | None = None) -> Candidate | None:
+        done = [c for c in _candidates(state.completed(), assignment_of) if seed_name in (None, c.seed)]
+        return done[-1] if done else None
+
+    stopped = "trials"
+    with tqdm(total=trials, initial=min(state.n_trials(), trials), desc="search", unit="trial",
+              disable=not progress, leave=False) as bar:
+        if not searchable:
+            stopped = "nothing to search: every layer's only candidate is fp32"
+        elif state.n_trials() == 0:
+            fastest = {u.key: min(u.candidates, key=lambda p, u=u: sum(latency[n][p] for n in u.layers))
+                       for u in searchable}
+            run(1, {u.key: "fp32" for u in searchable}, "fp32")
+            run(1, fastest, "fastest")
+            for p in _REGION_DEFAULTS[1:]:  # blanket low precision, as far as each unit allows
+                blanket = {u.key: p if p in u.candidates else "fp32" for u in searchable}
+                if blanket != fastest and any(v != "fp32" for v in blanket.values()):
+                    run(1, blanket, f"blanket-{p}")
+            all_fast = latest("fastest")
+            if all_fast is not None and all_fast.feasible:
+                stopped = "the fastest assignment is within budget"
+            else:
+                _greedy(searchable, fastest, profile, lambda params: run(1, params, "greedy"), latest, trials - 2)
+        remaining = trials - state.n_trials() if stopped == "trials" else 0
+        if searchable and remaining > 0:
+            best_at = [state.n_trials(), _best_ms(state.completed())]
+
+            def stop_when_stale(study_: Any, _trial: Any) -> None:
+                nonlocal stopped
+                best = _best_ms(state.completed())
+                if best < best_at[1]:
+                    best_at[:] = [state.n_trials(), best]
+                elif state.n_trials() - best_at[0] >= patience:
+                    stopped = f"no improvement in {patience} trials"
+                    study_.stop()
+                bar.update(1)
+
+            deadline = None if timeout is None else max(1.0, timeout - (time.perf_counter() - start))
+            study.optimize(objective, n_trials=remaining, timeout=deadline, catch=(Exception,),
+                           callbacks=[stop_when_stale], gc_after_trial=False)
+            if timeout is not None and time.perf_counter() - start >= timeout:
+                stopped = "timeout"
+
+    all_trials = _candidates(state.completed(), assignment_of)
+    feasible = [c for c in all_trials if c.feasible]
+    best = min(feasible, key=lambda c: (c.predicted_ms, c.number)) if feasible else None
+    return SearchResult(units=units, pinned=pinned, dropped=dropped, trials=all_trials,
+                        front=pareto_front(all_trials), best=best, study_name=study_name, storage=storage,
+                        seconds=time.perf_counter() - start,
+                        evaluations=evaluator.evaluations - evaluations_before, stopped_because=stopped)
+
+
+def _greedy(units: list[Unit], fastest: Mapping[str, str], profile: Profile, run: Callable[[dict], None],
+            latest: Callable[[str], Candidate | None], max_trials: int) -> None:
+    """Lower units in order of sensitivity per millisecond saved while the budget holds.
+
+    A binary search finds the longest feasible prefix of that order (log2(n) trials); then
+    each later unit is tried on its own on top of it, skipping the ones that break the budget.
+    """
+    layers = {layer.name: layer for layer in profile.layers}
+
+    def score(u: Unit) -> float:
+        p = fastest[u.key]
+        saved = sum(layers[n].latency_ms["fp32"] - layers[n].latency_ms[p] for n in u.layers)
+        noise = sum(layers[n].sensitivity[p].noise if p in layers[n].sensitivity else math.inf for n in u.layers)
+        return noise / max(saved, 1e-9)
+
+    order = sorted((u for u in units if fastest[u.key] != "fp32"), key=score)
+
+    def params(lowered: Sequence[Unit]) -> dict[str, str]:
+        chosen = {u.key for u in lowered}
+        return {u.key: fastest[u.key] if u.key in chosen else "fp32" for u in units}
+
+    used = 0
+    lo, hi = 0, len(order) - 1  # order[:lo] is known feasible; all of order is known infeasible
+    while lo < hi and used < max_trials:
+        mid = (lo + hi + 1) // 2
+        run(params(order[:mid]))
+        used += 1
+        result = latest("greedy")
+        if result is not None and result.feasible:
+            lo = mid
+        else:
+            hi = mid - 1
+    kept = list(order[:lo])
+    for unit in order[lo + 1:]:
+        if used >= max_trials // 2:
+            break
+        run(params(kept + [unit]))
+        used += 1
+        result = latest("greedy")
+        if result is not None and result.feasible:
+            kept.append(unit)
+
+
+def _same_params(completed: Sequence[Any], params: Mapping[str, str], number: int) -> Any:
+    for t in completed:
+        if t.number != number and t.params == params and "violation" in t.user_attrs:
+            return t
+    return None
+
+
+def _finite_or_str(x: float) -> float | str:
+    return x if math.isfinite(x) else str(x)
+
+
+def _num(x: Any) -> float:
+    return float(x) if x is not None else math.nan
+
+
+def _candidates(trials: Sequence[Any], assignment_of: Callable[[Mapping[str, str]], dict[str, str]]) -> list[Candidate]:
+    out = []
+    for t in sorted(trials, key=lambda t: t.number):
+        attrs = t.user_attrs
+        if "violation" not in attrs:
+            continue
+        out.append(Candidate(number=t.number, assignment=assignment_of(t.params), default=attrs["default"],
+                             predicted_ms=float(attrs["predicted_ms"]), metric=_num(attrs.get("metric")),
+                             sqnr_db=_num(attrs.get("sqnr_db")), violation=_num(attrs["violation"]),
+                             error=attrs.get("error"), seed=attrs.get("seed")))
+    return out
+
+
+def _best_ms(trials: Sequence[Any]) -> float:
+    ms = [float(t.user_attrs["predicted_ms"]) for t in trials
+          if "violation" in t.user_attrs and _num(t.user_attrs["violation"]) <= 0]
+    return min(ms, default=math.inf)

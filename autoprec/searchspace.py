@@ -1,0 +1,162 @@
+"""Search spaces: which layers are tuned, in which precisions, pinned or grouped.
+
+A search space is a YAML file (presets live in ``autoprec/search_spaces/``)::
+
+    description: one line
+    candidates: {linear: [bf16, fp16, fp8], conv: [bf16, fp16], attention: [bf16, fp16]}
+    pin: ['(.*\\.)?lm_head', last]      # regexes over module paths (full match), or first / last
+    groups: ['(.*)\\.(query|key|value)'] # regexes with a capture group: same captured text, one precision
+
+A layer whose kind has no candidates, or that a ``pin`` matches, stays fp32.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from .formats import Precision
+
+__all__ = ["SearchSpace", "SearchSpaceError", "Unit", "preset_names", "choose_preset"]
+
+_KEYS = {"description", "candidates", "pin", "groups"}
+_KINDS = {"linear", "conv", "attention", "matmul"}
+_POSITIONS = {"first", "last"}
+
+
+class SearchSpaceError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One search parameter: a layer, or a group of layers that share a precision."""
+
+    key: str
+    layers: tuple[str, ...]
+    candidates: tuple[str, ...]  # fp32 first
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    name: str
+    description: str = ""
+    candidates: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    pin: tuple[str, ...] = ()
+    groups: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        where = f"search space {self.name!r}"
+        for kind, precisions in self.candidates.items():
+            if kind not in _KINDS:
+                raise SearchSpaceError(f"{where}: unknown layer kind {kind!r} in 'candidates'; "
+                                       f"known kinds: {', '.join(sorted(_KINDS))}")
+            for p in precisions:
+                try:
+                    Precision.parse(p)
+                except ValueError as e:
+                    raise SearchSpaceError(f"{where}: candidates.{kind}: {e}") from None
+        for pattern in self.pin:
+            if pattern not in _POSITIONS:
+                _compile(pattern, f"{where}: pin")
+        for pattern in self.groups:
+            if _compile(pattern, f"{where}: groups").groups < 1:
+                raise SearchSpaceError(f"{where}: group pattern {pattern!r} needs a capture group, "
+                                       "e.g. '(.*)\\.(query|key|value)'")
+
+    @classmethod
+    def from_dict(cls, data: Any, name: str) -> SearchSpace:
+        if not isinstance(data, dict):
+            raise SearchSpaceError(f"search space {name!r}: expected a mapping at the top level")
+        unknown = sorted(set(data) - _KEYS)
+        if unknown:
+            raise SearchSpaceError(f"search space {name!r}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                                   f"allowed keys are {', '.join(sorted(_KEYS))}")
+        candidates = data.get("candidates") or {}
+        if not isinstance(candidates, dict) or not all(isinstance(v, list) for v in candidates.values()):
+            raise SearchSpaceError(f"search space {name!r}: 'candidates' must map a layer kind to a list "
+                                   "of precisions")
+        for key in ("pin", "groups"):
+            if not isinstance(data.get(key) or [], list):
+                raise SearchSpaceError(f"search space {name!r}: {key!r} must be a list of patterns")
+        return cls(name=name, description=str(data.get("description", "")),
+                   candidates={k: tuple(str(p) for p in v) for k, v in candidates.items()},
+                   pin=tuple(str(p) for p in data.get("pin") or ()),
+                   groups=tuple(str(p) for p in data.get("groups") or ()))
+
+    @classmethod
+    def load(cls, name_or_path: str | Path) -> SearchSpace:
+        """A preset by name (``default``, ``transformer``, ``cnn``, ...) or a YAML file by path."""
+        path = Path(name_or_path)
+        if path.suffix in (".yaml", ".yml") or path.exists():
+            if not path.is_file():
+                raise SearchSpaceError(f"search space file {str(path)!r} not found")
+            text, name = path.read_text(), path.stem
+        else:
+            name = str(name_or_path)
+            if name not in preset_names():
+                raise SearchSpaceError(f"unknown search space {name!r}; presets: {', '.join(preset_names())}, "
+                                       "or give a path to a .yaml file")
+            text = resources.files("autoprec").joinpath("search_spaces", f"{name}.yaml").read_text()
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise SearchSpaceError(f"search space {name!r}: not valid YAML: {e}") from None
+        return cls.from_dict(data, name)
+
+    def units(self, layers: Sequence[tuple[str, str]], precisions: Sequence[str]) -> tuple[list[Unit], list[str]]:
+        """Split ``(name, kind)`` layers (in execution order) into search units and pinned layers.
+
+        ``precisions`` are the ones allowed for this run; a unit's candidates are those of its
+        kind that every layer in it allows (fp32 always).
+        """
+        names = [n for n, _ in layers]
+        pinned: list[str] = []
+        for pattern in self.pin:
+            if pattern in _POSITIONS:
+                pinned += names[:1] if pattern == "first" else names[-1:]
+            else:
+                regex = re.compile(pattern)
+                pinned += [n for n in names if regex.fullmatch(n)]
+        keys: dict[str, list[tuple[str, str]]] = {}
+        for name, kind in layers:
+            if name in pinned or not self.candidates.get(kind):
+                continue
+            key = name
+            for pattern in self.groups:
+                m = re.fullmatch(pattern, name)
+                if m:
+                    key = f"group:{m.group(1)}"
+                    break
+            keys.setdefault(key, []).append((name, kind))
+        units = []
+        for key, members in keys.items():
+            allowed = [p for p in precisions if all(p in self.candidates.get(kind, ()) for _, kind in members)]
+            units.append(Unit(key=key, layers=tuple(n for n, _ in members), candidates=("fp32", *allowed)))
+        return units, sorted(set(pinned), key=names.index)
+
+
+def _compile(pattern: str, where: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise SearchSpaceError(f"{where}: pattern {pattern!r} does not compile: {e}") from None
+
+
+def preset_names() -> list[str]:
+    folder = resources.files("autoprec").joinpath("search_spaces")
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def choose_preset(kinds: Sequence[str]) -> str:
+    """The preset for ``--search-space auto``: transformer with attention, cnn with convs, else default."""
+    if "attention" in kinds:
+        return "transformer"
+    if "conv" in kinds:
+        return "cnn"
+    return "default"

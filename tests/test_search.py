@@ -1,0 +1,219 @@
+"""The search stage on small real models with hand-made profiles (the latency model's input).
+
+The profiles here are written by hand so each test controls what is fast; every metric the
+search sees is still measured by running the model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import optuna
+import pytest
+import torch
+import torch.nn as nn
+from models import Cancel, seeded
+
+from autoprec.measure import Evaluator, Measurement
+from autoprec.profile import LayerProfile, Profile, Sensitivity
+from autoprec.search import Budget, Candidate, choose_default, pareto_front, plan_units, search
+from autoprec.searchspace import SearchSpace
+
+
+def make_profile(layers: dict[str, dict], kind: str = "linear") -> Profile:
+    """layers: name -> {"ms": {precision: ms}, "sqnr": {precision: dB}, "nonfinite": [precisions]}"""
+    out = []
+    for name, spec in layers.items():
+        sens = {p: Sensitivity(sqnr_db=db, metric_drop=None, nonfinite=p in spec.get("nonfinite", ()))
+                for p, db in spec["sqnr"].items()}
+        out.append(LayerProfile(name=name, kind=kind, type="Linear", flops=1, latency_ms=spec["ms"],
+                                cast_ms={p: 0.01 for p in spec["ms"] if p != "fp32"}, sensitivity=sens))
+    return Profile(fingerprint="test", device="cpu", torch=torch.__version__, precisions=["bf16", "fp16", "fp8"],
+                   capabilities={}, capture_method="test", layers=out, end_to_end_ms={},
+                   remainder_ms={"fp32": 1.0, "bf16": 0.5, "fp16": 0.5}, prediction_error_pct={},
+                   metric={"kind": "fidelity"}, cost={"evaluations": 0, "seconds": {}})
+
+
+FAST_BF16 = {"fp32": 10.0, "bf16": 2.0, "fp16": 30.0, "fp8": 40.0}
+SAFE = {"bf16": 45.0, "fp16": 60.0, "fp8": 30.0}
+
+
+class Chain(nn.Module):
+    """Four ordinary linears around ``bad``, a small difference of two large products (bf16 ruins it)."""
+
+    def __init__(self):
+        super().__init__()
+        with seeded(0):
+            self.a, self.b, self.c, self.d = (nn.Linear(16, 16) for _ in range(4))
+            self.bad = Cancel(16, scale=300.0)
+
+    def forward(self, x):
+        h = self.b(torch.relu(self.a(x)))
+        h = h + self.bad(h)
+        return self.d(torch.relu(self.c(h)))
+
+
+def chain_profile() -> Profile:
+    layers = {n: {"ms": FAST_BF16, "sqnr": SAFE} for n in "abcd"}
+    layers["bad"] = {"ms": FAST_BF16, "sqnr": {"bf16": 5.0, "fp16": 20.0, "fp8": 1.0}}
+    return make_profile(layers)
+
+
+def batches(n=3):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(32, 16, generator=g) for _ in range(n)]
+
+
+# ---- budget ------------------------------------------------------------------------------------
+def test_budget_parsing():
+    assert Budget.parse("0.5").allowed_drop(80.0) == 0.5
+    assert Budget.parse("1%").allowed_drop(80.0) == pytest.approx(0.8)
+    assert Budget.parse(None, 30).min_sqnr == 30
+    with pytest.raises(ValueError, match="cannot read budget"):
+        Budget.parse("lots")
+    with pytest.raises(ValueError, match=">= 0"):
+        Budget.parse("-1")
+    with pytest.raises(ValueError, match="needs a metric drop"):
+        Budget()
+
+
+def test_violation_of_broken_runs_is_infinite():
+    model = nn.Linear(4, 4)
+    ev = Evaluator(model, [torch.randn(2, 4)])
+    budget = Budget.parse(None, 30)
+    assert budget.violation(Measurement(math.nan, -math.inf, True, 0.0, error="boom"), ev) == math.inf
+    assert budget.violation(Measurement(40.0, 40.0, True, 0.0), ev) == math.inf
+    assert budget.violation(Measurement(40.0, 40.0, False, 0.0), ev) == -10.0
+
+
+# ---- planning ----------------------------------------------------------------------------------
+def test_plan_drops_measured_slow_and_overflowing_candidates():
+    profile = make_profile({
+        "x": {"ms": FAST_BF16, "sqnr": SAFE},
+        "y": {"ms": FAST_BF16, "sqnr": SAFE, "nonfinite": ["bf16"]},
+    })
+    units, pinned, dropped = plan_units(profile, SearchSpace.load("default"), ["bf16", "fp16", "fp8"])
+    by_key = {u.key: u for u in units}
+    assert by_key["x"].candidates == ("fp32", "bf16")  # fp16 and fp8 measured slower than fp32
+    assert by_key["y"].candidates == ("fp32",)
+    assert any("overflows" in why for why in dropped["y"])
+    assert any("not faster than fp32" in why for why in dropped["x"])
+    assert pinned == []
+
+
+def test_plan_never_offers_an_emulated_precision_for_speed():
+    profile = make_profile({"x": {"ms": {"fp32": 10.0, "bf16": 2.0, "fp16": 1.0, "fp8": 1.0}, "sqnr": SAFE}})
+    profile.capabilities = {"fp32": "native", "bf16": "native", "fp16": "emulated", "fp8": "emulated"}
+    units, _, dropped = plan_units(profile, SearchSpace.load("default"), ["bf16", "fp16", "fp8"])
+    assert units[0].candidates == ("fp32", "bf16")
+    assert sum("emulated" in why for why in dropped["x"]) == 2
+
+
+def test_choose_default_follows_the_time_lowered():
+    profile = chain_profile()
+    assert choose_default({n: "bf16" for n in "abcd"} | {"bad": "fp32"}, profile) == "bf16"
+    assert choose_default({n: "fp32" for n in "abcd"} | {"bad": "bf16"}, profile) == "fp32"
+
+
+def test_pareto_front_is_nondominated_and_fastest_first():
+    def c(n, ms, metric):
+        return Candidate(n, {"layer": str(n)}, "fp32", ms, metric, metric, -1.0)
+
+    front = pareto_front([c(0, 10, 50), c(1, 5, 40), c(2, 7, 30), c(3, 2, 20), c(4, 2, math.nan)])
+    assert [x.number for x in front] == [3, 1, 0]
+
+
+# ---- search ------------------------------------------------------------------------------------
+@pytest.fixture
+def storage(tmp_path):
+    return f"sqlite:///{tmp_path / 'study.db'}"
+
+
+def test_search_keeps_the_sensitive_layer_and_lowers_the_rest(storage):
+    model = Chain().eval()
+    ev = Evaluator(model, batches())
+    fp32_bad = search(model, chain_profile(), ev, Budget.parse(None, 30), SearchSpace.load("default"),
+                      trials=25, storage=storage, progress=False)
+    best = fp32_bad.best
+    assert best is not None and best.feasible
+    assert best.assignment["bad"] == "fp32"
+    assert all(best.assignment[n] == "bf16" for n in "abcd")
+    assert {t.seed for t in fp32_bad.trials} >= {"fp32", "fastest", "greedy"}
+    # every metric was measured: the all-bf16 seed breaks the floor, the fp32 seed is exact
+    seeds = {t.seed: t for t in fp32_bad.trials if t.seed in ("fp32", "fastest")}
+    assert seeds["fp32"].sqnr_db == math.inf and not seeds["fastest"].feasible
+
+
+def test_when_everything_is_safe_the_fastest_seed_wins_at_once(storage):
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16)).eval()
+    profile = make_profile({"0": {"ms": FAST_BF16, "sqnr": SAFE}, "2": {"ms": FAST_BF16, "sqnr": SAFE}})
+    result = search(model, profile, Evaluator(model, batches()), Budget.parse(None, 20),
+                    SearchSpace.load("default"), trials=20, storage=storage, progress=False)
+    assert result.best.assignment == {"0": "bf16", "2": "bf16"}
+    assert result.best.default == "bf16" and result.best.policy().layers == {}  # = blanket autocast
+    assert result.stopped_because == "the fastest assignment is within budget"
+
+
+class Fragile(nn.Linear):
+    """A layer whose forward raises under low-precision autocast, as a custom kernel might."""
+
+    def forward(self, x):
+        if torch.is_autocast_enabled("cpu"):
+            raise RuntimeError("this layer cannot run in bf16")
+        return super().forward(x)
+
+
+class RaisesInBf16(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ok = nn.Linear(16, 16)
+        self.fragile = Fragile(16, 16)
+
+    def forward(self, x):
+        return self.fragile(self.ok(x))
+
+
+def test_a_trial_that_raises_is_infeasible_and_the_study_goes_on(storage):
+    model = RaisesInBf16().eval()
+    profile = make_profile({"ok": {"ms": FAST_BF16, "sqnr": SAFE}, "fragile": {"ms": FAST_BF16, "sqnr": SAFE}})
+    result = search(model, profile, Evaluator(model, batches()), Budget.parse(None, 20),
+                    SearchSpace.load("default"), trials=12, patience=100, storage=storage, progress=False)
+    errors = [t for t in result.trials if t.error]
+    assert errors and all(not t.feasible for t in errors)
+    assert "cannot run in bf16" in errors[0].error
+    assert len(result.trials) >= 3, "the study stopped at the first failing trial"
+    assert result.best is not None and result.best.feasible
+
+
+def test_nan_metric_is_infeasible(storage):
+    model = nn.Sequential(nn.Linear(16, 16)).eval()
+
+    def evaluate(m, bs):
+        with torch.no_grad():
+            out = m(bs[0])
+        return float("nan") if out.dtype != torch.float32 or torch.is_autocast_enabled("cpu") else 1.0
+
+    profile = make_profile({"0": {"ms": FAST_BF16, "sqnr": SAFE}})
+    ev = Evaluator(model, batches(), evaluate=lambda m, bs: 1.0)
+    assert Budget.parse("0.1").violation(Measurement(math.nan, 40.0, False, 0.0), ev) == math.inf
+    result = search(model, profile, Evaluator(model, batches(), evaluate=evaluate), Budget.parse("0.1"),
+                    SearchSpace.load("default"), trials=5, storage=storage, progress=False)
+    assert result.best is not None
+
+
+def test_resume_keeps_finished_trials_and_repeats_none(storage):
+    model = Chain().eval()
+    budget, space = Budget.parse(None, 30), SearchSpace.load("default")
+    first = search(model, chain_profile(), Evaluator(model, batches()), budget, space, trials=8, patience=100,
+                   storage=storage, progress=False)
+    ev = Evaluator(model, batches())
+    second = search(model, chain_profile(), ev, budget, space, trials=14, patience=100, storage=storage,
+                    progress=False)
+    numbers = [t.number for t in second.trials]
+    assert len(numbers) == len(set(numbers))
+    assert {t.number for t in first.trials} <= set(numbers)
+    assert len(second.trials) <= 14
+    study = optuna.load_study(study_name=second.study_name, storage=storage)
+    assert len(study.trials) == 14
+    # the resumed run measured only new assignments
+    assert ev.evaluations <= 14 - len(first.trials)

@@ -1,0 +1,113 @@
+"""One contract suite over every shipped search space, plus the loader's errors."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from autoprec.formats import Precision
+from autoprec.searchspace import SearchSpace, SearchSpaceError, choose_preset, preset_names
+
+LAYERS = [
+    ("embeddings.proj", "linear"),
+    ("encoder.layer.0.attention.self.query", "linear"),
+    ("encoder.layer.0.attention.self.key", "linear"),
+    ("encoder.layer.0.attention.self.value", "linear"),
+    ("encoder.layer.0.attention.self", "attention"),
+    ("encoder.layer.0.output.dense", "linear"),
+    ("encoder.layer.1.attention.self.query", "linear"),
+    ("encoder.layer.1.attention.self.key", "linear"),
+    ("encoder.layer.1.attention.self.value", "linear"),
+    ("stem.conv", "conv"),
+    ("lm_head", "linear"),
+]
+ALL = ["bf16", "fp16", "fp8"]
+
+
+def test_presets_are_shipped():
+    assert {"default", "transformer", "cnn", "transformer-blocks"} <= set(preset_names())
+
+
+@pytest.mark.parametrize("name", preset_names())
+class TestEveryPreset:
+    def test_loads_with_valid_fields(self, name):
+        space = SearchSpace.load(name)
+        assert space.name == name and space.description
+        for kind, precisions in space.candidates.items():
+            assert kind in {"linear", "conv", "attention", "matmul"}
+            for p in precisions:
+                assert Precision.parse(p).is_low
+        for pattern in space.groups:
+            assert re.compile(pattern).groups >= 1
+
+    def test_fp8_only_for_linear(self, name):
+        space = SearchSpace.load(name)
+        for kind, precisions in space.candidates.items():
+            assert ("fp8" in precisions) <= (kind == "linear"), "FP8 exists for nn.Linear only"
+
+    def test_units_partition_the_unpinned_layers(self, name):
+        space = SearchSpace.load(name)
+        units, pinned = space.units(LAYERS, ALL)
+        in_units = [n for u in units for n in u.layers]
+        assert len(in_units) == len(set(in_units)), "a layer is in two units"
+        names = {n for n, _ in LAYERS}
+        assert set(in_units) | set(pinned) <= names
+        assert not set(in_units) & set(pinned)
+        for unit in units:
+            assert unit.candidates[0] == "fp32" and len(set(unit.candidates)) == len(unit.candidates)
+            kinds = {k for n, k in LAYERS if n in unit.layers}
+            for p in unit.candidates[1:]:
+                assert all(p in space.candidates[k] for k in kinds)
+
+    def test_restricting_precisions_restricts_candidates(self, name):
+        units, _ = SearchSpace.load(name).units(LAYERS, ["bf16"])
+        assert all(set(u.candidates) <= {"fp32", "bf16"} for u in units)
+
+
+def test_transformer_groups_qkv_and_pins_the_head():
+    units, pinned = SearchSpace.load("transformer").units(LAYERS, ALL)
+    qkv = [u for u in units if u.key == "group:encoder.layer.0.attention.self"]
+    assert len(qkv) == 1 and len(qkv[0].layers) == 3
+    assert "lm_head" in pinned
+
+
+def test_blocks_preset_groups_whole_blocks():
+    units, _ = SearchSpace.load("transformer-blocks").units(LAYERS, ALL)
+    block0 = [u for u in units if u.key == "group:encoder.layer.0"]
+    assert len(block0) == 1 and len(block0[0].layers) == 5
+    # a group mixing kinds keeps only the candidates every kind allows
+    assert "fp8" not in block0[0].candidates
+
+
+def test_cnn_pins_the_last_layer():
+    _, pinned = SearchSpace.load("cnn").units(LAYERS, ALL)
+    assert pinned == ["lm_head"]
+
+
+def test_choose_preset():
+    assert choose_preset(["linear", "attention"]) == "transformer"
+    assert choose_preset(["conv", "linear"]) == "cnn"
+    assert choose_preset(["linear"]) == "default"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("candidates: {linear: [bf16]}\nbogus: 1\n", "unknown key(s) 'bogus'"),
+    ("candidates: {dense: [bf16]}\n", "unknown layer kind 'dense'"),
+    ("candidates: {linear: [int4]}\n", "unknown precision 'int4'"),
+    ("candidates: {linear: [bf16]}\ngroups: ['.*query']\n", "needs a capture group"),
+    ("candidates: {linear: [bf16]}\npin: ['(']\n", "does not compile"),
+    ("candidates: [bf16]\n", "'candidates' must map"),
+    ("- a\n- b\n", "expected a mapping"),
+    ("candidates: {linear: [bf16]\n", "not valid YAML"),
+])
+def test_bad_files_name_the_problem(tmp_path, text, message):
+    path = tmp_path / "space.yaml"
+    path.write_text(text)
+    with pytest.raises(SearchSpaceError, match=re.escape(message)):
+        SearchSpace.load(path)
+
+
+def test_unknown_preset_lists_the_presets():
+    with pytest.raises(SearchSpaceError, match="presets: .*transformer"):
+        SearchSpace.load("transfomer")

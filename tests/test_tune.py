@@ -1,0 +1,151 @@
+"""The whole pipeline on a model with planted traps: capture, profile, search, verify, outputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from models import Cancel, seeded
+
+import autoprec
+from autoprec.apply import effective_precisions
+from autoprec.formats import Precision
+from autoprec.measure import Evaluator
+
+FLOOR_DB = 25.0  # all ordinary layers in bf16 stay near 40 dB; the cancel trap in bf16 is below 0 dB
+
+
+class DeepTrapNet(nn.Module):
+    """Ten ordinary residual layers, wide enough that bf16 is measurably faster here, and two traps.
+
+    ``overflow``: weights scaled by 3e5 so its outputs pass fp16's 65504 (then divided back):
+    fp16 gives inf, bf16 is fine. ``cancel``: a small difference of two large products: any low
+    precision leaves mostly noise in an output that reaches the head.
+    """
+
+    OVERFLOW_SCALE = 3e5
+
+    def __init__(self, width: int = 256, depth: int = 10, seed: int = 0):
+        super().__init__()
+        self.width = width
+        with seeded(seed):
+            self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+            self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(depth))
+            self.overflow = nn.Linear(width, width)
+            self.cancel = Cancel(width, scale=300.0)
+            self.head = nn.Linear(width, 16)
+        with torch.no_grad():
+            self.overflow.weight.mul_(self.OVERFLOW_SCALE)
+            self.overflow.bias.mul_(self.OVERFLOW_SCALE)
+
+    def forward(self, x):
+        h = x
+        for i, (layer, norm) in enumerate(zip(self.layers, self.norms)):
+            h = norm(h + F.gelu(layer(h)))
+            if i == len(self.layers) // 2:
+                h = h + self.overflow(h) / self.OVERFLOW_SCALE
+        h = h + self.cancel(h)
+        return self.head(h)
+
+    def batches(self, n: int = 4, rows: int = 512, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randn(rows, self.width, generator=g) for _ in range(n)]
+
+
+ORDINARY = [f"layers.{i}" for i in range(10)]
+
+
+@pytest.fixture(scope="module")
+def trap_run(tmp_path_factory):
+    model = DeepTrapNet()
+    out = tmp_path_factory.mktemp("trap")
+    result = autoprec.tune(model, model.batches(), min_sqnr=FLOOR_DB, trials=20, out=out, progress=False,
+                           log=lambda _: None)
+    return model, result, out
+
+
+def test_blanket_bf16_breaks_the_floor():
+    model = DeepTrapNet()
+    ev = Evaluator(model, model.batches(2))
+    assert ev.measure(autoprec.Policy(default="bf16")).sqnr_db < FLOOR_DB
+
+
+def test_profile_finds_both_traps(trap_run):
+    _, result, _ = trap_run
+    layers = {layer.name: layer for layer in result.profile.layers}
+    bf16 = {name: layer.sensitivity["bf16"].sqnr_db for name, layer in layers.items()}
+    assert min(bf16, key=bf16.get) == "cancel"
+    assert layers["overflow"].sensitivity["fp16"].nonfinite
+    assert not layers["overflow"].sensitivity["bf16"].nonfinite
+    assert all(bf16[name] > 30 for name in ORDINARY)
+    assert not any(layers[name].sensitivity["fp16"].nonfinite for name in ORDINARY)
+
+
+def test_tuned_policy_keeps_the_traps_safe_and_lowers_the_rest(trap_run):
+    model, result, _ = trap_run
+    precisions = effective_precisions(model, result.policy)
+    assert precisions["cancel"] is Precision.FP32
+    assert precisions["overflow"] is not Precision.FP16
+    lowered = sum(precisions[name] is Precision.BF16 for name in ORDINARY)
+    assert lowered >= 0.9 * len(ORDINARY), result.policy
+
+
+def test_tuned_policy_meets_the_floor_on_held_out_batches(trap_run):
+    _, result, _ = trap_run
+    v = result.verification
+    assert v.within_budget["tuned"] and v.metric["tuned"] >= FLOOR_DB
+    assert not v.within_budget["autocast"]
+    assert v.speedup is not None and v.speedup > 0  # measured; its size is the benchmark's business
+    assert result.policy.result["speedup"] == pytest.approx(v.speedup, rel=1e-3)
+
+
+def test_outputs_are_written(trap_run):
+    model, result, out = trap_run
+    for name in ("policy.json", "report.md", "profile.json", "study.db", "pareto.png", "sensitivity.png"):
+        assert (out / name).is_file(), name
+    policy = autoprec.Policy.load(out / "policy.json")
+    assert policy == result.policy
+    assert policy.result["budget"] == f"SQNR >= {FLOOR_DB:g} dB"
+    report = (out / "report.md").read_text()
+    assert "autoprec policy" in report and "cancel" in report
+    profile = json.loads((out / "profile.json").read_text())
+    assert profile["version"] == 1 and len(profile["layers"]) == 13
+    assert set(profile["layers"][0]) >= {"name", "kind", "flops", "latency_ms", "sensitivity"}
+    # the policy drops into the model in one line and keeps the floor
+    autoprec.apply_policy(model, policy)
+    try:
+        ev_model = model
+        with torch.no_grad():
+            out_tensor = ev_model(model.batches(1, seed=7)[0])
+        assert torch.isfinite(out_tensor).all()
+    finally:
+        autoprec.remove_policy(model)
+
+
+def test_rerun_reuses_profile_and_study(trap_run, capsys):
+    model, first, out = trap_run
+    messages = []
+    again = autoprec.tune(model, model.batches(), min_sqnr=FLOOR_DB, trials=20, out=out, progress=False,
+                          log=messages.append)
+    assert any("reusing the profile" in m for m in messages)
+    assert again.search.evaluations <= max(0, 20 - len(first.search.trials))
+    assert {t.number for t in first.search.trials} <= {t.number for t in again.search.trials}
+
+
+def test_when_blanket_autocast_is_within_budget_the_policy_is_blanket(tmp_path):
+    with seeded(1):  # matmul-bound, so bf16's speed-up is far above timing noise
+        model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(512, 512), nn.ReLU())])
+    batches = [torch.randn(1024, 512) for _ in range(3)]
+    result = autoprec.tune(model, batches, min_sqnr=20, trials=10, out=tmp_path, progress=False,
+                           log=lambda _: None)
+    assert result.verification.within_budget["autocast"]
+    assert result.policy.default is Precision.BF16 and result.policy.layers == {}
+
+
+def test_budget_needs_a_metric():
+    model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="--min-sqnr"):
+        autoprec.tune(model, [torch.randn(2, 4)] * 2, budget="1%", progress=False)
