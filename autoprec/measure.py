@@ -12,30 +12,18 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .apply import apply_policy, remove_policy
-from .formats import sqnr_db
+from .formats import Precision, sqnr_db
 from .policy import Policy
+from .userspec import call_model, to_device
 
-__all__ = ["Evaluator", "Measurement", "call_model", "output_tensors", "time_ms", "median_ms", "to_device"]
-
-
-def call_model(model: nn.Module, batch: Any) -> Any:
-    """Call ``model`` on one batch as the model.py contract says: x, *x or **x."""
-    if isinstance(batch, dict):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
-
-
-def to_device(batch: Any, device: str | torch.device) -> Any:
-    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
+__all__ = ["Evaluator", "Measurement", "call_model", "interleaved_ms", "median_ms", "output_tensors", "settle", "time_ms", "to_device"]
 
 
 def output_tensors(output: Any) -> list[torch.Tensor]:
@@ -49,23 +37,77 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_ms(fn: Callable[[], Any], device: str | torch.device = "cpu", warmup: int = 1, repeats: int = 5) -> list[float]:
-    """Wall-clock milliseconds of ``repeats`` calls of ``fn`` after ``warmup`` calls."""
-    device = torch.device(device)
-    for _ in range(warmup):
-        fn()
+def _once_ms(fn: Callable[[], Any], device: torch.device) -> float:
+    start = time.perf_counter()
+    fn()
     _sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
+    return (time.perf_counter() - start) * 1e3
+
+
+def settle(fn: Callable[[], Any], device: str | torch.device = "cpu", min_runs: int = 1, max_runs: int = 12,
+           tolerance: float = 0.15) -> float:
+    """Warm ``fn`` up until its time settles; returns the best time seen (ms).
+
+    First calls build kernels, and on a virtual machine the first touches of fresh memory can
+    be several times slower for a second or two, so a fixed single warm-up is not enough:
+    this runs until the last two calls are both within ``tolerance`` of the best so far.
+    """
+    device = torch.device(device)
+    times: list[float] = []
+    while len(times) < max_runs:
+        times.append(_once_ms(fn, device))
+        best = min(times)
+        if len(times) >= max(min_runs, 2) and all(t <= best * (1 + tolerance) for t in times[-2:]):
+            break
+    return min(times)
+
+
+def time_ms(fn: Callable[[], Any], device: str | torch.device = "cpu", warmup: int = 1, repeats: int = 5) -> list[float]:
+    """Wall-clock milliseconds of ``repeats`` calls of ``fn``, after it has settled (see :func:`settle`)."""
+    device = torch.device(device)
+    if warmup:
+        settle(fn, device, min_runs=warmup)
+    return [_once_ms(fn, device) for _ in range(repeats)]
 
 
 def median_ms(fn: Callable[[], Any], device: str | torch.device = "cpu", warmup: int = 1, repeats: int = 5) -> float:
     return statistics.median(time_ms(fn, device, warmup, repeats))
+
+
+def interleaved_ms(model: nn.Module, batch: Any, runners: Mapping[str, Policy | Precision | None],
+                   device: str | torch.device = "cpu", repeats: int = 7) -> dict[str, float]:
+    """Median ms of one forward per entry, each settled first, then timed round-robin in one run.
+
+    An entry is a Policy (applied for its runs), a Precision (blanket ``torch.autocast``) or
+    None (plain fp32). Round-robin makes a burst of machine noise hit every entry alike.
+    """
+    device = torch.device(device)
+
+    def forward(how: Policy | Precision | None) -> Callable[[], Any]:
+        if isinstance(how, Precision):
+            def run() -> Any:
+                with torch.autocast(device.type, dtype=how.autocast_dtype):
+                    return call_model(model, batch)
+            return run
+        return lambda: call_model(model, batch)
+
+    def timed(how: Policy | Precision | None, fn: Callable[[], float]) -> float:
+        if not isinstance(how, Policy):
+            return fn()
+        apply_policy(model, how)
+        try:
+            return fn()
+        finally:
+            remove_policy(model)
+
+    samples: dict[str, list[float]] = {k: [] for k in runners}
+    with torch.no_grad():
+        for how in runners.values():
+            timed(how, lambda how=how: settle(forward(how), device))
+        for _ in range(repeats):
+            for key, how in runners.items():
+                samples[key].append(timed(how, lambda how=how: _once_ms(forward(how), device)))
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 @dataclass

