@@ -1,30 +1,45 @@
 """Installing a policy into a model, and taking it out again.
 
-Every module whose precision differs from its parent's gets a *region*: its forward runs
-inside the autocast context of its precision. Modules without a rule run in their parent's
-region, so only boundaries cost anything. At a boundary values are cast so that any mix
-just works: an fp32 island upcasts its low-precision inputs and runs with autocast off; a
-low-precision region nested in an fp32 one hands fp32 back to it. FP8 rules replace each
-``nn.Linear`` below them with an :class:`~autoprec.formats.FP8Linear` sharing the same
-parameters, so ``state_dict`` keys, optimizers and checkpoints are unchanged.
+A rule decides the precision of a module's own compute. Every module whose precision differs
+from its parent's gets a *region*; modules without a rule run in their parent's region, so only
+boundaries cost anything. Regions follow autocast's model of where casts happen:
+
+- a bf16/fp16 region runs under ``torch.autocast`` of that dtype: matmul-class ops cast their
+  inputs down, ops autocast keeps in fp32 (softmax, norms, losses) cast them up, and everything
+  else runs in the dtype it is given;
+- an fp32 region runs with autocast off; it upcasts the low-precision inputs it is handed, and
+  its matmul-class and fp32-class ops upcast any low-precision operand they meet (a light
+  ``TorchFunctionMode``, active while a policy runs), so values that a low-precision child
+  hands back stay low-precision only through cheap elementwise glue, as under autocast;
+- the model hands its caller fp32 outputs.
+
+So any mix just works, and a policy with a rule on every layer costs about what blanket
+autocast costs. FP8 rules replace each ``nn.Linear`` below them with an
+:class:`~autoprec.formats.FP8Linear` sharing the same parameters, so ``state_dict`` keys,
+optimizers and checkpoints are unchanged. A module shared under several names is one object and
+runs in one precision: a policy that gives its names different precisions is refused.
 """
 
 from __future__ import annotations
 
 import difflib
+import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.nn as nn
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
+from torch import nn
 
 from .formats import FP8Linear, Precision
 from .policy import Policy, PolicyError
 
-__all__ = ["apply_policy", "remove_policy", "applied_policy", "effective_precisions"]
+__all__ = ["applied_policy", "apply_policy", "effective_precisions", "remove_policy", "takes_precision"]
 
 _MODES = ("inference", "training")
 _STATE_ATTR = "_autoprec_state"
@@ -57,23 +72,76 @@ def _device_type(args: tuple, kwargs: dict, module: nn.Module) -> str:
     return "cpu"
 
 
-def _region_forward(forward: Callable, module: nn.Module, precision: Precision, parent: Precision) -> Callable:
-    """``forward`` run in ``precision``'s region, casting at the boundary with ``parent``."""
-    dtype = precision.autocast_dtype
-    cast_out = dtype is not None and parent is Precision.FP32
+# Ops an fp32 region computes in fp32 even when handed low-precision operands: autocast's
+# lower-precision list (matmul-class) and its fp32 list (softmax, norms, losses), as torch functions.
+_FP32_COMPUTE = frozenset({
+    F.linear, F.bilinear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
+    torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.addmm, torch.Tensor.addmm, torch.baddbmm,
+    torch.Tensor.baddbmm, torch.addbmm, torch.einsum, torch.tensordot,
+    F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
+    F.scaled_dot_product_attention, F.softmax, torch.softmax, torch.Tensor.softmax, F.log_softmax,
+    torch.log_softmax, torch.Tensor.log_softmax, F.layer_norm, F.group_norm, F.batch_norm, F.instance_norm,
+    F.rms_norm, F.normalize, F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.binary_cross_entropy_with_logits,
+    F.kl_div, torch.norm, torch.Tensor.norm, torch.cumsum, torch.Tensor.cumsum, torch.prod, torch.Tensor.prod,
+})
+_in_fp32_region = threading.local()
 
-    def forward_in_region(*args: Any, **kwargs: Any) -> Any:
-        device_type = _device_type(args, kwargs, module)
-        if dtype is None:  # fp32 island (or the fp32 shell of an FP8 region)
+
+class _Fp32Compute(TorchFunctionMode):
+    """While a policy runs: in fp32 regions, upcast the low-precision operands of fp32 compute."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if func in _FP32_COMPUTE and getattr(_in_fp32_region, "value", False):
             args, kwargs = _cast_floats((args, kwargs), torch.float32, _LOW)
-            with torch.autocast(device_type, enabled=False):
-                return forward(*args, **kwargs)
-        with torch.autocast(device_type, dtype=dtype):
-            out = forward(*args, **kwargs)
-        return _cast_floats(out, torch.float32, _LOW) if cast_out else out
+        return func(*args, **kwargs)
 
-    forward_in_region.__wrapped__ = forward  # type: ignore[attr-defined]
-    return forward_in_region
+
+class _Region:
+    """A module's forward, run in its region's precision.
+
+    It is the module's instance ``forward``: an object that holds the module rather than a
+    closure over it, so ``copy.deepcopy`` and pickling carry it over to the copy. The model's
+    own region (``is_root``) also turns on :class:`_Fp32Compute` and hands fp32 back to the caller.
+    """
+
+    def __init__(self, module: nn.Module, precision: Precision, is_root: bool) -> None:
+        self.module = module
+        self.precision = precision
+        self.is_root = is_root
+        self.inner_forward: Callable | None = module.__dict__.get("forward")  # one the module already had
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        forward = self.inner_forward or type(module).forward.__get__(module)
+        device_type = _device_type(args, kwargs, module)
+        dtype = self.precision.autocast_dtype
+        outer = getattr(_in_fp32_region, "value", False)
+        _in_fp32_region.value = dtype is None
+        try:
+            if dtype is None:  # fp32 island (or the fp32 shell of an FP8 region)
+                args, kwargs = _cast_floats((args, kwargs), torch.float32, _LOW)
+                region = torch.autocast(device_type, enabled=False)
+            else:
+                region = torch.autocast(device_type, dtype=dtype)
+            if not self.is_root:
+                with region:
+                    return forward(*args, **kwargs)
+            with _Fp32Compute(), region:
+                out = forward(*args, **kwargs)
+            return _cast_floats(out, torch.float32, _LOW)
+        finally:
+            _in_fp32_region.value = outer
+
+
+def _install_region(module: nn.Module, precision: Precision, is_root: bool) -> None:
+    object.__setattr__(module, "forward", _Region(module, precision, is_root))
+
+
+def _remove_region(module: nn.Module) -> None:
+    region: _Region = module.__dict__.pop("forward")
+    if region.inner_forward is not None:
+        object.__setattr__(module, "forward", region.inner_forward)
 
 
 def effective_precisions(model: nn.Module, policy: Policy) -> dict[str, Precision]:
@@ -87,8 +155,20 @@ def effective_precisions(model: nn.Module, policy: Policy) -> dict[str, Precisio
     return result
 
 
+def _aliases(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
+    """Every module object once, with every path it is reachable under (shared modules have several)."""
+    found: dict[int, tuple[nn.Module, list[str]]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        found.setdefault(id(module), (module, []))[1].append(name)
+    return list(found.values())
+
+
+def _parent_precision(name: str, precisions: dict[str, Precision]) -> Precision:
+    return precisions[name.rpartition(".")[0]] if name else Precision.FP32  # the caller's world is fp32
+
+
 def _check_names(model: nn.Module, policy: Policy) -> None:
-    names = [n for n, _ in model.named_modules()]
+    names = [n for n, _ in model.named_modules(remove_duplicate=False)]
     known = set(names)
     missing = [n for n in policy.exact_names if n not in known]
     if missing:
@@ -98,9 +178,24 @@ def _check_names(model: nn.Module, policy: Policy) -> None:
             hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
             lines.append(f"layer {n!r} is in the policy but not in the model{hint}")
         raise PolicyError("\n".join(lines))
-    for source, (pattern, _) in zip(policy.patterns, policy._patterns):
+    for source, (pattern, _) in zip(policy.patterns, policy._patterns, strict=True):
         if not any(pattern.fullmatch(n) for n in names):
             warnings.warn(f"policy pattern {source!r} matches no module of the model", stacklevel=3)
+
+
+def _check_shared(aliases: list[tuple[nn.Module, list[str]]], precisions: dict[str, Precision]) -> None:
+    """A module object runs in one precision: its names may not ask for different ones."""
+    for module, names in aliases:
+        asked = {precisions[n] for n in names}
+        needs_region = any(precisions[n] is not _parent_precision(n, precisions) for n in names)
+        fp8_linear = type(module) is nn.Linear and Precision.FP8 in asked
+        if len(asked) > 1 and (needs_region or fp8_linear):
+            got = ", ".join(f"{n!r}: {precisions[n].value}" for n in names)
+            raise PolicyError(f"one module is shared under several names that the policy gives different "
+                              f"precisions ({got}); give each of its names the same rule")
+        if fp8_linear and "" in names:
+            raise PolicyError("fp8 replaces each nn.Linear inside the model, and the model itself is one; "
+                              "wrap it in a container (e.g. nn.Sequential(linear)) to run it in fp8")
 
 
 def applied_policy(model: nn.Module) -> Policy | None:
@@ -126,30 +221,32 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     if getattr(model, _STATE_ATTR, None) is not None:
         raise RuntimeError("this model already has a policy applied; call autoprec.remove_policy(model) first")
     _check_names(model, policy)
+    precisions = effective_precisions(model, policy)
+    _check_shared(_aliases(model), precisions)  # before anything changes: a refused policy leaves no trace
 
     state = _Installed(policy=policy, mode=mode)
-    precisions = effective_precisions(model, policy)
-    modules = dict(model.named_modules())
-
-    # FP8: swap every nn.Linear that runs in fp8 (outer modules first, so names stay valid).
-    for name, precision in precisions.items():
-        module = modules.get(name)
-        if precision is Precision.FP8 and type(module) is nn.Linear and name:
+    # FP8: every nn.Linear that runs in fp8 becomes an FP8Linear sharing its parameters, under each of
+    # its names (a shared linear stays shared).
+    for module, names in _aliases(model):
+        if type(module) is not nn.Linear or precisions[names[0]] is not Precision.FP8:
+            continue
+        fp8 = FP8Linear.from_linear(module, policy.fp8, cache_weight=mode == "inference")
+        for name in names:
             parent_name, _, attr = name.rpartition(".")
-            parent = modules[parent_name]
-            fp8 = FP8Linear.from_linear(module, policy.fp8, cache_weight=mode == "inference")
+            parent = model.get_submodule(parent_name)
             setattr(parent, attr, fp8)
             state.swapped.append((parent, attr, module))
-            modules[name] = fp8
 
-    for name, precision in precisions.items():
-        parent_precision = precisions[name.rpartition(".")[0]] if name else Precision.FP32
-        if precision is parent_precision or name not in modules:
+    # A region wherever a module's precision differs from its parent's; elsewhere modules run in
+    # their parent's region, so only boundaries cost anything.
+    # The model itself always gets one when any region exists: it turns on the fp32-compute mode
+    # and hands fp32 back to the caller.
+    any_low = any(p is not Precision.FP32 for p in precisions.values())
+    for module, names in _aliases(model):
+        is_root = "" in names
+        if not (is_root and any_low) and all(precisions[n] is _parent_precision(n, precisions) for n in names):
             continue
-        module = modules[name]
-        if "forward" in module.__dict__:
-            continue  # a shared module already wrapped under another name
-        module.forward = _region_forward(module.forward, module, precision, parent_precision)
+        _install_region(module, precisions[names[0]], is_root)
         state.wrapped.append(module)
 
     object.__setattr__(model, _STATE_ATTR, state)
@@ -162,8 +259,15 @@ def remove_policy(model: nn.Module) -> nn.Module:
     if state is None:
         raise RuntimeError("this model has no policy applied")
     for module in state.wrapped:
-        del module.forward
+        _remove_region(module)
     for parent, attr, original in reversed(state.swapped):
         setattr(parent, attr, original)
     object.__delattr__(model, _STATE_ATTR)
     return model
+
+
+def takes_precision(module: nn.Module, precision: Precision | str) -> bool:
+    """Whether a rule can run ``module`` itself in ``precision``: FP8 exists for ``nn.Linear`` only."""
+    if Precision.parse(precision) is Precision.FP8:
+        return type(module) in (nn.Linear, FP8Linear)
+    return True

@@ -16,23 +16,23 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 __all__ = [
-    "Precision",
-    "Capability",
-    "FP8Recipe",
-    "FP8Linear",
     "E4M3_MAX",
     "E5M2_MAX",
+    "Capability",
+    "FP8Linear",
+    "FP8Recipe",
+    "Precision",
     "device_capabilities",
-    "fp8_scale",
-    "fp8_quantize",
     "fp8_fake_quantize",
+    "fp8_quantize",
+    "fp8_scale",
     "sqnr_db",
 ]
 
@@ -83,7 +83,7 @@ def _cuda_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _capabilities(device_type: str, index: int | None) -> dict[Precision, Capability]:
     native, emulated = Capability.NATIVE, Capability.EMULATED
     if device_type == "cuda":
@@ -218,6 +218,7 @@ class FP8Linear(nn.Linear):
         new.weight = linear.weight
         new.bias = linear.bias
         new._init_fp8_state(recipe or FP8Recipe(), cache_weight)
+        new.train(linear.training)  # a fresh Module starts in training mode
         return new
 
     def quantized_weight(self) -> torch.Tensor:
@@ -263,7 +264,7 @@ class FP8Linear(nn.Linear):
 
     def _native_forward(self, x2d: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
         w_scale = fp8_scale(self.weight.detach().abs().amax())
-        xq = fp8_quantize(x2d, x_scale)
+        xq = fp8_quantize(x2d, x_scale).contiguous()  # _scaled_mm wants a row-major left operand
         wq = fp8_quantize(self.weight, w_scale)
         bias = None if self.bias is None else self.bias.to(torch.bfloat16)
         y = torch._scaled_mm(xq, wq.t(), scale_a=x_scale.reciprocal(), scale_b=w_scale.reciprocal(),

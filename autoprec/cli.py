@@ -1,0 +1,283 @@
+"""The ``autoprec`` command: a table of subcommands, each one small function.
+
+    autoprec tune MODEL_PY        profile, search and verify: writes policy.json and report.md
+    autoprec profile MODEL_PY     every tunable layer: sensitivity and measured latency per precision
+    autoprec bench MODEL_PY --policy FILE   re-measure a policy against fp32 and blanket autocast
+    autoprec show POLICY_JSON     the policy's rules, what it was tuned on and what it achieved
+
+A subcommand is an entry in :data:`COMMANDS`: its name, one line of help, a function that adds its
+arguments and a function that runs it and returns the exit status. Usage errors print that
+subcommand's help and exit 2; a user error while running (a bad file, a missing layer) prints one
+line ``autoprec <command>: error: <message>`` and exits 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .formats import Precision
+from .policy import Policy, PolicyError
+from .searchspace import SearchSpaceError
+from .userspec import UserCodeError
+
+__all__ = ["COMMANDS", "main"]
+
+PROG = "autoprec"
+
+
+class CommandError(Exception):
+    """A user error a subcommand reports as one line (exit status 1)."""
+
+
+# Errors that are the user's to fix: reported as one line. Anything else is a bug and keeps its traceback.
+_USER_ERRORS = (CommandError, PolicyError, SearchSpaceError, UserCodeError)
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# ---- show ------------------------------------------------------------------------------------------
+def _show_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("policy", metavar="POLICY_JSON", help="a policy file written by `autoprec tune`")
+
+
+def show(args: argparse.Namespace) -> int:
+    policy = Policy.load(args.policy)
+    print(f"policy: {args.policy}")
+    print(policy)
+    for title, block in (("model", policy.model), ("tuned on", policy.tuned_on), ("result", policy.result)):
+        if block:
+            print(f"\n{title}:")
+            print(_key_values(block))
+    return 0
+
+
+def _key_values(block: dict[str, Any]) -> str:
+    width = max(len(k) for k in block)
+    return "\n".join(f"  {k.ljust(width)}  {v if isinstance(v, str) else json.dumps(v)}" for k, v in block.items())
+
+
+# ---- shared options ----------------------------------------------------------------------------------
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_py", metavar="MODEL_PY",
+                        help="a Python file with get_model(), get_batches() and optionally evaluate(model, batches)")
+    parser.add_argument("--device", default="cpu", help="device to tune for: cpu, cuda or cuda:N (default: cpu)")
+
+
+def _precisions(text: str) -> list[str]:
+    try:
+        return [Precision.parse(p).value for p in text.split(",") if p.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def _default_out(model_py: str) -> Path:
+    """``autoprec-runs/<name>``: the example's folder name for a model.py, else the file's stem."""
+    path = Path(model_py)
+    name = path.parent.name if path.stem == "model" and path.parent.name else path.stem
+    return Path("autoprec-runs") / (name or "model")
+
+
+def _load(args: argparse.Namespace):
+    from .userspec import load_model_py
+
+    _check_device(args.device)
+    print(f"loading {args.model_py}", file=sys.stderr)
+    return load_model_py(args.model_py)
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise CommandError(f"bad --device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CommandError(f"--device {device}: no CUDA device is available here; use --device cpu")
+
+
+# ---- tune ----------------------------------------------------------------------------------------------
+def _tune_arguments(parser: argparse.ArgumentParser) -> None:
+    _model_arguments(parser)
+    parser.add_argument("--budget", help="largest allowed drop of your metric vs fp32: 0.5 (absolute) or 1%% "
+                                         "(relative); default 1%% when model.py has evaluate()")
+    parser.add_argument("--min-sqnr", type=float, metavar="DB",
+                        help="floor on output SQNR vs fp32 in dB (default 30 without evaluate())")
+    parser.add_argument("--trials", type=_positive_int, default=60, help="most trials in the study (default 60)")
+    parser.add_argument("--timeout", type=float, metavar="S", help="stop searching after S seconds")
+    parser.add_argument("--out", help="output folder (default: autoprec-runs/<model name>)")
+    parser.add_argument("--precisions", type=_precisions, default=["bf16", "fp16", "fp8"],
+                        help="candidate low precisions, comma-separated (default bf16,fp16,fp8)")
+    parser.add_argument("--search-space", default="auto",
+                        help="preset name (default, transformer, transformer-blocks, cnn) or a YAML file; "
+                             "default: auto (by the layers found)")
+    parser.add_argument("--storage", help="Optuna storage URL shared by workers (default: SQLite in the out folder)")
+    parser.add_argument("--study-name", help="study name within --storage (workers of one study share it)")
+    parser.add_argument("--sensitivity-batches", type=_positive_int, default=1,
+                        help="search batches used per sensitivity evaluation (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+
+
+def tune(args: argparse.Namespace) -> int:
+    from .tune import tune as run_tune
+
+    spec = _load(args)
+    out = Path(args.out) if args.out else _default_out(args.model_py)
+    try:
+        result = run_tune(spec.model, spec.search_batches, spec.evaluate, higher_is_better=spec.higher_is_better,
+                          holdout_batches=spec.holdout_batches, budget=args.budget, min_sqnr=args.min_sqnr,
+                          device=args.device, precisions=args.precisions, search_space=args.search_space,
+                          trials=args.trials, timeout=args.timeout, out=out, storage=args.storage,
+                          study_name=args.study_name, sensitivity_batches=args.sensitivity_batches,
+                          seed=args.seed, log=lambda msg: print(msg, file=sys.stderr))
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: finished trials are saved; run the same command to resume ({out})",
+              file=sys.stderr)
+        return 130
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    v = result.verification
+    rows = [("fp32", v.latency_ms["fp32"], v.metric["fp32"]),
+            (f"blanket autocast ({v.autocast_precision})", v.latency_ms["autocast"], v.metric["autocast"])]
+    if "tuned" in v.latency_ms:
+        rows.append(("autoprec policy", v.latency_ms["tuned"], v.metric["tuned"]))
+    print(f"held-out batches, latency on {v.timing_batch} (median of interleaved runs):")
+    for label, ms, metric in rows:
+        print(f"  {label:28s} {ms:9.2f} ms  {v.latency_ms['fp32'] / ms:5.2f}x  metric {metric:.6g}")
+    for note in v.notes:
+        print(f"  note: {note}")
+    print(result.policy)
+    print(f"outputs: {out}/ (policy.json, report.md, pareto.png, sensitivity.png, profile.json, study.db)")
+    return 0
+
+
+# ---- profile -------------------------------------------------------------------------------------------
+def _profile_arguments(parser: argparse.ArgumentParser) -> None:
+    _model_arguments(parser)
+    parser.add_argument("--out", help="output folder (default: autoprec-runs/<model name>)")
+    parser.add_argument("--precisions", type=_precisions, default=["bf16", "fp16", "fp8"],
+                        help="low precisions to profile, comma-separated (default bf16,fp16,fp8)")
+    parser.add_argument("--sensitivity-batches", type=_positive_int, default=1,
+                        help="search batches used per sensitivity evaluation (default 1)")
+
+
+def profile(args: argparse.Namespace) -> int:
+    import torch
+
+    from .report import profile_summary, profile_table, sensitivity_heatmap
+    from .tune import load_or_profile
+
+    spec = _load(args)
+    out = Path(args.out) if args.out else _default_out(args.model_py)
+    out.mkdir(parents=True, exist_ok=True)
+    model = spec.model.to(args.device).eval()
+    try:
+        _, prof, _ = load_or_profile(model, spec.search_batches, spec.evaluate, spec.higher_is_better,
+                                     torch.device(args.device), args.precisions, out, args.sensitivity_batches,
+                                     log=lambda msg: print(msg, file=sys.stderr))
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    print(profile_table(prof))
+    print()
+    print(profile_summary(prof))
+    heatmap = sensitivity_heatmap(prof, out / "sensitivity.png")
+    print(f"outputs: {out}/ (profile.json{', sensitivity.png' if heatmap else ''})")
+    return 0
+
+
+# ---- bench ---------------------------------------------------------------------------------------------
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    _model_arguments(parser)
+    parser.add_argument("--policy", required=True, help="the policy.json to re-measure")
+    parser.add_argument("--repeats", type=_positive_int, default=7, help="timed runs of each (default 7)")
+
+
+def bench(args: argparse.Namespace) -> int:
+    from .verify import bench_policy
+
+    policy = Policy.load(args.policy)
+    spec = _load(args)
+    try:
+        result = bench_policy(spec.model, spec.holdout_batches, policy, spec.evaluate, spec.higher_is_better,
+                              device=args.device, repeats=args.repeats)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    print(result)
+    return 0
+
+
+# ---- the table ---------------------------------------------------------------------------------------
+COMMANDS: list[Command] = [
+    Command("tune", "find the fastest per-layer precision policy within an accuracy budget", _tune_arguments, tune),
+    Command("profile", "list every tunable layer with its sensitivity and measured latency per precision",
+            _profile_arguments, profile),
+    Command("bench", "re-measure a policy against fp32 and blanket autocast", _bench_arguments, bench),
+    Command("show", "print a policy file: its rules, what it was tuned on, what it achieved", _show_arguments, show),
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    """On a usage error, print this (sub)command's full help, not only its usage line."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_help(sys.stderr)
+        self.exit(2, f"\n{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Automatic per-layer precision for PyTorch models.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in COMMANDS:
+        sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
+        command.add_arguments(sub)
+        sub.set_defaults(run=command.run, parser=sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # reported by the subcommand's parser, so its help is what gets printed
+            args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as e:  # usage error (2) or --help (0): argparse has printed what to say
+        return e.code if isinstance(e.code, int) else 2
+    prog = f"{PROG} {args.command}"
+    with warnings.catch_warnings():
+        warnings.showwarning = lambda message, *_, **__: print(f"{prog}: warning: {message}", file=sys.stderr)
+        try:
+            return args.run(args)
+        except _USER_ERRORS as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 1
+        except BrokenPipeError:  # `autoprec show p.json | head`: the reader left early, not an error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush stays quiet
+            return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""apply_policy / remove_policy: every matmul runs in the precision the policy gives its layer."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from matmuls import MatmulLog, ModuleStack
+
+from autoprec import FP8Linear, Policy, PolicyError, Precision, apply_policy, remove_policy
+from autoprec.apply import applied_policy, effective_precisions
+from autoprec.formats import fp8_scale
+
+# FP8 is emulated on these devices: an fp32 matmul on values quantized to FP8.
+MATMUL_DTYPE = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16,
+                Precision.FP16: torch.float16, Precision.FP8: torch.float32}
+
+
+class Attention(nn.Module):
+    """Attention written out, so its two batched matmuls belong to this module."""
+
+    def __init__(self, dim: int, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-2, -1)) * (C // self.heads) ** -0.5
+        y = att.softmax(-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.attn = Attention(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm(x))
+        return x + self.mlp(x)
+
+
+class Net(nn.Module):
+    def __init__(self, channels: int = 4, dim: int = 16, classes: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Conv1d(channels, dim, 3, padding=1)
+        self.blocks = nn.ModuleList([Block(dim), Block(dim)])
+        self.head = nn.Linear(dim, 24)  # not square: its two matmul operands tell apart by shape
+        self.out = nn.Linear(24, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, channels, time)
+        x = self.stem(x).transpose(1, 2)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(self.head(x))
+
+
+MIXED = {
+    "stem": "bf16",                      # a conv layer
+    "blocks.0": "bf16",                  # a bf16 block ...
+    "blocks.0.attn.proj": "fp32",        # ... with an fp32 island inside
+    "blocks.1.attn": "fp16",             # fp16 attention (its own bmm and its linears)
+    "re:blocks\\.1\\.mlp\\.[0-9]+": "bf16",  # layers under a pattern, feeding the fp32 residual
+    "head": "fp8",                       # an fp8 linear, feeding the fp32 layer `out`
+}
+MATMUL_LAYERS = {"stem", "head", "out"} | {
+    f"blocks.{i}.{layer}" for i in (0, 1) for layer in ("attn", "attn.qkv", "attn.proj", "mlp.0", "mlp.2")}
+
+
+def make_net(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def make_input(seed: int = 1) -> torch.Tensor:
+    return torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(seed))
+
+
+def mixed_policy() -> Policy:
+    return Policy(layers=MIXED, default="fp32")
+
+
+def on_e4m3_grid(t: torch.Tensor, scale: torch.Tensor) -> bool:
+    """t is a dequantized FP8 tensor: t*scale cast to E4M3 and back gives exactly t again."""
+    return torch.equal((t * scale).to(torch.float8_e4m3fn).float() / scale, t)
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_every_matmul_runs_in_its_layers_precision(mode, monkeypatch):
+    model = make_net().train(mode == "training")
+    policy = mixed_policy()
+    apply_policy(model, policy, mode=mode)
+    expected = effective_precisions(model, policy)
+    assert isinstance(model.head, FP8Linear)
+
+    head_scales: list[torch.Tensor] = []
+    input_scale = model.head.input_scale
+    monkeypatch.setattr(model.head, "input_scale", lambda x: head_scales.append(input_scale(x)) or head_scales[-1])
+
+    stack = ModuleStack(model)
+    x = make_input().requires_grad_(True)  # so every module's backward hook fires in order
+    with MatmulLog(stack.current) as log:
+        y = model(x)
+        forward_calls = len(log.calls)
+        y.square().mean().backward()
+    stack.remove()
+    forward, backward = log.calls[:forward_calls], log.calls[forward_calls:]
+
+    assert y.dtype == torch.float32
+    for phase, calls in (("forward", forward), ("backward", backward)):
+        assert {c.module for c in calls} == MATMUL_LAYERS, phase
+        for c in calls:
+            want = MATMUL_DTYPE[expected[c.module]]
+            assert c.dtypes == {want}, f"{phase} {c.op} in {c.module!r} ran in {c.dtypes}, policy says {want}"
+    for name in MATMUL_LAYERS - {"blocks.0.attn", "blocks.1.attn"}:  # a linear or conv has a weight grad
+        assert model.get_submodule(name).weight.grad is not None, name
+
+    # The fp8 layer multiplied FP8 values: its input and weight both sit on the E4M3 grid.
+    (head_mm,) = [c for c in forward if c.module == "head"]
+    x_in = next(t for t in head_mm.operands if t.shape[-1] == 16)  # (tokens, 16), maybe batched
+    w_t = next(t for t in head_mm.operands if t.shape[-2:] == (16, 24))  # weight.t(), maybe expanded
+    assert on_e4m3_grid(x_in, head_scales[-1])
+    assert on_e4m3_grid(w_t, fp8_scale(model.head.weight.detach().abs().amax()))
+    assert not on_e4m3_grid(torch.randn_like(x_in), head_scales[-1])  # the check can fail
+
+
+def test_inference_without_grad_runs_the_same_precisions():
+    model = make_net().eval()
+    apply_policy(model, mixed_policy(), mode="inference")
+    expected = effective_precisions(model, mixed_policy())
+    stack = ModuleStack(model)
+    with torch.no_grad(), MatmulLog(stack.current) as log:
+        model(make_input())
+        model(make_input())  # FP8 weights now come from the cache
+    assert {c.module for c in log.calls} == MATMUL_LAYERS
+    assert all(c.dtypes == {MATMUL_DTYPE[expected[c.module]]} for c in log.calls)
+
+
+def test_low_precision_layer_feeding_fp32_layer_just_works():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.LayerNorm(8))
+    for layers in ({"0": "bf16"}, {"0": "fp16"}, {"0": "fp8"}, {"2": "bf16"}):
+        apply_policy(model, Policy(layers=layers))
+        y = model(torch.randn(2, 8, requires_grad=True))
+        y.sum().backward()
+        assert y.dtype == torch.float32, layers
+        remove_policy(model)
+
+
+def test_low_precision_layer_inside_an_fp8_region_hands_back_fp32():
+    # The fp8 region runs with autocast off, like fp32: the LayerNorm after the bf16 layer gets fp32.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.LayerNorm(8))
+    apply_policy(model, Policy(default="fp8", layers={"1": "bf16"}))
+    assert isinstance(model[0], FP8Linear) and type(model[1]) is nn.Linear
+    assert model(torch.randn(2, 8)).dtype == torch.float32
+
+
+def test_remove_policy_restores_the_model_bit_for_bit():
+    model, x = make_net(), make_input()
+    with torch.no_grad():
+        before = model(x)
+    originals = dict(model.named_modules())
+    apply_policy(model, mixed_policy())
+    with torch.no_grad():
+        assert not torch.equal(model(x), before)
+    remove_policy(model)
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+    assert dict(model.named_modules()) == originals
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert applied_policy(model) is None
+
+
+def test_state_dict_keys_and_values_are_unchanged():
+    plain, model = make_net(), make_net()
+    apply_policy(model, mixed_policy(), mode="training")
+    assert list(model.state_dict()) == list(plain.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), plain.state_dict().values(), strict=True))
+
+
+def test_checkpoint_saved_with_policy_loads_into_plain_model_and_back(tmp_path):
+    # Current FP8 scaling: delayed scaling's amax history is run-time state, not in the checkpoint.
+    policy = Policy(layers=MIXED, fp8={"amax_history": 1})
+    model, x = make_net(), make_input()
+    apply_policy(model, policy, mode="inference")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(x).square().mean().backward()
+    optimizer.step()
+    torch.save(model.state_dict(), tmp_path / "checkpoint.pt")
+
+    plain = make_net(seed=1)
+    plain.load_state_dict(torch.load(tmp_path / "checkpoint.pt"))  # strict: same keys
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values(), strict=True))
+
+    # Back into a model that has a policy and has already run (its FP8 weight cache is filled).
+    other = apply_policy(make_net(seed=2), policy, mode="inference")
+    with torch.no_grad():
+        other(x)
+        other.load_state_dict(plain.state_dict())
+        assert torch.equal(other(x), model(x))
+
+
+def test_missing_layer_names_the_layer_and_the_closest_one():
+    model = make_net()
+    with pytest.raises(PolicyError, match=r"'blocks\.0\.attn\.qkvv' is in the policy but not in the model; "
+                                          r"did you mean 'blocks\.0\.attn\.qkv'"):
+        apply_policy(model, Policy(layers={"blocks.0.attn.qkvv": "bf16"}))
+    assert applied_policy(model) is None
+
+
+def test_pattern_matching_nothing_warns():
+    with pytest.warns(UserWarning, match="matches no module"):
+        apply_policy(make_net(), Policy(layers={"re:encoder\\..*": "bf16"}))
+
+
+def test_applying_twice_raises():
+    model = apply_policy(make_net(), mixed_policy())
+    with pytest.raises(RuntimeError, match="already has a policy applied; call autoprec.remove_policy"):
+        apply_policy(model, mixed_policy())
+
+
+def test_bad_mode_and_bad_model():
+    with pytest.raises(ValueError, match="mode must be 'inference' or 'training'"):
+        apply_policy(make_net(), mixed_policy(), mode="train")
+    with pytest.raises(TypeError, match="needs a torch.nn.Module"):
+        apply_policy(lambda x: x, mixed_policy())
+
+
+class Shared(nn.Module):
+    """One linear registered under two names (called twice), plus a weight tied to an embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.a = nn.Linear(8, 8)
+        self.b = self.a
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.b(self.a(self.emb(tokens))))
+
+
+# The embedding's input is integer tokens, so its backward hook fires early; it has no matmul.
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp8"])
+def test_shared_module_and_tied_weights(precision):
+    torch.manual_seed(0)
+    model = Shared()
+    shared, tokens = model.a, torch.randint(0, 10, (2, 5))
+    keys = list(model.state_dict())
+    apply_policy(model, Policy(layers={"re:[ab]": precision, "head": precision}), mode="training")
+    assert model.a is model.b and model.head.weight is model.emb.weight
+    assert isinstance(model.a, FP8Linear) == (precision == "fp8")
+    assert list(model.state_dict()) == keys
+
+    stack = ModuleStack(model)
+    with MatmulLog(stack.current) as log:
+        model(tokens).float().sum().backward()
+    stack.remove()
+    assert {c.module for c in log.calls} == {"a", "head"}  # named_modules() names a shared module once
+    assert all(c.dtypes == {MATMUL_DTYPE[Precision(precision)]} for c in log.calls)
+    assert model.emb.weight.grad is not None and model.a.weight.grad is not None
+
+    remove_policy(model)
+    assert model.a is shared and model.b is shared
+
+
+def test_shared_module_asked_for_two_precisions_is_refused():
+    model = Shared()
+    with pytest.raises(PolicyError, match=r"shared under several names .*'a': bf16, 'b': fp32"):
+        apply_policy(model, Policy(layers={"a": "bf16"}))
+    assert applied_policy(model) is None and "forward" not in model.a.__dict__
+
+
+def test_deepcopy_of_a_model_with_policy_is_independent():
+    model, x = make_net(), make_input()
+    apply_policy(model, mixed_policy())
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        before = model(x)
+        for p in clone.parameters():
+            p.mul_(0.5)
+        reference = make_net()
+        reference.load_state_dict(clone.state_dict())
+        apply_policy(reference, mixed_policy())
+        assert torch.equal(clone(x), reference(x))  # the copy's regions run the copy's weights
+        assert torch.equal(model(x), before)
+    remove_policy(clone)
+    assert "forward" not in clone.stem.__dict__ and type(clone.head) is nn.Linear
+    assert isinstance(model.head, FP8Linear)
+
+
+def test_whole_model_pickle_keeps_the_policy(tmp_path):
+    model, x = make_net(), make_input()
+    apply_policy(model, mixed_policy())
+    torch.save(model, tmp_path / "model.pt")  # pickles the module objects, regions included
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+    assert loaded.stem.forward.module is loaded.stem
+    remove_policy(loaded)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), make_net()(x))
+
+
+def test_an_instance_forward_the_model_had_is_kept_and_restored():
+    model = nn.Sequential(nn.Linear(4, 4))
+    class_forward = model[0].forward
+
+    def doubled(x: torch.Tensor) -> torch.Tensor:
+        return class_forward(x) * 2
+
+    model[0].forward = doubled
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        before = model(x)
+        apply_policy(model, Policy(layers={"0": "bf16"}))
+        with MatmulLog() as log:
+            torch.testing.assert_close(model(x), before, rtol=2e-2, atol=2e-2)
+        assert [c.dtypes for c in log.calls] == [{torch.bfloat16}]
+        remove_policy(model)
+        assert model[0].forward is doubled and torch.equal(model(x), before)
+
+
+def test_fp8_linear_keeps_train_eval_mode():
+    model = nn.Sequential(nn.Linear(4, 4)).eval()
+    apply_policy(model, Policy(default="fp8"))
+    assert not model[0].training
