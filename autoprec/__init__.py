@@ -16,6 +16,9 @@ from .formats import Capability, FP8Linear, FP8Recipe, Precision, device_capabil
 from .policy import Policy, PolicyError
 from .apply import apply_policy, remove_policy
 
+# Training with a policy
+from .training import TrainStep
+
 # Tuning (imports optuna lazily, when called)
 from .tune import TuneResult, tune
 
@@ -32,6 +35,8 @@ __all__ = [
     "PolicyError",
     "apply_policy",
     "remove_policy",
+    # training
+    "TrainStep",
     # tuning
     "tune",
     "TuneResult",
