@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
-from torch.overrides import TorchFunctionMode
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .formats import FP8Linear, Precision
 from .policy import Policy, PolicyError

@@ -171,7 +171,8 @@ def tune(args: argparse.Namespace) -> int:
     for note in v.notes:
         print(f"  note: {note}")
     print(result.policy)
-    print(f"outputs: {out}/ (policy.json, report.md, pareto.png, sensitivity.png, profile.json, study.db)")
+    names = ("policy.json", "report.md", "pareto.png", "sensitivity.png", "profile.json", "study.db")
+    print(f"outputs: {out}/ ({', '.join(n for n in names if (out / n).exists())})")
     return 0
 
 

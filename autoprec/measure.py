@@ -23,7 +23,8 @@ from .formats import Precision, sqnr_db
 from .policy import Policy
 from .userspec import call_model, to_device
 
-__all__ = ["Evaluator", "Measurement", "call_model", "interleaved_ms", "median_ms", "output_tensors", "settle", "time_ms", "to_device"]
+__all__ = ["Evaluator", "Measurement", "call_model", "interleaved_ms", "median_ms", "output_tensors", "settle",
+           "time_ms", "to_device"]
 
 
 def output_tensors(output: Any) -> list[torch.Tensor]:
@@ -62,7 +63,8 @@ def settle(fn: Callable[[], Any], device: str | torch.device = "cpu", min_runs: 
     return min(times)
 
 
-def time_ms(fn: Callable[[], Any], device: str | torch.device = "cpu", warmup: int = 1, repeats: int = 5) -> list[float]:
+def time_ms(fn: Callable[[], Any], device: str | torch.device = "cpu", warmup: int = 1,
+            repeats: int = 5) -> list[float]:
     """Wall-clock milliseconds of ``repeats`` calls of ``fn``, after it has settled (see :func:`settle`)."""
     device = torch.device(device)
     if warmup:
@@ -75,11 +77,14 @@ def median_ms(fn: Callable[[], Any], device: str | torch.device = "cpu", warmup:
 
 
 def interleaved_ms(model: nn.Module, batch: Any, runners: Mapping[str, Policy | Precision | None],
-                   device: str | torch.device = "cpu", repeats: int = 7) -> dict[str, float]:
+                   device: str | torch.device = "cpu", repeats: int = 7, rewarm: int = 1) -> dict[str, float]:
     """Median ms of one forward per entry, each settled first, then timed round-robin in one run.
 
     An entry is a Policy (applied for its runs), a Precision (blanket ``torch.autocast``) or
-    None (plain fp32). Round-robin makes a burst of machine noise hit every entry alike.
+    None (plain fp32). Round-robin makes a burst of machine noise hit every entry alike; in each
+    turn ``rewarm`` untimed forwards come first, so an entry is timed in its steady state (the
+    allocator's memory laid out for its own tensors, as in a serving loop), not right after
+    another entry's.
     """
     device = torch.device(device)
 
@@ -100,13 +105,19 @@ def interleaved_ms(model: nn.Module, batch: Any, runners: Mapping[str, Policy | 
         finally:
             remove_policy(model)
 
+    def burst(how: Policy | Precision | None) -> float:
+        fn = forward(how)
+        for _ in range(rewarm):
+            fn()
+        return _once_ms(fn, device)
+
     samples: dict[str, list[float]] = {k: [] for k in runners}
     with torch.no_grad():
         for how in runners.values():
             timed(how, lambda how=how: settle(forward(how), device))
         for _ in range(repeats):
             for key, how in runners.items():
-                samples[key].append(timed(how, lambda how=how: _once_ms(forward(how), device)))
+                samples[key].append(timed(how, lambda how=how: burst(how)))
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
@@ -125,8 +136,9 @@ class Measurement:
 class Evaluator:
     """Measures a model under candidate policies against its own fp32 run on fixed batches."""
 
-    def __init__(self, model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module, list], float] | None = None,
-                 higher_is_better: bool = True, device: str | torch.device = "cpu") -> None:
+    def __init__(self, model: nn.Module, batches: Sequence[Any],
+                 evaluate: Callable[[nn.Module, list], float] | None = None, higher_is_better: bool = True,
+                 device: str | torch.device = "cpu") -> None:
         self.model = model
         self.device = torch.device(device)
         self.batches = [to_device(b, self.device) for b in batches]

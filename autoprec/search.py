@@ -220,6 +220,8 @@ class _Study:
 
         self.optuna = optuna
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+        # A trial cut short by Ctrl-C (or one that raised) is autoprec's to report, without Optuna's traceback.
+        optuna.logging.get_logger("optuna.study._optimize").setLevel(optuna.logging.ERROR)
         # Optuna 5 reads constraints that trials set; older versions take a constraints_func.
         self.trial_constraints = hasattr(optuna.trial.Trial, "set_constraint")
         extra = {} if self.trial_constraints else {
@@ -228,8 +230,8 @@ class _Study:
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=8,
                                                  **extra)
-            self.study = optuna.create_study(storage=storage, study_name=study_name, direction="minimize",
-                                             sampler=sampler, load_if_exists=True)
+            self.study = optuna.create_study(storage=_open_storage(optuna, storage), study_name=study_name,
+                                             direction="minimize", sampler=sampler, load_if_exists=True)
         if fail_stale:  # a single-worker run killed mid-trial: that trial is lost, nothing else
             for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
                 self.study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
@@ -265,7 +267,7 @@ def search(model: Any, profile: Profile, evaluator: Evaluator, budget: Budget, s
         out = {n: "fp32" for n in layer_names}
         for u in searchable:
             for n in u.layers:
-                out[n] = params[u.key]
+                out[n] = params.get(u.key, "fp32")  # a worker with other units left it fp32
         return out
 
     def objective(trial: Any) -> float:
@@ -290,8 +292,9 @@ def search(model: Any, profile: Profile, evaluator: Evaluator, budget: Budget, s
         return predicted
 
     def run(n: int, params: Mapping[str, str] | None = None, seed_name: str | None = None) -> None:
+        greedy_probe = seed_name == "greedy"  # the greedy walk reads back the trial it asked for
         if params is not None:
-            study.enqueue_trial(dict(params), user_attrs={"seed": seed_name})
+            study.enqueue_trial(dict(params), user_attrs={"seed": seed_name}, skip_if_exists=not greedy_probe)
         study.optimize(objective, n_trials=n, timeout=None, catch=(Exception,), gc_after_trial=False)
         bar.update(n)
 
@@ -333,8 +336,11 @@ def search(model: Any, profile: Profile, evaluator: Evaluator, budget: Budget, s
                 bar.update(1)
 
             deadline = None if timeout is None else max(1.0, timeout - (time.perf_counter() - start))
+            # --trials caps the whole study, whichever worker finishes a trial
+            cap = optuna.study.MaxTrialsCallback(trials, states=(optuna.trial.TrialState.COMPLETE,
+                                                                 optuna.trial.TrialState.FAIL))
             study.optimize(objective, n_trials=remaining, timeout=deadline, catch=(Exception,),
-                           callbacks=[stop_when_stale], gc_after_trial=False)
+                           callbacks=[stop_when_stale, cap], gc_after_trial=False)
             if timeout is not None and time.perf_counter() - start >= timeout:
                 stopped = "timeout"
 
@@ -422,3 +428,18 @@ def _best_ms(trials: Sequence[Any]) -> float:
     ms = [float(t.user_attrs["predicted_ms"]) for t in trials
           if "violation" in t.user_attrs and _num(t.user_attrs["violation"]) <= 0]
     return min(ms, default=math.inf)
+
+
+def _open_storage(optuna: Any, url: str, attempts: int = 5) -> Any:
+    """An RDB storage, retried: workers that all find an empty database race to create its tables."""
+    import sqlalchemy.exc
+
+    if not isinstance(url, str):
+        return url
+    for attempt in range(attempts):
+        try:
+            return optuna.storages.RDBStorage(url)
+        except sqlalchemy.exc.SQLAlchemyError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.2 * 2**attempt)

@@ -114,6 +114,7 @@ def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module
         out_dir.mkdir(parents=True, exist_ok=True)
     model = model.to(device).eval()
 
+    named_space = None if search_space == "auto" else SearchSpace.load(search_space)  # a typo fails before profiling
     start = time.perf_counter()
     table, profile, capture_s = load_or_profile(model, batches, evaluate, higher_is_better, device, precisions,
                                                 out_dir, sensitivity_batches, progress, log)
@@ -121,8 +122,7 @@ def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module
     seconds["profile"] = time.perf_counter() - start - capture_s
 
     start = time.perf_counter()
-    space = SearchSpace.load(choose_preset([layer.kind for layer in table]) if search_space == "auto"
-                             else search_space)
+    space = named_space or SearchSpace.load(choose_preset([layer.kind for layer in table]))
     evaluator = Evaluator(model, batches, evaluate, higher_is_better, device)
     if storage is None:
         storage = f"sqlite:///{(out_dir or Path('.')).resolve() / 'study.db'}"

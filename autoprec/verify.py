@@ -8,14 +8,12 @@ that stays within the budget there is chosen, and a miss is said in the notes.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
 
-from .apply import apply_policy, remove_policy
 from .formats import Precision
 from .measure import Evaluator, interleaved_ms, to_device
 from .policy import Policy
@@ -52,7 +50,8 @@ class Verification:
 
 def verify(model: nn.Module, candidates: Sequence[Candidate], holdout_batches: Sequence[Any],
            evaluate: Callable[[nn.Module, list], float] | None, higher_is_better: bool, budget: Budget,
-           autocast_precision: Precision, device: str | torch.device = "cpu", repeats: int = 7, timing_batch: Any = None, progress: Callable[[str], None] | None = None) -> Verification:
+           autocast_precision: Precision, device: str | torch.device = "cpu", repeats: int = 7,
+           timing_batch: Any = None, progress: Callable[[str], None] | None = None) -> Verification:
     """``candidates``: feasible ones, best first. ``timing_batch``: defaults to the first held-out batch."""
     device = torch.device(device)
     evaluator = Evaluator(model, holdout_batches, evaluate, higher_is_better, device)
@@ -95,6 +94,11 @@ def verify(model: nn.Module, candidates: Sequence[Candidate], holdout_batches: S
         chosen = candidate
         latency["tuned"] = latency[f"candidate {candidate.number}"]
         metric["tuned"], sqnr["tuned"], within["tuned"] = m.metric, m.sqnr_db, True
+    if chosen is None:  # nothing lowered: the policy is fp32, as fast and as good as fp32
+        latency["tuned"], metric["tuned"], sqnr["tuned"], within["tuned"] = (
+            latency["fp32"], metric["fp32"], float("inf"), True)
+        if not candidates:
+            notes.append("nothing was lowered: no layer had a candidate precision worth searching here")
     return Verification(chosen=chosen, policy=chosen.policy() if chosen else None, latency_ms=latency,
                         metric=metric, sqnr_db=sqnr, within_budget=within,
                         autocast_precision=autocast_precision.value,

@@ -8,8 +8,8 @@ region precision. Casting a layer's output back to fp32 (the cost of a precision
 is timed separately on tensors of the recorded output shapes.
 
 The additive model the search uses, ``sum(layer ms) + casts at boundaries + remainder``,
-is checked against whole-model runs without hooks, measured interleaved: fp32, blanket
-low precision, and a mixed policy with every other layer lowered.
+is checked against whole-model runs without hooks: fp32, blanket low precision, and a mixed
+policy with every other layer lowered.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from ..apply import apply_policy, remove_policy
 from ..formats import Precision
-from ..measure import call_model, interleaved_ms, median_ms, output_tensors, settle
+from ..measure import call_model, median_ms, output_tensors, settle
 from ..policy import Policy
 
 __all__ = ["LatencyResult", "measure_latency", "predict_ms", "blanket_policy"]
@@ -116,6 +116,17 @@ def _clocked_run(model: nn.Module, batch: Any, policy: Policy, names: Sequence[s
     return clock.times, total, clock.outputs
 
 
+def _steady_ms(model: nn.Module, batch: Any, policy: Policy | None, device: torch.device, repeats: int) -> float:
+    if policy is not None:
+        apply_policy(model, policy)
+    try:
+        with torch.no_grad():
+            return median_ms(lambda: call_model(model, batch), device, warmup=2, repeats=repeats)
+    finally:
+        if policy is not None:
+            remove_policy(model)
+
+
 def _cast_ms(shapes: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> float:
     tensors = [torch.randn(shape, device=device).to(dtype) for shape, dtype in shapes if dtype != torch.float32]
     if not tensors:
@@ -161,7 +172,8 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
     for p in [Precision.FP32, *native]:
         time_block(p)
 
-    # Check the additive model against whole-model runs without hooks, interleaved.
+    # Check the additive model against whole-model runs without hooks, each timed in its steady
+    # state like the layers were (alternating policies run by run would time the allocator too).
     fastest = min((p for p in native if p is not Precision.FP8),
                   key=lambda p: sum(latency[n][p.value] for n in layers), default=None)
     checks: dict[str, tuple[Policy | None, dict[str, str], str]] = {
@@ -171,8 +183,7 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
         checks[fastest.value] = (Policy(default=fastest), {n: fastest.value for n in layers}, fastest.value)
         mixed = {n: (fastest.value if i % 2 else "fp32") for i, n in enumerate(layers)}
         checks["mixed"] = (Policy.from_assignment(mixed), mixed, "fp32")
-    end_to_end = interleaved_ms(model, batch, {k: policy for k, (policy, _, _) in checks.items()}, device,
-                                repeats=repeats)
+    end_to_end = {k: _steady_ms(model, batch, policy, device, repeats) for k, (policy, _, _) in checks.items()}
     if progress:
         progress("end to end")
 
