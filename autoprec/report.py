@@ -164,7 +164,7 @@ def report_markdown(result: TuneResult, table: LayerTable | None = None) -> str:
     for note in v.notes + s.notes:
         lines.append(f"- {note}")
     if v.chosen is not None:
-        lines += ["", f"Chosen: trial #{v.chosen.number} (region default {v.chosen.default}); predicted "
+        lines += ["", f"Chosen: {v.chosen.label} (region default {v.chosen.default}); predicted "
                   f"{v.chosen.predicted_ms:.1f} ms at the profiling batch size.", ""]
         lines.append("## Policy")
         lines += ["", "```", str(result.policy), "```", ""]

@@ -115,6 +115,10 @@ class Candidate:
     def feasible(self) -> bool:
         return self.violation <= 0
 
+    @property
+    def label(self) -> str:
+        return f"trial #{self.number}" if self.number >= 0 else f"blanket {self.default} (not a trial)"
+
     def policy(self, **fields: Any) -> Policy:
         return Policy.from_assignment(self.assignment, self.default, **fields)
 

@@ -21,8 +21,8 @@ from .capture import LayerTable, capture
 from .formats import Capability, Precision, device_capabilities
 from .measure import Evaluator, to_device
 from .policy import Policy
-from .profile import Profile, ProfileError, device_name, fingerprint, profile_model
-from .search import Budget, SearchResult, search
+from .profile import Profile, ProfileError, device_name, fingerprint, predict_ms, profile_model
+from .search import Budget, Candidate, SearchResult, search
 from .searchspace import SearchSpace, choose_preset
 from .verify import Verification, verify
 
@@ -137,7 +137,7 @@ def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module
     start = time.perf_counter()
     caps = device_capabilities(device)
     autocast = _fastest_native_low(profile, caps)
-    verification = verify(model, _verify_candidates(result, autocast), holdout_batches, evaluate,
+    verification = verify(model, _verify_candidates(result, profile, autocast), holdout_batches, evaluate,
                           higher_is_better, the_budget, autocast, device, timing_batch=timing_batch)
     seconds["verify"] = time.perf_counter() - start
 
@@ -158,19 +158,28 @@ def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module
     return tuned
 
 
-def _verify_candidates(result: SearchResult, autocast: Precision, best: int = 3) -> list:
-    """The ``best`` feasible candidates by predicted latency, plus the blanket-autocast-like seed.
+def _verify_candidates(result: SearchResult, profile: Profile, autocast: Precision, best: int = 3) -> list:
+    """The ``best`` feasible candidates by predicted latency, plus blanket autocast itself.
 
-    The seed keeps the promise that when blanket autocast is within budget the tuned policy is
-    at least as fast as it *measured*, whatever the latency model predicted.
+    Blanket autocast (every layer in ``autocast``, no rules) is always a candidate, searched or
+    not: held-out batches decide whether it is within budget, and measurement whether it is the
+    fastest. So when blanket autocast is within budget the tuned policy is at least as fast as it
+    *measured*, whatever the latency model predicted.
     """
     feasible = sorted((c for c in result.trials if c.feasible), key=lambda c: (c.predicted_ms, c.number))
     chosen, seen = [], set()
     for c in feasible:
         key = (c.default, tuple(sorted(c.assignment.items())))
-        if key not in seen and (len(chosen) < best or c.seed in ("fastest", f"blanket-{autocast.value}")):
+        if key not in seen and (len(chosen) < best or c.seed == "fastest"):
             seen.add(key)
             chosen.append(c)
+    assignment = {layer.name: autocast.value for layer in profile.layers}
+    if (autocast.value, tuple(sorted(assignment.items()))) not in seen and autocast.value in profile.remainder_ms:
+        latency = {layer.name: layer.latency_ms for layer in profile.layers}
+        casts = {layer.name: layer.cast_ms for layer in profile.layers}
+        predicted = predict_ms(assignment, autocast.value, latency, casts, profile.remainder_ms)
+        chosen.append(Candidate(number=-1, assignment=assignment, default=autocast.value, predicted_ms=predicted,
+                                metric=math.nan, sqnr_db=math.nan, violation=math.nan, seed="blanket"))
     return chosen
 
 

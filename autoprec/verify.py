@@ -72,8 +72,11 @@ def verify(model: nn.Module, candidates: Sequence[Candidate], holdout_batches: S
         if budget.violation(m, evaluator) <= 0:
             passing.append((candidate, policy, m))
         else:
-            notes.append(f"candidate #{candidate.number} met the budget on the search batches but not on the "
-                         f"held-out batches (metric {m.metric:.6g}, SQNR {m.sqnr_db:.1f} dB); next candidate taken")
+            notes.append(f"{candidate.label} met the budget on the search batches but not on the held-out "
+                         f"batches (metric {m.metric:.6g}, SQNR {m.sqnr_db:.1f} dB); the next candidate was taken"
+                         if candidate.number >= 0 else
+                         f"blanket {autocast_precision.value} is over budget on the held-out batches "
+                         f"(metric {m.metric:.6g}, SQNR {m.sqnr_db:.1f} dB)")
         if progress:
             progress("metric")
     if candidates and not passing:
@@ -83,17 +86,22 @@ def verify(model: nn.Module, candidates: Sequence[Candidate], holdout_batches: S
     batch = to_device(timing_batch if timing_batch is not None else holdout_batches[0], device)
     runners: dict[str, Policy | Precision | None] = {"fp32": None, "autocast": autocast_precision}
     for candidate, policy, _ in passing:
-        runners[f"candidate {candidate.number}"] = policy
+        runners[candidate.label] = policy
     latency = interleaved_ms(model, batch, runners, device, repeats=repeats)
     if progress:
         progress("latency")
 
     chosen = None
     if passing:
-        candidate, policy, m = min(passing, key=lambda cpm: latency[f"candidate {cpm[0].number}"])
-        chosen = candidate
-        latency["tuned"] = latency[f"candidate {candidate.number}"]
-        metric["tuned"], sqnr["tuned"], within["tuned"] = m.metric, m.sqnr_db, True
+        candidate, policy, m = min(passing, key=lambda cpm: latency[cpm[0].label])
+        if latency[candidate.label] < latency["fp32"]:
+            chosen = candidate
+            latency["tuned"] = latency[candidate.label]
+            metric["tuned"], sqnr["tuned"], within["tuned"] = m.metric, m.sqnr_db, True
+        else:
+            notes.append(f"no candidate within budget was measured faster than fp32 here (the best, "
+                         f"{candidate.label}, took {latency[candidate.label]:.3g} ms against fp32's "
+                         f"{latency['fp32']:.3g} ms): the policy stays fp32")
     if chosen is None:  # nothing lowered: the policy is fp32, as fast and as good as fp32
         latency["tuned"], metric["tuned"], sqnr["tuned"], within["tuned"] = (
             latency["fp32"], metric["fp32"], float("inf"), True)

@@ -28,14 +28,14 @@ class DeepTrapNet(nn.Module):
 
     OVERFLOW_SCALE = 3e5
 
-    def __init__(self, width: int = 256, depth: int = 10, seed: int = 0):
+    def __init__(self, width: int = 1024, depth: int = 10, seed: int = 0):
         super().__init__()
         self.width = width
         with seeded(seed):
             self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
             self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(depth))
             self.overflow = nn.Linear(width, width)
-            self.cancel = Cancel(width, scale=300.0)
+            self.cancel = Cancel(width, scale=100.0)
             self.head = nn.Linear(width, 16)
         with torch.no_grad():
             self.overflow.weight.mul_(self.OVERFLOW_SCALE)
@@ -50,7 +50,7 @@ class DeepTrapNet(nn.Module):
         h = h + self.cancel(h)
         return self.head(h)
 
-    def batches(self, n: int = 4, rows: int = 512, seed: int = 0):
+    def batches(self, n: int = 4, rows: int = 256, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
         return [torch.randn(rows, self.width, generator=g) for _ in range(n)]
 
