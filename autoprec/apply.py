@@ -22,6 +22,7 @@ runs in one precision: a policy that gives its names different precisions is ref
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import threading
 import warnings
@@ -105,10 +106,11 @@ class _Region:
     own region (``is_root``) also turns on :class:`_Fp32Compute` and hands fp32 back to the caller.
     """
 
-    def __init__(self, module: nn.Module, precision: Precision, is_root: bool) -> None:
+    def __init__(self, module: nn.Module, precision: Precision, is_root: bool, fp32_compute: bool = False) -> None:
         self.module = module
         self.precision = precision
         self.is_root = is_root
+        self.fp32_compute = fp32_compute  # root only: some region runs in fp32, so turn the mode on
         self.inner_forward: Callable | None = module.__dict__.get("forward")  # one the module already had
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -127,15 +129,15 @@ class _Region:
             if not self.is_root:
                 with region:
                     return forward(*args, **kwargs)
-            with _Fp32Compute(), region:
+            with _Fp32Compute() if self.fp32_compute else contextlib.nullcontext(), region:
                 out = forward(*args, **kwargs)
             return _cast_floats(out, torch.float32, _LOW)
         finally:
             _in_fp32_region.value = outer
 
 
-def _install_region(module: nn.Module, precision: Precision, is_root: bool) -> None:
-    object.__setattr__(module, "forward", _Region(module, precision, is_root))
+def _install_region(module: nn.Module, precision: Precision, is_root: bool, fp32_compute: bool) -> None:
+    object.__setattr__(module, "forward", _Region(module, precision, is_root, fp32_compute))
 
 
 def _remove_region(module: nn.Module) -> None:
@@ -242,11 +244,14 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     # The model itself always gets one when any region exists: it turns on the fp32-compute mode
     # and hands fp32 back to the caller.
     any_low = any(p is not Precision.FP32 for p in precisions.values())
+    # The mode is needed only where fp32 compute can meet low-precision values: some region runs
+    # with autocast off (fp32 or fp8). Blanket bf16 (default bf16, no islands) runs without it.
+    fp32_compute = any_low and any(p.autocast_dtype is None for p in precisions.values())
     for module, names in _aliases(model):
         is_root = "" in names
         if not (is_root and any_low) and all(precisions[n] is _parent_precision(n, precisions) for n in names):
             continue
-        _install_region(module, precisions[names[0]], is_root)
+        _install_region(module, precisions[names[0]], is_root, fp32_compute and is_root)
         state.wrapped.append(module)
 
     object.__setattr__(model, _STATE_ATTR, state)

@@ -21,6 +21,8 @@ from .search import Budget, Candidate
 
 __all__ = ["Bench", "Verification", "bench_policy", "verify"]
 
+TIE_TOLERANCE = 0.03  # measured latencies this close are a tie on a shared machine
+
 
 @dataclass
 class Verification:
@@ -93,7 +95,11 @@ def verify(model: nn.Module, candidates: Sequence[Candidate], holdout_batches: S
 
     chosen = None
     if passing:
-        candidate, policy, m = min(passing, key=lambda cpm: latency[cpm[0].label])
+        # Within timing noise of the fastest, the policy with the fewest rules wins: a simpler
+        # policy that measures the same is the better one to keep (and to trust on other batches).
+        fastest = min(latency[c.label] for c, _, _ in passing)
+        close = [cpm for cpm in passing if latency[cpm[0].label] <= fastest * (1 + TIE_TOLERANCE)]
+        candidate, policy, m = min(close, key=lambda cpm: (len(cpm[1].layers), latency[cpm[0].label]))
         if latency[candidate.label] < latency["fp32"]:
             chosen = candidate
             latency["tuned"] = latency[candidate.label]
