@@ -115,8 +115,11 @@ def interleaved_ms(model: nn.Module, batch: Any, runners: Mapping[str, Policy | 
     with torch.no_grad():
         for how in runners.values():
             timed(how, lambda how=how: settle(forward(how), device))
-        for _ in range(repeats):
-            for key, how in runners.items():
+        keys = list(runners)
+        for turn in range(repeats):
+            shift = turn % len(keys)  # rotate the order so no entry always follows the same one
+            for key in keys[shift:] + keys[:shift]:
+                how = runners[key]
                 samples[key].append(timed(how, lambda how=how: burst(how)))
     return {k: statistics.median(v) for k, v in samples.items()}
 
