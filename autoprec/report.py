@@ -93,7 +93,7 @@ def sensitivity_heatmap(profile: Profile, path: str | Path) -> Path | None:
     cols = profile.precisions
     data = [[min(60.0, max(0.0, layer.sensitivity[p].sqnr_db)) if p in layer.sensitivity else math.nan
              for p in cols] for layer in profile.layers]
-    fig, ax = plt.subplots(figsize=(2.2 + 1.2 * len(cols), 1.2 + 0.22 * len(names)))
+    fig, ax = plt.subplots(figsize=(3.6 + 1.2 * len(cols), 1.2 + 0.22 * len(names)))
     im = ax.imshow(data, aspect="auto", cmap="viridis", vmin=0, vmax=60)
     ax.set_xticks(range(len(cols)), cols)
     ax.set_yticks(range(len(names)), names, fontsize=7)
@@ -125,9 +125,12 @@ def pareto_plot(result: TuneResult, path: str | Path) -> Path | None:
     front = [c for c in result.search.front if math.isfinite(c.metric)]
     ax.plot([c.predicted_ms for c in front], [c.metric for c in front], "-o", c="tab:orange", ms=4,
             label="Pareto front")
-    if result.verification.chosen is not None:
-        c = result.verification.chosen
-        ax.scatter([c.predicted_ms], [c.metric], s=90, marker="*", c="tab:red", label="chosen", zorder=5)
+    v = result.verification
+    if v.chosen is not None:
+        c = v.chosen
+        y = c.metric if math.isfinite(c.metric) else v.metric.get("tuned", math.nan)  # blanket: held-out metric
+        if math.isfinite(y):
+            ax.scatter([c.predicted_ms], [y], s=90, marker="*", c="tab:red", label=f"chosen: {c.label}", zorder=5)
     kind = result.profile.metric["kind"]
     ax.set_xlabel("predicted latency (ms, from the profile)")
     ax.set_ylabel("output SQNR (dB)" if kind == "fidelity" else "metric (search batches)")
