@@ -248,7 +248,7 @@ class _Study:
         return len(self.study.get_trials(deepcopy=False, states=states))
 
 
-def search(model: Any, profile: Profile, evaluator: Evaluator, budget: Budget, space: SearchSpace,
+def search(profile: Profile, evaluator: Evaluator, budget: Budget, space: SearchSpace,
            precisions: Sequence[str] = ("bf16", "fp16", "fp8"), trials: int = 60, timeout: float | None = None,
            patience: int = 20, storage: str = "sqlite:///study.db", study_name: str | None = None, seed: int = 0,
            fail_stale: bool = True, progress: bool = True) -> SearchResult:

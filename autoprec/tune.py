@@ -129,7 +129,7 @@ def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module
         fail_stale = True
     else:
         fail_stale = False  # other workers' running trials are theirs
-    result = search(model, profile, evaluator, the_budget, space, precisions, trials=trials, timeout=timeout,
+    result = search(profile, evaluator, the_budget, space, precisions, trials=trials, timeout=timeout,
                     patience=patience, storage=storage, study_name=study_name, seed=seed,
                     fail_stale=fail_stale, progress=progress)
     seconds["search"] = time.perf_counter() - start

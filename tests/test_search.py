@@ -132,7 +132,7 @@ def storage(tmp_path):
 def test_search_keeps_the_sensitive_layer_and_lowers_the_rest(storage):
     model = Chain().eval()
     ev = Evaluator(model, batches())
-    fp32_bad = search(model, chain_profile(), ev, Budget.parse(None, 30), SearchSpace.load("default"),
+    fp32_bad = search(chain_profile(), ev, Budget.parse(None, 30), SearchSpace.load("default"),
                       trials=25, storage=storage, progress=False)
     best = fp32_bad.best
     assert best is not None and best.feasible
@@ -147,7 +147,7 @@ def test_search_keeps_the_sensitive_layer_and_lowers_the_rest(storage):
 def test_when_everything_is_safe_the_fastest_seed_wins_at_once(storage):
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16)).eval()
     profile = make_profile({"0": {"ms": FAST_BF16, "sqnr": SAFE}, "2": {"ms": FAST_BF16, "sqnr": SAFE}})
-    result = search(model, profile, Evaluator(model, batches()), Budget.parse(None, 20),
+    result = search(profile, Evaluator(model, batches()), Budget.parse(None, 20),
                     SearchSpace.load("default"), trials=20, storage=storage, progress=False)
     assert result.best.assignment == {"0": "bf16", "2": "bf16"}
     assert result.best.default == "bf16" and result.best.policy().layers == {}  # = blanket autocast
@@ -176,7 +176,7 @@ class RaisesInBf16(nn.Module):
 def test_a_trial_that_raises_is_infeasible_and_the_study_goes_on(storage):
     model = RaisesInBf16().eval()
     profile = make_profile({"ok": {"ms": FAST_BF16, "sqnr": SAFE}, "fragile": {"ms": FAST_BF16, "sqnr": SAFE}})
-    result = search(model, profile, Evaluator(model, batches()), Budget.parse(None, 20),
+    result = search(profile, Evaluator(model, batches()), Budget.parse(None, 20),
                     SearchSpace.load("default"), trials=12, patience=100, storage=storage, progress=False)
     errors = [t for t in result.trials if t.error]
     assert errors and all(not t.feasible for t in errors)
@@ -196,7 +196,7 @@ def test_nan_metric_is_infeasible(storage):
     profile = make_profile({"0": {"ms": FAST_BF16, "sqnr": SAFE}})
     ev = Evaluator(model, batches(), evaluate=lambda m, bs: 1.0)
     assert Budget.parse("0.1").violation(Measurement(math.nan, 40.0, False, 0.0), ev) == math.inf
-    result = search(model, profile, Evaluator(model, batches(), evaluate=evaluate), Budget.parse("0.1"),
+    result = search(profile, Evaluator(model, batches(), evaluate=evaluate), Budget.parse("0.1"),
                     SearchSpace.load("default"), trials=5, storage=storage, progress=False)
     assert result.best is not None
 
@@ -204,10 +204,10 @@ def test_nan_metric_is_infeasible(storage):
 def test_resume_keeps_finished_trials_and_repeats_none(storage):
     model = Chain().eval()
     budget, space = Budget.parse(None, 30), SearchSpace.load("default")
-    first = search(model, chain_profile(), Evaluator(model, batches()), budget, space, trials=8, patience=100,
+    first = search(chain_profile(), Evaluator(model, batches()), budget, space, trials=8, patience=100,
                    storage=storage, progress=False)
     ev = Evaluator(model, batches())
-    second = search(model, chain_profile(), ev, budget, space, trials=14, patience=100, storage=storage,
+    second = search(chain_profile(), ev, budget, space, trials=14, patience=100, storage=storage,
                     progress=False)
     numbers = [t.number for t in second.trials]
     assert len(numbers) == len(set(numbers))
