@@ -40,7 +40,7 @@ class LatencyResult:
     mixed: dict[str, str]  # the assignment of the mixed check
 
 
-def blanket_policy(precision: Precision, layers: Sequence[str], fp8_layers: Sequence[str]) -> Policy:
+def blanket_policy(precision: Precision, fp8_layers: Sequence[str]) -> Policy:
     """Every layer that can take ``precision`` in it: as a region default where it is one."""
     if precision is Precision.FP8:
         return Policy.from_assignment({name: Precision.FP8 for name in fp8_layers})
@@ -156,7 +156,7 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
 
     def time_block(p: Precision) -> None:
         """Hooked runs (layer times) alternating with plain runs (the end-to-end check), one policy."""
-        apply_policy(model, blanket_policy(p, layers, fp8_layers))
+        apply_policy(model, blanket_policy(p, fp8_layers))
         try:
             settle(lambda: _clocked_run(model, batch, layers, device), device)
             runs, plain, outputs = [], [], {}
