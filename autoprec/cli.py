@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .formats import Precision
-from .policy import Policy, PolicyError
-from .searchspace import SearchSpaceError
+from .formats import DEFAULT_PRECISIONS, Precision
+from .policy import Policy
 from .userspec import UserCodeError
 
 __all__ = ["COMMANDS", "main"]
@@ -37,8 +36,10 @@ class CommandError(Exception):
     """A user error a subcommand reports as one line (exit status 1)."""
 
 
-# Errors that are the user's to fix: reported as one line. Anything else is a bug and keeps its traceback.
-_USER_ERRORS = (CommandError, PolicyError, SearchSpaceError, UserCodeError)
+# Errors that are the user's to fix: reported as one line. ValueError covers the library's own user errors
+# (PolicyError, SearchSpaceError, BudgetError, OutDirError, StorageError, ...). AUTOPREC_DEBUG=1 shows the
+# traceback of any of them; anything else is a bug and keeps its traceback.
+_USER_ERRORS = (CommandError, UserCodeError, ValueError)
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _positive_number(text: str) -> float:
+    value = _number(text)
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
+    return value
+
+
 def _default_out(model_py: str) -> Path:
     """``autoprec-runs/<name>``: the example's folder name for a model.py, else the file's stem."""
     path = Path(model_py)
@@ -120,17 +135,21 @@ def _check_device(device: str) -> None:
         raise CommandError(f"--device {device}: no CUDA device is available here; use --device cpu")
 
 
+def _budget_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--budget", help="largest allowed drop of your metric vs fp32: 0.5 (absolute) or 1%% "
+                                         "(relative); default 1%% when model.py has evaluate()")
+    parser.add_argument("--min-sqnr", type=_number, metavar="DB",
+                        help="floor on output SQNR vs fp32 in dB (default 30 without evaluate())")
+
+
 # ---- tune ----------------------------------------------------------------------------------------------
 def _tune_arguments(parser: argparse.ArgumentParser) -> None:
     _model_arguments(parser)
-    parser.add_argument("--budget", help="largest allowed drop of your metric vs fp32: 0.5 (absolute) or 1%% "
-                                         "(relative); default 1%% when model.py has evaluate()")
-    parser.add_argument("--min-sqnr", type=float, metavar="DB",
-                        help="floor on output SQNR vs fp32 in dB (default 30 without evaluate())")
+    _budget_arguments(parser)
     parser.add_argument("--trials", type=_positive_int, default=60, help="most trials in the study (default 60)")
-    parser.add_argument("--timeout", type=float, metavar="S", help="stop searching after S seconds")
+    parser.add_argument("--timeout", type=_positive_number, metavar="S", help="stop searching after S seconds")
     parser.add_argument("--out", help="output folder (default: autoprec-runs/<model name>)")
-    parser.add_argument("--precisions", type=_precisions, default=["bf16", "fp16", "fp8"],
+    parser.add_argument("--precisions", type=_precisions, default=list(DEFAULT_PRECISIONS),
                         help="candidate low precisions, comma-separated (default bf16,fp16,fp8)")
     parser.add_argument("--search-space", default="auto",
                         help="preset name (default, transformer, transformer-blocks, cnn) or a YAML file; "
@@ -143,6 +162,8 @@ def _tune_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def tune(args: argparse.Namespace) -> int:
+    from .report import results_table
+    from .tune import TuneInterrupted
     from .tune import tune as run_tune
 
     spec = _load(args)
@@ -154,21 +175,16 @@ def tune(args: argparse.Namespace) -> int:
                           trials=args.trials, timeout=args.timeout, out=out, storage=args.storage,
                           study_name=args.study_name, sensitivity_batches=args.sensitivity_batches,
                           seed=args.seed, log=lambda msg: print(msg, file=sys.stderr))
-    except KeyboardInterrupt:
-        print(f"\ninterrupted: finished trials are saved; run the same command to resume ({out})",
-              file=sys.stderr)
+    except TuneInterrupted as stop:
+        kept = {"checking": "nothing was started",
+                "profile": "nothing is saved yet (the profile is written when it is complete)",
+                "search": "the profile and every finished trial are saved",
+                "verify": "the profile and the search are saved; only the verification runs again",
+                "outputs": "the search is saved; the outputs are written again"}[stop.phase]
+        print(f"\ninterrupted during {stop.phase}: {kept}; run the same command to go on ({out})", file=sys.stderr)
         return 130
-    except ValueError as e:
-        raise CommandError(str(e)) from None
-    v = result.verification
-    rows = [("fp32", v.latency_ms["fp32"], v.metric["fp32"]),
-            (f"blanket autocast ({v.autocast_precision})", v.latency_ms["autocast"], v.metric["autocast"])]
-    if "tuned" in v.latency_ms:
-        rows.append(("autoprec policy", v.latency_ms["tuned"], v.metric["tuned"]))
-    print(f"held-out batches, latency on {v.timing_batch} (median of interleaved runs):")
-    for label, ms, metric in rows:
-        print(f"  {label:28s} {ms:9.2f} ms  {v.latency_ms['fp32'] / ms:5.2f}x  metric {metric:.6g}")
-    for note in v.notes:
+    print(results_table(result.verification))
+    for note in result.verification.notes:
         print(f"  note: {note}")
     print(result.policy)
     names = ("policy.json", "report.md", "pareto.png", "sensitivity.png", "profile.json", "study.db")
@@ -180,7 +196,7 @@ def tune(args: argparse.Namespace) -> int:
 def _profile_arguments(parser: argparse.ArgumentParser) -> None:
     _model_arguments(parser)
     parser.add_argument("--out", help="output folder (default: autoprec-runs/<model name>)")
-    parser.add_argument("--precisions", type=_precisions, default=["bf16", "fp16", "fp8"],
+    parser.add_argument("--precisions", type=_precisions, default=list(DEFAULT_PRECISIONS),
                         help="low precisions to profile, comma-separated (default bf16,fp16,fp8)")
     parser.add_argument("--sensitivity-batches", type=_positive_int, default=1,
                         help="search batches used per sensitivity evaluation (default 1)")
@@ -189,23 +205,21 @@ def _profile_arguments(parser: argparse.ArgumentParser) -> None:
 def profile(args: argparse.Namespace) -> int:
     import torch
 
+    from .outdir import claim_out_dir
     from .report import profile_summary, profile_table, sensitivity_heatmap
     from .tune import load_or_profile
 
     spec = _load(args)
     out = Path(args.out) if args.out else _default_out(args.model_py)
-    out.mkdir(parents=True, exist_ok=True)
-    model = spec.model.to(args.device).eval()
-    try:
-        _, prof, _ = load_or_profile(model, spec.search_batches, spec.evaluate, spec.higher_is_better,
-                                     torch.device(args.device), args.precisions, out, args.sensitivity_batches,
-                                     log=lambda msg: print(msg, file=sys.stderr))
-    except ValueError as e:
-        raise CommandError(str(e)) from None
-    print(profile_table(prof))
-    print()
-    print(profile_summary(prof))
-    heatmap = sensitivity_heatmap(prof, out / "sensitivity.png")
+    with claim_out_dir(out):
+        model = spec.model.to(args.device).eval()
+        prof = load_or_profile(model, spec.search_batches, spec.evaluate, spec.higher_is_better,
+                               torch.device(args.device), args.precisions, out, args.sensitivity_batches,
+                               log=lambda msg: print(msg, file=sys.stderr), capture_batches=spec.batches)
+        print(profile_table(prof))
+        print()
+        print(profile_summary(prof))
+        heatmap = sensitivity_heatmap(prof, out / "sensitivity.png")
     print(f"outputs: {out}/ (profile.json{', sensitivity.png' if heatmap else ''})")
     return 0
 
@@ -214,20 +228,21 @@ def profile(args: argparse.Namespace) -> int:
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     _model_arguments(parser)
     parser.add_argument("--policy", required=True, help="the policy.json to re-measure")
-    parser.add_argument("--repeats", type=_positive_int, default=7, help="timed runs of each (default 7)")
+    _budget_arguments(parser)
+    parser.add_argument("--repeats", type=_positive_int, default=7, help="timed rounds of each (default 7)")
 
 
 def bench(args: argparse.Namespace) -> int:
+    from .budget import choose_budget
+    from .report import results_table
     from .verify import bench_policy
 
     policy = Policy.load(args.policy)
     spec = _load(args)
-    try:
-        result = bench_policy(spec.model, spec.holdout_batches, policy, spec.evaluate, spec.higher_is_better,
-                              device=args.device, repeats=args.repeats)
-    except ValueError as e:
-        raise CommandError(str(e)) from None
-    print(result)
+    budget = choose_budget(spec.evaluate is not None, args.budget, args.min_sqnr)
+    result = bench_policy(spec.model, spec.holdout_batches, policy, budget, spec.evaluate, spec.higher_is_better,
+                          device=args.device, repeats=args.repeats)
+    print(results_table(result))
     return 0
 
 
@@ -239,6 +254,10 @@ COMMANDS: list[Command] = [
     Command("bench", "re-measure a policy against fp32 and blanket autocast", _bench_arguments, bench),
     Command("show", "print a policy file: its rules, what it was tuned on, what it achieved", _show_arguments, show),
 ]
+
+
+def _one_line(message: str) -> str:
+    return "; ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
 class _Parser(argparse.ArgumentParser):
@@ -273,7 +292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return args.run(args)
         except _USER_ERRORS as e:
-            print(f"{prog}: error: {e}", file=sys.stderr)
+            if os.environ.get("AUTOPREC_DEBUG"):
+                raise
+            print(f"{prog}: error: {_one_line(str(e))}", file=sys.stderr)
             return 1
         except BrokenPipeError:  # `autoprec show p.json | head`: the reader left early, not an error
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush stays quiet

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "DEFAULT_PRECISIONS",
     "E4M3_MAX",
     "E5M2_MAX",
     "Capability",
@@ -40,6 +41,7 @@ E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 E4M3_MAX = torch.finfo(E4M3).max  # 448.0
 E5M2_MAX = torch.finfo(E5M2).max  # 57344.0
+DEFAULT_PRECISIONS = ("bf16", "fp16", "fp8")  # the low precisions profiled and searched unless asked otherwise
 _AMAX_EPS = 1e-12  # keeps an all-zero tensor from giving an infinite scale
 
 

@@ -23,8 +23,8 @@ from .formats import Precision, sqnr_db
 from .policy import Policy
 from .userspec import call_model, to_device
 
-__all__ = ["Evaluator", "Measurement", "call_model", "interleaved_ms", "median_ms", "output_tensors", "settle",
-           "time_ms", "to_device"]
+__all__ = ["Evaluator", "Measurement", "call_model", "interleaved_ms", "interleaved_samples", "median_ms",
+           "output_tensors", "settle", "time_ms", "to_device"]
 
 
 def output_tensors(output: Any) -> list[torch.Tensor]:
@@ -78,7 +78,18 @@ def median_ms(fn: Callable[[], Any], device: str | torch.device = "cpu", warmup:
 
 def interleaved_ms(model: nn.Module, batch: Any, runners: Mapping[str, Policy | Precision | None],
                    device: str | torch.device = "cpu", repeats: int = 7, rewarm: int = 1) -> dict[str, float]:
-    """Median ms of one forward per entry, each settled first, then timed round-robin in one run.
+    """Median ms of one forward per entry, timed as :func:`interleaved_samples` times them."""
+    samples = interleaved_samples(model, batch, runners, device, repeats, rewarm)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def interleaved_samples(model: nn.Module, batch: Any, runners: Mapping[str, Policy | Precision | None],
+                        device: str | torch.device = "cpu", repeats: int = 7, rewarm: int = 1
+                        ) -> dict[str, list[float]]:
+    """ms of one forward per entry and round: each settled first, then timed round-robin in one run.
+
+    Sample ``i`` of every entry comes from round ``i``, so ratios of two entries can be taken
+    round by round (their spread is the measured noise of the comparison).
 
     An entry is a Policy (applied for its runs), a Precision (blanket ``torch.autocast``) or
     None (plain fp32). Round-robin makes a burst of machine noise hit every entry alike; in each
@@ -121,7 +132,7 @@ def interleaved_ms(model: nn.Module, batch: Any, runners: Mapping[str, Policy | 
             for key in keys[shift:] + keys[:shift]:
                 how = runners[key]
                 samples[key].append(timed(how, lambda how=how: burst(how)))
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return samples
 
 
 @dataclass

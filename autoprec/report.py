@@ -1,22 +1,26 @@
-"""Outputs: profile tables, the Markdown report, the Pareto and sensitivity plots.
+"""Outputs: the results table, profile tables, the Markdown report, the Pareto and sensitivity plots.
 
-Plots need matplotlib (``pip install autoprec[plot]``); without it the report says so and
-everything else is still written.
+:func:`results_table` is the one formatter of a verification's results: the CLI's ``tune`` and
+``bench`` print it, and report.md holds it. Plots need matplotlib (``pip install autoprec[plot]``);
+without it the report says so and everything else is still written.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .profile import Profile
 
 if TYPE_CHECKING:
-    from .capture import LayerTable
+    from .search import SearchResult
     from .tune import TuneResult
+    from .verify import Verification
 
-__all__ = ["profile_table", "sensitivity_heatmap", "pareto_plot", "write_outputs", "markdown_table"]
+__all__ = ["decision", "markdown_table", "pareto_plot", "profile_summary", "profile_table", "report_markdown",
+           "results_table", "sensitivity_heatmap", "write_outputs"]
 
 
 def _fmt(x: Any, spec: str = ".3g") -> str:
@@ -37,6 +41,85 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
+def text_table(header: list[str], rows: list[list[Any]], indent: str = "") -> str:
+    """Columns padded for a terminal: the first left-aligned, the rest right-aligned."""
+    cells = [header] + [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = [indent + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in cells]
+    lines.insert(1, indent + "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# ---- results of a verification (tune) or a bench ------------------------------------------------------------
+def _labels(v: Verification) -> list[tuple[str, str]]:
+    """(key, label) rows: a policy that computes what fp32 or blanket autocast computes shares its row."""
+    autocast = f"blanket autocast ({v.autocast_precision})"
+    if v.tuned_is_autocast:
+        return [("fp32", "fp32"), ("autocast", f"{autocast} = autoprec policy")]
+    if v.policy is None:  # nothing chosen: the policy is fp32
+        return [("fp32", "fp32 = autoprec policy"), ("autocast", autocast)]
+    return [("fp32", "fp32"), ("autocast", autocast), ("tuned", "autoprec policy")]
+
+
+def results_rows(v: Verification) -> tuple[list[str], list[list[Any]]]:
+    quality = "output SQNR dB" if v.fidelity else "metric"
+    header = ["", "latency ms", "speed-up vs fp32 (range)", quality, "within budget"]
+    rows = []
+    for key, label in _labels(v):
+        speedup = "1.00x" if key == "fp32" else str(v.speedup_of(key))
+        ok = "yes" if key == "fp32" or v.within_budget.get(key) else "no"
+        value = "exact" if v.fidelity and key == "fp32" else v.metric.get(key)
+        rows.append([label, v.latency_ms[key], speedup, value, ok])
+    return header, rows
+
+
+def _versus_autocast(v: Verification) -> str | None:
+    """One line on the policy against blanket autocast, or None where they are one row."""
+    if v.tuned_is_autocast or v.policy is None:
+        return None
+    s = v.speedup_of("tuned", "autocast")
+    verdict = ("a tie: the difference is inside the measured spread" if s.tie else
+               "faster" if s.median > 1 else "slower")
+    return (f"autoprec policy vs blanket autocast ({v.autocast_precision}): {s} over {s.rounds} interleaved rounds, "
+            f"{verdict}")
+
+
+def results_table(v: Verification, markdown: bool = False) -> str:
+    """The results of a verification or a bench, as the CLI prints them (or as Markdown for report.md)."""
+    header, rows = results_rows(v)
+    rounds = len(v.samples["fp32"])
+    title = (f"held-out batches; latency on {v.timing_batch}: median of {rounds} interleaved rounds, "
+             "speed-up range over the rounds")
+    table = markdown_table(header, rows) if markdown else text_table(header, rows, indent="  ")
+    lines = [title, "", table] if markdown else [title, table]
+    versus = _versus_autocast(v)
+    if versus:
+        lines += (["", versus] if markdown else [f"  {versus}"])
+    return "\n".join(lines)
+
+
+def decision(v: Verification, budget: Any) -> str:
+    """What was chosen, how fast against fp32 and blanket autocast, how accurate, and why: one paragraph."""
+    autocast = f"blanket autocast ({v.autocast_precision})"
+    metric = f"held-out metric {_fmt(v.metric['tuned'], '.4g')}"
+    if v.policy is None:
+        over = "" if not v.within_budget.get("autocast") else " it is within budget, but"
+        return (f"**The policy stays fp32.** {autocast}:{over} " +
+                ("is over budget on the held-out batches" if not v.within_budget.get("autocast") else
+                 "no candidate within budget measured faster than fp32") + f" (budget: {budget}).")
+    speed = v.speedup_of("tuned")
+    if v.tuned_is_autocast:
+        return (f"**The policy is {autocast} itself**: {speed} faster than fp32, {metric}, within the budget "
+                f"({budget}); no per-layer policy measured faster.")
+    rules = len(v.policy.layers)
+    why = (f"{autocast} is over budget on the held-out batches" if not v.within_budget.get("autocast")
+           else f"it measured against {autocast} at {v.speedup_of('tuned', 'autocast')}")
+    return (f"**autoprec policy: default {v.policy.default.value} with {rules} rule(s)**: {speed} faster than fp32, "
+            f"{metric}, within the budget ({budget}); chosen because {why}.")
+
+
+# ---- profile tables ---------------------------------------------------------------------------------------
 def profile_rows(profile: Profile) -> tuple[list[str], list[list[Any]]]:
     precisions = ["fp32", *profile.precisions]
     header = ["layer", "kind", "GFLOP"] + [f"{p} ms" for p in precisions] + \
@@ -53,13 +136,7 @@ def profile_rows(profile: Profile) -> tuple[list[str], list[list[Any]]]:
 
 def profile_table(profile: Profile) -> str:
     """A plain-text table for the terminal: one row per layer."""
-    header, rows = profile_rows(profile)
-    cells = [header] + [[_fmt(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return text_table(*profile_rows(profile))
 
 
 def profile_summary(profile: Profile) -> str:
@@ -73,6 +150,16 @@ def profile_summary(profile: Profile) -> str:
             f"sensitivity evaluations: {profile.cost['evaluations']}; time: {secs}")
 
 
+def dropped_by_reason(dropped: dict[str, list[str]]) -> dict[str, list[str]]:
+    """``unit -> ["fp16: not faster than fp32 here (1.2 vs 1.1 ms)", ...]`` grouped as
+    ``"fp16: not faster than fp32 here" -> [units]`` (the per-unit figures are in the layer table)."""
+    groups: dict[str, list[str]] = {}
+    for unit, reasons in dropped.items():
+        for reason in reasons:
+            groups.setdefault(re.sub(r"\s*\(.*\)$", "", reason), []).append(unit)
+    return groups
+
+
 def _plt():
     try:
         import matplotlib
@@ -84,58 +171,104 @@ def _plt():
     return plt
 
 
-def sensitivity_heatmap(profile: Profile, path: str | Path) -> Path | None:
-    """Heatmap of per-layer SQNR (dB) for each precision; overflow marked. None without matplotlib."""
+def sensitivity_heatmap(profile: Profile, path: str | Path, chosen: dict[str, str] | None = None) -> Path | None:
+    """Per-layer SQNR (dB) for each precision, that layer alone lowered; overflow and errors marked in
+    red, the chosen precision of each layer boxed. None without matplotlib."""
     plt = _plt()
     if plt is None:
         return None
-    names = [layer.name for layer in profile.layers]
+    names = [layer.name or "(model)" for layer in profile.layers]
     cols = profile.precisions
-    data = [[min(60.0, max(0.0, layer.sensitivity[p].sqnr_db)) if p in layer.sensitivity else math.nan
-             for p in cols] for layer in profile.layers]
-    fig, ax = plt.subplots(figsize=(3.6 + 1.2 * len(cols), 1.2 + 0.22 * len(names)))
-    im = ax.imshow(data, aspect="auto", cmap="viridis", vmin=0, vmax=60)
-    ax.set_xticks(range(len(cols)), cols)
-    ax.set_yticks(range(len(names)), names, fontsize=7)
+    finite = [s.sqnr_db for layer in profile.layers for s in layer.sensitivity.values()
+              if not s.nonfinite and math.isfinite(s.sqnr_db)]
+    vmax = max(finite, default=60.0)
+    vmin = min(min(finite, default=0.0), vmax - 1.0)
+    data = [[layer.sensitivity[p].sqnr_db if p in layer.sensitivity and not layer.sensitivity[p].nonfinite
+             and math.isfinite(layer.sensitivity[p].sqnr_db) else math.nan for p in cols] for layer in profile.layers]
+    fig, ax = plt.subplots(figsize=(4.8 + 1.3 * len(cols), 1.8 + 0.28 * len(names)))
+    cmap = plt.get_cmap("viridis").with_extremes(bad="whitesmoke")
+    im = ax.imshow(data, aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax)
+    ax.set_xticks(range(len(cols)), cols, fontsize=9)
+    ax.set_yticks(range(len(names)), names, fontsize=8 if len(names) < 40 else 6)
     for i, layer in enumerate(profile.layers):
         for j, p in enumerate(cols):
             s = layer.sensitivity.get(p)
-            if s is not None:
-                ax.text(j, i, "inf/NaN" if s.nonfinite else f"{s.sqnr_db:.0f}", ha="center", va="center",
-                        fontsize=6, color="red" if s.nonfinite else "white")
-    fig.colorbar(im, ax=ax, label="output SQNR (dB), that layer alone lowered")
-    ax.set_title("per-layer sensitivity (higher is safer)")
-    fig.tight_layout()
+            if s is None:
+                continue
+            error = getattr(s, "error", None)
+            text = "error" if error else "inf/NaN" if s.nonfinite else f"{s.sqnr_db:.0f}"
+            shade = s.sqnr_db if math.isfinite(s.sqnr_db) else vmin
+            light = (shade - vmin) / max(vmax - vmin, 1e-9) > 0.6
+            ax.text(j, i, text, ha="center", va="center", fontsize=7,
+                    color="red" if s.nonfinite or error else ("black" if light else "white"))
+            if chosen and chosen.get(layer.name) == p:
+                ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="tab:red", lw=2))
+    bar = fig.colorbar(im, ax=ax, fraction=0.05, pad=0.02)
+    bar.set_label("output SQNR (dB) with that layer alone lowered", fontsize=9)
+    ax.set_title("per-layer sensitivity (higher is safer)", fontsize=10)
+    notes = ["grey: not a candidate for that layer (fp8 is for nn.Linear only)"]
+    if chosen:
+        notes.insert(0, "red box: the precision the policy chose")
+    fig.text(0.01, 0.005, "; ".join(notes), fontsize=7, va="bottom")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     path = Path(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _budget_line(result: TuneResult) -> float | None:
+    """The budget as a metric value on the Pareto plot's y axis (SQNR floor or worst allowed metric)."""
+    b, p = result.budget, result.profile
+    if p.metric["kind"] == "fidelity":
+        return b.min_sqnr
+    allowed = b.allowed_drop(p.metric["fp32"])
+    if allowed is None:
+        return None
+    return p.metric["fp32"] - allowed if p.metric.get("higher_is_better", True) else p.metric["fp32"] + allowed
 
 
 def pareto_plot(result: TuneResult, path: str | Path) -> Path | None:
+    """Every trial at its predicted latency against its metric on the search batches, the Pareto front,
+    fp32, the budget, the verified candidates at their measured latency, and the chosen one."""
     plt = _plt()
     if plt is None:
         return None
-    trials = [c for c in result.search.trials if not math.isnan(c.metric) and math.isfinite(c.metric)]
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    s, v, p = result.search, result.verification, result.profile
+    trials = [c for c in s.trials if math.isfinite(c.metric)]
+    fig, ax = plt.subplots(figsize=(7.0, 4.6))
     ok = [c for c in trials if c.feasible]
     bad = [c for c in trials if not c.feasible]
-    ax.scatter([c.predicted_ms for c in bad], [c.metric for c in bad], s=12, c="lightgray", label="over budget")
-    ax.scatter([c.predicted_ms for c in ok], [c.metric for c in ok], s=14, c="tab:blue", label="within budget")
-    front = [c for c in result.search.front if math.isfinite(c.metric)]
-    ax.plot([c.predicted_ms for c in front], [c.metric for c in front], "-o", c="tab:orange", ms=4,
+    ax.scatter([c.predicted_ms for c in bad], [c.metric for c in bad], s=14, c="lightgray", label="over budget")
+    ax.scatter([c.predicted_ms for c in ok], [c.metric for c in ok], s=16, c="tab:blue", label="within budget")
+    front = [c for c in s.front if math.isfinite(c.metric)]
+    ax.plot([c.predicted_ms for c in front], [c.metric for c in front], "-", c="tab:orange", lw=1.2,
             label="Pareto front")
-    v = result.verification
-    if v.chosen is not None:
-        c = v.chosen
-        y = c.metric if math.isfinite(c.metric) else v.metric.get("tuned", math.nan)  # blanket: held-out metric
-        if math.isfinite(y):
-            ax.scatter([c.predicted_ms], [y], s=90, marker="*", c="tab:red", label=f"chosen: {c.label}", zorder=5)
-    kind = result.profile.metric["kind"]
-    ax.set_xlabel("predicted latency (ms, from the profile)")
-    ax.set_ylabel("output SQNR (dB)" if kind == "fidelity" else "metric (search batches)")
+    fidelity = p.metric["kind"] == "fidelity"
+    ys = [c.metric for c in trials]
+    fp32_y = max(ys, default=60.0) + 3.0 if fidelity else p.metric["fp32"]  # fp32 SQNR is infinite
+    fp32_x = p.end_to_end_ms.get("fp32")
+    if fp32_x:
+        ax.scatter([fp32_x], [fp32_y], s=60, marker="s", c="black", label="fp32 (exact)" if fidelity else "fp32",
+                   zorder=4)
+    line = _budget_line(result)
+    if line is not None and math.isfinite(line):
+        ax.axhline(line, ls="--", c="tab:red", lw=1, label=f"budget ({result.budget})")
+    measured = {k: ms for k, ms in v.latency_ms.items() if k.startswith(("trial #", "blanket"))}
+    by_label = {c.label: c for c in s.trials}
+    pts = [(ms, by_label[k].metric) for k, ms in measured.items()
+           if k in by_label and math.isfinite(by_label[k].metric)]
+    if pts:
+        ax.scatter([x for x, _ in pts], [y for _, y in pts], s=50, marker="D", facecolors="none",
+                   edgecolors="tab:green", label="verified, measured latency", zorder=5)
+    chosen = _chosen_trial(result)
+    if chosen is not None:
+        ax.scatter([chosen.predicted_ms], [chosen.metric], s=160, marker="*", c="tab:red", zorder=6,
+                   label=f"chosen ({chosen.label})")
+    ax.set_xlabel("latency (ms): predicted from the profile; diamonds measured")
+    ax.set_ylabel("output SQNR (dB), search batches" if fidelity else "metric, search batches")
     ax.set_title("speed against accuracy, every trial")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
@@ -143,72 +276,85 @@ def pareto_plot(result: TuneResult, path: str | Path) -> Path | None:
     return path
 
 
-def report_markdown(result: TuneResult, table: LayerTable | None = None) -> str:
+def _chosen_trial(result: TuneResult) -> Any:
+    """The trial that evaluated the chosen assignment (blanket autocast is a seed trial too), if any."""
+    chosen = result.verification.chosen
+    if chosen is None:
+        return None
+    same = [c for c in result.search.trials if c.assignment == chosen.assignment and c.default == chosen.default
+            and math.isfinite(c.metric)]
+    return same[0] if same else None
+
+
+def _search_section(s: SearchResult) -> list[str]:
+    lines = ["## Search", "",
+             f"{len(s.trials)} trials in study `{s.study_name}` ({s.evaluations} evaluations this run); "
+             f"stopped: {s.stopped_because}.", ""]
+    if s.pinned:
+        lines += [f"Kept fp32 by the search space: {', '.join(f'`{n}`' for n in s.pinned)}.", ""]
+    groups = dropped_by_reason(s.dropped)
+    if groups:
+        lines += ["Candidates dropped before the search, by reason (measured on this device):", ""]
+        for reason, units in groups.items():
+            shown = ", ".join(f"`{u}`" for u in units[:6]) + (f" and {len(units) - 6} more" if len(units) > 6 else "")
+            lines.append(f"- {reason}: {len(units)} unit(s): {shown}")
+        lines.append("")
+    if not s.front:
+        return lines + ["No trial ran, so there is no Pareto front."]
+    lines += ["Pareto front (predicted ms, metric on the search batches):", ""]
+    lines.append(markdown_table(["trial", "predicted ms", "metric", "SQNR dB", "within budget", "precisions"],
+                                [[c.number, c.predicted_ms, c.metric, c.sqnr_db, "yes" if c.feasible else "no",
+                                  ", ".join(f"{n} {k}" for k, n in sorted(c.lowered().items()))]
+                                 for c in s.front]))
+    return lines
+
+
+def report_markdown(result: TuneResult) -> str:
     v, s, p = result.verification, result.search, result.profile
-    lines = ["# autoprec tuning report", ""]
-    lines.append(f"Device: `{p.device}`; precisions: " + ", ".join(f"{k} ({c})" for k, c in p.capabilities.items())
-                 + ". Budget: " + str(result.budget) + ".")
-    lines.append("")
-    lines.append(f"Latency: median of interleaved repeats on the held-out batch ({v.timing_batch}); metric: "
-                 f"{'output SQNR in dB against fp32' if p.metric['kind'] == 'fidelity' else 'your evaluate()'} "
-                 "on the held-out batches.")
-    lines.append("")
-    rows = []
-    for key, label in (("fp32", "fp32"), ("autocast", f"blanket autocast ({v.autocast_precision})"),
-                       ("tuned", "autoprec policy")):
-        if key not in v.latency_ms:
-            continue
-        ms = v.latency_ms[key]
-        metric = v.metric.get(key)
-        ok = "yes" if key == "fp32" else ("yes" if v.within_budget.get(key) else "no")
-        rows.append([label, ms, v.latency_ms["fp32"] / ms, metric, ok])
-    lines.append(markdown_table(["", "latency ms", "speed-up vs fp32", "metric", "within budget"], rows))
-    lines.append("")
+    lines = ["# autoprec tuning report", "", decision(v, result.budget), ""]
+    lines += [results_table(v, markdown=True), ""]
     for note in v.notes + s.notes:
         lines.append(f"- {note}")
-    if v.chosen is not None:
-        lines += ["", f"Chosen: {v.chosen.label} (region default {v.chosen.default}); predicted "
-                  f"{v.chosen.predicted_ms:.1f} ms at the profiling batch size.", ""]
-        lines.append("## Policy")
-        lines += ["", "```", str(result.policy), "```", ""]
-    lines.append("## Layers")
-    lines.append("")
+    lines += ["", f"Device: `{p.device}`; precisions: "
+              + ", ".join(f"{k} ({c})" for k, c in p.capabilities.items())
+              + f". Metric: {'output SQNR in dB against fp32' if p.metric['kind'] == 'fidelity' else 'your evaluate()'}"
+              + f". Budget: {result.budget}.", ""]
+    if v.policy is not None:
+        lines += ["## Policy", "", "```", str(result.policy), "```", ""]
+        if v.chosen is not None:
+            lines += [f"Chosen: {v.chosen.label} (region default {v.chosen.default}); predicted "
+                      f"{v.chosen.predicted_ms:.3g} ms at the profiling batch size.", ""]
+    lines += ["## Layers", ""]
     chosen = v.chosen.assignment if v.chosen else {}
     header = ["layer", "kind", "chosen", "fp32 ms"] + [f"{q} ms" for q in p.precisions] + \
              [f"{q} SQNR dB" for q in p.precisions]
-    rows = []
-    for layer in p.layers:
-        rows.append([layer.name, layer.kind, chosen.get(layer.name, "fp32"), layer.latency_ms.get("fp32")]
-                    + [layer.latency_ms.get(q) for q in p.precisions]
-                    + [layer.sensitivity[q].sqnr_db if q in layer.sensitivity else None for q in p.precisions])
-    lines.append(markdown_table(header, rows))
-    lines += ["", f"Pinned to fp32 by the search space: {', '.join(s.pinned) or 'none'}."]
-    if s.dropped:
-        lines.append("Candidates dropped before the search (measured on this device):")
-        for unit, why in s.dropped.items():
-            lines.append(f"- `{unit}`: {'; '.join(why)}")
-    lines += ["", "## Search", "",
-              f"{len(s.trials)} trials in study `{s.study_name}` ({s.evaluations} evaluations this run); "
-              f"stopped: {s.stopped_because}. Pareto front (predicted ms, metric on search batches):", ""]
-    lines.append(markdown_table(["trial", "predicted ms", "metric", "SQNR dB", "within budget", "lowered"],
-                                [[c.number, c.predicted_ms, c.metric, c.sqnr_db, "yes" if c.feasible else "no",
-                                  ", ".join(f"{k} {n}" for k, n in sorted(c.lowered().items()))]
-                                 for c in s.front]))
+    rows = [[layer.name, layer.kind, chosen.get(layer.name, "fp32"), layer.latency_ms.get("fp32")]
+            + [layer.latency_ms.get(q) for q in p.precisions]
+            + [layer.sensitivity[q].sqnr_db if q in layer.sensitivity else None for q in p.precisions]
+            for layer in p.layers]
+    lines += [markdown_table(header, rows), ""]
+    not_exercised = getattr(p, "not_exercised", None)
+    if not_exercised:
+        lines += [f"Not exercised by any batch, kept fp32: {', '.join(f'`{n}`' for n in not_exercised)}.", ""]
+    lines += _search_section(s)
     lines += ["", "## Profile", "", "```", profile_summary(p), "```", "",
               "Time per phase: " + ", ".join(f"{k} {x:.1f} s" for k, x in result.seconds.items()) + ".", ""]
     return "\n".join(lines)
 
 
-def write_outputs(result: TuneResult, table: LayerTable | None = None) -> dict[str, Path]:
+def write_outputs(result: TuneResult) -> dict[str, Path]:
+    """policy.json, report.md and the plots into the result's output folder."""
     out = result.out_dir
-    assert out is not None
+    if out is None:
+        raise ValueError("this tune has no output folder to write into")
     written = {"policy": result.policy.save(out / "policy.json")}
+    chosen = result.verification.chosen.assignment if result.verification.chosen else None
     for key, make in (("pareto", lambda: pareto_plot(result, out / "pareto.png")),
-                      ("sensitivity", lambda: sensitivity_heatmap(result.profile, out / "sensitivity.png"))):
+                      ("sensitivity", lambda: sensitivity_heatmap(result.profile, out / "sensitivity.png", chosen))):
         path = make()
         if path is not None:
             written[key] = path
-    text = report_markdown(result, table)
+    text = report_markdown(result)
     if "pareto" not in written:
         text += "\n(Plots skipped: matplotlib is not installed; `pip install autoprec[plot]`.)\n"
     report = out / "report.md"

@@ -22,79 +22,20 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from .formats import Precision
-from .measure import Evaluator, Measurement
+from .budget import Budget
+from .formats import DEFAULT_PRECISIONS, Precision
+from .measure import Evaluator
 from .policy import Policy
 from .profile import Profile, predict_ms
 from .searchspace import SearchSpace, Unit
 
-__all__ = ["Budget", "Candidate", "SearchResult", "search", "plan_units", "choose_default", "pareto_front"]
+__all__ = ["Candidate", "SearchResult", "StorageError", "choose_default", "open_storage", "pareto_front", "plan_units",
+           "search"]
 
 _REGION_DEFAULTS = ("fp32", "bf16", "fp16")
 # A candidate must be measured at least this much faster than fp32 to be worth a boundary:
 # smaller gains are within the noise of a shared machine.
 SPEED_MARGIN = 0.03
-
-
-@dataclass(frozen=True)
-class Budget:
-    """How much worse than fp32 the tuned model may be.
-
-    ``drop``: largest allowed drop of the user's metric (absolute, or a fraction of
-    |fp32 metric| when ``relative``). ``min_sqnr``: floor on the output SQNR in dB (the
-    metric in fidelity mode). A non-finite output is never within budget.
-    """
-
-    drop: float | None = None
-    relative: bool = False
-    min_sqnr: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.drop is None and self.min_sqnr is None:
-            raise ValueError("a budget needs a metric drop (--budget) or an SQNR floor (--min-sqnr)")
-        if self.drop is not None and (not math.isfinite(self.drop) or self.drop < 0):
-            raise ValueError(f"the budget must be a finite number >= 0, got {self.drop}")
-
-    @classmethod
-    def parse(cls, budget: str | float | None = None, min_sqnr: float | None = None) -> Budget:
-        """``--budget 0.5`` (absolute) or ``--budget 1%`` (relative to the fp32 metric)."""
-        if budget is None:
-            return cls(min_sqnr=min_sqnr)
-        text = str(budget).strip()
-        relative = text.endswith("%")
-        try:
-            value = float(text.rstrip("%"))
-        except ValueError:
-            raise ValueError(f"cannot read budget {budget!r}: give a number (0.5) or a percentage (1%)") from None
-        return cls(drop=value / 100 if relative else value, relative=relative, min_sqnr=min_sqnr)
-
-    def allowed_drop(self, metric_fp32: float) -> float | None:
-        if self.drop is None:
-            return None
-        return self.drop * abs(metric_fp32) if self.relative else self.drop
-
-    def violation(self, m: Measurement, evaluator: Evaluator) -> float:
-        """How far ``m`` is outside the budget: <= 0 within it, inf for a broken run."""
-        if m.error or m.nonfinite or math.isnan(m.metric):
-            return math.inf
-        worst = -math.inf
-        if self.min_sqnr is not None:
-            worst = max(worst, self.min_sqnr - m.sqnr_db)
-        allowed = self.allowed_drop(evaluator.metric_fp32)
-        if allowed is not None and not evaluator.uses_fidelity:
-            worst = max(worst, evaluator.drop(m.metric) - allowed)
-        return worst
-
-    def __str__(self) -> str:
-        parts = []
-        if self.drop is not None:
-            parts.append(f"metric drop <= {self.drop * 100:g}%" if self.relative else f"metric drop <= {self.drop:g}")
-        if self.min_sqnr is not None:
-            parts.append(f"SQNR >= {self.min_sqnr:g} dB")
-        return " and ".join(parts)
-
-    def tag(self) -> str:
-        return re.sub(r"[^A-Za-z0-9.=]+", "_", str(self))
 
 
 @dataclass
@@ -234,7 +175,7 @@ class _Study:
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=8,
                                                  **extra)
-            self.study = optuna.create_study(storage=_open_storage(optuna, storage), study_name=study_name,
+            self.study = optuna.create_study(storage=open_storage(storage), study_name=study_name,
                                              direction="minimize", sampler=sampler, load_if_exists=True)
         if fail_stale:  # a single-worker run killed mid-trial: that trial is lost, nothing else
             for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
@@ -249,7 +190,7 @@ class _Study:
 
 
 def search(profile: Profile, evaluator: Evaluator, budget: Budget, space: SearchSpace,
-           precisions: Sequence[str] = ("bf16", "fp16", "fp8"), trials: int = 60, timeout: float | None = None,
+           precisions: Sequence[str] = DEFAULT_PRECISIONS, trials: int = 60, timeout: float | None = None,
            patience: int = 20, storage: str = "sqlite:///study.db", study_name: str | None = None, seed: int = 0,
            fail_stale: bool = True, progress: bool = True) -> SearchResult:
     """Search the per-layer assignment; ``evaluator`` holds the model and the search batches."""
@@ -434,16 +375,35 @@ def _best_ms(trials: Sequence[Any]) -> float:
     return min(ms, default=math.inf)
 
 
-def _open_storage(optuna: Any, url: str, attempts: int = 5) -> Any:
-    """An RDB storage, retried: workers that all find an empty database race to create its tables."""
+class StorageError(ValueError):
+    """A study storage that cannot be opened; the message says why and what to do."""
+
+
+def open_storage(url: Any, attempts: int = 5) -> Any:
+    """An Optuna RDB storage for ``url`` (an object that is already a storage passes through).
+
+    Opening it is the check: a missing database driver or a server that does not answer is one
+    :class:`StorageError` line, raised before any profiling. Retried, since workers that all find
+    an empty database race to create its tables.
+    """
+    import optuna
     import sqlalchemy.exc
 
     if not isinstance(url, str):
         return url
+    shown = re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url)  # never print a password
     for attempt in range(attempts):
         try:
             return optuna.storages.RDBStorage(url)
-        except sqlalchemy.exc.SQLAlchemyError:
+        except ModuleNotFoundError as e:
+            raise StorageError(f"cannot open storage {shown}: its database driver is not installed "
+                               f"(no module {e.name!r}); install it, e.g. pip install psycopg2-binary") from None
+        except sqlalchemy.exc.ArgumentError as e:
+            raise StorageError(f"cannot open storage {shown}: not a database URL ({e}); give one like "
+                               "sqlite:///study.db or postgresql+psycopg2://user@host/db") from None
+        except (sqlalchemy.exc.SQLAlchemyError, ValueError) as e:
             if attempt == attempts - 1:
-                raise
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise StorageError(f"cannot open storage {shown}: {first}; check that the server is running "
+                                   "and the URL, user and database are right") from None
             time.sleep(0.2 * 2**attempt)

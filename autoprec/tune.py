@@ -1,12 +1,14 @@
 """The whole pipeline: capture -> profile -> search -> verify -> policy.json and report.
 
 ``autoprec.tune(model, batches, ...)`` for Python; ``autoprec tune model.py`` drives the
-same function. Every phase writes into one output folder, so an interrupted run loses
-little: the profile is reused when it matches, and the study resumes from its storage.
+same function. Cheap checks come first (budget, search space, output folder, storage), then
+the expensive phases, each writing into one output folder, so an interrupted run loses little:
+the profile is reused when it matches, and the study resumes from its storage.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -17,19 +19,31 @@ import torch
 import torch.nn as nn
 
 from . import __version__
-from .capture import LayerTable, capture
-from .formats import Capability, Precision, device_capabilities
-from .measure import Evaluator, to_device
+from .budget import Budget, choose_budget
+from .capture import capture
+from .formats import DEFAULT_PRECISIONS, Precision, device_capabilities
+from .measure import Evaluator
+from .outdir import claim_out_dir
 from .policy import Policy
 from .profile import Profile, ProfileError, device_name, fingerprint, predict_ms, profile_model
-from .search import Budget, Candidate, SearchResult, search
+from .search import Candidate, SearchResult, open_storage, search
 from .searchspace import SearchSpace, choose_preset
-from .verify import Verification, verify
+from .userspec import split_holdout
+from .verify import Verification, autocast_baseline, verify
 
-__all__ = ["TuneResult", "tune", "load_or_profile", "default_budget"]
+__all__ = ["TuneResult", "TuneInterrupted", "tune", "load_or_profile"]
 
-DEFAULT_MIN_SQNR = 30.0  # dB: fidelity floor without a user metric (about 3% relative RMS error)
-DEFAULT_BUDGET = "1%"  # with a user metric: at most 1% of the fp32 metric lost
+
+class TuneInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a tune, with the phase it stopped in (so the user is told what was kept)."""
+
+    def __init__(self, phase: str):
+        super().__init__(phase)
+        self.phase = phase
+
+
+class NothingToTune(ValueError):
+    """The model has no layer whose precision autoprec could tune."""
 
 
 @dataclass
@@ -47,43 +61,41 @@ class TuneResult:
         return self.search.front
 
 
-def default_budget(has_metric: bool, budget: str | float | None, min_sqnr: float | None) -> Budget:
-    if budget is None and min_sqnr is None:
-        return Budget.parse(DEFAULT_BUDGET) if has_metric else Budget.parse(None, DEFAULT_MIN_SQNR)
-    if budget is not None and not has_metric:
-        raise ValueError("--budget limits the drop of your evaluate() metric, and this model has none: "
-                         "use --min-sqnr DB (output fidelity floor) or define evaluate(model, batches)")
-    return Budget.parse(budget, min_sqnr)
-
-
 def load_or_profile(model: nn.Module, batches: Sequence[Any], evaluate: Callable | None, higher_is_better: bool,
                     device: torch.device, precisions: Sequence[str], out_dir: Path | None,
                     sensitivity_batches: int | None = 1, progress: bool = True,
-                    log: Callable[[str], None] = print) -> tuple[LayerTable, Profile, float]:
-    """Capture and profile, or reuse ``out_dir/profile.json`` when it is for this model, data and device."""
-    start = time.perf_counter()
-    table = capture(model, to_device(batches[0], device))
-    capture_s = time.perf_counter() - start
+                    log: Callable[[str], None] = print, capture_batches: Sequence[Any] | None = None) -> Profile:
+    """``out_dir/profile.json`` when it is for this model, data, device and torch; else capture and profile.
+
+    ``capture_batches``: every batch whose layers count (default ``batches``); the profile is taken
+    on ``batches``. A reused profile needs no capture: it holds everything later stages read.
+    """
     path = out_dir / "profile.json" if out_dir else None
     if path is not None and path.exists():
         try:
             cached = Profile.load(path)
             if cached.matches(fingerprint(model, batches), device_name(device), precisions):
                 log(f"reusing the profile in {path}")
-                return table, cached, capture_s
+                return cached
         except ProfileError as e:
             log(f"ignoring {path}: {e}")
+    start = time.perf_counter()
+    table = capture(model, list(capture_batches or batches)[0])  # MERGE: all batches once capture takes a list
+    if not len(table):
+        raise NothingToTune(f"{table.model_type} has no layer whose precision autoprec can tune (it tunes modules "
+                            "that run matmuls, convolutions or attention; this model runs none on its batches)")
     profile = profile_model(model, table, batches, evaluate, higher_is_better, device, precisions,
-                            sensitivity_batches=sensitivity_batches, progress=progress, capture_seconds=capture_s)
+                            sensitivity_batches=sensitivity_batches, progress=progress,
+                            capture_seconds=time.perf_counter() - start)
     if path is not None:
         profile.save(path)
-    return table, profile, capture_s
+    return profile
 
 
 def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module, list], float] | None = None, *,
          higher_is_better: bool = True, holdout_batches: Sequence[Any] | None = None,
          budget: str | float | None = None, min_sqnr: float | None = None, device: str | torch.device = "cpu",
-         precisions: Sequence[str] = ("bf16", "fp16", "fp8"), search_space: str | Path = "auto",
+         precisions: Sequence[str] = DEFAULT_PRECISIONS, search_space: str | Path = "auto",
          trials: int = 60, timeout: float | None = None, patience: int = 20, out: str | Path | None = None,
          storage: str | None = None, study_name: str | None = None, sensitivity_batches: int | None = 1,
          seed: int = 0, progress: bool = True, timing_batch: Any = None,
@@ -93,69 +105,83 @@ def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module
     ``batches`` are searched on; ``holdout_batches`` (default: the last quarter of
     ``batches``) verify the winner. Without ``evaluate`` the metric is output fidelity (SQNR
     in dB against fp32) and the budget is a floor, ``min_sqnr`` (default 30 dB).
+    Ctrl-C raises :class:`TuneInterrupted`, which says in which phase the run stopped.
     """
-    from .report import write_outputs
-
-    seconds: dict[str, float] = {}
-    device = torch.device(device)
+    # Cheap checks first: nothing expensive runs before every argument is known to be usable.
     batches = list(batches)
     if holdout_batches is None:
-        if len(batches) < 2:
-            raise ValueError("tune needs at least 2 batches: one to search on and one held out to verify")
-        n_hold = max(1, math.ceil(len(batches) / 4))
-        batches, holdout_batches = batches[:-n_hold], batches[-n_hold:]
+        batches, holdout_batches = split_holdout(batches)
     holdout_batches = list(holdout_batches)
     if not batches or not holdout_batches:
         raise ValueError("tune needs search batches and held-out batches")
-    the_budget = default_budget(evaluate is not None, budget, min_sqnr)
+    the_budget = choose_budget(evaluate is not None, budget, min_sqnr)
+    if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(f"the search timeout must be a number of seconds above 0, got {timeout}")
+    if trials < 1:
+        raise ValueError(f"trials must be 1 or more, got {trials}")
     precisions = [Precision.parse(p).value for p in precisions]
+    named_space = None if search_space == "auto" else SearchSpace.load(search_space)
+    device = torch.device(device)
     out_dir = Path(out) if out is not None else None
-    if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    model = model.to(device).eval()
+    phase = "checking"
+    try:
+        with claim_out_dir(out_dir) if out_dir is not None else contextlib.nullcontext():
+            fail_stale = storage is None  # a single worker owns its study; other workers' running trials are theirs
+            storage = open_storage(storage or f"sqlite:///{(out_dir or Path('.')).resolve() / 'study.db'}")
+            model = model.to(device).eval()
+            seconds: dict[str, float] = {}
 
-    named_space = None if search_space == "auto" else SearchSpace.load(search_space)  # a typo fails before profiling
-    start = time.perf_counter()
-    table, profile, capture_s = load_or_profile(model, batches, evaluate, higher_is_better, device, precisions,
-                                                out_dir, sensitivity_batches, progress, log)
-    seconds["capture"] = capture_s
-    seconds["profile"] = time.perf_counter() - start - capture_s
+            phase = "profile"
+            start = time.perf_counter()
+            evaluator = Evaluator(model, batches, evaluate, higher_is_better, device)  # fp32 on every search batch
+            the_budget.check(evaluator.metric_fp32, evaluator.uses_fidelity)
+            profile = load_or_profile(model, batches, evaluate, higher_is_better, device, precisions, out_dir,
+                                      sensitivity_batches, progress, log,
+                                      capture_batches=[*batches, *holdout_batches])
+            seconds["capture"] = profile.cost["seconds"].get("capture", 0.0)
+            seconds["profile"] = time.perf_counter() - start - seconds["capture"]
 
-    start = time.perf_counter()
-    space = named_space or SearchSpace.load(choose_preset([layer.kind for layer in table]))
-    evaluator = Evaluator(model, batches, evaluate, higher_is_better, device)
-    if storage is None:
-        storage = f"sqlite:///{(out_dir or Path('.')).resolve() / 'study.db'}"
-        fail_stale = True
-    else:
-        fail_stale = False  # other workers' running trials are theirs
-    result = search(profile, evaluator, the_budget, space, precisions, trials=trials, timeout=timeout,
-                    patience=patience, storage=storage, study_name=study_name, seed=seed,
-                    fail_stale=fail_stale, progress=progress)
-    seconds["search"] = time.perf_counter() - start
+            phase = "search"
+            start = time.perf_counter()
+            space = named_space or SearchSpace.load(choose_preset([layer.kind for layer in profile.layers]))
+            result = search(profile, evaluator, the_budget, space, precisions, trials=trials, timeout=timeout,
+                            patience=patience, storage=storage, study_name=study_name, seed=seed,
+                            fail_stale=fail_stale, progress=progress)
+            seconds["search"] = time.perf_counter() - start
 
-    start = time.perf_counter()
-    caps = device_capabilities(device)
-    autocast = _fastest_native_low(profile, caps)
-    verification = verify(model, _verify_candidates(result, profile, autocast), holdout_batches, evaluate,
-                          higher_is_better, the_budget, autocast, device, timing_batch=timing_batch)
-    seconds["verify"] = time.perf_counter() - start
+            phase = "verify"
+            start = time.perf_counter()
+            autocast = autocast_baseline(device_capabilities(device), profile.end_to_end_ms)
+            verification = verify(model, _verify_candidates(result, profile, autocast), holdout_batches, evaluate,
+                                  higher_is_better, the_budget, autocast, device, timing_batch=timing_batch)
+            seconds["verify"] = time.perf_counter() - start
 
-    v = verification
+            phase = "outputs"
+            tuned = TuneResult(policy=_tuned_policy(verification, profile, the_budget), profile=profile,
+                               search=result, verification=verification, budget=the_budget, out_dir=out_dir,
+                               seconds=seconds)
+            if out_dir is not None:
+                from .report import write_outputs
+
+                write_outputs(tuned)
+            return tuned
+    except KeyboardInterrupt:
+        raise TuneInterrupted(phase) from None
+
+
+def _tuned_policy(v: Verification, profile: Profile, budget: Budget) -> Policy:
+    """The chosen policy (fp32 when nothing was chosen), with what it was tuned on and what it achieved."""
     policy = v.policy if v.policy is not None else Policy()
-    policy.model = {"fingerprint": profile.fingerprint, "layers": len(profile.layers), "type": table.model_type}
+    policy.model = {"fingerprint": profile.fingerprint, "layers": len(profile.layers), "type": profile.model_type}
     policy.tuned_on = {"device": profile.device, "torch": torch.__version__, "autoprec": __version__}
     policy.result = {
         "speedup": _round(v.speedup), "speedup_vs_autocast": _round(v.speedup_vs_autocast),
+        "tuned_is_autocast": v.tuned_is_autocast, "autocast": v.autocast_precision,
         "latency_ms": {k: _round(x) for k, x in v.latency_ms.items() if k in ("fp32", "autocast", "tuned")},
-        "metric": _round(v.metric.get("tuned", v.metric["fp32"])), "metric_fp32": _round(v.metric["fp32"]),
-        "metric_kind": profile.metric["kind"], "budget": str(the_budget), "timing_batch": v.timing_batch,
+        "metric": _round(v.metric["tuned"]), "metric_fp32": _round(v.metric["fp32"]),
+        "metric_kind": profile.metric["kind"], "budget": str(budget), "timing_batch": v.timing_batch,
     }
-    tuned = TuneResult(policy=policy, profile=profile, search=result, verification=v, budget=the_budget,
-                       out_dir=out_dir, seconds=seconds)
-    if out_dir is not None:
-        write_outputs(tuned, table)
-    return tuned
+    return policy
 
 
 def _verify_candidates(result: SearchResult, profile: Profile, autocast: Precision, best: int = 3) -> list:
@@ -183,19 +209,8 @@ def _verify_candidates(result: SearchResult, profile: Profile, autocast: Precisi
     return chosen
 
 
-def _fastest_native_low(profile: Profile, caps: dict[Precision, Capability]) -> Precision:
-    """The autocast dtype a user would pick here: the natively supported one measured fastest."""
-    options = [p for p in (Precision.BF16, Precision.FP16)
-               if caps[p] is Capability.NATIVE and p.value in profile.end_to_end_ms]
-    if not options:
-        options = [p for p in (Precision.BF16, Precision.FP16) if p.value in profile.remainder_ms]
-    if not options:
-        return Precision.BF16
-    return min(options, key=lambda p: profile.end_to_end_ms.get(p.value, sum(
-        layer.latency_ms.get(p.value, math.inf) for layer in profile.layers)))
-
-
 def _round(x: float | None, digits: int = 4) -> float | None:
+    """A figure for policy.json, which is standard JSON: no inf or NaN (the metric kind says what it is)."""
     if x is None or not math.isfinite(x):
-        return None if x is None else str(x)  # type: ignore[return-value]
+        return None
     return round(float(x), digits)

@@ -24,8 +24,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-__all__ = ["UserCodeError", "UserSpec", "batch_args", "call_model", "load_model_py", "run_evaluate", "to_device"]
+__all__ = ["HOLDOUT_FRACTION", "UserCodeError", "UserSpec", "batch_args", "call_model", "describe_batch",
+           "load_model_py", "run_evaluate", "split_holdout", "to_device"]
 
+HOLDOUT_FRACTION = 0.25  # the last quarter of the batches verifies the winner; the search never sees them
 _BATCH_FORMS = "a tensor (model(x)), a tuple/list of tensors (model(*x)) or a dict (model(**x))"
 
 
@@ -77,6 +79,20 @@ def call_model(model: nn.Module, batch: Any) -> Any:
 def to_device(batch: Any, device: torch.device | str) -> Any:
     """The batch with every tensor in it moved to ``device`` (containers keep their type)."""
     return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
+
+
+def describe_batch(batch: Any) -> str:
+    """A batch as a user reads it: ``input_ids 16x128, attention_mask 16x128`` (dict keys or argument
+    positions, then the shape of each tensor)."""
+    args, kwargs = batch_args(batch)
+    named = [*((f"input {i}" if len(args) > 1 else "input", v) for i, v in enumerate(args)), *kwargs.items()]
+    parts = []
+    for name, value in named:
+        shapes = ["x".join(map(str, t.shape)) or "scalar" for t in pytree.tree_leaves(value)
+                  if isinstance(t, torch.Tensor)]
+        if shapes:
+            parts.append(f"{name} {', '.join(shapes)}")
+    return ", ".join(parts) or "no tensors"
 
 
 def _a(value: Any) -> str:
@@ -211,7 +227,16 @@ def run_evaluate(spec: UserSpec, model: nn.Module, batches: list) -> float:
     return _as_metric(value, spec.path)  # non-finite is a finding about the precision, not a user error
 
 
-def load_model_py(path: str | Path, holdout_fraction: float = 0.25, check: bool = True) -> UserSpec:
+def split_holdout(batches: list, fraction: float = HOLDOUT_FRACTION) -> tuple[list, list]:
+    """(search batches, held-out batches): the last ``ceil(n * fraction)`` (at least one, at most
+    n - 1) are held out for the final verification."""
+    if len(batches) < 2:
+        raise ValueError("autoprec needs at least 2 batches: one or more to search on, one held out to verify")
+    n_holdout = min(len(batches) - 1, max(1, math.ceil(len(batches) * fraction)))
+    return batches[:-n_holdout], batches[-n_holdout:]
+
+
+def load_model_py(path: str | Path, holdout_fraction: float = HOLDOUT_FRACTION, check: bool = True) -> UserSpec:
     """Import ``path`` and check what it provides; ``check`` also runs the model and evaluate() once.
 
     The last ``ceil(n * holdout_fraction)`` batches (at least one) are held out for verification.
@@ -235,8 +260,7 @@ def load_model_py(path: str | Path, holdout_fraction: float = 0.25, check: bool 
                             "return the model itself, e.g. `return Net()`")
     batches = _check_batches(_call_user(path, "get_batches", get_batches), path)
 
-    n_holdout = min(len(batches) - 1, max(1, math.ceil(len(batches) * holdout_fraction)))
-    spec = UserSpec(path, model, batches[:-n_holdout], batches[-n_holdout:], evaluate, higher_is_better)
+    spec = UserSpec(path, model, *split_holdout(batches, holdout_fraction), evaluate, higher_is_better)
     if check:
         _check_model_runs(model, batches[0], path)
         if evaluate is not None:

@@ -1,53 +1,105 @@
 """Verify stage: re-measure the search's best candidates end to end on held-out batches.
 
 The best few feasible candidates, fp32 and blanket autocast are timed in one interleaved run
-on the device (so noise hits all alike; medians of repeats). Each candidate's metric is then
-measured on the held-out batches, which the search never saw; the fastest measured candidate
-that stays within the budget there is chosen, and a miss is said in the notes.
+on the device (so noise hits all alike; medians of repeats, and the spread of each comparison
+round by round). Each candidate's metric is then measured on the held-out batches, which the
+search never saw; the fastest measured candidate that stays within the budget there is chosen,
+and a miss is said in the notes.
+
+This module owns the baseline every result is compared with: :func:`autocast_baseline` picks
+the blanket ``torch.autocast`` a user would pick on this device, for ``tune`` and ``bench`` alike.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
 
-from .formats import Precision
-from .measure import Evaluator, interleaved_ms, to_device
+from .budget import Budget
+from .formats import Capability, Precision, device_capabilities
+from .measure import Evaluator, interleaved_samples, to_device
 from .policy import Policy
-from .search import Budget, Candidate
+from .search import Candidate
+from .userspec import describe_batch
 
-__all__ = ["Bench", "Verification", "bench_policy", "verify"]
+__all__ = ["Speedup", "Verification", "autocast_baseline", "bench_policy", "verify"]
 
 TIE_TOLERANCE = 0.03  # measured latencies this close are a tie on a shared machine
+AUTOCAST_CHOICES = (Precision.BF16, Precision.FP16)  # the dtypes torch.autocast takes
+
+
+def autocast_baseline(capabilities: Mapping[Precision, Capability], measured_ms: Mapping[str, float]) -> Precision:
+    """The blanket autocast a user would pick here: of bf16 and fp16, the natively supported one
+    measured fastest (``measured_ms``: precision -> whole-model ms). bf16 when nothing says otherwise."""
+    native = [p for p in AUTOCAST_CHOICES if capabilities.get(p) is Capability.NATIVE]
+    timed = [p for p in native or AUTOCAST_CHOICES if p.value in measured_ms]
+    if not timed:
+        return native[0] if native else Precision.BF16
+    return min(timed, key=lambda p: measured_ms[p.value])
+
+
+@dataclass(frozen=True)
+class Speedup:
+    """How many times faster one entry ran than another: the median of round-by-round ratios, and
+    their range over the rounds (the measured noise of this comparison)."""
+
+    median: float
+    low: float
+    high: float
+    rounds: int
+
+    @classmethod
+    def of(cls, baseline: Sequence[float], other: Sequence[float]) -> Speedup:
+        ratios = [b / o for b, o in zip(baseline, other, strict=True)]
+        return cls(statistics.median(ratios), min(ratios), max(ratios), len(ratios))
+
+    @property
+    def tie(self) -> bool:
+        """Whether 1x lies inside the measured spread: then neither is faster, as far as we can tell."""
+        return self.low <= 1.0 <= self.high
+
+    def __str__(self) -> str:
+        return f"{self.median:.2f}x ({self.low:.2f}-{self.high:.2f})"
 
 
 @dataclass
 class Verification:
     chosen: Candidate | None
     policy: Policy | None
-    latency_ms: dict[str, float]  # "fp32", "autocast", "tuned" (and "candidate <n>" for each timed)
+    samples: dict[str, list[float]]  # ms per interleaved round: "fp32", "autocast", "tuned", candidate labels
     metric: dict[str, float]  # held-out metric: "fp32", "autocast", "tuned"
     sqnr_db: dict[str, float]
     within_budget: dict[str, bool]  # "autocast", "tuned"
     autocast_precision: str
     predicted_ms: float | None
     timing_batch: str
+    fidelity: bool = False  # no user metric: the metric is the output SQNR (dB) against fp32
+    tuned_is_autocast: bool = False  # the chosen policy computes exactly what blanket autocast does
     notes: list[str] = field(default_factory=list)
 
     @property
+    def latency_ms(self) -> dict[str, float]:
+        return {k: statistics.median(v) for k, v in self.samples.items()}
+
+    def speedup_of(self, key: str, over: str = "fp32") -> Speedup:
+        return Speedup.of(self.samples[over], self.samples[key])
+
+    @property
     def speedup(self) -> float | None:
-        if "tuned" not in self.latency_ms:
-            return None
-        return self.latency_ms["fp32"] / self.latency_ms["tuned"]
+        return self.speedup_of("tuned").median if "tuned" in self.samples else None
 
     @property
     def speedup_vs_autocast(self) -> float | None:
-        if "tuned" not in self.latency_ms:
-            return None
-        return self.latency_ms["autocast"] / self.latency_ms["tuned"]
+        return self.speedup_of("tuned", "autocast").median if "tuned" in self.samples else None
+
+
+def _is_blanket(policy: Policy, autocast: Precision) -> bool:
+    return not policy.layers and policy.default is autocast
 
 
 def verify(model: nn.Module, candidates: Sequence[Candidate], holdout_batches: Sequence[Any],
@@ -61,7 +113,7 @@ def verify(model: nn.Module, candidates: Sequence[Candidate], holdout_batches: S
     blanket = Policy(default=autocast_precision)  # what torch.autocast over the whole model computes
     blanket_m = evaluator.measure(blanket)
     metric = {"fp32": evaluator.metric_fp32, "autocast": blanket_m.metric}
-    sqnr = {"autocast": blanket_m.sqnr_db}
+    sqnr = {"fp32": float("inf"), "autocast": blanket_m.sqnr_db}
     within = {"autocast": budget.violation(blanket_m, evaluator) <= 0}
     if progress:
         progress("metric")
@@ -70,7 +122,7 @@ def verify(model: nn.Module, candidates: Sequence[Candidate], holdout_batches: S
     passing: list[tuple[Candidate, Policy, Any]] = []
     for candidate in candidates:
         policy = candidate.policy()
-        m = evaluator.measure(policy)
+        m = blanket_m if _is_blanket(policy, autocast_precision) else evaluator.measure(policy)
         if budget.violation(m, evaluator) <= 0:
             passing.append((candidate, policy, m))
         else:
@@ -87,85 +139,79 @@ def verify(model: nn.Module, candidates: Sequence[Candidate], holdout_batches: S
 
     batch = to_device(timing_batch if timing_batch is not None else holdout_batches[0], device)
     runners: dict[str, Policy | Precision | None] = {"fp32": None, "autocast": autocast_precision}
+    label = {}  # candidate label -> the runner that times it (blanket autocast is timed once, as itself)
     for candidate, policy, _ in passing:
-        runners[candidate.label] = policy
-    latency = interleaved_ms(model, batch, runners, device, repeats=repeats)
+        label[candidate.label] = "autocast" if _is_blanket(policy, autocast_precision) else candidate.label
+        if label[candidate.label] not in runners:
+            runners[candidate.label] = policy
+    samples = interleaved_samples(model, batch, runners, device, repeats=repeats)
+    latency = {k: statistics.median(v) for k, v in samples.items()}
     if progress:
         progress("latency")
 
     chosen = None
+    tuned_is_autocast = False
     if passing:
         # Within timing noise of the fastest, the policy with the fewest rules wins: a simpler
         # policy that measures the same is the better one to keep (and to trust on other batches).
-        fastest = min(latency[c.label] for c, _, _ in passing)
-        close = [cpm for cpm in passing if latency[cpm[0].label] <= fastest * (1 + TIE_TOLERANCE)]
-        candidate, policy, m = min(close, key=lambda cpm: (len(cpm[1].layers), latency[cpm[0].label]))
-        if latency[candidate.label] < latency["fp32"]:
+        def ms(c: Candidate) -> float:
+            return latency[label[c.label]]
+
+        fastest = min(ms(c) for c, _, _ in passing)
+        close = [cpm for cpm in passing if ms(cpm[0]) <= fastest * (1 + TIE_TOLERANCE)]
+        candidate, policy, m = min(close, key=lambda cpm: (len(cpm[1].layers), ms(cpm[0])))
+        if ms(candidate) < latency["fp32"]:
             chosen = candidate
-            latency["tuned"] = latency[candidate.label]
+            samples["tuned"] = samples[label[candidate.label]]
             metric["tuned"], sqnr["tuned"], within["tuned"] = m.metric, m.sqnr_db, True
+            tuned_is_autocast = label[candidate.label] == "autocast"
+            if tuned_is_autocast:
+                notes.append(f"the tuned policy is blanket autocast ({autocast_precision.value}) itself: within the "
+                             "budget, and no per-layer policy measured faster")
         else:
             notes.append(f"no candidate within budget was measured faster than fp32 here (the best, "
-                         f"{candidate.label}, took {latency[candidate.label]:.3g} ms against fp32's "
+                         f"{candidate.label}, took {ms(candidate):.3g} ms against fp32's "
                          f"{latency['fp32']:.3g} ms): the policy stays fp32")
     if chosen is None:  # nothing lowered: the policy is fp32, as fast and as good as fp32
-        latency["tuned"], metric["tuned"], sqnr["tuned"], within["tuned"] = (
-            latency["fp32"], metric["fp32"], float("inf"), True)
+        samples["tuned"] = samples["fp32"]
+        metric["tuned"], sqnr["tuned"], within["tuned"] = metric["fp32"], float("inf"), True
         if not candidates:
             notes.append("nothing was lowered: no layer had a candidate precision worth searching here")
-    return Verification(chosen=chosen, policy=chosen.policy() if chosen else None, latency_ms=latency,
+    return Verification(chosen=chosen, policy=chosen.policy() if chosen else None, samples=samples,
                         metric=metric, sqnr_db=sqnr, within_budget=within,
                         autocast_precision=autocast_precision.value,
                         predicted_ms=chosen.predicted_ms if chosen else None,
-                        timing_batch=_describe(batch), notes=notes)
+                        timing_batch=describe_batch(batch), fidelity=evaluator.uses_fidelity,
+                        tuned_is_autocast=tuned_is_autocast, notes=notes)
 
 
-def _describe(batch: Any) -> str:
-    import torch.utils._pytree as pytree
-
-    shapes = [tuple(t.shape) for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
-    return ", ".join("x".join(map(str, s)) for s in shapes)
-
-
-@dataclass
-class Bench:
-    """A policy re-measured against fp32 and blanket autocast on the same batches."""
-
-    latency_ms: dict[str, float]
-    metric: dict[str, float]
-    sqnr_db: dict[str, float]
-    metric_kind: str
-    timing_batch: str
-    autocast_precision: str
-
-    def __str__(self) -> str:
-        labels = {"fp32": "fp32", "autocast": f"blanket autocast ({self.autocast_precision})", "policy": "policy"}
-        lines = [f"latency on {self.timing_batch} (median of interleaved runs); metric: {self.metric_kind}",
-                 f"{'':30s} {'ms':>9s} {'vs fp32':>8s} {'metric':>10s} {'SQNR dB':>8s}"]
-        for key, label in labels.items():
-            ms = self.latency_ms[key]
-            lines.append(f"{label:30s} {ms:9.2f} {self.latency_ms['fp32'] / ms:7.2f}x {self.metric[key]:10.5g} "
-                         f"{self.sqnr_db.get(key, float('inf')):8.1f}")
-        return "\n".join(lines)
-
-
-def bench_policy(model: nn.Module, batches: Sequence[Any], policy: Policy,
+def bench_policy(model: nn.Module, batches: Sequence[Any], policy: Policy, budget: Budget,
                  evaluate: Callable[[nn.Module, list], float] | None = None, higher_is_better: bool = True,
-                 device: str | torch.device = "cpu", repeats: int = 7,
-                 autocast_precision: Precision = Precision.BF16) -> Bench:
-    """Time ``policy`` against fp32 and blanket autocast on ``batches[0]`` and score all three."""
+                 device: str | torch.device = "cpu", repeats: int = 7) -> Verification:
+    """Time ``policy`` against fp32 and blanket autocast on ``batches[0]`` and score all three.
+
+    The autocast baseline is chosen as :func:`tune` chooses it: each natively supported autocast
+    dtype is timed in the same interleaved run, and the fastest is the one compared against.
+    """
     device = torch.device(device)
     model = model.to(device).eval()
     evaluator = Evaluator(model, batches, evaluate, higher_is_better, device)
-    blanket = evaluator.measure(Policy(default=autocast_precision))
     tuned = evaluator.measure(policy)
     if tuned.error:
         raise ValueError(f"the policy does not run on this model: {tuned.error}")
     batch = to_device(batches[0], device)
-    latency = interleaved_ms(model, batch, {"fp32": None, "autocast": autocast_precision, "policy": policy},
-                                device, repeats=repeats)
-    return Bench(latency_ms=latency, metric={"fp32": evaluator.metric_fp32, "autocast": blanket.metric,
-                                             "policy": tuned.metric},
-                 sqnr_db={"fp32": float("inf"), "autocast": blanket.sqnr_db, "policy": tuned.sqnr_db},
-                 metric_kind="output SQNR (dB) vs fp32" if evaluator.uses_fidelity else "evaluate()",
-                 timing_batch=_describe(batch), autocast_precision=autocast_precision.value)
+    caps = device_capabilities(device)
+    options = [p for p in AUTOCAST_CHOICES if caps[p] is Capability.NATIVE] or [Precision.BF16]
+    runners: dict[str, Policy | Precision | None] = {"fp32": None, **{p.value: p for p in options}, "tuned": policy}
+    samples = interleaved_samples(model, batch, runners, device, repeats=repeats)
+    autocast = autocast_baseline(caps, {p.value: statistics.median(samples[p.value]) for p in options})
+    blanket = evaluator.measure(Policy(default=autocast))
+    samples = {"fp32": samples["fp32"], "autocast": samples[autocast.value], "tuned": samples["tuned"]}
+    return Verification(
+        chosen=None, policy=policy, samples=samples,
+        metric={"fp32": evaluator.metric_fp32, "autocast": blanket.metric, "tuned": tuned.metric},
+        sqnr_db={"fp32": float("inf"), "autocast": blanket.sqnr_db, "tuned": tuned.sqnr_db},
+        within_budget={"autocast": budget.violation(blanket, evaluator) <= 0,
+                       "tuned": budget.violation(tuned, evaluator) <= 0},
+        autocast_precision=autocast.value, predicted_ms=None, timing_batch=describe_batch(batch),
+        fidelity=evaluator.uses_fidelity, tuned_is_autocast=_is_blanket(policy, autocast))

@@ -16,7 +16,8 @@ from models import Cancel, seeded
 
 from autoprec.measure import Evaluator, Measurement
 from autoprec.profile import LayerProfile, Profile, Sensitivity
-from autoprec.search import Budget, Candidate, choose_default, pareto_front, plan_units, search
+from autoprec.budget import Budget
+from autoprec.search import Candidate, choose_default, pareto_front, plan_units, search
 from autoprec.searchspace import SearchSpace
 
 
@@ -73,7 +74,7 @@ def test_budget_parsing():
         Budget.parse("lots")
     with pytest.raises(ValueError, match=">= 0"):
         Budget.parse("-1")
-    with pytest.raises(ValueError, match="needs a metric drop"):
+    with pytest.raises(ValueError, match="needs a largest metric drop"):
         Budget()
 
 

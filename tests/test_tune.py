@@ -148,5 +148,5 @@ def test_when_blanket_autocast_is_within_budget_the_policy_is_blanket(tmp_path):
 
 def test_budget_needs_a_metric():
     model = nn.Linear(4, 4)
-    with pytest.raises(ValueError, match="--min-sqnr"):
+    with pytest.raises(ValueError, match="has none: give an SQNR floor"):
         autoprec.tune(model, [torch.randn(2, 4)] * 2, budget="1%", progress=False)

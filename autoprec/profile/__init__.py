@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from .. import __version__
 from ..apply import takes_precision
 from ..capture import LayerTable
-from ..formats import Capability, Precision, device_capabilities
+from ..formats import DEFAULT_PRECISIONS, Capability, Precision, device_capabilities
 from ..measure import Evaluator, to_device
 from .latency import measure_latency, predict_ms
 from .result import LayerProfile, Profile, ProfileError, Sensitivity, device_name, fingerprint
@@ -23,9 +23,6 @@ from .sensitivity import measure_sensitivity
 
 __all__ = ["Profile", "LayerProfile", "Sensitivity", "ProfileError", "profile_model", "fingerprint", "predict_ms",
            "device_name"]
-
-DEFAULT_PRECISIONS = (Precision.BF16, Precision.FP16, Precision.FP8)
-
 
 def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
                   evaluate: Callable[[nn.Module, list], float] | None = None, higher_is_better: bool = True,
@@ -83,5 +80,6 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
         metric={"kind": "fidelity" if evaluator.uses_fidelity else "user", "fp32": evaluator.metric_fp32,
                 "higher_is_better": evaluator.higher_is_better, "batches": len(sens_batches)},
         cost={"evaluations": evaluator.evaluations, "seconds": seconds, "autoprec": __version__},
+        model_type=table.model_type,
     )
 

@@ -68,6 +68,7 @@ class Profile:
     prediction_error_pct: dict[str, float]  # additive model vs end_to_end_ms, in %
     metric: dict[str, Any]  # {"kind": "user"|"fidelity", "fp32": float, "higher_is_better": bool}
     cost: dict[str, Any]  # {"evaluations": n, "seconds": {phase: s}}
+    model_type: str = ""  # the model's class name
     version: int = PROFILE_VERSION
 
     def layer(self, name: str) -> LayerProfile:
