@@ -80,7 +80,7 @@ def _versus_autocast(v: Verification) -> str | None:
         return None
     s = v.speedup_of("tuned", "autocast")
     verdict = ("a tie: the difference is inside the measured spread" if s.tie else
-               "faster" if s.median > 1 else "slower")
+               "faster" if s.ratio > 1 else "slower")
     return (f"autoprec policy vs blanket autocast ({v.autocast_precision}): {s} over {s.rounds} interleaved rounds, "
             f"{verdict}")
 

@@ -1,0 +1,97 @@
+"""Rules of a tune that a user relies on: the search stops when told, a profile is reused only when it
+is for the same model and data, and a lower-is-better metric is kept within budget the right way round."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn as nn
+from models import Cancel, seeded
+from test_search import Chain, batches, chain_profile
+
+import autoprec
+from autoprec.budget import Budget
+from autoprec.measure import Evaluator
+from autoprec.search import search
+from autoprec.searchspace import SearchSpace
+
+
+def slow(evaluate, seconds):
+    def run(model, batches):
+        time.sleep(seconds)
+        return evaluate(model, batches)
+    return run
+
+
+def mse_to(targets):
+    def evaluate(model, batches):
+        with torch.no_grad():
+            return float(sum((model(x) - t).pow(2).mean() for x, t in zip(batches, targets)) / len(batches))
+    return evaluate
+
+
+def test_the_search_stops_at_its_timeout(tmp_path):
+    model = Chain().eval()
+    ev = Evaluator(model, batches(), evaluate=slow(lambda m, b: -float(m(b[0]).pow(2).mean()), 0.2))
+    start = time.perf_counter()
+    result = search(chain_profile(), ev, Budget.parse("0.001"), SearchSpace.load("default"), trials=500,
+                    timeout=2.0, patience=500, storage=f"sqlite:///{tmp_path / 's.db'}", progress=False)
+    assert result.stopped_because == "timeout"
+    assert len(result.trials) < 500 and time.perf_counter() - start < 10
+
+
+def test_the_search_stops_when_patience_runs_out(tmp_path):
+    result = search(chain_profile(), Evaluator(Chain().eval(), batches()), Budget.parse(None, 30),
+                    SearchSpace.load("default"), trials=300, patience=4, storage=f"sqlite:///{tmp_path / 's.db'}",
+                    progress=False)
+    assert result.stopped_because == "no improvement in 4 trials"
+    assert len(result.trials) < 300
+
+
+def test_a_profile_is_reused_only_for_the_same_model_and_data(tmp_path):
+    with seeded(0):
+        model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8))
+    data = [torch.randn(16, 32) for _ in range(3)]
+    said: list[str] = []
+    options = dict(min_sqnr=20, trials=2, out=tmp_path, progress=False, log=said.append, precisions=["bf16"])
+    autoprec.tune(model, data, **options)
+    autoprec.tune(model, data, **options)
+    assert sum("reusing the profile" in s for s in said) == 1
+    autoprec.tune(model, [x + 1 for x in data], **options)  # other data: profiled again
+    assert sum("reusing the profile" in s for s in said) == 1
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # other weights: profiled again
+    autoprec.tune(model, [x + 1 for x in data], **options)
+    assert sum("reusing the profile" in s for s in said) == 1
+
+
+class CancelHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        with seeded(0):
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+            self.bad = Cancel(16, scale=300.0)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.b(h) + self.bad(h)
+
+
+def test_a_lower_is_better_metric_keeps_its_budget_the_right_way_round(tmp_path):
+    model = CancelHead().eval()
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randn(32, 16, generator=g) for _ in range(4)]
+    with torch.no_grad():
+        targets = [model(x) + 0.1 * torch.randn(x.shape[0], 16, generator=g) for x in data]
+    evaluate = mse_to(targets[:3])
+    allowed = 0.001
+    both = {3: evaluate, 1: mse_to(targets[3:])}  # search batches, held-out batch
+
+    result = autoprec.tune(model, data[:3], lambda m, b: both[len(b)](m, b),
+                           higher_is_better=False, holdout_batches=data[3:], budget=str(allowed), trials=12,
+                           out=tmp_path, progress=False, log=lambda _: None, precisions=["bf16"])
+    v = result.verification
+    assert v.metric["tuned"] <= v.metric["fp32"] + allowed  # lower is better: it may rise by the budget, no more
+    bf16_bad = [c for c in result.search.trials if c.assignment["bad"] == "bf16"]
+    assert all(not c.feasible for c in bf16_bad)  # bf16 ruins the cancellation: the MSE rises far past the budget

@@ -1,0 +1,108 @@
+"""The verify stage's decisions, on a real model whose timings are set by the test.
+
+Which candidate wins depends on measured latency, which a shared machine makes noisy; so here
+``interleaved_samples`` is replaced by one that returns the times each test sets, and every rule
+of the choice is checked against them: the held-out budget, never slower than fp32, ties broken
+toward fewer rules, blanket autocast reported as itself. Metrics are measured for real.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from models import seeded
+
+from autoprec.budget import Budget
+from autoprec.formats import Capability, Precision
+from autoprec.report import results_table
+from autoprec.search import Candidate
+from autoprec.verify import Speedup, autocast_baseline, verify
+
+
+def model_and_batches():
+    with seeded(0):
+        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    g = torch.Generator().manual_seed(3)
+    return model, [torch.randn(8, 16, generator=g) for _ in range(2)]
+
+
+def candidate(number: int, assignment: dict[str, str], default: str = "fp32") -> Candidate:
+    full = {"0": "fp32", "2": "fp32", "4": "fp32"} | assignment
+    return Candidate(number=number, assignment=full, default=default, predicted_ms=1.0, metric=40.0, sqnr_db=40.0,
+                     violation=-1.0)
+
+
+@pytest.fixture
+def timings(monkeypatch):
+    """``timings(label=ms, ...)``: what the interleaved run measures for each runner (7 equal rounds)."""
+    table: dict[str, float] = {}
+
+    def fake(model, batch, runners, device="cpu", repeats=7, rewarm=1):
+        missing = set(runners) - set(table)
+        assert not missing, f"the test set no time for {missing}"
+        return {key: [table[key]] * repeats for key in runners}
+
+    monkeypatch.setattr("autoprec.verify.interleaved_samples", fake)
+    return table.update
+
+
+def run(candidates, budget=Budget(min_sqnr=20.0)):
+    model, batches = model_and_batches()
+    return verify(model, candidates, batches, None, True, budget, Precision.BF16)
+
+
+def test_within_noise_the_policy_with_fewer_rules_wins(timings):
+    one_rule, three_rules = candidate(1, {"0": "bf16"}), candidate(2, {"0": "bf16", "2": "bf16", "4": "bf16"})
+    timings(fp32=10.0, autocast=6.0, **{"trial #1": 8.1, "trial #2": 8.0})  # 1.25% apart: a tie
+    v = run([three_rules, one_rule])
+    assert v.chosen is one_rule
+
+
+def test_outside_noise_the_faster_policy_wins(timings):
+    one_rule, three_rules = candidate(1, {"0": "bf16"}), candidate(2, {"0": "bf16", "2": "bf16", "4": "bf16"})
+    timings(fp32=10.0, autocast=6.0, **{"trial #1": 9.0, "trial #2": 7.0})
+    assert run([one_rule, three_rules]).chosen is three_rules
+
+
+def test_a_policy_measured_slower_than_fp32_is_never_chosen(timings):
+    timings(fp32=10.0, autocast=6.0, **{"trial #1": 10.5})
+    v = run([candidate(1, {"0": "bf16"})])
+    assert v.chosen is None and v.policy is None
+    assert v.latency_ms["tuned"] == v.latency_ms["fp32"]
+    assert any("no candidate within budget was measured faster than fp32" in n for n in v.notes)
+    assert "fp32 = autoprec policy" in results_table(v)
+
+
+def test_blanket_autocast_as_the_winner_is_reported_as_itself(timings):
+    timings(fp32=10.0, autocast=6.0)  # blanket is timed once, as torch.autocast, never as a second runner
+    blanket = candidate(-1, {"0": "bf16", "2": "bf16", "4": "bf16"}, default="bf16")
+    v = run([blanket])
+    assert v.tuned_is_autocast and v.speedup_vs_autocast == 1.0
+    table = results_table(v)
+    assert "blanket autocast (bf16) = autoprec policy" in table
+    assert "vs blanket autocast" not in table  # no "1.00x vs autocast" for one computation
+
+
+def test_a_candidate_over_budget_on_held_out_batches_is_passed_over_with_a_note(timings):
+    timings(fp32=10.0, autocast=6.0, **{"trial #2": 9.0})
+    # bf16 everywhere keeps ~40 dB on this model; a 60 dB floor rules it out on the held-out batches
+    v = run([candidate(1, {"0": "bf16", "2": "bf16", "4": "bf16"}), candidate(2, {})], Budget(min_sqnr=60.0))
+    assert v.chosen is not None and v.chosen.number == 2
+    assert any("trial #1 met the budget on the search batches but not on the held-out" in n for n in v.notes)
+
+
+def test_speedup_spread_and_ties():
+    s = Speedup.of([10.0, 11.0, 9.0], [5.0, 5.0, 10.0])
+    assert s.ratio == pytest.approx(2.0) and s.low == pytest.approx(0.9) and s.high == pytest.approx(2.2)
+    assert s.tie  # one round had the other faster: 1x is inside the spread
+    assert not Speedup.of([10.0, 10.0], [5.0, 4.0]).tie
+
+
+def test_the_autocast_baseline_is_the_fastest_native_dtype():
+    native = {Precision.BF16: Capability.NATIVE, Precision.FP16: Capability.NATIVE}
+    assert autocast_baseline(native, {"bf16": 5.0, "fp16": 9.0}) is Precision.BF16
+    assert autocast_baseline(native, {"bf16": 9.0, "fp16": 5.0}) is Precision.FP16
+    fp16_emulated = {Precision.BF16: Capability.NATIVE, Precision.FP16: Capability.EMULATED}
+    assert autocast_baseline(fp16_emulated, {"bf16": 9.0, "fp16": 5.0}) is Precision.BF16  # never for speed
+    assert autocast_baseline(native, {}) is Precision.BF16
