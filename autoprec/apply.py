@@ -194,7 +194,7 @@ def _check_names(model: nn.Module, policy: Policy, strict: bool) -> None:
         if strict:
             raise PolicyError(f"policy {which} no module of the model; fix or remove "
                               f"{'it' if len(unmatched) == 1 else 'them'} (strict=True)")
-        warnings.warn(f"policy {which} no module of the model", stacklevel=3)
+        _warn_once(policy, f"policy {which} no module of the model")
 
 
 def structure_fingerprint(model: nn.Module) -> str:
@@ -220,8 +220,15 @@ def _check_model(model: nn.Module, policy: Policy) -> None:
     if recorded_structure is not None and recorded_structure != structure_fingerprint(model):
         differs.append("its layers or their shapes differ from this model's")
     if differs:
-        warnings.warn(f"this policy was tuned on another model ({'; '.join(differs)}): "
-                      "check that it is the policy for this model, or tune this one", stacklevel=3)
+        _warn_once(policy, f"this policy was tuned on another model ({'; '.join(differs)}): "
+                           "check that it is the policy for this model, or tune this one")
+
+
+def _warn_once(policy: Policy, message: str) -> None:
+    """Warn at the caller of apply_policy, once per policy: bench and tune apply one policy many times."""
+    if message not in policy._warned:
+        policy._warned.add(message)
+        warnings.warn(message, stacklevel=4)
 
 
 def _check_shared(aliases: list[tuple[nn.Module, list[str]]], precisions: dict[str, Precision]) -> None:

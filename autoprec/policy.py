@@ -61,6 +61,7 @@ class Policy:
         default = _precision(self.default, "'default'", problems)
         self.default = default if default is not None else Precision.FP32
         self.layers, self._patterns = _rules(self.layers, problems)
+        self._warned: set[str] = set()  # what applying this policy has warned about: each said once
         self.fp8 = _fp8(self.fp8, problems)
         for key in _INFO_KEYS:
             if not isinstance(getattr(self, key), Mapping):
@@ -204,13 +205,12 @@ def _from_dict(cls: type[Policy], data: Any, source: str, problems: list[str]) -
     elif version < 1:
         problems.append(f"'version' must be 1 or more, got {version}")
     _unknown_keys(data, _KEYS, "", problems)
-    policy = None
     try:
         policy = cls(layers=data.get("layers", {}), default=data.get("default", "fp32"), fp8=data.get("fp8", {}),
                      **{key: data.get(key, {}) for key in _INFO_KEYS})
     except PolicyError as e:
         problems.append(str(e))
-    if problems or policy is None:
+    if problems:
         raise PolicyError(f"{source}: {'; '.join(problems)}")
     if version < VERSION:
         warnings.warn(f"{source}: policy version {version} is older than {VERSION}; read as version {VERSION}",

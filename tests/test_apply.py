@@ -292,6 +292,16 @@ def test_a_policy_for_another_model_warns():
         apply_policy(make_net(), recorded(Block(16)))
 
 
+def test_one_policy_applied_many_times_warns_once():
+    """bench and tune apply one policy object for every run: its warnings are said once."""
+    model = make_net()
+    policy = Policy(layers={"re:decoder": "bf16"}, model={"type": "Block"})
+    with pytest.warns(UserWarning) as caught:
+        for _ in range(3):
+            remove_policy(apply_policy(model, policy))
+    assert [str(w.message).split(" ")[:2] for w in caught] == [["policy", "pattern"], ["this", "policy"]]
+
+
 def test_a_policy_for_this_model_or_without_a_record_applies_silently():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
