@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import hashlib
 import threading
 import warnings
 from collections.abc import Callable
@@ -40,7 +41,8 @@ from torch.overrides import TorchFunctionMode
 from .formats import FP8Linear, Precision
 from .policy import Policy, PolicyError
 
-__all__ = ["applied_policy", "apply_policy", "effective_precisions", "remove_policy", "takes_precision"]
+__all__ = ["applied_policy", "apply_policy", "effective_precisions", "remove_policy", "structure_fingerprint",
+           "takes_precision"]
 
 _MODES = ("inference", "training")
 _STATE_ATTR = "_autoprec_state"
@@ -169,20 +171,64 @@ def _parent_precision(name: str, precisions: dict[str, Precision]) -> Precision:
     return precisions[name.rpartition(".")[0]] if name else Precision.FP32  # the caller's world is fp32
 
 
-def _check_names(model: nn.Module, policy: Policy) -> None:
+def _check_names(model: nn.Module, policy: Policy, strict: bool) -> None:
+    """Every exact name must be a module of the model; a pattern that matches none warns (strict: fails).
+
+    Each names every offender in one line, with the closest module name for a missing layer.
+    """
     names = [n for n, _ in model.named_modules(remove_duplicate=False)]
     known = set(names)
     missing = [n for n in policy.exact_names if n not in known]
     if missing:
-        lines = []
-        for n in missing:
-            close = difflib.get_close_matches(n, names, n=3, cutoff=0.6)
-            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-            lines.append(f"layer {n!r} is in the policy but not in the model{hint}")
-        raise PolicyError("\n".join(lines))
-    for source, (pattern, _) in zip(policy.patterns, policy._patterns, strict=True):
-        if not any(pattern.fullmatch(n) for n in names):
-            warnings.warn(f"policy pattern {source!r} matches no module of the model", stacklevel=3)
+        close = {n: " or ".join(map(repr, difflib.get_close_matches(n, names, n=3, cutoff=0.6))) for n in missing}
+        if len(missing) == 1:
+            hint = f"; did you mean {close[missing[0]]}?" if close[missing[0]] else ""
+            raise PolicyError(f"layer {missing[0]!r} is in the policy but not in the model{hint}")
+        listed = ", ".join(f"{n!r}" + (f" (did you mean {close[n]}?)" if close[n] else "") for n in missing)
+        raise PolicyError(f"{len(missing)} layers are in the policy but not in the model: {listed}")
+    unmatched = [source for source, (pattern, _) in zip(policy.patterns, policy._patterns, strict=True)
+                 if not any(pattern.fullmatch(n) for n in names)]
+    if unmatched:
+        which = (f"pattern {unmatched[0]!r} matches" if len(unmatched) == 1
+                 else f"patterns {', '.join(map(repr, unmatched))} match")
+        if strict:
+            raise PolicyError(f"policy {which} no module of the model; fix or remove "
+                              f"{'it' if len(unmatched) == 1 else 'them'} (strict=True)")
+        _warn_once(policy, f"policy {which} no module of the model")
+
+
+def structure_fingerprint(model: nn.Module) -> str:
+    """A hash of what a policy's names refer to: module paths and types, parameter names and shapes.
+
+    Weight values are left out on purpose, so a policy still matches its model after fine-tuning
+    (unlike the profile's fingerprint, which also hashes weights and batches).
+    """
+    h = hashlib.sha256()
+    for name, module in model.named_modules(remove_duplicate=False):
+        h.update(f"{name}:{type(module).__qualname__};".encode())
+    for name, param in model.named_parameters(remove_duplicate=False):
+        h.update(f"{name}{tuple(param.shape)};".encode())
+    return h.hexdigest()[:16]
+
+
+def _check_model(model: nn.Module, policy: Policy) -> None:
+    """Warn when the policy records another model type or structure than ``model`` has."""
+    recorded_type, recorded_structure = policy.model.get("type"), policy.model.get("structure")
+    differs = []
+    if recorded_type is not None and recorded_type != type(model).__name__:
+        differs.append(f"a {recorded_type}, this model is a {type(model).__name__}")
+    if recorded_structure is not None and recorded_structure != structure_fingerprint(model):
+        differs.append("its layers or their shapes differ from this model's")
+    if differs:
+        _warn_once(policy, f"this policy was tuned on another model ({'; '.join(differs)}): "
+                           "check that it is the policy for this model, or tune this one")
+
+
+def _warn_once(policy: Policy, message: str) -> None:
+    """Warn at the caller of apply_policy, once per policy: bench and tune apply one policy many times."""
+    if message not in policy._warned:
+        policy._warned.add(message)
+        warnings.warn(message, stacklevel=4)
 
 
 def _check_shared(aliases: list[tuple[nn.Module, list[str]]], precisions: dict[str, Precision]) -> None:
@@ -206,13 +252,18 @@ def applied_policy(model: nn.Module) -> Policy | None:
     return state.policy if state is not None else None
 
 
-def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inference") -> nn.Module:
+def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inference",
+                 strict: bool = False) -> nn.Module:
     """Install ``policy`` into ``model`` in place and return the model.
 
     ``mode="inference"`` or ``"training"``: both keep the fp32 master weights and leave
     train()/eval() as they are. Inference mode lets FP8 linears quantize their weights once
     and reuse them until the weights change. For training with fp16 layers use
     ``policy.grad_scaler(device)`` in the loop (a no-op scaler when the policy has no fp16).
+
+    A layer the policy names but the model lacks is an error (every such layer is named); a
+    ``re:`` pattern that matches no module warns, or is an error with ``strict=True``. A policy
+    recorded for another model type or structure (``policy.model``) warns.
     """
     if mode not in _MODES:
         raise ValueError(f"mode must be 'inference' or 'training', got {mode!r}")
@@ -222,7 +273,8 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
         policy = Policy.load(policy)
     if getattr(model, _STATE_ATTR, None) is not None:
         raise RuntimeError("this model already has a policy applied; call autoprec.remove_policy(model) first")
-    _check_names(model, policy)
+    _check_names(model, policy, strict)
+    _check_model(model, policy)
     precisions = effective_precisions(model, policy)
     _check_shared(_aliases(model), precisions)  # before anything changes: a refused policy leaves no trace
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .formats import FP8Recipe, Precision
+from .jsonsafe import dumps, json_safe
 
 __all__ = ["SCHEMA", "VERSION", "Policy", "PolicyError"]
 
@@ -32,6 +33,12 @@ VERSION = 1
 PATTERN_PREFIX = "re:"
 _KEYS = {"schema", "version", "default", "layers", "fp8", "model", "tuned_on", "result"}
 _FP8_KEYS = {"recipe", "amax_history"}
+_INFO_KEYS = ("model", "tuned_on", "result")  # what the policy was tuned on and achieved: free-form objects
+MAX_FILE_BYTES = 16 * 2**20  # a policy names each layer once: even 100k layers fit in a few MiB
+# How a file that is not text starts, to say what it is instead of failing to decode it.
+_BINARY_KINDS = ((b"\x80", "a Python pickle"), (b"PK\x03\x04", "a zip archive, e.g. a torch.save checkpoint"),
+                 (b"\x1f\x8b", "gzip data"), (b"\xff\xfe", "UTF-16 text, save it as UTF-8"),
+                 (b"\xfe\xff", "UTF-16 text, save it as UTF-8"))
 
 
 class PolicyError(ValueError):
@@ -48,34 +55,21 @@ class Policy:
     result: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        try:
-            self.default = Precision.parse(self.default)
-        except ValueError as e:
-            raise PolicyError(f"policy 'default': {e}") from None
-        if not isinstance(self.layers, Mapping):
-            raise PolicyError(f"policy 'layers' must be a mapping of layer name to precision, "
-                              f"got {type(self.layers).__name__}")
-        layers: dict[str, Precision] = {}
-        patterns: list[tuple[re.Pattern, Precision]] = []
-        for name, precision in self.layers.items():
-            if not isinstance(name, str):
-                raise PolicyError(f"layer names must be strings, got {name!r}")
-            try:
-                precision = Precision.parse(precision)
-            except ValueError as e:
-                raise PolicyError(f"layer {name!r}: {e}") from None
-            if name.startswith(PATTERN_PREFIX):
-                try:
-                    patterns.append((re.compile(name[len(PATTERN_PREFIX):]), precision))
-                except re.error as e:
-                    raise PolicyError(f"layer pattern {name!r} does not compile: {e}") from None
-            layers[name] = precision
-        self.layers = layers
-        self._patterns = patterns
-        if isinstance(self.fp8, Mapping):
-            self.fp8 = _fp8_from_dict(self.fp8)
-        elif not isinstance(self.fp8, FP8Recipe):
-            raise PolicyError(f"policy 'fp8' must be an FP8Recipe or a mapping, got {type(self.fp8).__name__}")
+        # Every problem is collected, then all are named in one message: fixing a file should
+        # take one round, not one per mistake.
+        problems: list[str] = []
+        default = _precision(self.default, "'default'", problems)
+        self.default = default if default is not None else Precision.FP32
+        self.layers, self._patterns = _rules(self.layers, problems)
+        self._warned: set[str] = set()  # what applying this policy has warned about: each said once
+        self.fp8 = _fp8(self.fp8, problems)
+        for key in _INFO_KEYS:
+            if not isinstance(getattr(self, key), Mapping):
+                problems.append(f"{key!r} must be an object, got {type(getattr(self, key)).__name__}")
+        if any("unknown precision" in p for p in problems):
+            problems.append(f"the precisions are {', '.join(p.value for p in Precision)}")
+        if problems:
+            raise PolicyError("; ".join(problems))
 
     @classmethod
     def from_assignment(cls, assignment: Mapping[str, str | Precision], default: str | Precision = Precision.FP32,
@@ -133,6 +127,7 @@ class Policy:
 
     # ---- files -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """The file's content: standard JSON values only (a non-finite number is None)."""
         out: dict[str, Any] = {
             "schema": SCHEMA,
             "version": VERSION,
@@ -140,67 +135,42 @@ class Policy:
             "layers": {name: p.value for name, p in self.layers.items()},
             "fp8": {"recipe": self.fp8.recipe, "amax_history": self.fp8.amax_history},
         }
-        for key in ("model", "tuned_on", "result"):
-            if getattr(self, key):
-                out[key] = getattr(self, key)
+        for key in _INFO_KEYS:
+            block = getattr(self, key)
+            if block:
+                try:
+                    out[key] = json_safe(block if key != "result" else _legacy_nonfinite_to_none(block))
+                except TypeError as e:
+                    raise PolicyError(f"policy {key!r}: {e}") from None
         return out
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "policy") -> Policy:
-        if not isinstance(data, dict):
-            raise PolicyError(f"{source}: expected a JSON object at the top level, got {type(data).__name__}")
-        unknown = sorted(set(data) - _KEYS)
-        if unknown:
-            raise PolicyError(f"{source}: unknown key(s) {', '.join(map(repr, unknown))}; "
-                              f"allowed keys are {', '.join(sorted(_KEYS))}")
-        if data.get("schema") != SCHEMA:
-            raise PolicyError(f"{source}: 'schema' is {data.get('schema')!r}, expected {SCHEMA!r} "
-                              "(is this an autoprec policy file?)")
-        version = data.get("version")
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise PolicyError(f"{source}: 'version' must be a whole number, got {version!r}")
-        if version < 1:
-            raise PolicyError(f"{source}: 'version' must be 1 or more, got {version}")
-        if version > VERSION:
-            raise PolicyError(f"{source}: policy version {version} is newer than this autoprec reads "
-                              f"(version {VERSION}); upgrade autoprec")
-        if version < VERSION:
-            warnings.warn(f"{source}: policy version {version} is older than {VERSION}; read as version {VERSION}",
-                          stacklevel=2)
-        for key in ("model", "tuned_on", "result"):
-            if key in data and not isinstance(data[key], dict):
-                raise PolicyError(f"{source}: {key!r} must be an object, got {type(data[key]).__name__}")
-        fp8 = data.get("fp8", {})
-        if not isinstance(fp8, dict):
-            raise PolicyError(f"{source}: 'fp8' must be an object, got {type(fp8).__name__}")
-        try:
-            return cls(layers=data.get("layers", {}), default=data.get("default", "fp32"), fp8=_fp8_from_dict(fp8),
-                       model=data.get("model", {}), tuned_on=data.get("tuned_on", {}),
-                       result=data.get("result", {}))
-        except PolicyError as e:
-            raise PolicyError(f"{source}: {e}") from None
+        """The policy a parsed file holds; a PolicyError names every problem in it, in one line."""
+        return _from_dict(cls, data, source, [])
 
     @classmethod
     def load(cls, path: str | Path) -> Policy:
         path = Path(path)
+        text = _read_text(path)
+        duplicates: list[str] = []
         try:
-            text = path.read_text()
-        except OSError as e:
-            raise PolicyError(f"cannot read policy file {str(path)!r}: {e.strerror}") from None
-        try:
-            data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+            data = json.loads(text, object_pairs_hook=lambda pairs: _note_duplicates(pairs, duplicates))
         except json.JSONDecodeError as e:
             raise PolicyError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
-        except _DuplicateKey as e:
-            # JSON would silently keep the last one; in 'layers' the order and the rule both matter.
-            raise PolicyError(f"{path}: key {e.args[0]!r} appears twice in one object; keep one") from None
-        return cls.from_dict(data, source=str(path))
+        except RecursionError:
+            raise PolicyError(f"{path}: not a policy file (JSON nested too deeply)") from None
+        # JSON would silently keep the last of two equal keys; in 'layers' the order and the rule both matter.
+        problems = [f"key {key!r} appears twice in one object (keep one)" for key in dict.fromkeys(duplicates)]
+        return _from_dict(cls, data, str(path), problems)
 
     def save(self, path: str | Path) -> Path:
+        """Write the policy as standard JSON (no Infinity/NaN; a non-finite number is null)."""
         path = Path(path)
+        text = dumps(self.to_dict(), indent=2) + "\n"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        tmp.write_text(text)
         tmp.replace(path)  # atomic: an interrupted save never leaves half a policy
         return path
 
@@ -219,25 +189,136 @@ class Policy:
         return "\n".join(lines)
 
 
-class _DuplicateKey(Exception):
-    pass
+def _from_dict(cls: type[Policy], data: Any, source: str, problems: list[str]) -> Policy:
+    if not isinstance(data, dict):
+        raise PolicyError(f"{source}: expected a JSON object at the top level, got {type(data).__name__}")
+    version = data.get("version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > VERSION:
+        # A newer file may hold keys and values this version does not know: naming them would mislead.
+        raise PolicyError(f"{source}: policy version {version} is newer than this autoprec reads "
+                          f"(version {VERSION}); upgrade autoprec")
+    problems = list(problems)
+    if data.get("schema") != SCHEMA:
+        problems.append(f"'schema' is {data.get('schema')!r}, expected {SCHEMA!r} (is this an autoprec policy file?)")
+    if not isinstance(version, int) or isinstance(version, bool):
+        problems.append(f"'version' must be a whole number, got {version!r}")
+    elif version < 1:
+        problems.append(f"'version' must be 1 or more, got {version}")
+    _unknown_keys(data, _KEYS, "", problems)
+    try:
+        policy = cls(layers=data.get("layers", {}), default=data.get("default", "fp32"), fp8=data.get("fp8", {}),
+                     **{key: data.get(key, {}) for key in _INFO_KEYS})
+    except PolicyError as e:
+        problems.append(str(e))
+    if problems:
+        raise PolicyError(f"{source}: {'; '.join(problems)}")
+    if version < VERSION:
+        warnings.warn(f"{source}: policy version {version} is older than {VERSION}; read as version {VERSION}",
+                      stacklevel=3)
+    return policy
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def _read_text(path: Path) -> str:
+    """The text of a policy file, or one PolicyError line saying why it is not one."""
+    if path.is_dir():
+        inside = path / "policy.json"
+        hint = f"; did you mean {str(inside)!r}?" if inside.is_file() else ""
+        raise PolicyError(f"{path}: is a folder, not a policy file{hint}")
+    try:
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise PolicyError(f"{path}: not a policy file ({size / 2**20:.0f} MiB; a policy is a small JSON file, "
+                              f"at most {MAX_FILE_BYTES // 2**20} MiB)")
+        data = path.read_bytes()
+    except OSError as e:
+        raise PolicyError(f"cannot read policy file {str(path)!r}: {e.strerror}") from None
+    kind = next((kind for magic, kind in _BINARY_KINDS if data.startswith(magic)), None)
+    if kind is None and b"\x00" in data[:8192]:
+        kind = "binary data"
+    if kind is None:
+        try:
+            text = data.decode("utf-8-sig")  # a byte-order mark from a Windows editor is fine
+        except UnicodeDecodeError as e:
+            kind = f"binary data, or text that is not UTF-8: byte {data[e.start]:#x} at offset {e.start}"
+    if kind is not None:
+        raise PolicyError(f"{path}: not a policy file ({kind}); an autoprec policy is JSON text")
+    if not text.strip():
+        raise PolicyError(f"{path}: the file is empty; an autoprec policy is a JSON object, as `autoprec tune` "
+                          "writes")
+    return text
+
+
+def _unknown_keys(found: Mapping[str, Any], allowed: set[str], where: str, problems: list[str]) -> None:
+    unknown = sorted(set(found) - allowed, key=str)
+    if unknown:
+        problems.append(f"unknown key{'s' if len(unknown) > 1 else ''}{where} {', '.join(map(repr, unknown))} "
+                        f"(allowed: {', '.join(sorted(allowed))})")
+
+
+def _note_duplicates(pairs: list[tuple[str, Any]], duplicates: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise _DuplicateKey(key)
+            duplicates.append(key)
         out[key] = value
     return out
 
 
-def _fp8_from_dict(fp8: Mapping[str, Any]) -> FP8Recipe:
-    unknown = sorted(set(fp8) - _FP8_KEYS)
-    if unknown:
-        raise PolicyError(f"unknown key(s) in 'fp8': {', '.join(map(repr, unknown))}; "
-                          f"allowed keys are {', '.join(sorted(_FP8_KEYS))}")
+def _precision(value: Any, what: str, problems: list[str]) -> Precision | None:
     try:
-        return FP8Recipe(**fp8)
-    except (TypeError, ValueError) as e:
-        raise PolicyError(f"'fp8': {e}") from None
+        return Precision.parse(value)
+    except ValueError:
+        problems.append(f"{what}: unknown precision {value!r}")
+        return None
+
+
+def _rules(layers: Any, problems: list[str]) -> tuple[dict[str, Precision], list[tuple[re.Pattern, Precision]]]:
+    """The layer rules and the compiled ``re:`` patterns; each bad entry is added to ``problems``."""
+    if not isinstance(layers, Mapping):
+        problems.append(f"'layers' must be a mapping of layer name to precision, got {type(layers).__name__}")
+        return {}, []
+    rules: dict[str, Precision] = {}
+    patterns: list[tuple[re.Pattern, Precision]] = []
+    for name, value in layers.items():
+        if not isinstance(name, str):
+            problems.append(f"layer names must be strings, got {name!r}")
+            continue
+        precision = _precision(value, f"layer {name!r}", problems)
+        if name.startswith(PATTERN_PREFIX):
+            try:
+                pattern = re.compile(name[len(PATTERN_PREFIX):])
+            except re.error as e:
+                problems.append(f"layer pattern {name!r} does not compile: {e}")
+                continue
+            if precision is not None:
+                patterns.append((pattern, precision))
+        if precision is not None:
+            rules[name] = precision
+    return rules, patterns
+
+
+def _fp8(fp8: Any, problems: list[str]) -> FP8Recipe:
+    """The FP8 recipe from a recipe or a mapping; each bad key or value is added to ``problems``."""
+    if isinstance(fp8, FP8Recipe):
+        return fp8
+    if not isinstance(fp8, Mapping):
+        problems.append(f"'fp8' must be an object with recipe and amax_history, got {type(fp8).__name__}")
+        return FP8Recipe()
+    _unknown_keys(fp8, _FP8_KEYS, " in 'fp8':", problems)
+    known = {k: v for k, v in fp8.items() if k in _FP8_KEYS}
+    bad = False
+    for key, value in known.items():  # one at a time, so every bad value is named
+        try:
+            FP8Recipe(**{key: value})
+        except (TypeError, ValueError) as e:
+            problems.append(f"'fp8': {str(e).replace('; ', ', ')}")  # '; ' separates the problems
+            bad = True
+    return FP8Recipe() if bad else FP8Recipe(**known)
+
+
+_LEGACY_NONFINITE = ("inf", "-inf", "nan")  # how autoprec 0.1 wrote non-finite results
+
+
+def _legacy_nonfinite_to_none(block: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: None if isinstance(v, str) and v in _LEGACY_NONFINITE else
+            _legacy_nonfinite_to_none(v) if isinstance(v, Mapping) else v for k, v in block.items()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch.nn as nn
 from matmuls import MatmulLog, ModuleStack
 
 from autoprec import FP8Linear, Policy, PolicyError, Precision, apply_policy, remove_policy
-from autoprec.apply import applied_policy, effective_precisions
+from autoprec.apply import applied_policy, effective_precisions, structure_fingerprint
 from autoprec.formats import fp8_scale
 
 # FP8 is emulated on these devices: an fp32 matmul on values quantized to FP8.
@@ -216,9 +217,106 @@ def test_missing_layer_names_the_layer_and_the_closest_one():
     assert applied_policy(model) is None
 
 
-def test_pattern_matching_nothing_warns():
-    with pytest.warns(UserWarning, match="matches no module"):
-        apply_policy(make_net(), Policy(layers={"re:encoder\\..*": "bf16"}))
+def test_every_missing_layer_is_named_in_one_line_with_its_closest_name():
+    model = make_net()
+    policy = Policy(layers={"blocks.0.attn.qkvv": "bf16", "head": "fp8", "blocks.1.mlpp.0": "fp16",
+                            "decoder.zzz": "bf16"})
+    with pytest.raises(PolicyError) as caught:
+        apply_policy(model, policy)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("3 layers are in the policy but not in the model: ")
+    assert "'blocks.0.attn.qkvv' (did you mean 'blocks.0.attn.qkv'" in message
+    assert "'blocks.1.mlpp.0' (did you mean 'blocks.1.mlp.0'" in message
+    assert "'decoder.zzz'" in message and "'decoder.zzz' (" not in message  # nothing close: no guess
+    assert "'head'" not in message  # it is in the model
+    assert applied_policy(model) is None
+
+
+UNMATCHED = {"re:encoder\\..*": "bf16", "re:blocks\\.[0-9]+\\.attn": "fp16", "re:decoder": "bf16"}
+
+
+def test_patterns_matching_nothing_warn_naming_each():
+    model = make_net()
+    with pytest.warns(UserWarning) as caught:
+        apply_policy(model, Policy(layers=UNMATCHED))
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "patterns 're:encoder\\\\..*', 're:decoder' match no module of the model" in message
+    assert "attn" not in message  # that one matches
+    assert caught[0].filename == __file__  # points at the user's call
+    assert applied_policy(model) is not None
+
+
+def test_strict_refuses_patterns_matching_nothing_and_leaves_the_model_alone():
+    model = make_net()
+    with pytest.raises(PolicyError, match=r"^policy pattern 're:decoder' matches no module of the model; "
+                                          r"fix or remove it \(strict=True\)$"):
+        apply_policy(model, Policy(layers={"re:decoder": "bf16", "head": "bf16"}), strict=True)
+    assert applied_policy(model) is None and not isinstance(model.head, FP8Linear)
+    with pytest.raises(PolicyError, match=r"patterns 're:encoder.*', 're:decoder' match no module"):
+        apply_policy(model, Policy(layers=UNMATCHED), strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_policy(model, Policy(layers={"re:blocks\\.[0-9]+\\.attn": "fp16"}), strict=True)  # all match
+
+
+# ---- the model a policy was tuned on --------------------------------------------------------------
+def test_structure_fingerprint_ignores_weights_but_not_layers_types_or_shapes():
+    base = structure_fingerprint(make_net(seed=0))
+    assert structure_fingerprint(make_net(seed=1)) == base  # fine-tuned weights: the same model
+    wider = make_net()
+    wider.head = nn.Linear(16, 25)
+    other_type = make_net()
+    other_type.blocks[0].mlp[1] = nn.ReLU()
+    renamed = make_net()
+    renamed.add_module("extra", nn.Identity())
+    assert len({base, structure_fingerprint(wider), structure_fingerprint(other_type),
+                structure_fingerprint(renamed)}) == 4
+
+
+def recorded(model: nn.Module, **model_block) -> Policy:
+    """A policy for ``make_net()`` whose ``model`` block records ``model``, as tune writes it."""
+    block = {"type": type(model).__name__, "structure": structure_fingerprint(model), **model_block}
+    return Policy(layers={"head": "bf16"}, model=block)
+
+
+def test_a_policy_for_another_model_warns():
+    tuned_on = make_net()
+    changed = make_net()
+    changed.out = nn.Linear(24, 9)
+    with pytest.warns(UserWarning, match=r"^this policy was tuned on another model \(its layers or their shapes "
+                                         r"differ from this model's\): check that it is the policy for this model"):
+        apply_policy(changed, recorded(tuned_on))
+    with pytest.warns(UserWarning, match=r"tuned on another model \(a Block, this model is a Net; its layers"):
+        apply_policy(make_net(), recorded(Block(16)))
+
+
+def test_one_policy_applied_many_times_warns_once():
+    """bench and tune apply one policy object for every run: its warnings are said once."""
+    model = make_net()
+    policy = Policy(layers={"re:decoder": "bf16"}, model={"type": "Block"})
+    with pytest.warns(UserWarning) as caught:
+        for _ in range(3):
+            remove_policy(apply_policy(model, policy))
+    assert [str(w.message).split(" ")[:2] for w in caught] == [["policy", "pattern"], ["this", "policy"]]
+
+
+def test_a_policy_for_this_model_or_without_a_record_applies_silently():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_policy(make_net(seed=3), recorded(make_net(seed=0), fingerprint="weights-and-batches-differ"))
+        apply_policy(make_net(), Policy(layers={"head": "bf16"}))  # hand-written: nothing recorded
+        apply_policy(make_net(), Policy(layers={"head": "bf16"}, model={"type": "Net"}))  # older tune: no structure
+
+
+def test_bench_warns_for_a_policy_of_another_model():
+    from autoprec.verify import bench_policy
+
+    model, x = make_net(), torch.randn(2, 4, 8)
+    policy = Policy(layers={"head": "bf16"}, model={"type": "Net", "structure": "0" * 16})
+    with pytest.warns(UserWarning, match="tuned on another model"):
+        bench_policy(model, [x], policy, repeats=1)
 
 
 def test_applying_twice_raises():

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
+import math
+import pickle
+import re
 import warnings
 from pathlib import Path
 
 import pytest
+import torch
 import torch.nn as nn
 
 from autoprec import FP8Recipe, Policy, PolicyError, Precision
 from autoprec.apply import effective_precisions
+from autoprec.jsonsafe import dumps, finite_or_none, json_safe
+from autoprec.policy import MAX_FILE_BYTES
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -129,7 +137,8 @@ def without(key: str) -> str:
 
 BAD_FILES = [  # (id, file text, what the message must say)
     ("invalid JSON", '{"schema": "autoprec.policy",', r"not valid JSON \(.* at line 1"),
-    ("empty file", "", r"not valid JSON"),
+    ("empty file", "", r"the file is empty; an autoprec policy is a JSON object"),
+    ("only whitespace", " \n\t\n", r"the file is empty"),
     ("top-level list", "[1, 2]", r"expected a JSON object at the top level, got list"),
     ("wrong schema", changed(schema="optuna.study"), r"'schema' is 'optuna.study', expected 'autoprec.policy'"),
     ("no schema", without("schema"), r"'schema' is None, expected 'autoprec.policy'"),
@@ -138,14 +147,16 @@ BAD_FILES = [  # (id, file text, what the message must say)
     ("version as bool", changed(version=True), r"'version' must be a whole number, got True"),
     ("version zero", changed(version=0), r"'version' must be 1 or more, got 0"),
     ("no version", without("version"), r"'version' must be a whole number, got None"),
-    ("unknown top-level key", changed(layer={"fc": "bf16"}), r"unknown key\(s\) 'layer'; allowed keys are"),
-    ("unknown fp8 key", changed(fp8={"margin": 0}), r"unknown key\(s\) in 'fp8': 'margin'"),
-    ("fp8 not an object", changed(fp8=16), r"'fp8' must be an object, got int"),
+    ("unknown top-level key", changed(layer={"fc": "bf16"}),
+     r"unknown key 'layer' \(allowed: default, fp8, layers, model"),
+    ("unknown fp8 key", changed(fp8={"margin": 0}),
+     r"unknown key in 'fp8': 'margin' \(allowed: amax_history, recipe\)"),
+    ("fp8 not an object", changed(fp8=16), r"'fp8' must be an object with recipe and amax_history, got int"),
     ("amax_history zero", changed(fp8={"amax_history": 0}), r"amax_history must be a whole number >= 1, got 0"),
     ("amax_history text", changed(fp8={"amax_history": "16"}), r"amax_history must be a whole number >= 1, got '16'"),
     ("unknown fp8 recipe", changed(fp8={"recipe": "rowwise"}), r"unknown FP8 recipe 'rowwise'"),
     ("unknown layer precision", changed(layers={"fc": "int8"}),
-     r"layer 'fc': unknown precision 'int8'; use one of: fp32, bf16, fp16, fp8"),
+     r"layer 'fc': unknown precision 'int8'; the precisions are fp32, bf16, fp16, fp8$"),
     ("unknown default", changed(default="fp64"), r"'default': unknown precision 'fp64'"),
     ("pattern does not compile", changed(layers={"re:encoder.(": "bf16"}),
      r"layer pattern 're:encoder\.\(' does not compile"),
@@ -156,10 +167,31 @@ BAD_FILES = [  # (id, file text, what the message must say)
 ]
 
 
-@pytest.mark.parametrize("text, message", [case[1:] for case in BAD_FILES], ids=[case[0] for case in BAD_FILES])
+# ---- files that are not policies -------------------------------------------------------------------
+def torch_checkpoint() -> bytes:
+    buffer = io.BytesIO()
+    torch.save({"fc.weight": torch.zeros(2, 2)}, buffer)
+    return buffer.getvalue()
+
+
+NOT_POLICIES = [  # (id, file bytes, what the message must say)
+    ("pickle", pickle.dumps({"layers": {"fc": "bf16"}}), r"not a policy file \(a Python pickle\)"),
+    ("torch.save checkpoint", torch_checkpoint(), r"not a policy file \(a zip archive, e.g. a torch.save checkpoint\)"),
+    ("gzip", gzip.compress(b'{"schema": "autoprec.policy"}'), r"not a policy file \(gzip data\)"),
+    ("bytes with NUL", bytes(range(256)) * 4, r"not a policy file \(binary data\)"),
+    ("not UTF-8", b'{"layers": {"caf\xe9": "bf16"}}',
+     r"not a policy file \(binary data, or text that is not UTF-8: byte 0xe9 at offset 16\)"),
+    ("UTF-16 JSON", json.dumps(GOOD).encode("utf-16"), r"not a policy file \(UTF-16 text, save it as UTF-8\)"),
+    ("deeply nested", b"[" * 200_000, r"not a policy file \(JSON nested too deeply\)"),
+]
+
+
+@pytest.mark.parametrize("text, message", [case[1:] for case in BAD_FILES + NOT_POLICIES],
+                         ids=[case[0] for case in BAD_FILES + NOT_POLICIES])
 def test_bad_file_raises_one_clear_policy_error(tmp_path, text, message):
+    """Every case of BAD_FILES and NOT_POLICIES: one PolicyError line that names the file."""
     path = tmp_path / "policy.json"
-    path.write_text(text)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(PolicyError, match=message) as caught:
         Policy.load(path)
     assert type(caught.value) is PolicyError and isinstance(caught.value, ValueError)
@@ -179,7 +211,7 @@ def test_missing_file(tmp_path):
     ({"layers": ["fc"]}, r"'layers' must be a mapping"),
     ({"layers": {"fc": "half"}}, r"layer 'fc': unknown precision 'half'"),
     ({"layers": {1: "bf16"}}, r"layer names must be strings"),
-    ({"fp8": 16}, r"'fp8' must be an FP8Recipe or a mapping, got int"),
+    ({"fp8": 16}, r"'fp8' must be an object with recipe and amax_history, got int"),
     ({"fp8": {"amax_history": -1}}, r"amax_history must be a whole number >= 1"),
 ], ids=["default", "layers list", "layer precision", "layer name", "fp8 int", "fp8 history"])
 def test_bad_policy_in_code_raises_policy_error(kwargs, message):
@@ -190,3 +222,126 @@ def test_bad_policy_in_code_raises_policy_error(kwargs, message):
 def test_precision_names_are_forgiving_but_saved_canonical(tmp_path):
     policy = Policy(default=" BF16 ", layers={"fc": "FP8"})
     assert policy.to_dict()["default"] == "bf16" and policy.to_dict()["layers"] == {"fc": "fp8"}
+
+
+def test_a_folder_is_not_a_policy_file_and_the_one_inside_is_suggested(tmp_path):
+    with pytest.raises(PolicyError, match=r": is a folder, not a policy file$"):
+        Policy.load(tmp_path)
+    Policy(default="bf16").save(tmp_path / "policy.json")
+    with pytest.raises(PolicyError, match=r"is a folder, not a policy file; did you mean '.*policy\.json'\?$"):
+        Policy.load(tmp_path)
+
+
+def test_a_very_large_file_is_refused_without_reading_it(tmp_path):
+    path = tmp_path / "model.pt"
+    with path.open("wb") as f:
+        f.truncate(MAX_FILE_BYTES + 1)  # sparse: nothing is written, and nothing must be read
+    with pytest.raises(PolicyError, match=r"not a policy file \(16 MiB; a policy is a small JSON file, at most 16"):
+        Policy.load(path)
+
+
+def test_a_byte_order_mark_is_fine(tmp_path):
+    path = tmp_path / "policy.json"
+    path.write_bytes(b"\xef\xbb\xbf" + changed().encode())
+    assert Policy.load(path).layers == {"fc": Precision.BF16}
+
+
+# ---- every problem, named once, in one line --------------------------------------------------------
+def test_every_problem_of_a_file_is_named_in_one_line(tmp_path):
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({
+        "schema": "autoprec.policy", "version": 1, "default": "fp64", "comment": "x", "layer": {},
+        "layers": {"fc": "int8", "head": "half", "re:enc.(": "bf16", "ok": "bf16", "re:dec": "quad"},
+        "fp8": {"recipe": "rowwise", "amax_history": 0, "margin": 1, "delay": 2},
+        "result": [2.9],
+    }))
+    with pytest.raises(PolicyError) as caught:
+        Policy.load(path)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"{path}: ")
+    problems = message[len(f"{path}: "):].split("; ")
+    expected = [
+        "unknown keys 'comment', 'layer' (allowed:",
+        "'default': unknown precision 'fp64'",
+        "layer 'fc': unknown precision 'int8'",
+        "layer 'head': unknown precision 'half'",
+        "layer pattern 're:enc.(' does not compile",
+        "layer 're:dec': unknown precision 'quad'",
+        "unknown keys in 'fp8': 'delay', 'margin' (allowed: amax_history, recipe)",
+        "'fp8': unknown FP8 recipe 'rowwise'",
+        "'fp8': fp8 amax_history must be a whole number >= 1, got 0",
+        "'result' must be an object, got list",
+        "the precisions are fp32, bf16, fp16, fp8",
+    ]
+    for start in expected:
+        assert sum(p.startswith(start) for p in problems) == 1, (start, problems)
+    assert "'ok'" not in message
+
+
+def test_every_duplicate_key_is_named_with_the_other_problems(tmp_path):
+    path = tmp_path / "policy.json"
+    path.write_text('{"schema": "autoprec.policy", "version": 1, "default": "fp64", '
+                    '"layers": {"fc": "bf16", "fc": "fp8", "head": "fp16", "head": "bf16"}}')
+    with pytest.raises(PolicyError) as caught:
+        Policy.load(path)
+    message = str(caught.value)
+    assert "key 'fc' appears twice in one object (keep one)" in message
+    assert "key 'head' appears twice in one object (keep one)" in message
+    assert "'default': unknown precision 'fp64'" in message
+
+
+def test_every_bad_value_in_code_is_named():
+    with pytest.raises(PolicyError) as caught:
+        Policy(default="fp64", layers={"a": "int8", 3: "bf16", "re:(": "fp16"}, fp8={"amax_history": "x"},
+               result=[1])
+    message = str(caught.value)
+    for part in ("'default': unknown precision 'fp64'", "layer 'a': unknown precision 'int8'",
+                 "layer names must be strings, got 3", "layer pattern 're:(' does not compile",
+                 "amax_history must be a whole number >= 1, got 'x'", "'result' must be an object, got list"):
+        assert part in message
+
+
+# ---- standard JSON ---------------------------------------------------------------------------------
+def strict_json(text: str):
+    """Parse as a strict reader would: Infinity and NaN are not JSON."""
+    def refuse(token: str):
+        raise ValueError(f"non-standard JSON token {token}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_save_writes_standard_json_with_null_for_non_finite_numbers(tmp_path):
+    policy = Policy(default="bf16", model={"layers": 3, "score": math.nan},
+                    result={"speedup": math.inf, "metric": -math.inf, "metric_fp32": 0.5, "metric_kind": "fidelity",
+                            "latency_ms": {"fp32": 1.0, "tuned": math.nan}, "old": "inf", "older": "-inf",
+                            "oldest": "nan", "spread": (0.9, math.inf), "budget": "SQNR >= 30 dB"})
+    text = policy.save(tmp_path / "policy.json").read_text()
+    data = strict_json(text)
+    assert not re.search(r"\binf\b|\bnan\b|Infinity|NaN", text, re.IGNORECASE), text
+    assert data["result"] == {"speedup": None, "metric": None, "metric_fp32": 0.5, "metric_kind": "fidelity",
+                              "latency_ms": {"fp32": 1.0, "tuned": None}, "old": None, "older": None,
+                              "oldest": None, "spread": [0.9, None], "budget": "SQNR >= 30 dB"}
+    assert data["model"] == {"layers": 3, "score": None}
+    assert Policy.load(tmp_path / "policy.json") == policy  # NaN != NaN no longer breaks equality
+
+
+def test_save_refuses_a_value_json_cannot_hold_in_one_line(tmp_path):
+    policy = Policy(result={"report": tmp_path})
+    with pytest.raises(PolicyError, match=r"^policy 'result': \['report'\] is a \w*Path, which JSON cannot hold"):
+        policy.save(tmp_path / "policy.json")
+    assert not (tmp_path / "policy.json").exists()
+
+
+@pytest.mark.parametrize("value, expected", [
+    (1.5, 1.5), (3, 3.0), (None, None), (math.inf, None), (-math.inf, None), (math.nan, None),
+    (torch.tensor(2.0), 2.0), (torch.tensor(math.inf), None), ("inf", None),
+])
+def test_finite_or_none(value, expected):
+    assert finite_or_none(value) == expected
+
+
+def test_json_safe_turns_scalars_and_tuples_into_json():
+    assert json_safe({"a": (1, torch.tensor(0.5), math.nan), "b": {"c": True}}) == {"a": [1, 0.5, None],
+                                                                                      "b": {"c": True}}
+    assert dumps({"x": math.inf}, indent=None) == '{"x": null}'
+    with pytest.raises(TypeError, match=r"the top level has key 1"):
+        json_safe({1: "a"})

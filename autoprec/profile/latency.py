@@ -137,6 +137,48 @@ def _cast_ms(shapes: list[tuple[tuple[int, ...], torch.dtype]], device: torch.de
     return median_ms(lambda: [t.float() for t in tensors], device, warmup=1, repeats=5)
 
 
+@dataclass
+class _Block:
+    """Everything one precision's timing block measured: each field is always there."""
+
+    layer_ms: dict[str, float]  # layer -> exclusive ms, every layer of the run
+    cast_ms: dict[str, float]  # layer -> ms to cast its output back to fp32, for the layers asked
+    remainder_ms: float  # hooked total minus the layers: the time outside tunable layers
+    hooked_ms: float  # median hooked total, to tell an emulation from fp32
+    plain_ms: float  # median whole-model time without hooks: the end-to-end check
+
+
+EMULATION_FACTOR = 3.0  # a block this many times slower than fp32 is an emulation: one timed pair is enough
+
+
+def _time_block(model: nn.Module, batch: Any, policy: Policy, layers: Sequence[str], cast_layers: Sequence[str],
+                device: torch.device, repeats: int, fp32: _Block | None) -> _Block:
+    """Hooked runs (layer times) alternating with plain runs (the end-to-end check), under one policy.
+
+    Every hooked run is followed by its plain run before the block may stop early, so a block
+    always yields both. It stops early only when both runs of a pair are :data:`EMULATION_FACTOR`
+    times fp32's, so one noisy run on a tiny model does not cut a native precision's repeats short.
+    """
+    apply_policy(model, policy)
+    try:
+        settle(lambda: _clocked_run(model, batch, layers, device), device)
+        runs, plain, outputs = [], [], {}
+        for _ in range(repeats):
+            times, total, outputs = _clocked_run(model, batch, layers, device)
+            runs.append((times, total))
+            plain.append(_plain_ms(model, batch, device))
+            if fp32 is not None and min(total / fp32.hooked_ms, plain[-1] / fp32.plain_ms) > EMULATION_FACTOR:
+                break
+    finally:
+        remove_policy(model)
+    # A layer the batch does not reach costs nothing on it: 0 ms in every precision alike.
+    layer_ms = {name: statistics.median(times.get(name, 0.0) for times, _ in runs) for name in layers}
+    casts = {name: _cast_ms(outputs.get(name, []), device) for name in cast_layers}
+    return _Block(layer_ms=layer_ms, cast_ms=casts,
+                  remainder_ms=statistics.median(total - sum(times.values()) for times, total in runs),
+                  hooked_ms=statistics.median(total for _, total in runs), plain_ms=statistics.median(plain))
+
+
 def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_layers: Sequence[str],
                     precisions: Sequence[Precision], device: str | torch.device = "cpu", repeats: int = 5,
                     emulated: Sequence[Precision] = (), progress: Callable[[str], None] | None = None) -> LatencyResult:
@@ -144,58 +186,54 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
 
     Precisions run in blocks, each warmed up until its time settles. The ``emulated`` ones go
     last: their big temporaries touch fresh memory, which slows whatever runs next on a VM.
+
+    What the result holds, by construction: every precision timed has a time for each layer
+    that can take it (fp8: ``fp8_layers``; the others: all of ``layers``), a cast time for each
+    of those layers when it is low, a blanket end-to-end time and its prediction error; and a
+    remainder when it can be a region default (fp8 never is, so it has none).
     """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a whole number >= 1, got {repeats!r}")
     device = torch.device(device)
+    precisions = list(dict.fromkeys(Precision.parse(p) for p in precisions if Precision.parse(p).is_low))
     latency: dict[str, dict[str, float]] = {n: {} for n in layers}
     casts: dict[str, dict[str, float]] = {n: {} for n in layers}
     remainder: dict[str, float] = {}
-    native = [p for p in precisions if p not in emulated]
-    fp32_ms: list[float] = []
-
     end_to_end: dict[str, float] = {}
+    checks: dict[str, tuple[dict[str, str], str]] = {}  # key -> (assignment, region default) it predicts
+    blocks: dict[Precision, _Block] = {}
 
     def time_block(p: Precision) -> None:
-        """Hooked runs (layer times) alternating with plain runs (the end-to-end check), one policy."""
-        apply_policy(model, blanket_policy(p, fp8_layers))
-        try:
-            settle(lambda: _clocked_run(model, batch, layers, device), device)
-            runs, plain, outputs = [], [], {}
-            for _ in range(repeats):
-                times, total, outputs = _clocked_run(model, batch, layers, device)
-                runs.append((times, total))
-                if fp32_ms and total > 3 * statistics.median(fp32_ms):
-                    break  # an emulation: one timed run is enough to know it is slow
-                plain.append(_plain_ms(model, batch, device))
-        finally:
-            remove_policy(model)
-        if p is Precision.FP32:
-            fp32_ms.extend(total for _, total in runs)
-        for name in fp8_layers if p is Precision.FP8 else layers:
-            latency[name][p.value] = statistics.median(times.get(name, 0.0) for times, _ in runs)
+        timed = list(fp8_layers) if p is Precision.FP8 else list(layers)
+        block = _time_block(model, batch, blanket_policy(p, fp8_layers), layers, timed if p.is_low else [],
+                            device, repeats, blocks.get(Precision.FP32))
+        blocks[p] = block
+        for name in timed:
+            latency[name][p.value] = block.layer_ms[name]
             if p.is_low:
-                casts[name][p.value] = _cast_ms(outputs.get(name, []), device)
-        if p is not Precision.FP8:  # FP8 is never a region default
-            remainder[p.value] = statistics.median(total - sum(times.values()) for times, total in runs)
-            if plain:
-                end_to_end[p.value] = statistics.median(plain)
+                casts[name][p.value] = block.cast_ms[name]
+        if p is Precision.FP8:  # never a region default: blanket fp8 is fp8 layers in an fp32 region
+            checks["fp8"] = ({n: ("fp8" if n in fp8_layers else "fp32") for n in layers}, "fp32")
+        else:
+            remainder[p.value] = block.remainder_ms
+            checks[p.value] = ({n: p.value for n in layers}, p.value)
+        end_to_end[p.value] = block.plain_ms
         if progress:
             progress(p.value)
 
+    native = [p for p in precisions if p not in emulated]
     for p in [Precision.FP32, *native]:
         time_block(p)
 
-    # Check the additive model against whole-model runs without hooks: fp32 and blanket precisions
-    # were run beside their hooked runs; a mixed policy (every other layer lowered) runs now.
+    # The blanket runs check the additive model with every layer alike; a mixed policy (every
+    # other layer lowered to the fastest native region precision) checks it across boundaries.
     fastest = min((p for p in native if p is not Precision.FP8),
                   key=lambda p: sum(latency[n][p.value] for n in layers), default=None)
-    checks: dict[str, tuple[dict[str, str], str]] = {"fp32": ({n: "fp32" for n in layers}, "fp32")}
     mixed = {n: "fp32" for n in layers}
     if fastest is not None:
-        checks[fastest.value] = ({n: fastest.value for n in layers}, fastest.value)
         mixed = {n: (fastest.value if i % 2 else "fp32") for i, n in enumerate(layers)}
         checks["mixed"] = (mixed, "fp32")
         end_to_end["mixed"] = _steady_ms(model, batch, Policy.from_assignment(mixed), device, repeats)
-    end_to_end = {k: end_to_end[k] for k in checks}
     if progress:
         progress("end to end")
 

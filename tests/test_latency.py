@@ -1,0 +1,127 @@
+"""The latency stage leaves no hole: whatever the timings, every precision timed is complete.
+
+A tiny model on a busy machine times with spikes many times its real cost; the stage used to
+stop a block on one spiked run before it had an end-to-end time, and the profile then failed
+with ``KeyError: 'bf16'`` (issue 7, defect 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autoprec
+import autoprec.profile.latency as latency_stage
+from autoprec.apply import applied_policy
+from autoprec.formats import Precision
+from autoprec.profile.latency import measure_latency
+
+LOW = [Precision.BF16, Precision.FP16, Precision.FP8]
+
+
+def issue_mlp() -> nn.Sequential:
+    """The model of the report: Linear(64,128) -> ReLU -> Linear(128,128) -> Linear(128,10)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.Linear(128, 10)).eval()
+
+
+LAYERS = ["0", "2", "3"]
+
+
+def assert_complete(result: latency_stage.LatencyResult, precisions: list[Precision]) -> None:
+    """Every precision timed has layer and cast times, an end-to-end time, its prediction error and
+    (unless fp8, never a region default) a remainder; every number is finite."""
+    for p in [Precision.FP32, *precisions]:
+        for name in LAYERS:
+            assert p.value in result.latency_ms[name], (p, name)
+            if p.is_low:
+                assert p.value in result.cast_ms[name], (p, name)
+        assert p.value in result.end_to_end_ms, p
+        assert (p.value in result.remainder_ms) == (p is not Precision.FP8), p
+    assert set(result.prediction_error_pct) == set(result.end_to_end_ms)
+    numbers = [*result.end_to_end_ms.values(), *result.prediction_error_pct.values(), *result.remainder_ms.values(),
+               *(ms for layer in result.latency_ms.values() for ms in layer.values())]
+    assert all(math.isfinite(x) for x in numbers)
+
+
+def low_precision_runs(model: nn.Module, which: Precision) -> bool:
+    policy = applied_policy(model)
+    return policy is not None and which in policy.precisions_used()
+
+
+def fake_clock(monkeypatch, hooked_slow: Precision | None, plain_slow: Precision | None) -> list[str]:
+    """Replace the clocks with fixed readings: 1 ms a run (0.2 ms a layer), 100 ms where the policy runs
+    ``hooked_slow`` / ``plain_slow``. Returns the log of plain runs, by the policy's region default."""
+    clocked, plain_runs = latency_stage._clocked_run, []
+
+    def hooked(model, batch, names, device):
+        _times, _total, outputs = clocked(model, batch, names, device)  # real shapes for the cast times
+        slow = hooked_slow is not None and low_precision_runs(model, hooked_slow)
+        return {n: 0.2 for n in names}, 100.0 if slow else 1.0, outputs
+
+    def plain(model, _batch, _device):
+        plain_runs.append(applied_policy(model).default.value)
+        return 100.0 if plain_slow is not None and low_precision_runs(model, plain_slow) else 1.0
+
+    monkeypatch.setattr(latency_stage, "_clocked_run", hooked)
+    monkeypatch.setattr(latency_stage, "_plain_ms", plain)
+    return plain_runs
+
+
+def test_a_spiked_hooked_run_does_not_cut_a_block_short(monkeypatch):
+    """Every hooked run of bf16 reads 100x fp32 (a busy machine), its plain runs do not: the block
+    still times all its repeats and records its end-to-end time."""
+    plain_runs = fake_clock(monkeypatch, hooked_slow=Precision.BF16, plain_slow=None)
+    result = measure_latency(issue_mlp(), torch.randn(32, 64), LAYERS, LAYERS, LOW, repeats=3,
+                             emulated=[Precision.FP8])
+    assert_complete(result, LOW)
+    assert plain_runs.count("bf16") == 3 and plain_runs.count("fp16") == 3
+    assert result.end_to_end_ms["bf16"] == 1.0
+
+
+def test_a_truly_slow_precision_stops_after_one_pair_and_is_still_complete(monkeypatch):
+    """Both the hooked and the plain run of fp16 read 100x fp32 (an emulation): one pair is enough."""
+    plain_runs = fake_clock(monkeypatch, hooked_slow=Precision.FP16, plain_slow=Precision.FP16)
+    result = measure_latency(issue_mlp(), torch.randn(32, 64), LAYERS, LAYERS, [Precision.BF16, Precision.FP16],
+                             repeats=4)
+    assert_complete(result, [Precision.BF16, Precision.FP16])
+    assert plain_runs.count("fp16") == 1 and plain_runs.count("bf16") == 4
+    assert result.end_to_end_ms["fp16"] == 100.0
+    assert result.remainder_ms["fp16"] == pytest.approx(100.0 - 3 * 0.2)
+
+
+def test_only_fp8_timed_still_checks_fp32_and_blanket_fp8():
+    """No native region precision: no mixed check, and nothing is missing for what was timed."""
+    result = measure_latency(issue_mlp(), torch.randn(8, 64), LAYERS, ["0", "3"], [Precision.FP8], repeats=1,
+                             emulated=[Precision.FP8])
+    assert set(result.end_to_end_ms) == {"fp32", "fp8"} == set(result.prediction_error_pct)
+    assert "fp8" not in result.latency_ms["2"] and "fp8" in result.latency_ms["0"]
+    assert result.mixed == {n: "fp32" for n in LAYERS}
+
+
+@pytest.mark.parametrize("repeats", [0, -1, 1.5, True])
+def test_repeats_must_be_a_whole_number(repeats):
+    with pytest.raises(ValueError, match="repeats must be a whole number >= 1"):
+        measure_latency(issue_mlp(), torch.randn(8, 64), LAYERS, LAYERS, LOW, repeats=repeats)
+
+
+def test_the_small_model_tunes_twenty_times_in_a_row():
+    """The issue's reproduction: this tune failed 3 runs in 10 with KeyError: 'bf16'."""
+    failures = []
+    for run in range(20):
+        model = issue_mlp()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(run)
+            batches = [torch.randn(32, 64) for _ in range(4)]
+        try:
+            result = autoprec.tune(model, batches, trials=4, patience=4, progress=False, out=None,
+                                   storage="sqlite:///:memory:", log=lambda _line: None)
+        except Exception as e:  # noqa: BLE001 - every failure is collected and named below
+            failures.append(f"run {run}: {type(e).__name__}: {e}")
+            continue
+        assert set(result.profile.prediction_error_pct) == set(result.profile.end_to_end_ms)
+    assert not failures, "; ".join(failures)
