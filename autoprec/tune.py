@@ -19,9 +19,11 @@ import torch
 import torch.nn as nn
 
 from . import __version__
+from .apply import structure_fingerprint
 from .budget import Budget, choose_budget
 from .capture import capture
 from .formats import DEFAULT_PRECISIONS, Precision, device_capabilities
+from .jsonsafe import finite_or_none
 from .measure import Evaluator
 from .outdir import claim_out_dir
 from .policy import Policy
@@ -157,7 +159,7 @@ def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module
             seconds["verify"] = time.perf_counter() - start
 
             phase = "outputs"
-            tuned = TuneResult(policy=_tuned_policy(verification, profile, the_budget), profile=profile,
+            tuned = TuneResult(policy=_tuned_policy(verification, profile, the_budget, model), profile=profile,
                                search=result, verification=verification, budget=the_budget, out_dir=out_dir,
                                seconds=seconds)
             if out_dir is not None:
@@ -169,10 +171,11 @@ def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module
         raise TuneInterrupted(phase) from None
 
 
-def _tuned_policy(v: Verification, profile: Profile, budget: Budget) -> Policy:
+def _tuned_policy(v: Verification, profile: Profile, budget: Budget, model: nn.Module) -> Policy:
     """The chosen policy (fp32 when nothing was chosen), with what it was tuned on and what it achieved."""
     policy = v.policy if v.policy is not None else Policy()
-    policy.model = {"fingerprint": profile.fingerprint, "layers": len(profile.layers), "type": profile.model_type}
+    policy.model = {"fingerprint": profile.fingerprint, "structure": structure_fingerprint(model),
+                    "layers": len(profile.layers), "type": type(model).__name__}
     policy.tuned_on = {"device": profile.device, "torch": torch.__version__, "autoprec": __version__}
     policy.result = {
         "speedup": _round(v.speedup), "speedup_vs_autocast": _round(v.speedup_vs_autocast),
@@ -210,7 +213,6 @@ def _verify_candidates(result: SearchResult, profile: Profile, autocast: Precisi
 
 
 def _round(x: float | None, digits: int = 4) -> float | None:
-    """A figure for policy.json, which is standard JSON: no inf or NaN (the metric kind says what it is)."""
-    if x is None or not math.isfinite(x):
-        return None
-    return round(float(x), digits)
+    """A figure for policy.json, which is standard JSON: null for inf or NaN (the metric kind says what it is)."""
+    x = finite_or_none(x)
+    return None if x is None else round(x, digits)

@@ -47,7 +47,10 @@ def timings(monkeypatch):
     return table.update
 
 
-def run(candidates, budget=Budget(min_sqnr=20.0)):
+FLOOR = Budget(min_sqnr=20.0)
+
+
+def run(candidates, budget=FLOOR):
     model, batches = model_and_batches()
     return verify(model, candidates, batches, None, True, budget, Precision.BF16)
 
