@@ -1,0 +1,344 @@
+"""Every bad input gets one line: the table of unusual and wrong inputs, run through the real CLI.
+
+Each case is a command line (with its files made in a temporary folder) and what a user must read:
+the exit status, no traceback, exactly one ``autoprec <command>: error: ...`` line (the last thing
+printed), and the key words of that line, which say what is wrong, where, and the fix. Usage
+errors (exit 2) print the subcommand's help above their one line, as argparse does.
+
+The cases run concurrently (two at a time) in one fixture, so the table stays quick on two cores.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+AUTOPREC = [sys.executable, "-m", "autoprec"]
+BAD = Path(__file__).parent / "bad_model_py"
+MLP = Path(__file__).parent / "cli_models" / "mlp.py"
+
+# model.py sources made for this table (the older bad files live in tests/bad_model_py)
+SOURCES = {
+    "tiny.py": """
+        import torch
+        from torch import nn
+        def get_model():
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+        def get_batches():
+            return [torch.randn(8, 16) for _ in range(4)]
+    """,
+    "tiny_metric_zero.py": """
+        import torch
+        from torch import nn
+        def get_model():
+            return nn.Sequential(nn.Linear(16, 4))
+        def get_batches():
+            return [torch.randn(8, 16) for _ in range(4)]
+        def evaluate(model, batches):
+            return 0.0
+    """,
+    "later_batch_wrong_shape.py": """
+        import torch
+        from torch import nn
+        def get_model():
+            return nn.Linear(16, 4)
+        def get_batches():
+            return [torch.randn(8, 16), torch.randn(8, 16), torch.randn(8, 15), torch.randn(8, 16)]
+    """,
+    "forward_raises_on_batch_3.py": """
+        import torch
+        from torch import nn
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(16, 4)
+            def forward(self, x):
+                if x.shape[0] == 3:
+                    raise ValueError("three rows are not allowed")
+                return self.fc(x)
+        def get_model():
+            return Net()
+        def get_batches():
+            return [torch.randn(8, 16), torch.randn(8, 16), torch.randn(8, 16), torch.randn(3, 16)]
+    """,
+    "integer_output.py": """
+        import torch
+        from torch import nn
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(16, 4)
+            def forward(self, x):
+                return self.fc(x).argmax(-1)
+        def get_model():
+            return Net()
+        def get_batches():
+            return [torch.randn(8, 16) for _ in range(4)]
+    """,
+    "string_output.py": """
+        import torch
+        from torch import nn
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(16, 4)
+            def forward(self, x):
+                return {"logits": self.fc(x), "label": "cat"}
+        def get_model():
+            return Net()
+        def get_batches():
+            return [torch.randn(8, 16) for _ in range(4)]
+    """,
+    "nonfinite_fp32_output.py": """
+        import torch
+        from torch import nn
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(16, 4)
+            def forward(self, x):
+                return self.fc(x).log()  # log of negative numbers: NaN already in fp32
+        def get_model():
+            torch.manual_seed(0)
+            return Net()
+        def get_batches():
+            return [torch.randn(8, 16) for _ in range(4)]
+    """,
+    "no_tunable_layers.py": """
+        import torch
+        from torch import nn
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(100, 16)
+                self.norm = nn.LayerNorm(16)
+            def forward(self, ids):
+                return self.norm(self.emb(ids))
+        def get_model():
+            return Net()
+        def get_batches():
+            return [torch.randint(0, 100, (4, 8)) for _ in range(4)]
+    """,
+    "evaluate_fails_in_search.py": """
+        import torch
+        from torch import nn
+        def get_model():
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+        def get_batches():
+            return [torch.randn(32, 64) for _ in range(4)]
+        def evaluate(model, batches):
+            with torch.no_grad():
+                out = model(batches[0])
+            if torch.is_autocast_enabled("cpu"):
+                raise RuntimeError("this metric cannot run under autocast")
+            return float(out.float().mean())
+    """,
+    "nan_metric.py": """
+        import torch
+        from torch import nn
+        def get_model():
+            return nn.Linear(16, 4)
+        def get_batches():
+            return [torch.randn(8, 16) for _ in range(4)]
+        def evaluate(model, batches):
+            return float("nan")
+    """,
+}
+
+SPACES = {
+    "bad_yaml.yaml": "candidates: [unclosed\n",
+    "unknown_key.yaml": "candidates: {linear: [bf16]}\nfreeze: [x]\n",
+    "bad_precision.yaml": "candidates: {linear: [bf17]}\n",
+    "no_capture_group.yaml": "candidates: {linear: [bf16]}\ngroups: ['layers\\.\\d+']\n",
+    "unknown_kind.yaml": "candidates: {lstm: [bf16]}\n",
+}
+
+POLICIES = {
+    "two_problems.json": '{"schema": "autoprec.policy", "version": 1, "default": "fp12", "colour": 1, '
+                         '"layers": {"a": "fp99", "b": "bf16"}}',
+    "newer.json": '{"schema": "autoprec.policy", "version": 99, "default": "fp32"}',
+    "not_a_policy.json": '{"hello": "world"}',
+    "truncated.json": '{"schema": "autoprec.policy", "version": 1, ',
+    "missing_layers.json": '{"schema": "autoprec.policy", "version": 1, "default": "fp32", '
+                           '"layers": {"1": "bf16", "encoder.q": "bf16", "head": "bf16"}}',
+    "empty.json": "",
+    "list.json": "[1, 2, 3]",
+    "duplicate_key.json": '{"schema": "autoprec.policy", "version": 1, "layers": {"0": "bf16", "0": "fp32"}}',
+    "good.json": '{"schema": "autoprec.policy", "version": 1, "default": "bf16"}',
+}
+
+
+@dataclass
+class Case:
+    id: str
+    args: list[str]  # {d}: the folder holding this table's files; {bad}: tests/bad_model_py; {mlp}: cli_models/mlp.py
+    status: int
+    words: list[str]  # each must appear in the error line
+    command: str = ""  # the subcommand that answers (default: args[0])
+
+
+CASES = [
+    # ---- model.py --------------------------------------------------------------------------------------
+    Case("model-missing", ["tune", "{d}/nope.py"], 1, ["nope.py", "no such file", "existing model.py"]),
+    Case("model-not-python", ["tune", "{d}/notes.txt"], 1, ["not a Python file", ".txt"]),
+    Case("model-folder", ["tune", "{d}"], 1, ["no such file"]),
+    Case("model-syntax", ["tune", "{bad}/syntax_error.py"], 1, ["syntax_error.py", "syntax error (line 7)"]),
+    Case("model-import-raises", ["tune", "{bad}/raises_at_import.py"], 1, ["import", "helpers_that_do_not_exist"]),
+    Case("model-no-get_model", ["tune", "{bad}/missing_get_model.py"], 1, ["get_model()", "not defined", "def "]),
+    Case("model-no-get_batches", ["tune", "{bad}/missing_get_batches.py"], 1, ["get_batches()", "not defined"]),
+    Case("get_model-dict", ["tune", "{bad}/get_model_returns_dict.py"], 1, ["get_model()", "not a torch.nn.Module"]),
+    Case("get_model-raises", ["tune", "{bad}/get_model_raises.py"], 1, ["get_model()", "raised FileNotFoundError"]),
+    Case("get_batches-tensor", ["tune", "{bad}/get_batches_returns_tensor.py"], 1, ["get_batches()", "not a list"]),
+    Case("get_batches-raises", ["tune", "{bad}/get_batches_raises.py"], 1, ["get_batches()", "KeyError"]),
+    Case("get_batches-empty", ["tune", "{bad}/get_batches_empty.py"], 1, ["get_batches()", "empty list"]),
+    Case("get_batches-one", ["tune", "{bad}/one_batch.py"], 1, ["only 1 batch", "held out"]),
+    Case("batch-not-tensor", ["tune", "{bad}/batch_is_not_a_tensor.py"], 1, ["batch 0", "cannot call the model"]),
+    Case("batch-0-does-not-fit", ["tune", "{bad}/batches_dont_fit.py"], 1, ["batch 0", "2x5 and 4x2"]),
+    Case("batch-2-wrong-shape", ["tune", "{d}/later_batch_wrong_shape.py"], 1, ["batch 2", "8x15"]),
+    Case("forward-raises-on-batch-3", ["tune", "{d}/forward_raises_on_batch_3.py"], 1,
+         ["batch 3", "three rows are not allowed"]),
+    Case("evaluate-not-callable", ["tune", "{bad}/evaluate_not_callable.py"], 1, ["evaluate()", "not a function"]),
+    Case("evaluate-string", ["tune", "{bad}/evaluate_returns_string.py"], 1, ["evaluate()", "returned a str"]),
+    Case("evaluate-raises", ["tune", "{bad}/evaluate_raises.py"], 1, ["evaluate()", "raised ValueError"]),
+    Case("evaluate-nan", ["tune", "{d}/nan_metric.py"], 1, ["evaluate()", "nan", "finite metric"]),
+    Case("evaluate-fails-in-search", ["tune", "{d}/evaluate_fails_in_search.py", "--out", "{d}/out-eval",
+                                      "--precisions", "bf16", "--trials", "3"], 1,
+         ["evaluate_fails_in_search.py", "evaluate()", "cannot run under autocast"]),
+    Case("higher-is-better-yes", ["tune", "{bad}/higher_is_better_yes.py"], 1, ["HIGHER_IS_BETTER", "not a bool"]),
+    Case("integer-output", ["tune", "{d}/integer_output.py", "--out", "{d}/out-int"], 1,
+         ["output", "int64", "evaluate"]),
+    Case("string-output", ["tune", "{d}/string_output.py", "--out", "{d}/out-str"], 1,
+         ["output", "label", "evaluate"]),
+    Case("nonfinite-fp32-output", ["tune", "{d}/nonfinite_fp32_output.py", "--out", "{d}/out-nan"], 1,
+         ["fp32", "NaN", "batch 0"]),
+    Case("no-tunable-layers", ["tune", "{d}/no_tunable_layers.py", "--out", "{d}/out-none"], 1,
+         ["Net", "no layer", "matmuls, convolutions or attention"]),
+    # ---- budgets and numbers -----------------------------------------------------------------------------
+    Case("budget-not-a-number", ["tune", "{d}/tiny.py", "--budget", "lots"], 1, ["cannot read budget", "1%"]),
+    Case("budget-negative", ["tune", "{d}/tiny_metric_zero.py", "--budget", "-1"], 1, [">= 0"]),
+    Case("budget-nan", ["tune", "{d}/tiny_metric_zero.py", "--budget", "nan"], 1, ["finite number >= 0"]),
+    Case("budget-without-metric", ["tune", "{d}/tiny.py", "--budget", "1%"], 1, ["SQNR floor", "evaluate"]),
+    Case("budget-percent-of-zero", ["tune", "{d}/tiny_metric_zero.py", "--budget", "1%", "--out", "{d}/out-zero"], 1,
+         ["fp32 metric, which is 0", "absolute budget"]),
+    Case("min-sqnr-nan", ["tune", "{d}/tiny.py", "--min-sqnr", "nan"], 1, ["SQNR floor", "finite"]),
+    Case("min-sqnr-inf", ["tune", "{d}/tiny.py", "--min-sqnr", "inf"], 1, ["SQNR floor", "finite"]),
+    Case("min-sqnr-negative", ["tune", "{d}/tiny.py", "--min-sqnr", "-5"], 1, ["SQNR floor", "above 0"]),
+    Case("min-sqnr-text", ["tune", "{d}/tiny.py", "--min-sqnr", "high"], 2, ["--min-sqnr", "expected a number"]),
+    Case("timeout-zero", ["tune", "{d}/tiny.py", "--timeout", "0"], 2, ["--timeout", "above 0"]),
+    Case("timeout-negative", ["tune", "{d}/tiny.py", "--timeout", "-3"], 2, ["--timeout", "above 0"]),
+    Case("timeout-nan", ["tune", "{d}/tiny.py", "--timeout", "nan"], 2, ["--timeout", "above 0"]),
+    Case("trials-zero", ["tune", "{d}/tiny.py", "--trials", "0"], 2, ["--trials", ">= 1"]),
+    Case("trials-text", ["tune", "{d}/tiny.py", "--trials", "many"], 2, ["--trials", "whole number"]),
+    Case("precision-unknown", ["tune", "{d}/tiny.py", "--precisions", "bf17"], 2, ["unknown precision", "fp32"]),
+    Case("device-cuda-missing", ["tune", "{d}/tiny.py", "--device", "cuda"], 1, ["no CUDA device", "--device cpu"]),
+    Case("device-nonsense", ["tune", "{d}/tiny.py", "--device", "abacus"], 1, ["bad --device", "abacus"]),
+    Case("unknown-flag", ["tune", "{d}/tiny.py", "--fast"], 2, ["unrecognized arguments: --fast"]),
+    Case("no-command", [], 2, ["required: COMMAND"], command=""),
+    Case("unknown-command", ["optimise"], 2, ["invalid choice"], command=""),
+    Case("tune-no-model", ["tune"], 2, ["MODEL_PY"]),
+    # ---- search spaces -----------------------------------------------------------------------------------
+    Case("space-unknown-preset", ["tune", "{d}/tiny.py", "--search-space", "nosuch"], 1,
+         ["unknown search space 'nosuch'", "presets", ".yaml"]),
+    Case("space-missing-file", ["tune", "{d}/tiny.py", "--search-space", "{d}/missing.yaml"], 1, ["not found"]),
+    Case("space-bad-yaml", ["tune", "{d}/tiny.py", "--search-space", "{d}/bad_yaml.yaml"], 1, ["not valid YAML"]),
+    Case("space-unknown-key", ["tune", "{d}/tiny.py", "--search-space", "{d}/unknown_key.yaml"], 1,
+         ["unknown key", "freeze"]),
+    Case("space-bad-precision", ["tune", "{d}/tiny.py", "--search-space", "{d}/bad_precision.yaml"], 1,
+         ["unknown precision 'bf17'"]),
+    Case("space-no-capture-group", ["tune", "{d}/tiny.py", "--search-space", "{d}/no_capture_group.yaml"], 1,
+         ["capture group"]),
+    Case("space-unknown-kind", ["tune", "{d}/tiny.py", "--search-space", "{d}/unknown_kind.yaml"], 1,
+         ["unknown layer kind 'lstm'"]),
+    # ---- output folders and storage ----------------------------------------------------------------------
+    Case("out-is-a-file", ["tune", "{d}/tiny.py", "--out", "{d}/notes.txt"], 1, ["is a file", "--out"]),
+    Case("out-under-a-file", ["tune", "{d}/tiny.py", "--out", "{d}/notes.txt/run"], 1,
+         ["cannot write into output folder", "--out"]),
+    Case("out-in-use", ["tune", "{d}/tiny.py", "--out", "{d}/busy"], 1,  # the results fixture holds its lock
+         ["in use by another autoprec run", "pid 4242"]),
+    Case("profile-out-is-a-file", ["profile", "{d}/tiny.py", "--out", "{d}/notes.txt"], 1, ["is a file"]),
+    Case("storage-missing-driver", ["tune", "{d}/tiny.py", "--out", "{d}/out-s1", "--storage",
+                                    "mysql://user@127.0.0.1:1/db"], 1, ["driver is not installed", "pip install"]),
+    Case("storage-no-server", ["tune", "{d}/tiny.py", "--out", "{d}/out-s2", "--storage",
+                               "postgresql+psycopg2://user:secret@127.0.0.1:1/db"], 1,
+         ["cannot open storage", "server is running", "user:***@"]),
+    Case("storage-not-a-url", ["tune", "{d}/tiny.py", "--out", "{d}/out-s3", "--storage", "my-study"], 1,
+         ["not a database URL", "sqlite:///"]),
+    # ---- policy files ------------------------------------------------------------------------------------
+    Case("show-missing", ["show", "{d}/nope.json"], 1, ["cannot read policy file", "nope.json"]),
+    Case("show-pickle", ["show", "{d}/policy.pkl"], 1, ["not a policy file", "pickle"]),
+    Case("show-binary", ["show", "{d}/random.bin"], 1, ["not a policy file"]),
+    Case("show-empty", ["show", "{d}/empty.json"], 1, ["empty"]),
+    Case("show-folder", ["show", "{d}"], 1, ["folder"]),
+    Case("show-list", ["show", "{d}/list.json"], 1, ["JSON object"]),
+    Case("show-truncated", ["show", "{d}/truncated.json"], 1, ["not valid JSON", "line 1"]),
+    Case("show-not-a-policy", ["show", "{d}/not_a_policy.json"], 1, ["schema"]),
+    Case("show-every-problem", ["show", "{d}/two_problems.json"], 1, ["fp12", "fp99", "colour"]),
+    Case("show-newer", ["show", "{d}/newer.json"], 1, ["newer", "upgrade autoprec"]),
+    Case("show-duplicate-key", ["show", "{d}/duplicate_key.json"], 1, ["appears twice"]),
+    Case("bench-missing-layers", ["bench", "{mlp}", "--policy", "{d}/missing_layers.json"], 1,
+         ["'encoder.q'", "'head'", "not in the model"]),
+    Case("bench-no-policy-flag", ["bench", "{mlp}"], 2, ["--policy"]),
+    Case("bench-bad-policy-first", ["bench", "{d}/nope.py", "--policy", "{d}/policy.pkl"], 1, ["not a policy file"]),
+]
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("bad_inputs")
+    for name, source in SOURCES.items():
+        (d / name).write_text(textwrap.dedent(source))
+    for name, text in {**SPACES, **POLICIES}.items():
+        (d / name).write_text(text)
+    (d / "notes.txt").write_text("not a model\n")
+    (d / "policy.pkl").write_bytes(pickle.dumps({"default": "bf16"}))
+    (d / "random.bin").write_bytes(os.urandom(256))
+    return d
+
+
+def run_case(case: Case, d: Path) -> subprocess.CompletedProcess:
+    args = [a.format(d=d, bad=BAD, mlp=MLP) for a in case.args]
+    return subprocess.run([*AUTOPREC, *args], capture_output=True, text=True, timeout=300, check=False,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+@pytest.fixture(scope="module")
+def results(folder) -> dict[str, subprocess.CompletedProcess]:
+    busy = folder / "busy"
+    busy.mkdir()
+    with open(busy / ".autoprec.lock", "a+") as lock:  # another run holds this folder
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.write("pid 4242\n")
+        lock.flush()
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            done = dict(zip([c.id for c in CASES], pool.map(lambda c: run_case(c, folder), CASES), strict=True))
+    return done
+
+
+def test_the_table_is_large_and_has_unique_ids():
+    ids = [c.id for c in CASES]
+    assert len(ids) >= 50 and len(set(ids)) == len(ids)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_one_line_answer(case: Case, results):
+    run = results[case.id]
+    said = f"exit {run.returncode}\n--- stderr:\n{run.stderr[-3000:]}\n--- stdout:\n{run.stdout[-1000:]}"
+    assert run.returncode == case.status, said
+    assert "Traceback" not in run.stderr and "Traceback" not in run.stdout, said
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if ": error: " in line]
+    assert len(errors) == 1 and errors[0] == lines[-1], said  # one error line, and it is the last word
+    command = case.command if case.command or not case.args else case.args[0]
+    assert errors[0].startswith(f"autoprec {command}: error: " if command else "autoprec: error: "), said
+    for word in case.words:
+        assert word in errors[0], f"{word!r} not in: {errors[0]}"
