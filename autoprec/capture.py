@@ -1,4 +1,4 @@
-"""Capture: the table of every tunable layer of a model, seen on one batch.
+"""Capture: the table of every tunable layer of a model, over every batch it is given.
 
 A *layer* is the innermost module that runs a compute op: a matmul-like op (linear, addmm, mm,
 bmm, matmul, baddbmm, einsum), a convolution, or scaled-dot-product attention. So ``nn.Linear``,
@@ -20,6 +20,12 @@ Three ways to see the ops, tried in this order by ``method="auto"``:
     than ``linear``).
 
 Each path yields the same record (:class:`_Trace`), from which :func:`_table` builds the table.
+
+The chosen path traces the first batch. A model that routes by data (``a(x) if x.mean() > 0
+else b(x)``) runs other layers on other batches, so every batch then gets one cheap forward
+that notes which modules ran compute ops (:class:`_Reach`); a layer first seen there is added
+from a ``hooks`` trace of that batch. Modules with weights of their own that no batch ran are
+listed as ``not_exercised``: nothing measured them, so they stay fp32.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import math
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,7 +51,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .userspec import batch_args
+from .userspec import batch_args, describe_batch
 
 __all__ = ["METHODS", "CaptureFallbackWarning", "Layer", "LayerTable", "capture"]
 
@@ -63,6 +69,7 @@ _ATTENTION_OPS = frozenset({"scaled_dot_product_attention", "_scaled_dot_product
                             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math",
                             "_scaled_dot_product_fused_attention_overrideable", "_native_multi_head_attention"})
 _SOFTMAX_OPS = frozenset({"softmax", "_softmax", "_safe_softmax"})
+_COMPUTE_OPS = _MATMUL_OPS | _CONV_OPS | _ATTENTION_OPS
 
 
 class CaptureFallbackWarning(UserWarning):
@@ -86,15 +93,37 @@ class Layer:
     activation_bytes: int  # its inputs and outputs
     prev: list[str]  # nearest tunable layers feeding it (data flow)
     next: list[str]  # nearest tunable layers it feeds
+    batches: list[int] = field(default_factory=list)  # indices of the batches that ran it
 
 
 @dataclass
 class LayerTable:
-    """Every tunable layer of a model in execution order, and how they were found."""
+    """Every tunable layer of a model in execution order, and how they were found.
+
+    Shapes, FLOPs and neighbours are those of the first batch (of the first batch that ran
+    the layer, for a layer in ``added``).
+    """
 
     layers: list[Layer]
-    method: str  # "export" | "symbolic_trace" | "hooks"
+    method: str  # "export" | "symbolic_trace" | "hooks": the path that traced the first batch
     model_type: str  # the model's class name
+    added: list[str] = field(default_factory=list)  # layers only later batches ran, found with hooks
+    not_exercised: list[str] = field(default_factory=list)  # modules with own weights no batch ran
+    n_batches: int = 1
+
+    def summary(self) -> str:
+        """Which path found which layers, in one line."""
+        first = len(self) - len(self.added)
+        text = f"captured {first} layers with {self.method} on batch 0"
+        if self.n_batches > 1:
+            text += f" ({self.n_batches} batches checked)"
+        if self.added:
+            on = sorted({min(self[name].batches) for name in self.added})
+            text += (f"; {len(self.added)} more with hooks on batch{'es' if len(on) > 1 else ''} "
+                     f"{', '.join(map(str, on))} (data-dependent branches): {', '.join(self.added)}")
+        if self.not_exercised:
+            text += (f"; not exercised by any batch, kept fp32: {', '.join(self.not_exercised)}")
+        return text
 
     @property
     def total_flops(self) -> int:
@@ -120,14 +149,16 @@ class LayerTable:
 
     def to_dict(self) -> dict:
         return {"schema": _SCHEMA, "version": _VERSION, "model_type": self.model_type, "method": self.method,
-                "layers": [dataclasses.asdict(layer) for layer in self.layers]}
+                "layers": [dataclasses.asdict(layer) for layer in self.layers], "added": self.added,
+                "not_exercised": self.not_exercised, "n_batches": self.n_batches}
 
     @classmethod
     def from_dict(cls, data: dict) -> LayerTable:
         if data.get("schema") != _SCHEMA or data.get("version") != _VERSION:
             raise ValueError(f"not a version-{_VERSION} {_SCHEMA}: schema={data.get('schema')!r}, "
                              f"version={data.get('version')!r}")
-        return cls([Layer(**layer) for layer in data["layers"]], data["method"], data["model_type"])
+        return cls([Layer(**layer) for layer in data["layers"]], data["method"], data["model_type"],
+                   data.get("added", []), data.get("not_exercised", []), data.get("n_batches", 1))
 
     def __str__(self) -> str:
         width = max([len(name) for name in self.names()] + [4])
@@ -364,9 +395,11 @@ class _OpRecorder(TorchDispatchMode):
         return out
 
 
-def _hooks_trace(model: nn.Module, args: tuple, kwargs: dict) -> _Trace:
+@contextlib.contextmanager
+def _module_stack(model: nn.Module, on_leave: Callable[[str, tuple, dict, Any], None] | None = None
+                  ) -> Iterator[list[str]]:
+    """The paths of the modules running right now, innermost last, kept by forward hooks."""
     module_stack: list[str] = []
-    io: dict[str, tuple[list[_Meta], list[_Meta]]] = {}
 
     def enter(name: str) -> Callable:
         return lambda module, args, kwargs: module_stack.append(name)
@@ -374,7 +407,8 @@ def _hooks_trace(model: nn.Module, args: tuple, kwargs: dict) -> _Trace:
     def leave(name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             module_stack.pop()
-            io.setdefault(name, (_metas((args, kwargs)), _metas(output)))
+            if on_leave is not None:
+                on_leave(name, args, kwargs, output)
         return hook
 
     handles = []
@@ -382,13 +416,107 @@ def _hooks_trace(model: nn.Module, args: tuple, kwargs: dict) -> _Trace:
         for name, module in model.named_modules():
             handles.append(module.register_forward_pre_hook(enter(name), with_kwargs=True))
             handles.append(module.register_forward_hook(leave(name), with_kwargs=True, always_call=True))
-        recorder = _OpRecorder(module_stack)
-        with torch.no_grad(), recorder:
-            model(*args, **kwargs)
+        yield module_stack
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _hooks_trace(model: nn.Module, args: tuple, kwargs: dict) -> _Trace:
+    io: dict[str, tuple[list[_Meta], list[_Meta]]] = {}
+
+    def leave(name: str, args: tuple, kwargs: dict, output: Any) -> None:
+        io.setdefault(name, (_metas((args, kwargs)), _metas(output)))
+
+    with _module_stack(model, leave) as module_stack:
+        recorder = _OpRecorder(module_stack)
+        with torch.no_grad(), recorder:
+            model(*args, **kwargs)
     return _Trace(recorder.ops, io)
+
+
+# Every other batch: which modules it runs, cheaply.
+
+@dataclass
+class _Reached:
+    layers: list[str]  # modules that ran compute ops, in order of first compute op
+    modules: set[str]  # modules called
+    storages: set[int]  # parameter storages any op read
+
+
+class _ReachRecorder(TorchDispatchMode):
+    """Notes the owner of each compute op and the parameters ops read; keeps no values."""
+
+    def __init__(self, module_stack: list[str], parameter_storages: set[int]):
+        super().__init__()
+        self.module_stack = module_stack
+        self.parameter_storages = parameter_storages
+        self.layers: dict[str, None] = {}
+        self.storages: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        for tensor in pytree.tree_leaves((args, kwargs)):
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage().data_ptr()
+                if storage in self.parameter_storages:
+                    self.storages.add(storage)
+        name = func.overloadpacket.__name__
+        if name in _COMPUTE_OPS and self.module_stack:
+            shapes = pytree.tree_map_only(torch.Tensor, lambda t: tuple(t.shape), [*args, *kwargs.values()])
+            out_metas = _metas(out)
+            if _compute_flops(name, shapes, out_metas[0][0] if out_metas else []) is not None:
+                self.layers.setdefault(self.module_stack[-1])
+        return out
+
+
+def _reach(model: nn.Module, batch: Any, index: int) -> _Reached:
+    called: set[str] = set()
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with _module_stack(model, lambda name, *_: called.add(name)) as module_stack:
+        recorder = _ReachRecorder(module_stack, storages)
+        args, kwargs = batch_args(batch)
+        try:
+            with torch.no_grad(), recorder:
+                model(*args, **kwargs)
+        except Exception as error:
+            raise ValueError(f"capture: the fp32 model raised {_summary(error)} on batch {index} "
+                             f"({describe_batch(batch)}); fix: give batches shaped as the model's forward "
+                             "expects") from error
+    return _Reached(list(recorder.layers), called, recorder.storages)
+
+
+def _add_later_layers(model: nn.Module, table: LayerTable, batches: list, reached: list[_Reached]) -> None:
+    """Add to ``table`` the layers that batches after the first ran, from a hooks trace of the
+    first batch that ran each, linked to their neighbours there; note the batches of each layer
+    and the modules with weights that no batch ran."""
+    for layer in table.layers:
+        layer.batches = [0, *(i for i, r in enumerate(reached) if i and layer.name in r.layers)]
+    for i, r in enumerate(reached):
+        new = [name for name in r.layers if name not in table.names()]
+        if not i or not new:
+            continue
+        args, kwargs = batch_args(batches[i])
+        seen = _table(model, _hooks_trace(model, args, kwargs), "hooks")
+        for position, layer in enumerate(seen.layers):
+            if layer.name not in new:
+                continue
+            before = [name for name in seen.names()[:position] if name in table.names()]
+            table.layers.insert(table.names().index(before[-1]) + 1 if before else 0, layer)
+            layer.batches = [j for j, other in enumerate(reached) if layer.name in other.layers]
+            for name in layer.prev:
+                table[name].next.append(layer.name)
+            for name in layer.next:
+                table[name].prev.append(layer.name)
+            table.added.append(layer.name)
+    called = set().union(*(r.modules for r in reached))
+    read = set().union(*(r.storages for r in reached))
+    table.not_exercised = [
+        name for name, module in model.named_modules()
+        if (own := list(module.parameters(recurse=False))) and name not in called
+        and not any(p.untyped_storage().data_ptr() in read for p in own)]
+    table.n_batches = len(batches)
 
 
 # From the record to the table.
@@ -513,21 +641,29 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, method: str) -> tuple[_T
     return trace, name
 
 
-def capture(model: nn.Module, batch: Any, method: str = "auto") -> LayerTable:
-    """The :class:`LayerTable` of ``model`` on one ``batch`` (as model.py's get_batches gives it).
+def capture(model: nn.Module, batches: Any, method: str = "auto") -> LayerTable:
+    """The :class:`LayerTable` of ``model`` over ``batches`` (as model.py's get_batches gives
+    them: a list of batches; a tensor, tuple or dict is one batch).
 
-    ``method`` forces one path ("export", "symbolic_trace", "hooks"); "auto" falls back in that
-    order and warns (:class:`CaptureFallbackWarning`) with the reason. The model runs in eval mode
-    for the capture and is left as it was: same train/eval flags, no hooks.
+    ``method`` forces the path that traces the first batch ("export", "symbolic_trace",
+    "hooks"); "auto" falls back in that order and warns (:class:`CaptureFallbackWarning`) with
+    the reason. Every batch then runs once more to find layers the first did not run (see the
+    module docstring); :meth:`LayerTable.summary` says which path found what. The model runs in
+    eval mode and is left as it was: same train/eval flags, no hooks.
     """
     if method not in ("auto", *METHODS):
         raise ValueError(f"method must be 'auto' or one of {METHODS}, got {method!r}")
-    args, kwargs = batch_args(batch)
+    batches = batches if isinstance(batches, list) else [batches]
+    if not batches:
+        raise ValueError("capture needs at least one batch")
+    args, kwargs = batch_args(batches[0])
     training = {module: module.training for module in model.modules()}
     model.eval()
     try:
         trace, used = _trace(model, args, kwargs, method)
+        table = _table(model, trace, used)
+        _add_later_layers(model, table, batches, [_reach(model, batch, i) for i, batch in enumerate(batches)])
     finally:
         for module, mode in training.items():
             module.training = mode
-    return _table(model, trace, used)
+    return table

@@ -59,10 +59,15 @@ def default_budget(has_metric: bool, budget: str | float | None, min_sqnr: float
 def load_or_profile(model: nn.Module, batches: Sequence[Any], evaluate: Callable | None, higher_is_better: bool,
                     device: torch.device, precisions: Sequence[str], out_dir: Path | None,
                     sensitivity_batches: int | None = 1, progress: bool = True,
-                    log: Callable[[str], None] = print) -> tuple[LayerTable, Profile, float]:
-    """Capture and profile, or reuse ``out_dir/profile.json`` when it is for this model, data and device."""
+                    log: Callable[[str], None] = print, holdout_batches: Sequence[Any] = ()
+                    ) -> tuple[LayerTable, Profile, float]:
+    """Capture and profile, or reuse ``out_dir/profile.json`` when it is for this model, data and device.
+
+    Capture runs on the search and the held-out batches, so that a layer only some batches reach
+    is in the table too."""
     start = time.perf_counter()
-    table = capture(model, to_device(batches[0], device))
+    table = capture(model, [to_device(b, device) for b in [*batches, *holdout_batches]])
+    log(table.summary())
     capture_s = time.perf_counter() - start
     path = out_dir / "profile.json" if out_dir else None
     if path is not None and path.exists():
@@ -117,7 +122,7 @@ def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module
     named_space = None if search_space == "auto" else SearchSpace.load(search_space)  # a typo fails before profiling
     start = time.perf_counter()
     table, profile, capture_s = load_or_profile(model, batches, evaluate, higher_is_better, device, precisions,
-                                                out_dir, sensitivity_batches, progress, log)
+                                                out_dir, sensitivity_batches, progress, log, holdout_batches)
     seconds["capture"] = capture_s
     seconds["profile"] = time.perf_counter() - start - capture_s
 
