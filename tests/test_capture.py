@@ -355,11 +355,11 @@ class Routed(nn.Module):
     """Routes each batch by its mean: ``a`` or ``b``; ``never`` is built but no forward runs it,
     and ``tied`` is never called but its weight is read through ``head``."""
 
-    def __init__(self):
+    def __init__(self, width: int = 8):
         super().__init__()
         torch.manual_seed(0)
-        self.stem, self.a, self.b, self.never = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
-        self.tied = nn.Linear(8, 2)
+        self.stem, self.a, self.b = nn.Linear(4, width), nn.Linear(width, width), nn.Linear(width, width)
+        self.never, self.tied = nn.Linear(width, width), nn.Linear(width, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.stem(x)
@@ -367,10 +367,10 @@ class Routed(nn.Module):
         return nn.functional.linear(h, self.tied.weight)
 
 
-def routed_batches(signs: str) -> list[torch.Tensor]:
-    """One 3x4 batch per character: '+' takes branch a, '-' branch b."""
+def routed_batches(signs: str, rows: int = 3) -> list[torch.Tensor]:
+    """One rows x 4 batch per character: '+' takes branch a, '-' branch b."""
     generator = torch.Generator().manual_seed(0)
-    return [torch.rand(3, 4, generator=generator) * (1 if sign == "+" else -1) for sign in signs]
+    return [torch.rand(rows, 4, generator=generator) * (1 if sign == "+" else -1) for sign in signs]
 
 
 def test_layers_of_every_batch_are_captured() -> None:

@@ -217,3 +217,21 @@ def test_resume_keeps_finished_trials_and_repeats_none(storage):
     assert len(study.trials) == 14
     # the resumed run measured only new assignments
     assert ev.evaluations <= 14 - len(first.trials)
+
+
+def test_plan_says_raised_for_a_crash_not_overflows():
+    profile = make_profile({"x": {"ms": FAST_BF16, "sqnr": SAFE}, "y": {"ms": FAST_BF16, "sqnr": SAFE}})
+    crashed = profile.layer("x").sensitivity["bf16"]
+    crashed.error, crashed.sqnr_db = "RuntimeError: no bf16 kernel for this op", -math.inf
+    units, _, dropped = plan_units(profile, SearchSpace.load("default"), ["bf16"])
+    assert dropped["x"] == ["bf16: raised RuntimeError: no bf16 kernel for this op"]
+    assert [u.candidates for u in units] == [("fp32",), ("fp32", "bf16")]
+    assert crashed.noise == math.inf  # the greedy order puts it last
+
+
+def test_an_internal_error_stops_the_search(storage):
+    """A policy naming a layer the model lacks is autoprec's bug, not a failed candidate."""
+    profile = make_profile({"no_such_layer": {"ms": FAST_BF16, "sqnr": SAFE}})
+    with pytest.raises(Exception, match="no_such_layer"):
+        search(profile, Evaluator(nn.Sequential(nn.Linear(16, 16)).eval(), batches()), Budget.parse(None, 20),
+               SearchSpace.load("default"), trials=3, storage=storage, progress=False)
