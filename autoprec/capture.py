@@ -458,7 +458,7 @@ class _ReachRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         for tensor in pytree.tree_leaves((args, kwargs)):
-            if isinstance(tensor, torch.Tensor):
+            if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:  # sparse ones have no storage
                 storage = tensor.untyped_storage().data_ptr()
                 if storage in self.parameter_storages:
                     self.storages.add(storage)
@@ -499,17 +499,22 @@ def _add_later_layers(model: nn.Module, table: LayerTable, batches: list, reache
             continue
         args, kwargs = batch_args(batches[i])
         seen = _table(model, _hooks_trace(model, args, kwargs), "hooks")
-        for position, layer in enumerate(seen.layers):
-            if layer.name not in new:
-                continue
-            before = [name for name in seen.names()[:position] if name in table.names()]
+        added = [layer for layer in seen.layers if layer.name in new]
+        for layer in added:  # each right after the layer that ran before it on this batch
+            before = [name for name in seen.names()[:seen.names().index(layer.name)] if name in table.names()]
             table.layers.insert(table.names().index(before[-1]) + 1 if before else 0, layer)
             layer.batches = [j for j, other in enumerate(reached) if layer.name in other.layers]
-            for name in layer.prev:
-                table[name].next.append(layer.name)
-            for name in layer.next:
-                table[name].prev.append(layer.name)
             table.added.append(layer.name)
+        names = set(table.names())
+        for layer in added:  # link both ways, to the layers the table has
+            layer.prev = [name for name in layer.prev if name in names]
+            layer.next = [name for name in layer.next if name in names]
+            for name in layer.prev:
+                if layer.name not in table[name].next:
+                    table[name].next.append(layer.name)
+            for name in layer.next:
+                if layer.name not in table[name].prev:
+                    table[name].prev.append(layer.name)
     called = set().union(*(r.modules for r in reached))
     read = set().union(*(r.storages for r in reached))
     table.not_exercised = [

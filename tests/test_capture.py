@@ -388,6 +388,27 @@ def test_layers_of_every_batch_are_captured() -> None:
                                 "batch 1 (data-dependent branches): b; not exercised by any batch, kept fp32: never")
 
 
+class TwoLayerBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem, self.a, self.head = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+        self.b = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        return self.head(self.a(h) if x.mean() > 0 else self.b(h))
+
+
+def test_a_branch_of_several_layers_is_linked_in_order() -> None:
+    with pytest.warns(CaptureFallbackWarning):
+        layers = capture(TwoLayerBranch(), routed_batches("+-"))
+    assert layers.names() == ["stem", "b.0", "b.2", "a", "head"] and layers.added == ["b.0", "b.2"]
+    assert [layers[n].prev for n in ("b.0", "b.2")] == [["stem"], ["b.0"]]
+    assert [layers[n].next for n in ("b.0", "b.2")] == [["b.2"], ["head"]]
+    assert sorted(layers["stem"].next) == ["a", "b.0"] and sorted(layers["head"].prev) == ["a", "b.2"]
+
+
 def test_a_branch_no_batch_takes_is_not_exercised() -> None:
     with pytest.warns(CaptureFallbackWarning):
         layers = capture(Routed(), routed_batches("---"))
