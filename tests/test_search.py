@@ -15,6 +15,7 @@ import torch.nn as nn
 from models import Cancel, seeded
 
 from autoprec.measure import Evaluator, Measurement
+from autoprec.policy import PolicyError
 from autoprec.profile import LayerProfile, Profile, Sensitivity
 from autoprec.search import Budget, Candidate, choose_default, pareto_front, plan_units, search
 from autoprec.searchspace import SearchSpace
@@ -231,7 +232,9 @@ def test_plan_says_raised_for_a_crash_not_overflows():
 
 def test_an_internal_error_stops_the_search(storage):
     """A policy naming a layer the model lacks is autoprec's bug, not a failed candidate."""
-    profile = make_profile({"no_such_layer": {"ms": FAST_BF16, "sqnr": SAFE}})
-    with pytest.raises(Exception, match="no_such_layer"):
+    # "ghost" stays fp32 (bf16 is slower there) inside a bf16 region: a rule the model cannot take
+    profile = make_profile({"0": {"ms": FAST_BF16, "sqnr": SAFE},
+                            "ghost": {"ms": {"fp32": 1.0, "bf16": 5.0}, "sqnr": SAFE}})
+    with pytest.raises(PolicyError, match="layer 'ghost' is in the policy but not in the model"):
         search(profile, Evaluator(nn.Sequential(nn.Linear(16, 16)).eval(), batches()), Budget.parse(None, 20),
                SearchSpace.load("default"), trials=3, storage=storage, progress=False)
