@@ -208,7 +208,8 @@ class Evaluator:
         fp32 = self._run(None, ())
         if fp32.error:
             self._fp32_outputs()  # names the batch the model fails on
-            raise BatchError(f"the fp32 model failed under evaluate(): {fp32.error}")
+            raise BatchError(f"the fp32 model failed under evaluate(): {fp32.error}; fix: make evaluate(model, "
+                             "batches) run the model as its forward expects")
         if not math.isfinite(fp32.metric):
             raise UserCodeError(getattr(self.evaluate, "path", "<unknown file>"), "evaluate()",
                                 f"returned {fp32.metric} for the unchanged fp32 model",
