@@ -167,7 +167,9 @@ def plan_units(profile: Profile, space: SearchSpace, precisions: Sequence[str]) 
             why = None
             measured = [layers[n].sensitivity[p] for n in unit.layers if p in layers[n].sensitivity]
             error = next((s.error for s in measured if s.error), None)
-            if error:
+            if len(measured) < len(unit.layers):
+                why = "not measured: no search batch runs this layer (only held-out ones)"
+            elif error:
                 why = f"raised {error}"
             elif any(s.nonfinite for s in measured):
                 why = "overflows (inf/NaN)"

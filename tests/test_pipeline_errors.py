@@ -201,3 +201,13 @@ def test_cli_says_one_line(tmp_path: Path, case: str):
     assert "Traceback" not in run.stderr
     errors = [line for line in run.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and all(w in errors[0] for w in words), run.stderr
+
+
+@pytest.mark.filterwarnings("ignore::autoprec.capture.CaptureFallbackWarning")
+def test_a_layer_only_held_out_batches_run_stays_fp32(tmp_path):
+    """Its sensitivity cannot be measured on the search batches (it is idle there): never lowered."""
+    result = tune(Routed(width=256), routed_batches("++", rows=256), holdout_batches=routed_batches("-", rows=256),
+                  min_sqnr=20, precisions=["bf16"], trials=4, out=tmp_path, progress=False, log=lambda _: None)
+    assert result.profile.layer("b").sensitivity == {}
+    assert result.search.dropped["b"] == ["bf16: not measured: no search batch runs this layer (only held-out ones)"]
+    assert all(t.assignment["b"] == "fp32" for t in result.search.trials)

@@ -46,7 +46,9 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
     model = model.to(device).eval()
     modules = dict(model.named_modules())
     names = [layer.name for layer in table]
-    candidates = {n: [p.value for p in low if takes_precision(modules[n], p)] for n in names}
+    # A layer only held-out batches run cannot be measured on the search batches: no candidates.
+    searched = {layer.name for layer in table if not layer.batches or min(layer.batches) < len(batches)}
+    candidates = {n: [p.value for p in low if n in searched and takes_precision(modules[n], p)] for n in names}
     fp8_layers = [n for n in names if "fp8" in candidates[n]]
     seconds: dict[str, float] = {"capture": capture_seconds}
 
