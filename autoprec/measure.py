@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -21,16 +22,64 @@ import torch.utils._pytree as pytree
 from .apply import apply_policy, remove_policy
 from .formats import Precision, sqnr_db
 from .policy import Policy
-from .userspec import call_model, to_device
+from .userspec import UserCodeError, as_metric, call_model, describe_batch, one_line, to_device, user_function
 
-__all__ = ["Evaluator", "Measurement", "call_model", "interleaved_ms", "interleaved_samples", "median_ms",
-           "output_tensors", "settle", "time_ms", "to_device"]
+__all__ = ["BatchError", "Evaluator", "Measurement", "OutputError", "call_model", "fidelity_outputs",
+           "interleaved_ms", "interleaved_samples", "median_ms", "output_tensors", "settle", "time_ms", "to_device"]
+
+_FIDELITY_FIX = "define evaluate(model, batches) to score the outputs yourself, or return float tensors"
+
+
+class OutputError(ValueError):
+    """An fp32 output that fidelity (the metric without evaluate()) cannot judge a precision by."""
+
+    def __init__(self, problem: str, fix: str = _FIDELITY_FIX):
+        self.problem, self.fix = problem, fix
+        super().__init__(f"{problem}; fix: {fix}")
+
+
+class BatchError(ValueError):
+    """The unchanged fp32 model fails on one of its own batches."""
 
 
 def output_tensors(output: Any) -> list[torch.Tensor]:
     """The floating-point tensors of a model's output, in a stable order."""
     return [t.detach() for t in pytree.tree_leaves(output)
             if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _is_cache(value: Any) -> bool:
+    """A transformers ``Cache`` (e.g. GPT-2's ``past_key_values``): state for the next decoding
+    step, computed by the same layers whose fidelity the logits already show."""
+    return type(value).__module__.startswith("transformers") and type(value).__name__.endswith("Cache")
+
+
+def fidelity_outputs(output: Any, batch_index: int | None = None) -> list[torch.Tensor]:
+    """The float tensors fidelity compares, after checking that they can judge a precision.
+
+    A non-float tensor (token ids, a mask) or a non-numeric object among the outputs would be
+    silently left out of the comparison, and an output that is already inf/NaN in fp32 makes
+    every precision look equally good or bad: each is an :class:`OutputError` naming the output.
+    """
+    batch = f" on batch {batch_index}" if batch_index is not None else ""
+    floats = []
+    for path, leaf in pytree.tree_flatten_with_path(output)[0]:
+        name = f"output{pytree.keystr(path)}"
+        if isinstance(leaf, torch.Tensor):
+            if not leaf.is_floating_point():
+                dtype = str(leaf.dtype).removeprefix("torch.")
+                raise OutputError(f"{name} is {'an' if dtype[0] in 'aeiou' else 'a'} {dtype} tensor; fidelity "
+                                  "(the metric without evaluate()) compares float outputs only")
+            if not torch.isfinite(leaf).all():
+                raise OutputError(f"{name} holds inf/NaN in fp32{batch}, so no precision can be judged against it",
+                                  "make the fp32 model's outputs finite, or define evaluate(model, batches)")
+            floats.append(leaf.detach())
+        elif not (leaf is None or isinstance(leaf, (bool, int, float)) or _is_cache(leaf)):
+            raise OutputError(f"{name} is {type(leaf).__name__} {leaf!r:.40}; fidelity (the metric without "
+                              "evaluate()) compares float tensors only")
+    if not floats:
+        raise OutputError(f"the model's output{batch} holds no float tensor to compare")
+    return floats
 
 
 def _sync(device: torch.device) -> None:
@@ -156,14 +205,41 @@ class Evaluator:
         self.model = model
         self.device = torch.device(device)
         self.batches = [to_device(b, self.device) for b in batches]
-        self.evaluate = evaluate
+        # An exception inside evaluate() is the user's to fix (UserCodeError with file and
+        # function), unless it came out of the model under a candidate: that is the candidate's.
+        self.evaluate = user_function(evaluate, "evaluate") if evaluate is not None else None
         self.higher_is_better = higher_is_better if evaluate is not None else True
         self.evaluations = 0
         self.reference: list[list[torch.Tensor]] = []
+        self._model_errors: list[BaseException] = []
+        if self.evaluate is None:  # fidelity: the metric of fp32 is its SQNR against itself
+            self.reference = self._fp32_outputs()
+            self.metric_fp32 = self._sqnr(self.reference)
+            return
         fp32 = self._run(None, ())
         if fp32.error:
-            raise RuntimeError(f"the fp32 model failed on its own batches: {fp32.error}")
+            self._fp32_outputs()  # names the batch the model fails on
+            raise BatchError(f"the fp32 model failed under evaluate(): {fp32.error}; fix: make evaluate(model, "
+                             "batches) run the model as its forward expects")
+        if not math.isfinite(fp32.metric):
+            raise UserCodeError(getattr(self.evaluate, "path", "<unknown file>"), "evaluate()",
+                                f"returned {fp32.metric} for the unchanged fp32 model",
+                                "return a finite metric for the model as it is")
         self.metric_fp32 = fp32.metric
+
+    def _fp32_outputs(self) -> list[list[torch.Tensor]]:
+        """The fp32 model on every batch: the fidelity reference, or a :class:`BatchError` naming
+        the batch the model fails on and its inputs."""
+        reference = []
+        for i, batch in enumerate(self.batches):
+            try:
+                with torch.no_grad():
+                    output = call_model(self.model, batch)
+            except Exception as e:
+                raise BatchError(f"the fp32 model raised {one_line(e)} on batch {i} ({describe_batch(batch)}); "
+                                 "fix: give batches shaped as the model's forward expects") from e
+            reference.append(fidelity_outputs(output, i) if self.evaluate is None else output_tensors(output))
+        return reference
 
     @property
     def uses_fidelity(self) -> bool:
@@ -185,7 +261,9 @@ class Evaluator:
         outputs: list[Any] = []
         bad_layers: list[str] = []
         model = self.model
-        hooks = [model.register_forward_hook(lambda _m, _i, out: outputs.append(output_tensors(out)))]
+        hooks = [model.register_forward_hook(lambda _m, _i, out: outputs.append(output_tensors(out))),
+                 model.register_forward_hook(self._note_error, always_call=True)]
+        self._model_errors.clear()
         modules = dict(model.named_modules())
         applied = False
         try:
@@ -203,10 +281,14 @@ class Evaluator:
                 if not self.reference:  # this is the fp32 run
                     self.reference = outputs
                 sqnr = self._sqnr(outputs)
-        except Exception as e:  # a trial that crashes is infeasible, not fatal
-            return Measurement(math.nan, -math.inf, True, time.perf_counter() - start,
-                               error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        except Exception as e:
+            origin = self._from_model(e)
+            if origin is None:  # autoprec's own error, or the user's evaluate(): never a candidate's result
+                raise
+            # the model itself raised under this policy: the candidate is infeasible, the search goes on
+            return Measurement(math.nan, -math.inf, True, time.perf_counter() - start, error=one_line(origin))
         finally:
+            self._model_errors.clear()  # they hold tracebacks, and with them the run's tensors
             for h in hooks:
                 h.remove()
             if applied:
@@ -217,15 +299,30 @@ class Evaluator:
         return Measurement(float(metric), sqnr, nonfinite, time.perf_counter() - start,
                            nonfinite_layers=sorted(set(bad_layers)))
 
+    def _note_error(self, _module: nn.Module, _inputs: Any, _output: Any) -> None:
+        """Called after each forward of the model, also one that raised (always_call): then the
+        exception being handled is the model's."""
+        error = sys.exc_info()[1]
+        if error is not None:
+            self._model_errors.append(error)
+
+    def _from_model(self, error: BaseException) -> BaseException | None:
+        """The exception the model raised that ``error`` is or was raised from, else None."""
+        seen = set()
+        while error is not None and id(error) not in seen:
+            seen.add(id(error))
+            if any(error is e for e in self._model_errors):
+                return error
+            error = error.__cause__ or error.__context__
+        return None
+
     def _metric(self, outputs: list) -> float:
         if self.evaluate is None:
             for batch in self.batches:
                 call_model(self.model, batch)
             return math.nan  # replaced by the SQNR once outputs are compared
         value = self.evaluate(self.model, self.batches)
-        if not isinstance(value, (int, float)) and not (isinstance(value, torch.Tensor) and value.numel() == 1):
-            raise TypeError(f"evaluate() returned {type(value).__name__}, expected a number")
-        return float(value)
+        return as_metric(value, getattr(self.evaluate, "path", "<unknown file>"))
 
     def _sqnr(self, outputs: list[list[torch.Tensor]]) -> float:
         worst = math.inf

@@ -89,7 +89,8 @@ class SearchResult:
 def plan_units(profile: Profile, space: SearchSpace, precisions: Sequence[str]) -> tuple[list[Unit], list[str], dict]:
     """Search units with the candidates worth trying on this device.
 
-    A candidate is dropped when it overflowed (inf/NaN) in any of the unit's layers, when the
+    A candidate is dropped when the model raised with it or it overflowed (inf/NaN) in any of the
+    unit's layers (each said as such: a crash is not an overflow), when the
     device only emulates it (never a speed-up, whatever a noisy timing says), or when the profile
     does not show it measurably faster than fp32 for the unit on this device.
     """
@@ -105,8 +106,13 @@ def plan_units(profile: Profile, space: SearchSpace, precisions: Sequence[str]) 
             # Casts are left out here: inside a region of its own precision a layer pays none.
             ms = sum(layers[n].latency_ms[p] for n in unit.layers)
             why = None
-            if any(layers[n].sensitivity.get(p) is not None and layers[n].sensitivity[p].nonfinite
-                   for n in unit.layers):
+            measured = [layers[n].sensitivity[p] for n in unit.layers if p in layers[n].sensitivity]
+            error = next((s.error for s in measured if s.error), None)
+            if len(measured) < len(unit.layers):
+                why = "not measured: no search batch runs this layer (only held-out ones)"
+            elif error:
+                why = f"raised {error}"
+            elif any(s.nonfinite for s in measured):
                 why = "overflows (inf/NaN)"
             elif profile.capabilities.get(p) == "emulated":
                 why = f"emulated on this device (accuracy only; measured {ms:.3g} vs fp32 {fp32_ms:.3g} ms)"
@@ -240,7 +246,10 @@ def search(profile: Profile, evaluator: Evaluator, budget: Budget, space: Search
         greedy_probe = seed_name == "greedy"  # the greedy walk reads back the trial it asked for
         if params is not None:
             study.enqueue_trial(dict(params), user_attrs={"seed": seed_name}, skip_if_exists=not greedy_probe)
-        study.optimize(objective, n_trials=n, timeout=None, catch=(Exception,), gc_after_trial=False)
+        # No `catch`: the model failing under a candidate is recorded on the candidate by the
+        # evaluator (Measurement.error); anything else raised here is a bug or the user's evaluate()
+        # and must stop the search with its own message.
+        study.optimize(objective, n_trials=n, timeout=None, gc_after_trial=False)
         bar.update(n)
 
     def latest(seed_name: str | None = None) -> Candidate | None:
@@ -284,8 +293,8 @@ def search(profile: Profile, evaluator: Evaluator, budget: Budget, space: Search
             # --trials caps the whole study, whichever worker finishes a trial
             cap = optuna.study.MaxTrialsCallback(trials, states=(optuna.trial.TrialState.COMPLETE,
                                                                  optuna.trial.TrialState.FAIL))
-            study.optimize(objective, n_trials=remaining, timeout=deadline, catch=(Exception,),
-                           callbacks=[stop_when_stale, cap], gc_after_trial=False)
+            study.optimize(objective, n_trials=remaining, timeout=deadline, callbacks=[stop_when_stale, cap],
+                           gc_after_trial=False)  # no `catch`, as in run()
             if timeout is not None and time.perf_counter() - start >= timeout:
                 stopped = "timeout"
 

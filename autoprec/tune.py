@@ -24,7 +24,7 @@ from .budget import Budget, choose_budget
 from .capture import capture
 from .formats import DEFAULT_PRECISIONS, Precision, device_capabilities
 from .jsonsafe import finite_or_none
-from .measure import Evaluator
+from .measure import Evaluator, to_device
 from .outdir import claim_out_dir
 from .policy import Policy
 from .profile import Profile, ProfileError, device_name, fingerprint, predict_ms, profile_model
@@ -82,7 +82,8 @@ def load_or_profile(model: nn.Module, batches: Sequence[Any], evaluate: Callable
         except ProfileError as e:
             log(f"ignoring {path}: {e}")
     start = time.perf_counter()
-    table = capture(model, list(capture_batches or batches)[0])  # MERGE: all batches once capture takes a list
+    table = capture(model, [to_device(b, device) for b in capture_batches or batches])
+    log(table.summary())
     if not len(table):
         raise NothingToTune(f"{table.model_type} has no layer whose precision autoprec can tune (it tunes modules "
                             "that run matmuls, convolutions or attention; this model runs none on its batches)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import math
 import numbers
 import sys
@@ -24,8 +25,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-__all__ = ["HOLDOUT_FRACTION", "UserCodeError", "UserSpec", "batch_args", "call_model", "describe_batch",
-           "load_model_py", "run_evaluate", "split_holdout", "to_device"]
+__all__ = ["HOLDOUT_FRACTION", "UserCodeError", "UserSpec", "as_metric", "batch_args", "call_model", "describe_batch",
+           "load_model_py", "one_line", "run_evaluate", "split_holdout", "to_device", "user_function"]
 
 HOLDOUT_FRACTION = 0.25  # the last quarter of the batches verifies the winner; the search never sees them
 _BATCH_FORMS = "a tensor (model(x)), a tuple/list of tensors (model(*x)) or a dict (model(**x))"
@@ -82,17 +83,19 @@ def to_device(batch: Any, device: torch.device | str) -> Any:
 
 
 def describe_batch(batch: Any) -> str:
-    """A batch as a user reads it: ``input_ids 16x128, attention_mask 16x128`` (dict keys or argument
-    positions, then the shape of each tensor)."""
-    args, kwargs = batch_args(batch)
-    named = [*((f"input {i}" if len(args) > 1 else "input", v) for i, v in enumerate(args)), *kwargs.items()]
-    parts = []
-    for name, value in named:
-        shapes = ["x".join(map(str, t.shape)) or "scalar" for t in pytree.tree_leaves(value)
-                  if isinstance(t, torch.Tensor)]
-        if shapes:
-            parts.append(f"{name} {', '.join(shapes)}")
-    return ", ".join(parts) or "no tensors"
+    """A batch in a few words: its inputs by name (or position) and shape, e.g.
+    ``input_ids 16x128, attention_mask 16x128``; a single tensor is just its shape."""
+
+    def shape(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return "x".join(map(str, value.shape)) if value.dim() else "scalar"
+        return type(value).__name__
+
+    if isinstance(batch, dict):
+        return ", ".join(f"{name} {shape(value)}" for name, value in batch.items()) or "empty dict"
+    if isinstance(batch, (tuple, list)):
+        return ", ".join(f"[{i}] {shape(value)}" for i, value in enumerate(batch)) or "empty tuple"
+    return shape(batch)
 
 
 def _a(value: Any) -> str:
@@ -100,7 +103,8 @@ def _a(value: Any) -> str:
     return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
 
 
-def _one_line(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
@@ -133,9 +137,32 @@ def _call_user(path: Path, name: str, fn: Callable, *args: Any) -> Any:
             return fn(*args)
         except Exception as error:
             raise UserCodeError(
-                path, f"{name}()", f"raised {_one_line(error)}{_where(error, path)}",
+                path, f"{name}()", f"raised {one_line(error)}{_where(error, path)}",
                 f"make {name}() run without errors (try calling it in a Python shell)",
             ) from error
+
+
+def user_function(fn: Callable, name: str, path: str | Path | None = None) -> Callable:
+    """``fn`` as the pipeline calls it: an exception inside becomes a :class:`UserCodeError` naming
+    the file (``path``, default the file that defines ``fn``), the function and the fix, raised
+    ``from`` the original, so that a caller can still tell an error of the model it passed in
+    apart from one of the function itself. Wrapping twice wraps once."""
+    if getattr(fn, "_autoprec_user_function", None) == name:
+        return fn
+    if path is None:
+        try:
+            path = inspect.getsourcefile(fn) or "<unknown file>"
+        except TypeError:  # a builtin or a callable object without source
+            path = "<unknown file>"
+    where = Path(path).resolve() if not str(path).startswith("<") else Path(path)
+
+    def call(*args: Any) -> Any:
+        return _call_user(where, name, fn, *args)
+
+    call._autoprec_user_function = name  # type: ignore[attr-defined]
+    call.path = where  # type: ignore[attr-defined]
+    call.__wrapped__ = fn  # type: ignore[attr-defined]
+    return call
 
 
 def _import(path: Path) -> Any:
@@ -157,7 +184,7 @@ def _import(path: Path) -> Any:
                                 "fix the syntax on that line") from error
         except Exception as error:
             del sys.modules[name]
-            raise UserCodeError(path, "import", f"raised {_one_line(error)}{_where(error, path)}",
+            raise UserCodeError(path, "import", f"raised {one_line(error)}{_where(error, path)}",
                                 f"make the file import on its own (python {path.name})") from error
     return module
 
@@ -193,24 +220,37 @@ def _check_batches(batches: Any, path: Path) -> list:
     return batches
 
 
-def _check_model_runs(model: nn.Module, batch: Any, path: Path) -> None:
+def _check_model_runs(model: nn.Module, batches: list, path: Path, fidelity: bool) -> None:
+    """fp32 on every batch before any work, so that a bad batch is named now, not after profiling;
+    in fidelity mode (no evaluate()) also the outputs that fidelity will compare."""
+    from .measure import OutputError, fidelity_outputs  # measure imports this module
+
     training = {m: m.training for m in model.modules()}
     model.eval()  # a check must not move BatchNorm statistics
     try:
-        with torch.no_grad():
-            call_model(model, batch)
-    except Exception as error:
-        how = {torch.Tensor: "model(x)", dict: "model(**x)"}.get(type(batch), "model(*x)")
-        raise UserCodeError(
-            path, "get_batches()", f"batch 0 does not fit the model from get_model(): {_one_line(error)}",
-            f"return batches shaped as the model's forward expects (called as {how})",
-        ) from error
+        for i, batch in enumerate(batches):
+            try:
+                with torch.no_grad():
+                    output = call_model(model, batch)
+            except Exception as error:
+                how = {torch.Tensor: "model(x)", dict: "model(**x)"}.get(type(batch), "model(*x)")
+                raise UserCodeError(
+                    path, "get_batches()", f"batch {i} ({describe_batch(batch)}) does not fit the model from "
+                    f"get_model(): {one_line(error)}",
+                    f"return batches shaped as the model's forward expects (called as {how})",
+                ) from error
+            if fidelity:
+                try:
+                    fidelity_outputs(output, batch_index=i)
+                except OutputError as error:
+                    raise UserCodeError(path, "get_model()", error.problem, error.fix) from None
     finally:
         for module, mode in training.items():
             module.training = mode
 
 
-def _as_metric(value: Any, path: Path) -> float:
+def as_metric(value: Any, path: str | Path) -> float:
+    """``evaluate()``'s return value as a float, or a :class:`UserCodeError` naming ``path``."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -223,8 +263,8 @@ def run_evaluate(spec: UserSpec, model: nn.Module, batches: list) -> float:
     """The user's metric of ``model`` on ``batches``; NaN when the model's numbers broke down."""
     if spec.evaluate is None:
         raise ValueError(f"{spec.path} has no evaluate(); measure output fidelity instead")
-    value = _call_user(spec.path, "evaluate", spec.evaluate, model, batches)
-    return _as_metric(value, spec.path)  # non-finite is a finding about the precision, not a user error
+    value = user_function(spec.evaluate, "evaluate", spec.path)(model, batches)
+    return as_metric(value, spec.path)  # non-finite is a finding about the precision, not a user error
 
 
 def split_holdout(batches: list, fraction: float = HOLDOUT_FRACTION) -> tuple[list, list]:
@@ -249,6 +289,8 @@ def load_model_py(path: str | Path, holdout_fraction: float = HOLDOUT_FRACTION, 
     get_model = _function(module, path, "get_model", "get_model() -> torch.nn.Module", required=True)
     get_batches = _function(module, path, "get_batches", "get_batches() -> list", required=True)
     evaluate = _function(module, path, "evaluate", "evaluate(model, batches) -> float", required=False)
+    if evaluate is not None:  # an error inside it, whenever the pipeline calls it, names this file
+        evaluate = user_function(evaluate, "evaluate", path)
     higher_is_better = getattr(module, "HIGHER_IS_BETTER", True)
     if not isinstance(higher_is_better, bool):
         raise UserCodeError(path, "HIGHER_IS_BETTER", f"is {higher_is_better!r}, not a bool",
@@ -262,7 +304,7 @@ def load_model_py(path: str | Path, holdout_fraction: float = HOLDOUT_FRACTION, 
 
     spec = UserSpec(path, model, *split_holdout(batches, holdout_fraction), evaluate, higher_is_better)
     if check:
-        _check_model_runs(model, batches[0], path)
+        _check_model_runs(model, batches, path, fidelity=evaluate is None)
         if evaluate is not None:
             metric = run_evaluate(spec, model, batches[:1])
             if not math.isfinite(metric):

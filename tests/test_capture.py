@@ -347,3 +347,106 @@ def test_test_models_are_deterministic() -> None:
         assert all(torch.equal(a[k], b[k]) for k in a)
     assert all(torch.equal(p, q) for p, q in zip(TrapNet().make_batches(2, 4, seed=1),
                                                   TrapNet().make_batches(2, 4, seed=1), strict=True))
+
+
+# Every batch: layers on branches the first batch does not take, and modules no batch runs.
+
+class Routed(nn.Module):
+    """Routes each batch by its mean: ``a`` or ``b``; ``never`` is built but no forward runs it,
+    and ``tied`` is never called but its weight is read through ``head``."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem, self.a, self.b = nn.Linear(4, width), nn.Linear(width, width), nn.Linear(width, width)
+        self.never, self.tied = nn.Linear(width, width), nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        h = self.a(h) if x.mean() > 0 else self.b(h)
+        return nn.functional.linear(h, self.tied.weight)
+
+
+def routed_batches(signs: str, rows: int = 3) -> list[torch.Tensor]:
+    """One rows x 4 batch per character: '+' takes branch a, '-' branch b."""
+    generator = torch.Generator().manual_seed(0)
+    return [torch.rand(rows, 4, generator=generator) * (1 if sign == "+" else -1) for sign in signs]
+
+
+def test_layers_of_every_batch_are_captured() -> None:
+    with pytest.warns(CaptureFallbackWarning):  # data-dependent control flow: export and fx fail
+        layers = capture(Routed(), routed_batches("+-+-"))
+    # b goes right after the layer before it on batch 1; "" is the model's own F.linear
+    assert layers.names() == ["stem", "b", "a", ""]
+    assert layers.method == "hooks" and layers.added == ["b"]
+    assert layers["a"].batches == [0, 2] and layers["b"].batches == [1, 3] and layers[""].batches == [0, 1, 2, 3]
+    assert layers["b"].prev == ["stem"] and sorted(layers["stem"].next) == ["a", "b"]
+    assert sorted(layers[""].prev) == ["a", "b"]
+    assert layers["b"].flops == 2 * 3 * 8 * 8 and layers["b"].output_shapes == [[3, 8]]
+    assert layers.not_exercised == ["never"]  # tied: called by no one, but its weight is read
+    assert layers.summary() == ("captured 3 layers with hooks on batch 0 (4 batches checked); 1 more with hooks on "
+                                "batch 1 (data-dependent branches): b; not exercised by any batch, kept fp32: never")
+
+
+class TwoLayerBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem, self.a, self.head = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+        self.b = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        return self.head(self.a(h) if x.mean() > 0 else self.b(h))
+
+
+def test_a_branch_of_several_layers_is_linked_in_order() -> None:
+    with pytest.warns(CaptureFallbackWarning):
+        layers = capture(TwoLayerBranch(), routed_batches("+-"))
+    assert layers.names() == ["stem", "b.0", "b.2", "a", "head"] and layers.added == ["b.0", "b.2"]
+    assert [layers[n].prev for n in ("b.0", "b.2")] == [["stem"], ["b.0"]]
+    assert [layers[n].next for n in ("b.0", "b.2")] == [["b.2"], ["head"]]
+    assert sorted(layers["stem"].next) == ["a", "b.0"] and sorted(layers["head"].prev) == ["a", "b.2"]
+
+
+def test_a_branch_no_batch_takes_is_not_exercised() -> None:
+    with pytest.warns(CaptureFallbackWarning):
+        layers = capture(Routed(), routed_batches("---"))
+    assert layers.names() == ["stem", "b", ""] and not layers.added
+    assert layers.not_exercised == ["a", "never"]
+    assert "not exercised by any batch, kept fp32: a, never" in layers.summary()
+
+
+@pytest.mark.parametrize("name", [n for n in ZOO if n != "data_dependent"])
+def test_static_models_gain_nothing_from_more_batches(name: str) -> None:
+    """The cheap pass over every batch must agree with the path that traced the first one."""
+    model, batch = zoo(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CaptureFallbackWarning)
+        layers = capture(model, [batch, batch])
+    assert layers.names() == table(name).names()
+    assert not layers.added and not layers.not_exercised
+    assert all(layer.batches == [0, 1] for layer in layers)
+
+
+def test_one_batch_or_a_list_of_one() -> None:
+    model, batch = zoo("mlp")
+    assert capture(model, batch) == capture(model, [batch])
+
+
+def test_a_batch_the_model_fails_on_is_named() -> None:
+    batches = [torch.randn(2, 16), torch.randn(2, 16), torch.randn(3, 5)]
+    with pytest.raises(ValueError, match=r"raised RuntimeError: .* on batch 2 \(3x5\); fix: ") as info:
+        capture(TinyMLP(), batches)
+    assert "\n" not in str(info.value)
+
+
+def test_to_dict_round_trip_keeps_what_every_batch_found() -> None:
+    with pytest.warns(CaptureFallbackWarning):
+        layers = capture(Routed(), routed_batches("+-"))
+    again = LayerTable.from_dict(json.loads(json.dumps(layers.to_dict())))
+    assert again == layers and again.added == ["b"] and again.not_exercised == ["never"]
+    old = {k: v for k, v in layers.to_dict().items() if k not in ("added", "not_exercised", "n_batches")}
+    for layer in old["layers"]:
+        del layer["batches"]
+    assert LayerTable.from_dict(old).names() == layers.names()  # a table written before these fields

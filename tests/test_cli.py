@@ -57,7 +57,7 @@ def tuned(tmp_path_factory, autoprec, cli_models):
 def test_tune_prints_fp32_autocast_and_policy_rows_and_the_output_folder(tuned):
     run, out = tuned
     lines = run.stdout.splitlines()
-    assert lines[0].startswith("held-out batches; latency on input 256x512: median of 7 interleaved rounds")
+    assert lines[0].startswith("held-out batches; latency on 256x512: median of 7 interleaved rounds")
     rows = {line.strip().split("  ")[0]: line for line in table_rows(lines)}
     labels = list(rows)
     # blanket autocast and the policy share one row when the policy is blanket autocast itself
@@ -110,7 +110,7 @@ def test_bench_remeasures_the_policy_against_fp32_and_autocast(tuned, autoprec, 
     run = autoprec("bench", cli_models / "mlp.py", "--policy", out / "policy.json", "--repeats", "3")
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
-    assert lines[0].startswith("held-out batches; latency on input 256x512: median of 3 interleaved rounds")
+    assert lines[0].startswith("held-out batches; latency on 256x512: median of 3 interleaved rounds")
     assert "output SQNR dB" in lines[1] and "within budget" in lines[1]
     rows = [line.strip().split("  ") for line in table_rows(lines)]
     labels = [row[0] for row in rows]

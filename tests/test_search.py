@@ -15,6 +15,7 @@ import torch.nn as nn
 from models import Cancel, seeded
 
 from autoprec.measure import Evaluator, Measurement
+from autoprec.policy import PolicyError
 from autoprec.profile import LayerProfile, Profile, Sensitivity
 from autoprec.budget import Budget
 from autoprec.search import Candidate, choose_default, pareto_front, plan_units, search
@@ -218,3 +219,23 @@ def test_resume_keeps_finished_trials_and_repeats_none(storage):
     assert len(study.trials) == 14
     # the resumed run measured only new assignments
     assert ev.evaluations <= 14 - len(first.trials)
+
+
+def test_plan_says_raised_for_a_crash_not_overflows():
+    profile = make_profile({"x": {"ms": FAST_BF16, "sqnr": SAFE}, "y": {"ms": FAST_BF16, "sqnr": SAFE}})
+    crashed = profile.layer("x").sensitivity["bf16"]
+    crashed.error, crashed.sqnr_db = "RuntimeError: no bf16 kernel for this op", -math.inf
+    units, _, dropped = plan_units(profile, SearchSpace.load("default"), ["bf16"])
+    assert dropped["x"] == ["bf16: raised RuntimeError: no bf16 kernel for this op"]
+    assert [u.candidates for u in units] == [("fp32",), ("fp32", "bf16")]
+    assert crashed.noise == math.inf  # the greedy order puts it last
+
+
+def test_an_internal_error_stops_the_search(storage):
+    """A policy naming a layer the model lacks is autoprec's bug, not a failed candidate."""
+    # "ghost" stays fp32 (bf16 is slower there) inside a bf16 region: a rule the model cannot take
+    profile = make_profile({"0": {"ms": FAST_BF16, "sqnr": SAFE},
+                            "ghost": {"ms": {"fp32": 1.0, "bf16": 5.0}, "sqnr": SAFE}})
+    with pytest.raises(PolicyError, match="layer 'ghost' is in the policy but not in the model"):
+        search(profile, Evaluator(nn.Sequential(nn.Linear(16, 16)).eval(), batches()), Budget.parse(None, 20),
+               SearchSpace.load("default"), trials=3, storage=storage, progress=False)

@@ -238,3 +238,100 @@ def test_to_device_keeps_structure() -> None:
     assert moved.keys() == batch.keys() and isinstance(moved["pair"], tuple) and moved["scale"] == 2.0
     assert torch.equal(moved["x"], batch["x"])
     assert isinstance(to_device([torch.ones(1)], torch.device("cpu")), list)
+
+
+# Every batch checked at load time; fidelity's outputs checked before any work.
+
+def test_describe_batch() -> None:
+    from autoprec.userspec import describe_batch
+
+    ids = torch.zeros(16, 128, dtype=torch.long)
+    assert describe_batch({"input_ids": ids, "attention_mask": ids}) == "input_ids 16x128, attention_mask 16x128"
+    assert describe_batch((torch.ones(2, 3), torch.tensor(1.0), 0.5)) == "[0] 2x3, [1] scalar, [2] float"
+    assert describe_batch(torch.ones(4, 5, 6)) == "4x5x6"
+
+
+MODEL = """
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.fc(x)
+            {body}
+
+    def get_model():
+        torch.manual_seed(0)
+        return Net()
+
+    def get_batches():
+        return [torch.randn(2, 4) for _ in range(3)] + [{last}]
+"""
+
+
+def model_py(tmp_path: Path, body: str = "return y", last: str = "torch.randn(2, 4)", extra: str = "") -> Path:
+    text = textwrap.dedent(MODEL.format(body=body, last=last)) + textwrap.dedent(extra)
+    return write(tmp_path, "model.py", text)
+
+
+def test_a_later_batch_that_does_not_fit_is_named(tmp_path: Path) -> None:
+    with pytest.raises(UserCodeError, match=r"get_batches\(\): batch 3 \(2x5\) does not fit .*mat1 and mat2") as info:
+        load_model_py(model_py(tmp_path, last="torch.randn(2, 5)"))
+    assert "; fix: return batches shaped as the model's forward expects (called as model(x))" in str(info.value)
+
+
+def test_a_forward_that_raises_on_a_later_batch_is_named(tmp_path: Path) -> None:
+    body = "if x.abs().max() > 50:\n                raise ValueError('input out of range')\n            return y"
+    with pytest.raises(UserCodeError, match=r"batch 3 \(2x4\) does not fit .*ValueError: input out of range"):
+        load_model_py(model_py(tmp_path, body=body, last="torch.full((2, 4), 99.0)"))
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    ("return y, y.argmax(-1)", r"output\[1\] is an int64 tensor; fidelity .* compares float outputs only"),
+    ("return {'y': y, 'label': 'cat'}", r"output\['label'\] is str 'cat'"),
+    ("return y > 0", r"output is a bool tensor"),
+    ("return {'n': 3}", "holds no float tensor to compare"),
+])
+def test_fidelity_refuses_outputs_it_cannot_compare(tmp_path: Path, body: str, words: str) -> None:
+    with pytest.raises(UserCodeError, match=words) as info:
+        load_model_py(model_py(tmp_path, body=body))
+    assert "; fix: define evaluate(model, batches)" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_fidelity_accepts_none_numbers_and_float_tensors(tmp_path: Path) -> None:
+    spec = load_model_py(model_py(tmp_path, body="return {'y': y, 'aux': None, 'n': 3, 'ok': True}"))
+    assert spec.evaluate is None
+
+
+def test_fidelity_refuses_an_fp32_output_that_is_already_inf(tmp_path: Path) -> None:
+    body = "return y if x.abs().max() < 50 else y * float('inf')"
+    with pytest.raises(UserCodeError, match=r"output holds inf/NaN in fp32 on batch 3, so no precision can be judged"):
+        load_model_py(model_py(tmp_path, body=body, last="torch.full((2, 4), 99.0)"))
+
+
+def test_with_evaluate_any_output_is_fine(tmp_path: Path) -> None:
+    extra = ("\ndef evaluate(model, batches):\n"
+             "    return float(sum((model(b)[1] == 0).float().mean() for b in batches))\n")
+    spec = load_model_py(model_py(tmp_path, body="return y, y.argmax(-1)", extra=extra))
+    assert spec.evaluate is not None
+
+
+def test_evaluate_errors_later_in_the_pipeline_name_the_file(tmp_path: Path) -> None:
+    extra = """
+        calls = []
+
+        def evaluate(model, batches):
+            calls.append(1)
+            if len(calls) > 1:
+                return {}["accuracy"]
+            return 1.0
+    """
+    path = model_py(tmp_path, extra=extra)
+    spec = load_model_py(path)  # the load check calls it once
+    with pytest.raises(UserCodeError, match=r"evaluate\(\): raised KeyError: 'accuracy' \(line \d+\); fix: ") as info:
+        spec.evaluate(spec.model, spec.search_batches)
+    assert str(info.value).startswith(f"{path.resolve()}: evaluate(): ")

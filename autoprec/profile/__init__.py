@@ -43,12 +43,18 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
     model = model.to(device).eval()
     modules = dict(model.named_modules())
     names = [layer.name for layer in table]
-    candidates = {n: [p.value for p in low if takes_precision(modules[n], p)] for n in names}
+    # A layer only held-out batches run cannot be measured on the search batches: no candidates.
+    searched = {layer.name for layer in table if not layer.batches or min(layer.batches) < len(batches)}
+    candidates = {n: [p.value for p in low if n in searched and takes_precision(modules[n], p)] for n in names}
     fp8_layers = [n for n in names if "fp8" in candidates[n]]
     seconds: dict[str, float] = {"capture": capture_seconds}
 
     start = time.perf_counter()
-    sens_batches = list(batches) if sensitivity_batches is None else list(batches)[:sensitivity_batches]
+    chosen = set(range(len(batches) if sensitivity_batches is None else min(sensitivity_batches, len(batches))))
+    for layer in table:  # a layer that only some batches run is measured on the first search batch that does
+        if layer.batches and not chosen & set(layer.batches) and min(layer.batches) < len(batches):
+            chosen.add(min(layer.batches))
+    sens_batches = [batches[i] for i in sorted(chosen)]
     evaluator = Evaluator(model, sens_batches, evaluate, higher_is_better, device)
     total = sum(len(c) for c in candidates.values())
     with tqdm(total=total, desc="sensitivity", unit="eval", disable=not progress, leave=False) as bar:
@@ -73,6 +79,7 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
         precisions=[p.value for p in low],
         capabilities={p.value: caps[p].value for p in Precision},
         capture_method=table.method,
+        not_exercised=list(table.not_exercised),
         layers=layers,
         end_to_end_ms=latency.end_to_end_ms,
         remainder_ms=latency.remainder_ms,

@@ -29,11 +29,14 @@ class Sensitivity:
     sqnr_db: float  # output SQNR against fp32 with only this layer lowered (worst over batches)
     metric_drop: float | None  # drop of the user's metric; None in fidelity mode
     nonfinite: bool  # inf/NaN in this layer's output or the model's (e.g. fp16 overflow)
+    # The model raised with this layer lowered, in one line (e.g. a kernel without this dtype):
+    # a crash is not an overflow, and the report says which it was. Older profiles lack it.
+    error: str | None = None
 
     @property
     def noise(self) -> float:
-        """Relative noise power the layer adds (10^(-SQNR/10)); inf when it overflows."""
-        if self.nonfinite or math.isnan(self.sqnr_db):
+        """Relative noise power the layer adds (10^(-SQNR/10)); inf when it overflows or raised."""
+        if self.error or self.nonfinite or math.isnan(self.sqnr_db):
             return math.inf
         return 10 ** (-self.sqnr_db / 10)
 
@@ -70,6 +73,9 @@ class Profile:
     cost: dict[str, Any]  # {"evaluations": n, "seconds": {phase: s}}
     model_type: str = ""  # the model's class name
     version: int = PROFILE_VERSION
+    # Modules with weights of their own that no batch ran: not profiled, left in fp32 (older
+    # profiles lack the list: read as empty).
+    not_exercised: list[str] = field(default_factory=list)
 
     def layer(self, name: str) -> LayerProfile:
         for layer in self.layers:

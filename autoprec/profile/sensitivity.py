@@ -17,7 +17,8 @@ def measure_sensitivity(evaluator: Evaluator, candidates: Mapping[str, Sequence[
 
     The metric drop is the user's metric against fp32 (None in fidelity mode, where the SQNR
     is the metric); ``nonfinite`` is set when the layer's own output or the model's output
-    holds an inf or NaN, as fp16 gives where activations pass its range.
+    holds an inf or NaN, as fp16 gives where activations pass its range; ``error`` when the
+    model raised with the layer lowered (then ``nonfinite`` is not set: nothing was computed).
     """
     result: dict[str, dict[str, Sensitivity]] = {}
     for name, precisions in candidates.items():
@@ -28,7 +29,8 @@ def measure_sensitivity(evaluator: Evaluator, candidates: Mapping[str, Sequence[
             policy = Policy.from_assignment({name: precision, **nested})
             m = evaluator.measure(policy, watch=[name])
             drop = None if evaluator.uses_fidelity else evaluator.drop(m.metric)
-            result[name][precision] = Sensitivity(sqnr_db=m.sqnr_db, metric_drop=drop, nonfinite=m.nonfinite)
+            result[name][precision] = Sensitivity(sqnr_db=m.sqnr_db, metric_drop=drop,
+                                                  nonfinite=m.nonfinite and not m.error, error=m.error)
             if progress:
                 progress(name)
     return result
