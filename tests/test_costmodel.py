@@ -1,0 +1,80 @@
+"""The target cost model: monotone in size, FP8 slower than bf16 small and faster large, training
+dearer than inference, and one-line errors for unknown targets and bad shapes."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+
+import pytest
+
+from autoprec.costmodel import TARGETS, UnknownTargetError, estimate, gemm_ms, get_target, linear_ms, parse_gemm
+from autoprec.formats import Capability, Precision
+
+SIZES = (16, 64, 256, 1024, 4096, 16384)
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_a_bigger_gemm_is_never_predicted_faster(target):
+    precisions = [p for p in ("fp32", "bf16", "fp16", "fp8") if p in TARGETS[target].tflops]
+    for precision, mode in itertools.product(precisions, ("inference", "training")):
+        for m, k, n in itertools.product(SIZES, repeat=3):
+            ms = linear_ms(target, m, k, n, precision, mode)
+            for bigger in ((2 * m, k, n), (m, 2 * k, n), (m, k, 2 * n)):
+                assert linear_ms(target, *bigger, precision, mode) >= ms, (target, precision, mode, (m, k, n), bigger)
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_fp8_is_slower_than_bf16_for_small_gemms_and_faster_for_large_ones_on_h100(mode):
+    for shape in [(16, 768, 768), (128, 1024, 1024), (1024, 1024, 1024)]:
+        assert linear_ms("h100", *shape, "fp8", mode) > linear_ms("h100", *shape, "bf16", mode), shape
+    for shape in [(4096, 8192, 16384), (8192, 8192, 8192), (16384, 4096, 4096)]:
+        assert linear_ms("h100", *shape, "fp8", mode) < linear_ms("h100", *shape, "bf16", mode), shape
+    # and never better than the ratio of the datasheet peaks
+    assert linear_ms("h100", 16384, 16384, 16384, "bf16", mode) / linear_ms(
+        "h100", 16384, 16384, 16384, "fp8", mode) < 2.0
+
+
+def test_training_costs_more_than_inference():
+    for target, (m, k, n) in itertools.product(TARGETS, itertools.product((64, 1024, 8192), repeat=3)):
+        for p in TARGETS[target].tflops:
+            if p != "tf32":
+                assert linear_ms(target, m, k, n, p, "training") > linear_ms(target, m, k, n, p, "inference")
+
+
+def test_low_precision_tensor_cores_beat_fp32_on_a_large_gemm():
+    for target in TARGETS:
+        assert gemm_ms(target, 4096, 4096, 4096, "bf16") < gemm_ms(target, 4096, 4096, 4096, "fp32") / 3
+
+
+def test_target_capabilities():
+    assert get_target("H100").capabilities()[Precision.FP8] is Capability.NATIVE
+    assert get_target("l4").capabilities()[Precision.FP8] is Capability.NATIVE  # Ada, 8.9
+    assert get_target("a100").capabilities()[Precision.FP8] is Capability.EMULATED
+    assert get_target("a100").capabilities()[Precision.BF16] is Capability.NATIVE
+    assert get_target("h200").bandwidth_gbs > get_target("h100").bandwidth_gbs
+
+
+def test_estimate_json_shape_and_null_for_a_precision_the_target_lacks():
+    out = estimate("a100", [(1024, 2048, 1024)], "training")
+    assert out["target"] == "a100" and out["estimated"] is True and out["for"] == "training"
+    (gemm,) = out["gemms"]
+    assert gemm["shape"] == [1024, 2048, 1024]
+    assert set(gemm["ms"]) == {"fp32", "bf16", "fp16", "fp8"} and gemm["ms"]["fp8"] is None
+
+
+def test_unknown_target_lists_the_known_ones():
+    with pytest.raises(UnknownTargetError, match="unknown target 'b200'; known targets: h100, h200, a100, l4"):
+        get_target("b200")
+
+
+@pytest.mark.parametrize("text", ["4096x4096", "0x16x16", "axbxc", "", "16x16x16x16", "-4x4x4"])
+def test_bad_gemm_text_names_the_expected_form(text):
+    with pytest.raises(ValueError, match=r"expected MxKxN with three whole numbers >= 1"):
+        parse_gemm(text)
+
+
+def test_parse_gemm():
+    assert parse_gemm(" 4096x8192X16384 ") == (4096, 8192, 16384)
