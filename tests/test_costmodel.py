@@ -78,3 +78,38 @@ def test_bad_gemm_text_names_the_expected_form(text):
 
 def test_parse_gemm():
     assert parse_gemm(" 4096x8192X16384 ") == (4096, 8192, 16384)
+
+
+# ---- autoprec estimate ---------------------------------------------------------------------------------
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autoprec", "estimate", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_estimate_cli_json_and_text_are_labelled_estimated():
+    done = run_cli("--target", "h100", "--gemm", "1024x2048x1024", "--gemm", "4096x8192x16384", "--for",
+                   "training", "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out == estimate("h100", [(1024, 2048, 1024), (4096, 8192, 16384)], "training")
+    assert list(out) == ["target", "estimated", "for", "gemms"] and out["for"] == "training"
+    text = run_cli("--target", "h100", "--gemm", "4096x8192x16384")
+    assert text.returncode == 0 and text.stdout.startswith("estimated for h100")
+    assert "fp8 1.3" in text.stdout  # the speed-up over bf16
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target", "b200", "--gemm", "16x16x16"],
+     "autoprec estimate: error: unknown target 'b200'; known targets: h100, h200, a100, l4\n"),
+    (["--target", "h100", "--gemm", "16x16"],
+     "autoprec estimate: error: bad GEMM shape '16x16'; expected MxKxN with three whole numbers >= 1, "
+     "e.g. 4096x4096x4096\n"),
+])
+def test_estimate_cli_user_errors_are_one_line(args, message):
+    done = run_cli(*args)
+    assert done.returncode == 1 and done.stderr == message and done.stdout == ""
+
+
+def test_estimate_cli_usage_error_exits_2():
+    done = run_cli("--gemm", "16x16x16")
+    assert done.returncode == 2 and "--target" in done.stderr
