@@ -141,11 +141,20 @@ def _tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sensitivity-batches", type=_positive_int, default=1,
                         help="search batches used per sensitivity evaluation (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    parser.add_argument("--target", help="plan for a GPU that is not here (h100, h200, a100, l4): latency "
+                                         "estimated by a cost model, accuracy measured here")
 
 
 def tune(args: argparse.Namespace) -> int:
     from .tune import tune as run_tune
 
+    if args.target is not None:
+        from .costmodel import get_target
+
+        try:
+            get_target(args.target)  # before loading the model: a typo costs nothing
+        except ValueError as e:
+            raise CommandError(str(e)) from None
     spec = _load(args)
     out = Path(args.out) if args.out else _default_out(args.model_py)
     try:
@@ -154,7 +163,7 @@ def tune(args: argparse.Namespace) -> int:
                           device=args.device, precisions=args.precisions, search_space=args.search_space,
                           trials=args.trials, timeout=args.timeout, out=out, storage=args.storage,
                           study_name=args.study_name, sensitivity_batches=args.sensitivity_batches,
-                          seed=args.seed, log=lambda msg: print(msg, file=sys.stderr))
+                          seed=args.seed, log=lambda msg: print(msg, file=sys.stderr), target=args.target)
     except KeyboardInterrupt:
         print(f"\ninterrupted: finished trials are saved; run the same command to resume ({out})",
               file=sys.stderr)
@@ -166,7 +175,9 @@ def tune(args: argparse.Namespace) -> int:
             (f"blanket autocast ({v.autocast_precision})", v.latency_ms["autocast"], v.metric["autocast"])]
     if "tuned" in v.latency_ms:
         rows.append(("autoprec policy", v.latency_ms["tuned"], v.metric["tuned"]))
-    print(f"held-out batches, latency on {v.timing_batch} (median of interleaved runs):")
+    how = (f"estimated for {args.target} by the cost model" if args.target is not None
+           else "median of interleaved runs")
+    print(f"held-out batches, latency on {v.timing_batch} ({how}):")
     for label, ms, metric in rows:
         print(f"  {label:28s} {ms:9.2f} ms  {v.latency_ms['fp32'] / ms:5.2f}x  metric {metric:.6g}")
     for note in v.notes:

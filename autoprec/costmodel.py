@@ -23,8 +23,8 @@ from typing import Iterable, Mapping, Sequence
 
 from .formats import Capability, Precision
 
-__all__ = ["TARGETS", "Target", "UnknownTargetError", "estimate", "gemm_ms", "get_target", "linear_ms",
-           "parse_gemm", "elementwise_ms", "MODES"]
+__all__ = ["MODES", "TARGETS", "Target", "UnknownTargetError", "elementwise_ms", "estimate", "estimated_latency",
+           "gemm_ms", "get_target", "layer_ms", "linear_ms", "parse_gemm", "policy_ms"]
 
 MODES = ("inference", "training")
 BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -186,3 +186,72 @@ def estimate(target: str | Target, shapes: Iterable[Sequence[int]], mode: str = 
               for p in ("fp32", "bf16", "fp16", "fp8")}
         gemms.append({"shape": [m, k, n], "ms": ms})
     return {"target": target.name, "estimated": True, "for": mode, "gemms": gemms}
+
+
+# ---- a model's layers: what `autoprec tune --target` uses instead of measuring ------------------------------
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(int(d) for d in shape)
+
+
+def layer_ms(target: Target, layer, precision: str, mode: str = "inference") -> float:
+    """One captured layer (a :class:`autoprec.capture.Layer`) in ``precision``: a linear by its GEMM
+    shape; any other layer (conv, attention, functional matmul) by its FLOPs and bytes."""
+    if layer.kind == "linear" and layer.input_shapes and layer.output_shapes:
+        k, n = layer.input_shapes[0][-1], layer.output_shapes[0][-1]
+        m = max(1, _numel(layer.input_shapes[0]) // max(1, k))
+        # Inference keeps the FP8 weight cached; the input arrives in fp32 (an fp32 region) at worst.
+        return linear_ms(target, m, k, n, precision, mode, activation_bytes=4)
+    compute_precision = "fp32" if precision == "fp8" else precision  # FP8 exists for nn.Linear only
+    size = BYTES[compute_precision] / 4  # capture ran in fp32: its byte counts are fp32 bytes
+    gemms = 3 if mode == "training" else 1
+    compute_s = layer.flops / (target.tflops[compute_precision] * 1e12 * GEMM_EFFICIENCY[compute_precision])
+    memory_s = (layer.activation_bytes + layer.weight_bytes) * size / (target.bandwidth_gbs * 1e9 * MEMORY_EFFICIENCY)
+    return gemms * (max(compute_s, memory_s) + GEMM_LAUNCH_US * 1e-6) * 1e3
+
+
+def _output_numel(layer) -> int:
+    return sum(_numel(shape) for shape in layer.output_shapes)
+
+
+def estimated_latency(target: str | Target, table, precisions: Sequence[str], fp8_layers: Sequence[str],
+                      mode: str = "inference"):
+    """The per-layer latency, cast and remainder structure :func:`autoprec.profile.profile_model`
+    measures, estimated for ``target`` from the captured shapes, so the search runs unchanged.
+
+    Boundary casts: one pass over a low-precision layer's outputs to fp32. Remainder (the glue between
+    layers: bias, activation, residual, norm): one read-and-write pass over each layer's outputs in
+    the region's precision; FP8 is never a region default and keeps its output in the region's dtype.
+    """
+    from .profile.latency import LatencyResult, predict_ms
+
+    target = get_target(target)
+    names = [layer.name for layer in table]
+    low = [Precision.parse(p).value for p in precisions if Precision.parse(p).is_low]
+    latency: dict[str, dict[str, float]] = {}
+    casts: dict[str, dict[str, float]] = {}
+    for layer in table:
+        options = ["fp32", *(p for p in low if p != "fp8" or layer.name in fp8_layers)]
+        latency[layer.name] = {p: layer_ms(target, layer, p, mode) for p in options}
+        out = _output_numel(layer)
+        casts[layer.name] = {p: (0.0 if p == "fp8" else elementwise_ms(target, out * BYTES[p], out * 4))
+                             for p in options if p != "fp32"}
+    regions = ["fp32", *(p for p in low if p != "fp8")]
+    remainder = {p: sum(elementwise_ms(target, _output_numel(layer) * BYTES[p], _output_numel(layer) * BYTES[p])
+                        for layer in table) for p in regions}
+    end_to_end = {p: predict_ms({n: p for n in names}, p, latency, casts, remainder) for p in regions}
+    return LatencyResult(latency, casts, remainder, end_to_end, {}, {n: "fp32" for n in names})
+
+
+def policy_ms(profile, policy) -> float:
+    """A policy's latency from a profile's per-layer figures (the search's additive model)."""
+    from .profile.latency import predict_ms
+
+    default = policy.default.value
+    assignment = {}
+    for layer in profile.layers:
+        rule = policy.rule_for(layer.name)
+        precision = rule.value if rule is not None else default
+        assignment[layer.name] = precision if precision in layer.latency_ms else default
+    latency = {layer.name: layer.latency_ms for layer in profile.layers}
+    casts = {layer.name: layer.cast_ms for layer in profile.layers}
+    return predict_ms(assignment, default, latency, casts, profile.remainder_ms)

@@ -149,7 +149,11 @@ def report_markdown(result: TuneResult, table: LayerTable | None = None) -> str:
     lines.append(f"Device: `{p.device}`; precisions: " + ", ".join(f"{k} ({c})" for k, c in p.capabilities.items())
                  + ". Budget: " + str(result.budget) + ".")
     lines.append("")
-    lines.append(f"Latency: median of interleaved repeats on the held-out batch ({v.timing_batch}); metric: "
+    estimated_for = result.policy.result.get("estimated_for")
+    timing = (f"estimated for {estimated_for} by the cost model (autoprec.costmodel), not measured, at the "
+              f"held-out batch's shapes ({v.timing_batch})" if estimated_for else
+              f"median of interleaved repeats on the held-out batch ({v.timing_batch})")
+    lines.append(f"Latency: {timing}; metric: "
                  f"{'output SQNR in dB against fp32' if p.metric['kind'] == 'fidelity' else 'your evaluate()'} "
                  "on the held-out batches.")
     lines.append("")
@@ -162,7 +166,8 @@ def report_markdown(result: TuneResult, table: LayerTable | None = None) -> str:
         metric = v.metric.get(key)
         ok = "yes" if key == "fp32" else ("yes" if v.within_budget.get(key) else "no")
         rows.append([label, ms, v.latency_ms["fp32"] / ms, metric, ok])
-    lines.append(markdown_table(["", "latency ms", "speed-up vs fp32", "metric", "within budget"], rows))
+    ms_label = f"latency ms (estimated for {estimated_for})" if estimated_for else "latency ms"
+    lines.append(markdown_table(["", ms_label, "speed-up vs fp32", "metric", "within budget"], rows))
     lines.append("")
     for note in v.notes + s.notes:
         lines.append(f"- {note}")

@@ -59,8 +59,10 @@ def default_budget(has_metric: bool, budget: str | float | None, min_sqnr: float
 def load_or_profile(model: nn.Module, batches: Sequence[Any], evaluate: Callable | None, higher_is_better: bool,
                     device: torch.device, precisions: Sequence[str], out_dir: Path | None,
                     sensitivity_batches: int | None = 1, progress: bool = True,
-                    log: Callable[[str], None] = print) -> tuple[LayerTable, Profile, float]:
-    """Capture and profile, or reuse ``out_dir/profile.json`` when it is for this model, data and device."""
+                    log: Callable[[str], None] = print, target: str | None = None
+                    ) -> tuple[LayerTable, Profile, float]:
+    """Capture and profile, or reuse ``out_dir/profile.json`` when it is for this model, data and device
+    (``target``: latency estimated for that GPU, see :mod:`autoprec.costmodel`)."""
     start = time.perf_counter()
     table = capture(model, to_device(batches[0], device))
     capture_s = time.perf_counter() - start
@@ -68,13 +70,15 @@ def load_or_profile(model: nn.Module, batches: Sequence[Any], evaluate: Callable
     if path is not None and path.exists():
         try:
             cached = Profile.load(path)
-            if cached.matches(fingerprint(model, batches), device_name(device), precisions):
+            where = f"estimated for {target}" if target is not None else device_name(device)
+            if cached.matches(fingerprint(model, batches), where, precisions):
                 log(f"reusing the profile in {path}")
                 return table, cached, capture_s
         except ProfileError as e:
             log(f"ignoring {path}: {e}")
     profile = profile_model(model, table, batches, evaluate, higher_is_better, device, precisions,
-                            sensitivity_batches=sensitivity_batches, progress=progress, capture_seconds=capture_s)
+                            sensitivity_batches=sensitivity_batches, progress=progress, capture_seconds=capture_s,
+                            target=target)
     if path is not None:
         profile.save(path)
     return table, profile, capture_s
@@ -87,12 +91,13 @@ def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module
          trials: int = 60, timeout: float | None = None, patience: int = 20, out: str | Path | None = None,
          storage: str | None = None, study_name: str | None = None, sensitivity_batches: int | None = 1,
          seed: int = 0, progress: bool = True, timing_batch: Any = None,
-         log: Callable[[str], None] = print) -> TuneResult:
+         log: Callable[[str], None] = print, target: str | None = None) -> TuneResult:
     """Find the fastest per-layer precision policy for ``model`` within the accuracy budget.
 
     ``batches`` are searched on; ``holdout_batches`` (default: the last quarter of
     ``batches``) verify the winner. Without ``evaluate`` the metric is output fidelity (SQNR
-    in dB against fp32) and the budget is a floor, ``min_sqnr`` (default 30 dB).
+    in dB against fp32) and the budget is a floor, ``min_sqnr`` (default 30 dB). ``target`` (e.g.
+    "h100"): plan for that GPU; latency and speed-ups are estimated by its cost model, labelled so.
     """
     from .report import write_outputs
 
@@ -108,6 +113,10 @@ def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module
     if not batches or not holdout_batches:
         raise ValueError("tune needs search batches and held-out batches")
     the_budget = default_budget(evaluate is not None, budget, min_sqnr)
+    if target is not None:
+        from .costmodel import get_target, policy_ms
+
+        target = get_target(target).name  # an unknown name fails here, listing the known ones
     precisions = [Precision.parse(p).value for p in precisions]
     out_dir = Path(out) if out is not None else None
     if out_dir is not None:
@@ -117,7 +126,7 @@ def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module
     named_space = None if search_space == "auto" else SearchSpace.load(search_space)  # a typo fails before profiling
     start = time.perf_counter()
     table, profile, capture_s = load_or_profile(model, batches, evaluate, higher_is_better, device, precisions,
-                                                out_dir, sensitivity_batches, progress, log)
+                                                out_dir, sensitivity_batches, progress, log, target)
     seconds["capture"] = capture_s
     seconds["profile"] = time.perf_counter() - start - capture_s
 
@@ -135,10 +144,12 @@ def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module
     seconds["search"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    caps = device_capabilities(device)
+    caps = get_target(target).capabilities() if target is not None else device_capabilities(device)
     autocast = _fastest_native_low(profile, caps)
+    estimated_ms = (lambda policy: policy_ms(profile, policy)) if target is not None else None
     verification = verify(model, _verify_candidates(result, profile, autocast), holdout_batches, evaluate,
-                          higher_is_better, the_budget, autocast, device, timing_batch=timing_batch)
+                          higher_is_better, the_budget, autocast, device, timing_batch=timing_batch,
+                          estimated_ms=estimated_ms, estimated_for=target)
     seconds["verify"] = time.perf_counter() - start
 
     v = verification
@@ -151,6 +162,8 @@ def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module
         "metric": _round(v.metric.get("tuned", v.metric["fp32"])), "metric_fp32": _round(v.metric["fp32"]),
         "metric_kind": profile.metric["kind"], "budget": str(the_budget), "timing_batch": v.timing_batch,
     }
+    if target is not None:  # every latency and speed-up above is the cost model's, for that GPU
+        policy.result["estimated_for"] = target
     tuned = TuneResult(policy=policy, profile=profile, search=result, verification=v, budget=the_budget,
                        out_dir=out_dir, seconds=seconds)
     if out_dir is not None:

@@ -53,8 +53,11 @@ class Verification:
 def verify(model: nn.Module, candidates: Sequence[Candidate], holdout_batches: Sequence[Any],
            evaluate: Callable[[nn.Module, list], float] | None, higher_is_better: bool, budget: Budget,
            autocast_precision: Precision, device: str | torch.device = "cpu", repeats: int = 7,
-           timing_batch: Any = None, progress: Callable[[str], None] | None = None) -> Verification:
-    """``candidates``: feasible ones, best first. ``timing_batch``: defaults to the first held-out batch."""
+           timing_batch: Any = None, progress: Callable[[str], None] | None = None,
+           estimated_ms: Callable[[Policy], float] | None = None, estimated_for: str | None = None) -> Verification:
+    """``candidates``: feasible ones, best first. ``timing_batch``: defaults to the first held-out batch.
+    ``estimated_ms``: latency of a policy from a cost model for the GPU ``estimated_for``, used instead
+    of timing here (the metric is still measured on the held-out batches)."""
     device = torch.device(device)
     evaluator = Evaluator(model, holdout_batches, evaluate, higher_is_better, device)
     notes: list[str] = []
@@ -89,7 +92,13 @@ def verify(model: nn.Module, candidates: Sequence[Candidate], holdout_batches: S
     runners: dict[str, Policy | Precision | None] = {"fp32": None, "autocast": autocast_precision}
     for candidate, policy, _ in passing:
         runners[candidate.label] = policy
-    latency = interleaved_ms(model, batch, runners, device, repeats=repeats)
+    if estimated_ms is not None:
+        as_policy = {"fp32": Policy(), "autocast": blanket}
+        latency = {label: estimated_ms(as_policy.get(label, runner)) for label, runner in runners.items()}
+        notes.append(f"latencies are estimated for {estimated_for} by the cost model, not measured; "
+                     "the metric was measured on the held-out batches")
+    else:
+        latency = interleaved_ms(model, batch, runners, device, repeats=repeats)
     if progress:
         progress("latency")
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from autoprec.costmodel import TARGETS, UnknownTargetError, estimate, gemm_ms, get_target, linear_ms, parse_gemm
 from autoprec.formats import Capability, Precision
@@ -113,3 +114,77 @@ def test_estimate_cli_user_errors_are_one_line(args, message):
 def test_estimate_cli_usage_error_exits_2():
     done = run_cli("--gemm", "16x16x16")
     assert done.returncode == 2 and "--target" in done.stderr
+
+
+# ---- tune --target ---------------------------------------------------------------------------------------
+class PlantedFP8Net(torch.nn.Module):
+    """Two large linears (4096x4096, weight-bandwidth-bound at 16 rows: FP8's half-size cached weight
+    is estimated faster on h100) and two small ones (FP8's scaling kernels cost more than they save).
+
+    ``sensitive`` is planted to break FP8: its input carries one channel of 1e6 that its weight
+    ignores (a zero column). Per-tensor E4M3 scaling maps that 1e6 onto 448, which flushes every
+    O(1) value of the other channels to zero: the layer's output is lost. bf16 (8 exponent bits)
+    keeps both. ``tolerant`` sees the same kind of O(1) input without the outlier.
+    """
+
+    HIDDEN = 4096
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        h = self.HIDDEN
+        self.embed = torch.nn.Linear(64, h)
+        self.tolerant = torch.nn.Linear(h, h)
+        self.sensitive = torch.nn.Linear(h, h)
+        self.head = torch.nn.Linear(h, 8)
+        outlier = torch.zeros(h)
+        outlier[0] = 1e6
+        self.register_buffer("outlier", outlier)
+        with torch.no_grad():
+            self.sensitive.weight[:, 0] = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        h = torch.tanh(self.tolerant(h) * 8)
+        h = self.sensitive(h + self.outlier)
+        return self.head(h)
+
+
+@pytest.mark.slow
+def test_tune_target_h100_picks_fp8_only_for_large_tolerant_linears(tmp_path):
+    from autoprec import tune
+    from autoprec.policy import Policy
+
+    model = PlantedFP8Net().eval()
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randn(16, 64, generator=generator) for _ in range(2)]  # one searched, one held out
+    result = tune(model, batches, min_sqnr=20.0, target="h100", trials=40, patience=25, out=tmp_path,
+                  progress=False, log=lambda _msg: None)
+
+    layers = {layer.name: layer for layer in result.profile.layers}
+    assert result.profile.device == "estimated for h100"
+    assert result.profile.capabilities["fp8"] == "native"  # the target's, not this CPU's
+    for name in ("tolerant", "sensitive"):  # estimated: FP8 faster than bf16 for the large ones
+        assert layers[name].latency_ms["fp8"] < layers[name].latency_ms["bf16"]
+    for name in ("embed", "head"):  # and slower for the small ones
+        assert layers[name].latency_ms["fp8"] > layers[name].latency_ms["bf16"]
+    assert layers["sensitive"].sensitivity["fp8"].sqnr_db < 10 < layers["tolerant"].sensitivity["fp8"].sqnr_db
+
+    policy = result.policy
+    assert policy.rule_for("tolerant") is Precision.FP8
+    fp8 = [name for name in layers if (policy.rule_for(name) or policy.default) is Precision.FP8]
+    assert fp8 == ["tolerant"]
+    assert policy.result["estimated_for"] == "h100" and policy.tuned_on["device"] == "estimated for h100"
+    assert any("estimated for h100" in note for note in result.verification.notes)
+    assert result.verification.metric["tuned"] >= 20.0  # measured here, on the held-out batch
+    saved = Policy.load(tmp_path / "policy.json")
+    assert saved.result["estimated_for"] == "h100"
+    report = (tmp_path / "report.md").read_text()
+    assert "estimated for h100" in report and "latency ms (estimated for h100)" in report
+
+
+def test_tune_cli_unknown_target_is_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "autoprec", "tune", "no_such_model.py", "--target", "h900"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr == "autoprec tune: error: unknown target 'h900'; known targets: h100, h200, a100, l4\n"
