@@ -62,7 +62,8 @@ def rows() -> list[dict]:
     for m, k, n, published, fitted in TORCHAO_FP8_TRAINING:
         predicted = linear_ms("h100", m, k, n, "bf16", "training") / linear_ms("h100", m, k, n, "fp8", "training")
         out.append({"source": TORCHAO, "comparison": "fp8 over bf16, fwd+bwd", "shape": [m, k, n],
-                    "published": published, "predicted": round(predicted, 3), "use": "fitted" if fitted else "held out"})
+                    "published": published, "predicted": round(predicted, 3),
+                    "use": "fitted" if fitted else "held out"})
     for i, (m, n, k, bf16_tflops, f32_tflops) in enumerate(XLA_SM90):
         predicted = gemm_ms("h100", m, k, n, "tf32") / gemm_ms("h100", m, k, n, "bf16")
         out.append({"source": XLA, "comparison": "bf16 over tf32, one GEMM", "shape": [m, k, n],

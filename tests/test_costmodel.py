@@ -188,3 +188,28 @@ def test_tune_cli_unknown_target_is_one_line(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert done.stderr == "autoprec tune: error: unknown target 'h900'; known targets: h100, h200, a100, l4\n"
+
+
+# ---- benchmarks/gpu_check.py -----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_gpu_check_dry_run_exercises_every_section_on_cpu(tmp_path):
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    out = tmp_path / "gpu_check.json"
+    done = subprocess.run([sys.executable, str(script), "--dry-run", "--out", str(out)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert result["mode"].startswith("dry run")
+    for name in ("native_fp8", "latency", "tune"):
+        assert "error" not in result[name] and "skipped" not in result[name], (name, result[name])
+    rows = result["native_fp8"]["rows"]
+    assert [r["fp8linear_path"] for r in rows] == ["emulated", "emulated"]
+    assert all(r["emulated_vs_fp32_sqnr_db"] > 25 for r in rows)
+    for row in result["latency"]["rows"]:
+        for mode in ("inference", "training"):
+            assert set(row["measured_ms"][mode]) == set(row["estimated_ms"][mode]) == {"fp32", "bf16", "fp16", "fp8"}
+    tune = result["tune"]
+    assert tune["estimated"]["policy"]["result"]["estimated_for"] == "h200"
+    assert "estimated_for" not in tune["measured"]["policy"]["result"]
