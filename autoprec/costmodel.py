@@ -199,6 +199,11 @@ def layer_ms(target: Target, layer, precision: str, mode: str = "inference") -> 
     if layer.kind == "linear" and layer.input_shapes and layer.output_shapes:
         k, n = layer.input_shapes[0][-1], layer.output_shapes[0][-1]
         m = max(1, _numel(layer.input_shapes[0]) // max(1, k))
+        if precision == "fp8" and "fp8" not in target.tflops:
+            # No FP8 tensor cores: the emulation, an fp32 GEMM plus quantize-dequantize passes over
+            # its operands (accuracy only; the search drops it as emulated).
+            passes = 2 * elementwise_ms(target, 4 * (m * k + k * n), 4 * (m * k + k * n))
+            return linear_ms(target, m, k, n, "fp32", mode) + (3 if mode == "training" else 1) * passes
         # Inference keeps the FP8 weight cached; the input arrives in fp32 (an fp32 region) at worst.
         return linear_ms(target, m, k, n, precision, mode, activation_bytes=4)
     compute_precision = "fp32" if precision == "fp8" else precision  # FP8 exists for nn.Linear only

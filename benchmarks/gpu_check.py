@@ -138,7 +138,7 @@ def native_fp8(device: str, shapes: list[tuple[int, int, int]]) -> dict:
                 row["tensorwise"] = f"refused: {str(e).splitlines()[0][:160]}"
             try:
                 y = torch._scaled_mm(fp8_quantize(xd, xs.cuda()), fp8_quantize(wd, ws.cuda()).t(),
-                                     scale_a=xs.cuda().reciprocal(), scale_b=ws.cuda().reciprocal().t(),
+                                     scale_a=xs.cuda().reciprocal(), scale_b=ws.cuda().reciprocal().t().contiguous(),
                                      out_dtype=torch.bfloat16)
                 row["rowwise_vs_emulated_sqnr_db"] = round(sqnr_db(rowwise_emulated, y.float().cpu()), 2)
             except RuntimeError as e:

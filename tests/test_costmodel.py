@@ -213,3 +213,16 @@ def test_gpu_check_dry_run_exercises_every_section_on_cpu(tmp_path):
     tune = result["tune"]
     assert tune["estimated"]["policy"]["result"]["estimated_for"] == "h200"
     assert "estimated_for" not in tune["measured"]["policy"]["result"]
+
+
+@pytest.mark.slow
+def test_tune_cli_with_target_labels_every_latency_estimated(cli_models, autoprec, tmp_path):
+    out = tmp_path / "run"
+    done = autoprec("tune", cli_models / "mlp.py", "--target", "a100", "--trials", "4", "--out", out, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "latency on 256x512 (estimated for a100 by the cost model):" in done.stdout
+    assert "note: latencies are estimated for a100 by the cost model, not measured" in done.stdout
+    policy = json.loads((out / "policy.json").read_text())
+    assert policy["result"]["estimated_for"] == "a100" and policy["tuned_on"]["device"] == "estimated for a100"
+    assert "fp8" not in policy["layers"].values()  # no FP8 tensor cores on an A100: never chosen for speed
+    assert "estimated for a100" in (out / "report.md").read_text()
