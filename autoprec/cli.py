@@ -4,6 +4,7 @@
     autoprec profile MODEL_PY     every tunable layer: sensitivity and measured latency per precision
     autoprec bench MODEL_PY --policy FILE   re-measure a policy against fp32 and blanket autocast
     autoprec show POLICY_JSON     the policy's rules, what it was tuned on and what it achieved
+    autoprec estimate --target h100 --gemm MxKxN   each precision's estimated time on a named GPU
 
 A subcommand is an entry in :data:`COMMANDS`: its name, one line of help, a function that adds its
 arguments and a function that runs it and returns the exit status. Usage errors print that
@@ -159,6 +160,8 @@ def _tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sensitivity-batches", type=_positive_int, default=1,
                         help="search batches used per sensitivity evaluation (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    parser.add_argument("--target", help="plan for a GPU that is not here (h100, h200, a100, l4): latency "
+                                         "estimated by a cost model, accuracy measured here")
 
 
 def tune(args: argparse.Namespace) -> int:
@@ -166,6 +169,13 @@ def tune(args: argparse.Namespace) -> int:
     from .tune import TuneInterrupted
     from .tune import tune as run_tune
 
+    if args.target is not None:
+        from .costmodel import get_target
+
+        try:
+            get_target(args.target)  # before loading the model: a typo costs nothing
+        except ValueError as e:
+            raise CommandError(str(e)) from None
     spec = _load(args)
     out = Path(args.out) if args.out else _default_out(args.model_py)
     try:
@@ -174,7 +184,7 @@ def tune(args: argparse.Namespace) -> int:
                           device=args.device, precisions=args.precisions, search_space=args.search_space,
                           trials=args.trials, timeout=args.timeout, out=out, storage=args.storage,
                           study_name=args.study_name, sensitivity_batches=args.sensitivity_batches,
-                          seed=args.seed, log=lambda msg: print(msg, file=sys.stderr))
+                          seed=args.seed, log=lambda msg: print(msg, file=sys.stderr), target=args.target)
     except TuneInterrupted as stop:
         kept = {"checking": "nothing was started",
                 "profile": "nothing is saved yet (the profile is written when it is complete)",
@@ -246,12 +256,46 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- estimate ------------------------------------------------------------------------------------------
+def _estimate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="GPU to estimate for: h100, h200, a100 or l4")
+    parser.add_argument("--gemm", action="append", required=True, metavar="MxKxN",
+                        help="a linear's GEMM: (M, K) input times (K, N) weight, e.g. 4096x4096x4096; repeatable")
+    parser.add_argument("--for", dest="mode", choices=("inference", "training"), default="inference",
+                        help="one GEMM per linear (inference) or three (training); default inference")
+    parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
+
+
+def estimate(args: argparse.Namespace) -> int:
+    from .costmodel import estimate as cost_estimate
+    from .costmodel import get_target, parse_gemm
+
+    try:
+        target = get_target(args.target)
+        result = cost_estimate(target, [parse_gemm(g) for g in args.gemm], args.mode)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"estimated for {target.name} ({target.description}), {args.mode}, from datasheet figures and a "
+          f"cost model (not measured):")
+    for gemm in result["gemms"]:
+        ms = gemm["ms"]
+        cells = "  ".join(f"{p} {'n/a' if v is None else f'{v:.4g} ms'}" for p, v in ms.items())
+        speedups = "  ".join(f"{p} {ms['bf16'] / v:.2f}x" for p, v in ms.items() if v is not None and p != "bf16")
+        print(f"  {'x'.join(map(str, gemm['shape']))}: {cells}  | vs bf16: {speedups}")
+    return 0
+
+
 # ---- the table ---------------------------------------------------------------------------------------
 COMMANDS: list[Command] = [
     Command("tune", "find the fastest per-layer precision policy within an accuracy budget", _tune_arguments, tune),
     Command("profile", "list every tunable layer with its sensitivity and measured latency per precision",
             _profile_arguments, profile),
     Command("bench", "re-measure a policy against fp32 and blanket autocast", _bench_arguments, bench),
+    Command("estimate", "estimated time of GEMMs in each precision on a named GPU (cost model, no GPU needed)",
+            _estimate_arguments, estimate),
     Command("show", "print a policy file: its rules, what it was tuned on, what it achieved", _show_arguments, show),
 ]
 

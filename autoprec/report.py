@@ -64,10 +64,13 @@ def _labels(v: Verification) -> list[tuple[str, str]]:
 
 def results_rows(v: Verification) -> tuple[list[str], list[list[Any]]]:
     quality = "output SQNR dB" if v.fidelity else "metric"
-    header = ["", "latency ms", "speed-up vs fp32 (range)", quality, "within budget"]
+    estimated = v.estimated_for is not None
+    header = ["", f"latency ms (estimated for {v.estimated_for})" if estimated else "latency ms",
+              "speed-up vs fp32" if estimated else "speed-up vs fp32 (range)", quality, "within budget"]
     rows = []
     for key, label in _labels(v):
-        speedup = "1.00x" if key == "fp32" else str(v.speedup_of(key))
+        speedup = ("1.00x" if key == "fp32" else
+                   f"{v.speedup_of(key).ratio:.2f}x" if estimated else str(v.speedup_of(key)))
         ok = "yes" if key == "fp32" or v.within_budget.get(key) else "no"
         value = "exact" if v.fidelity and key == "fp32" else v.metric.get(key)
         rows.append([label, v.latency_ms[key], speedup, value, ok])
@@ -79,6 +82,9 @@ def _versus_autocast(v: Verification) -> str | None:
     if v.tuned_is_autocast or v.policy is None:
         return None
     s = v.speedup_of("tuned", "autocast")
+    if v.estimated_for is not None:
+        return f"autoprec policy vs blanket autocast ({v.autocast_precision}): {s.ratio:.2f}x, estimated for " \
+               f"{v.estimated_for} by the cost model"
     verdict = ("a tie: the difference is inside the measured spread" if s.tie else
                "faster" if s.ratio > 1 else "slower")
     return (f"autoprec policy vs blanket autocast ({v.autocast_precision}): {s} over {s.rounds} interleaved rounds, "
@@ -91,6 +97,9 @@ def results_table(v: Verification, markdown: bool = False) -> str:
     rounds = len(v.samples["fp32"])
     title = (f"held-out batches; latency on {v.timing_batch}: median of {rounds} interleaved rounds, "
              "speed-up range over the rounds")
+    if v.estimated_for is not None:
+        title = (f"held-out batches (metric measured here); latency at the shapes of {v.timing_batch}: "
+                 f"estimated for {v.estimated_for} by the cost model, not measured")
     table = markdown_table(header, rows) if markdown else text_table(header, rows, indent="  ")
     lines = [title, "", table] if markdown else [title, table]
     versus = _versus_autocast(v)
@@ -109,6 +118,8 @@ def decision(v: Verification, budget: Any) -> str:
                 ("is over budget on the held-out batches" if not v.within_budget.get("autocast") else
                  "no candidate within budget measured faster than fp32") + f" (budget: {budget}).")
     speed = v.speedup_of("tuned")
+    if v.estimated_for is not None:
+        speed = f"{speed.ratio:.2f}x (estimated for {v.estimated_for})"  # type: ignore[assignment]
     if v.tuned_is_autocast:
         return (f"**The policy is {autocast} itself**: {speed} faster than fp32, {metric}, within the budget "
                 f"({budget}); no per-layer policy measured faster.")

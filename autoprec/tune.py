@@ -66,17 +66,20 @@ class TuneResult:
 def load_or_profile(model: nn.Module, batches: Sequence[Any], evaluate: Callable | None, higher_is_better: bool,
                     device: torch.device, precisions: Sequence[str], out_dir: Path | None,
                     sensitivity_batches: int | None = 1, progress: bool = True,
-                    log: Callable[[str], None] = print, capture_batches: Sequence[Any] | None = None) -> Profile:
+                    log: Callable[[str], None] = print, capture_batches: Sequence[Any] | None = None,
+                    target: str | None = None) -> Profile:
     """``out_dir/profile.json`` when it is for this model, data, device and torch; else capture and profile.
 
     ``capture_batches``: every batch whose layers count (default ``batches``); the profile is taken
-    on ``batches``. A reused profile needs no capture: it holds everything later stages read.
+    on ``batches``. A reused profile needs no capture: it holds everything later stages read. ``target``: latency
+    estimated for that GPU (see :mod:`autoprec.costmodel`) instead of measured here.
     """
     path = out_dir / "profile.json" if out_dir else None
     if path is not None and path.exists():
         try:
             cached = Profile.load(path)
-            if cached.matches(fingerprint(model, batches), device_name(device), precisions):
+            where = f"estimated for {target}" if target is not None else device_name(device)
+            if cached.matches(fingerprint(model, batches), where, precisions):
                 log(f"reusing the profile in {path}")
                 return cached
         except ProfileError as e:
@@ -89,7 +92,7 @@ def load_or_profile(model: nn.Module, batches: Sequence[Any], evaluate: Callable
                             "that run matmuls, convolutions or attention; this model runs none on its batches)")
     profile = profile_model(model, table, batches, evaluate, higher_is_better, device, precisions,
                             sensitivity_batches=sensitivity_batches, progress=progress,
-                            capture_seconds=time.perf_counter() - start)
+                            capture_seconds=time.perf_counter() - start, target=target)
     if path is not None:
         profile.save(path)
     return profile
@@ -102,13 +105,14 @@ def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module
          trials: int = 60, timeout: float | None = None, patience: int = 20, out: str | Path | None = None,
          storage: str | None = None, study_name: str | None = None, sensitivity_batches: int | None = 1,
          seed: int = 0, progress: bool = True, timing_batch: Any = None,
-         log: Callable[[str], None] = print) -> TuneResult:
+         log: Callable[[str], None] = print, target: str | None = None) -> TuneResult:
     """Find the fastest per-layer precision policy for ``model`` within the accuracy budget.
 
     ``batches`` are searched on; ``holdout_batches`` (default: the last quarter of
     ``batches``) verify the winner. Without ``evaluate`` the metric is output fidelity (SQNR
     in dB against fp32) and the budget is a floor, ``min_sqnr`` (default 30 dB).
-    Ctrl-C raises :class:`TuneInterrupted`, which says in which phase the run stopped.
+    Ctrl-C raises :class:`TuneInterrupted`, which says in which phase the run stopped. ``target`` (e.g.
+    "h100"): plan for that GPU; latency and speed-ups are estimated by its cost model, labelled so.
     """
     # Cheap checks first: nothing expensive runs before every argument is known to be usable.
     batches = list(batches)
@@ -122,6 +126,10 @@ def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module
         raise ValueError(f"the search timeout must be a number of seconds above 0, got {timeout}")
     if trials < 1:
         raise ValueError(f"trials must be 1 or more, got {trials}")
+    if target is not None:
+        from .costmodel import get_target, policy_ms
+
+        target = get_target(target).name  # an unknown name fails here, listing the known ones
     precisions = [Precision.parse(p).value for p in precisions]
     named_space = None if search_space == "auto" else SearchSpace.load(search_space)
     device = torch.device(device)
@@ -140,7 +148,7 @@ def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module
             the_budget.check(evaluator.metric_fp32, evaluator.uses_fidelity)
             profile = load_or_profile(model, batches, evaluate, higher_is_better, device, precisions, out_dir,
                                       sensitivity_batches, progress, log,
-                                      capture_batches=[*batches, *holdout_batches])
+                                      capture_batches=[*batches, *holdout_batches], target=target)
             seconds["capture"] = profile.cost["seconds"].get("capture", 0.0)
             seconds["profile"] = time.perf_counter() - start - seconds["capture"]
 
@@ -154,9 +162,12 @@ def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module
 
             phase = "verify"
             start = time.perf_counter()
-            autocast = autocast_baseline(device_capabilities(device), profile.end_to_end_ms)
+            caps = get_target(target).capabilities() if target is not None else device_capabilities(device)
+            autocast = autocast_baseline(caps, profile.end_to_end_ms)
+            estimated_ms = (lambda policy: policy_ms(profile, policy)) if target is not None else None
             verification = verify(model, _verify_candidates(result, profile, autocast), holdout_batches, evaluate,
-                                  higher_is_better, the_budget, autocast, device, timing_batch=timing_batch)
+                                  higher_is_better, the_budget, autocast, device, timing_batch=timing_batch,
+                                  estimated_ms=estimated_ms, estimated_for=target)
             seconds["verify"] = time.perf_counter() - start
 
             phase = "outputs"
@@ -185,6 +196,8 @@ def _tuned_policy(v: Verification, profile: Profile, budget: Budget, model: nn.M
         "metric": _round(v.metric["tuned"]), "metric_fp32": _round(v.metric["fp32"]),
         "metric_kind": profile.metric["kind"], "budget": str(budget), "timing_batch": v.timing_batch,
     }
+    if v.estimated_for is not None:  # every latency and speed-up above is the cost model's, for that GPU
+        policy.result["estimated_for"] = v.estimated_for
     return policy
 
 

@@ -81,6 +81,7 @@ class Verification:
     timing_batch: str
     fidelity: bool = False  # no user metric: the metric is the output SQNR (dB) against fp32
     tuned_is_autocast: bool = False  # the chosen policy computes exactly what blanket autocast does
+    estimated_for: str | None = None  # latencies from the cost model for this GPU, not measured
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -106,8 +107,11 @@ def _is_blanket(policy: Policy, autocast: Precision) -> bool:
 def verify(model: nn.Module, candidates: Sequence[Candidate], holdout_batches: Sequence[Any],
            evaluate: Callable[[nn.Module, list], float] | None, higher_is_better: bool, budget: Budget,
            autocast_precision: Precision, device: str | torch.device = "cpu", repeats: int = 7,
-           timing_batch: Any = None, progress: Callable[[str], None] | None = None) -> Verification:
-    """``candidates``: feasible ones, best first. ``timing_batch``: defaults to the first held-out batch."""
+           timing_batch: Any = None, progress: Callable[[str], None] | None = None,
+           estimated_ms: Callable[[Policy], float] | None = None, estimated_for: str | None = None) -> Verification:
+    """``candidates``: feasible ones, best first. ``timing_batch``: defaults to the first held-out batch.
+    ``estimated_ms``: latency of a policy from a cost model for the GPU ``estimated_for``, used instead
+    of timing here (the metric is still measured on the held-out batches)."""
     device = torch.device(device)
     evaluator = Evaluator(model, holdout_batches, evaluate, higher_is_better, device)
     notes: list[str] = []
@@ -145,7 +149,13 @@ def verify(model: nn.Module, candidates: Sequence[Candidate], holdout_batches: S
         label[candidate.label] = "autocast" if _is_blanket(policy, autocast_precision) else candidate.label
         if label[candidate.label] not in runners:
             runners[candidate.label] = policy
-    samples = interleaved_samples(model, batch, runners, device, repeats=repeats)
+    if estimated_ms is not None:  # one estimate per runner stands in for the timed rounds
+        as_policy = {"fp32": Policy(), "autocast": blanket}
+        samples = {key: [estimated_ms(as_policy.get(key, runner))] for key, runner in runners.items()}
+        notes.append(f"latencies are estimated for {estimated_for} by the cost model, not measured; "
+                     "the metric was measured on the held-out batches")
+    else:
+        samples = interleaved_samples(model, batch, runners, device, repeats=repeats)
     latency = {k: statistics.median(v) for k, v in samples.items()}
     if progress:
         progress("latency")
@@ -183,7 +193,7 @@ def verify(model: nn.Module, candidates: Sequence[Candidate], holdout_batches: S
                         autocast_precision=autocast_precision.value,
                         predicted_ms=chosen.predicted_ms if chosen else None,
                         timing_batch=describe_batch(batch), fidelity=evaluator.uses_fidelity,
-                        tuned_is_autocast=tuned_is_autocast, notes=notes)
+                        tuned_is_autocast=tuned_is_autocast, estimated_for=estimated_for, notes=notes)
 
 
 def bench_policy(model: nn.Module, batches: Sequence[Any], policy: Policy, budget: Budget,

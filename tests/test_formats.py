@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -206,6 +207,51 @@ def test_inference_weight_cache_follows_weight_updates():
     assert torch.equal(layer.quantized_weight(), first * 2)
 
 
+# ---- no host syncs ---------------------------------------------------------------------------------
+_HOST_READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Every way Python code reads a tensor's value on the host (what waits for a GPU) raises."""
+    saved = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
+
+    def refuse(name):
+        def method(self, *args, **kwargs):
+            raise AssertionError(f"Tensor.{name} called: a host sync on a GPU")
+        return method
+
+    try:
+        for name in _HOST_READS:
+            setattr(torch.Tensor, name, refuse(name))
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def test_the_guard_catches_host_reads():
+    t = torch.ones(())
+    for read in (lambda: t.item(), lambda: int(t), lambda: float(t), lambda: bool(t), lambda: t.tolist()):
+        with no_host_reads(), pytest.raises(AssertionError, match="host sync"):
+            read()
+    assert int(t) == 1  # restored
+
+
+@pytest.mark.parametrize("amax_history", [1, 4])
+def test_fp8_forward_and_backward_read_no_tensor_on_the_host(amax_history):
+    _, layer = fp8_pair(amax_history=amax_history)
+    x = gaussian(32, 256).requires_grad_(True)
+    with no_host_reads():
+        for _ in range(2):  # the second step takes the delayed-scaling branch
+            layer(x).sum().backward()
+        with torch.no_grad():
+            layer.cache_weight = True
+            layer(x)
+            layer(x)
+    assert x.grad is not None and layer.weight.grad is not None and int(layer.amax_steps) == 4
+
+
 # ---- precisions and devices ------------------------------------------------------------------------
 def test_cpu_capabilities():
     caps = device_capabilities("cpu")
@@ -247,17 +293,91 @@ needs_fp8_gpu = pytest.mark.skipif(
     reason="native FP8 (torch._scaled_mm) needs a CUDA device of compute capability 8.9 or newer")
 
 
+def cuda_pair(in_features: int = 256, out_features: int = 64, amax_history: int = 1):
+    """An FP8Linear on the GPU and an identical one on the CPU (where it is always emulated)."""
+    _, cpu = fp8_pair(in_features, out_features, amax_history)
+    return FP8Linear.from_linear(copy.deepcopy(cpu).cuda(), FP8Recipe(amax_history=amax_history)), cpu
+
+
 @pytest.mark.cuda
 @needs_fp8_gpu
-def test_native_scaled_mm_matches_the_emulation():
+@pytest.mark.parametrize("grad", [False, True])
+def test_native_scaled_mm_matches_the_emulation(grad):
     torch.manual_seed(0)
-    reference = nn.Linear(256, 64).cuda()
-    layer = FP8Linear.from_linear(copy.deepcopy(reference), FP8Recipe(amax_history=1))
+    reference = nn.Linear(256, 64)
+    layer, emulated = cuda_pair()
+    reference.load_state_dict(emulated.state_dict())
     assert device_capabilities("cuda")[Precision.FP8] is Capability.NATIVE
-    x = torch.randn(128, 256, device="cuda")
-    with torch.no_grad():
-        native = layer(x)  # no autograd, every dimension a multiple of 16: torch._scaled_mm
+    x = torch.randn(128, 256)
+    with torch.set_grad_enabled(grad):
+        native = layer(x.cuda().requires_grad_(grad)).cpu()  # every dimension a multiple of 16: _scaled_mm
         expected = reference(x)
-    emulated = layer(x.clone().requires_grad_(True)).detach()  # autograd: the emulation
-    assert sqnr_db(emulated, native) >= NATIVE_VS_EMULATED_SQNR_DB
-    assert sqnr_db(expected, native) >= E4M3_MATMUL_SQNR_DB
+        emulated_y = emulated(x.clone().requires_grad_(grad))
+    assert native.dtype == torch.float32  # the input's dtype, no bf16 leak
+    assert sqnr_db(emulated_y.detach(), native.detach()) >= NATIVE_VS_EMULATED_SQNR_DB
+    assert sqnr_db(expected.detach(), native.detach()) >= E4M3_MATMUL_SQNR_DB
+
+
+@pytest.mark.cuda
+@needs_fp8_gpu
+def test_native_backward_matches_the_emulated_backward():
+    layer, emulated = cuda_pair()
+    x = gaussian(128, 256)
+    grad_out = gaussian(128, 64, seed=2)
+    x_gpu, x_cpu = x.cuda().requires_grad_(True), x.clone().requires_grad_(True)
+    layer(x_gpu).backward(grad_out.cuda())
+    emulated(x_cpu).backward(grad_out)
+    assert sqnr_db(x_cpu.grad, x_gpu.grad.cpu()) >= NATIVE_VS_EMULATED_SQNR_DB
+    assert sqnr_db(emulated.weight.grad, layer.weight.grad.cpu()) >= NATIVE_VS_EMULATED_SQNR_DB
+    torch.testing.assert_close(layer.bias.grad.cpu(), emulated.bias.grad)
+
+
+@pytest.mark.cuda
+@needs_fp8_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_output_is_in_the_regions_dtype(dtype):
+    layer, _ = cuda_pair()
+    with torch.no_grad():
+        assert layer(torch.randn(32, 256, device="cuda", dtype=dtype)).dtype == dtype
+
+
+@pytest.mark.cuda
+@needs_fp8_gpu
+def test_native_forward_and_backward_never_sync_with_the_host():
+    layer, _ = cuda_pair(amax_history=4)
+    x = torch.randn(64, 256, device="cuda", requires_grad=True)
+    grad_out = torch.randn(64, 64, device="cuda")
+    layer(x).backward(grad_out)  # first call: cuBLAS handles and workspaces are created outside the check
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            layer(x).backward(grad_out)
+        layer.cache_weight = True
+        with torch.no_grad():
+            layer(x)
+            layer(x)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+@pytest.mark.cuda
+@needs_fp8_gpu
+def test_native_inference_reuses_the_fp8_weight_until_it_changes():
+    layer, _ = cuda_pair()
+    layer.cache_weight = True
+    wq, scale = layer.fp8_weight()
+    assert layer.fp8_weight()[0] is wq and wq.dtype == E4M3
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    wq2, scale2 = layer.fp8_weight()
+    assert wq2 is not wq and torch.equal(wq2.float(), wq.float()) and torch.equal(scale2 * 2, scale)
+
+
+@pytest.mark.cuda
+@needs_fp8_gpu
+def test_a_shape_scaled_mm_cannot_take_falls_back_to_the_emulation():
+    layer, emulated = cuda_pair(250, 64)  # 250 is no multiple of 16
+    x = gaussian(8, 250)
+    with torch.no_grad():
+        assert torch.allclose(layer(x.cuda()).cpu(), emulated(x), rtol=1e-5, atol=1e-5)

@@ -28,11 +28,12 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
                   evaluate: Callable[[nn.Module, list], float] | None = None, higher_is_better: bool = True,
                   device: str | torch.device = "cpu", precisions: Sequence[str | Precision] = DEFAULT_PRECISIONS,
                   sensitivity_batches: int | None = 1, repeats: int = 5, progress: bool = True,
-                  capture_seconds: float = 0.0) -> Profile:
+                  capture_seconds: float = 0.0, target: str | None = None) -> Profile:
     """Profile every layer of ``table`` in each of ``precisions`` on ``device``.
 
     ``batches`` are the search batches: sensitivity uses the first ``sensitivity_batches``
-    of them (all when None), latency the first one.
+    of them (all when None), latency the first one. With ``target`` (a GPU name, see
+    :mod:`autoprec.costmodel`) latency is estimated for that GPU instead of measured here.
     """
     device = torch.device(device)
     low = [Precision.parse(p) for p in precisions if Precision.parse(p).is_low]
@@ -62,11 +63,17 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
     seconds["sensitivity"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    caps = device_capabilities(device)
-    emulated = [p for p in low if caps[p] is Capability.EMULATED]
-    with tqdm(total=len(low) + 2, desc="latency", unit="block", disable=not progress, leave=False) as bar:
-        latency = measure_latency(model, to_device(batches[0], device), names, fp8_layers, low, device,
-                                  repeats=repeats, emulated=emulated, progress=lambda _p: bar.update())
+    if target is not None:  # planning for a GPU that is not here: the cost model's estimate
+        from ..costmodel import estimated_latency, get_target
+
+        caps = get_target(target).capabilities()
+        latency = estimated_latency(target, table, [p.value for p in low], fp8_layers)
+    else:
+        caps = device_capabilities(device)
+        emulated = [p for p in low if caps[p] is Capability.EMULATED]
+        with tqdm(total=len(low) + 2, desc="latency", unit="block", disable=not progress, leave=False) as bar:
+            latency = measure_latency(model, to_device(batches[0], device), names, fp8_layers, low, device,
+                                      repeats=repeats, emulated=emulated, progress=lambda _p: bar.update())
     seconds["latency"] = time.perf_counter() - start
 
     layers = [LayerProfile(name=layer.name, kind=layer.kind, type=layer.type, flops=int(layer.flops),
@@ -74,7 +81,7 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
                            sensitivity=sensitivity[layer.name]) for layer in table]
     return Profile(
         fingerprint=fingerprint(model, batches),
-        device=device_name(device),
+        device=f"estimated for {target}" if target is not None else device_name(device),
         torch=torch.__version__,
         precisions=[p.value for p in low],
         capabilities={p.value: caps[p].value for p in Precision},

@@ -1,0 +1,262 @@
+"""Estimated latency on a named GPU: plan a policy for a device you are not running on.
+
+A roofline per op: ``time = max(FLOPs / (peak x efficiency), bytes / (bandwidth x efficiency))``
+plus a launch overhead, with the peak of the precision's tensor cores. Small GEMMs cannot fill
+the GPU, so the compute term is divided by the share of the streaming multiprocessors that the
+GEMM's output tiles keep busy (wave quantization). FP8 adds the work that scaling costs outside
+the GEMM, each a bandwidth-bound pass: the amax reduction and the cast of the activation, of the
+weight (once in inference, every step in training) and of the E5M2 gradient in the backward pass,
+plus the transposed copies the backward GEMMs need. Inference is one GEMM per linear, training
+three (forward, input gradient, weight gradient).
+
+Every figure this module returns is an *estimate*; callers label it "estimated for <target>".
+The efficiency factors below say where they come from; ``benchmarks/cost_model_vs_published.py``
+checks the model against published measurements and ``benchmarks/gpu_check.py`` against the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from .formats import Capability, Precision
+
+__all__ = ["MODES", "TARGETS", "Target", "UnknownTargetError", "elementwise_ms", "estimate", "estimated_latency",
+           "gemm_ms", "get_target", "layer_ms", "linear_ms", "parse_gemm", "policy_ms"]
+
+MODES = ("inference", "training")
+BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class Target:
+    """A GPU's datasheet figures: dense (no sparsity) tensor-core TFLOP/s and memory bandwidth."""
+
+    name: str
+    description: str
+    compute_capability: tuple[int, int]
+    tflops: Mapping[str, float]  # precision -> dense peak; "fp32" is the non-tensor-core FP32 peak
+    bandwidth_gbs: float  # HBM / GDDR bandwidth, GB/s
+    sms: int  # streaming multiprocessors: how many GEMM output tiles run at once
+    source: str
+
+    def capabilities(self) -> dict[Precision, Capability]:
+        """bf16/fp16 run on tensor cores from Ampere (8.0) on; FP8 from Ada/Hopper (8.9) on."""
+        native, emulated = Capability.NATIVE, Capability.EMULATED
+        return {Precision.FP32: native,
+                Precision.BF16: native if self.compute_capability >= (8, 0) else emulated,
+                Precision.FP16: native,
+                Precision.FP8: native if "fp8" in self.tflops and self.compute_capability >= (8, 9) else emulated}
+
+
+# Datasheet figures, dense (the datasheets print sparse figures as twice these).
+TARGETS: dict[str, Target] = {t.name: t for t in (
+    # NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (nvidia.com/en-us/data-center/h100):
+    # FP32 67, TF32 494.7, BF16/FP16 989.4, FP8 1978.9 TFLOPS dense; HBM3 3.35 TB/s; 132 SMs.
+    Target("h100", "NVIDIA H100 SXM5 80GB", (9, 0),
+           {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9}, 3350.0, 132,
+           "NVIDIA H100 datasheet (SXM5)"),
+    # NVIDIA H200 datasheet, SXM column (nvidia.com/en-us/data-center/h200): the H100's compute
+    # (same GH100 die and clocks) with HBM3e at 4.8 TB/s.
+    Target("h200", "NVIDIA H200 SXM 141GB", (9, 0),
+           {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9}, 4800.0, 132,
+           "NVIDIA H200 datasheet (SXM)"),
+    # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column: FP32 19.5, TF32 156, BF16/FP16 312
+    # TFLOPS dense; HBM2e 2039 GB/s; 108 SMs. No FP8 tensor cores.
+    Target("a100", "NVIDIA A100 SXM 80GB", (8, 0),
+           {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}, 2039.0, 108,
+           "NVIDIA A100 datasheet (80GB SXM)"),
+    # NVIDIA L4 Tensor Core GPU datasheet: FP32 30.3, TF32 60, BF16/FP16 121, FP8 242.5 TFLOPS dense
+    # (120/242/485 with sparsity); GDDR6 300 GB/s; 58 SMs (Ada, compute capability 8.9).
+    Target("l4", "NVIDIA L4 24GB", (8, 9),
+           {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0, "fp8": 242.5}, 300.0, 58,
+           "NVIDIA L4 datasheet"),
+)}
+
+# ---- achievable efficiency ---------------------------------------------------------------------------
+# Share of the datasheet peak a large, well-shaped cuBLAS GEMM reaches, with the GEMM's fixed cost and
+# the output tile used for wave quantization. bf16 (and fp16, fp32 by analogy), GEMM_LAUNCH_US and
+# TILE: grid-fitted to the even-numbered b=1 rows of XLA's published H100 (sm_90) cuBLAS throughput
+# table (matmul_interpolator_data.h); the odd rows are held out (benchmarks/cost_model_vs_published.py
+# reports both). tf32: fitted the same way to that table's F32 column (XLA runs f32 dots on TF32).
+# fp8: fitted to torchao's float8 README example 2 (4096x8192x16384 forward+backward on H100, 1.39x
+# over bf16); its example 1 (1024x2048x1024, 0.80x) is held out. FP8 GEMMs reach a smaller share of
+# their peak than bf16 ones (the same memory pipeline has to feed twice the math).
+GEMM_EFFICIENCY = {"fp32": 0.85, "tf32": 0.65, "bf16": 0.85, "fp16": 0.85, "fp8": 0.74}
+GEMM_LAUNCH_US = 5.0  # fixed cost of one GEMM: launch, prologue, epilogue (fitted, see above)
+TILE = (64, 128)  # output tile per thread block that best fits the XLA rows (cuBLAS picks per shape)
+# Not fitted: a streaming kernel reaches about 3/4 of datasheet bandwidth (STREAM-like copies on HBM),
+# and back-to-back small kernels cost about 1 us each on the GPU (their CPU launch overlaps the
+# previous kernel, so only the GPU-side start-up remains).
+MEMORY_EFFICIENCY = 0.75
+ELEMENTWISE_LAUNCH_US = 1.0
+
+
+class UnknownTargetError(ValueError):
+    pass
+
+
+def get_target(name: str | Target) -> Target:
+    if isinstance(name, Target):
+        return name
+    key = str(name).strip().lower()
+    if key not in TARGETS:
+        raise UnknownTargetError(f"unknown target {name!r}; known targets: {', '.join(TARGETS)}")
+    return TARGETS[key]
+
+
+def parse_gemm(text: str) -> tuple[int, int, int]:
+    """``"4096x8192x16384"`` -> (M, K, N): an (M, K) input times a (K, N) weight."""
+    match = re.fullmatch(r"\s*(\d+)\s*[xX*,]\s*(\d+)\s*[xX*,]\s*(\d+)\s*", str(text))
+    if not match or min(int(g) for g in match.groups()) < 1:
+        raise ValueError(f"bad GEMM shape {text!r}; expected MxKxN with three whole numbers >= 1, e.g. 4096x4096x4096")
+    m, k, n = (int(g) for g in match.groups())
+    return m, k, n
+
+
+def _tile_utilization(target: Target, m: int, n: int) -> float:
+    """Share of the SMs an (m, n) output keeps busy across its waves of tiles."""
+    tiles = math.ceil(m / TILE[0]) * math.ceil(n / TILE[1])
+    waves = math.ceil(tiles / target.sms)
+    return tiles / (waves * target.sms)
+
+
+def gemm_ms(target: str | Target, m: int, k: int, n: int, precision: str, out_bytes: int | None = None) -> float:
+    """One (m, k) x (k, n) GEMM with both operands in ``precision`` (fp8: bf16 output)."""
+    target = get_target(target)
+    peak = target.tflops.get(precision)
+    if peak is None:
+        raise ValueError(f"{target.name} has no {precision} tensor cores; it runs: {', '.join(target.tflops)}")
+    size = BYTES[precision]
+    out_bytes = out_bytes if out_bytes is not None else (2 if precision == "fp8" else size)
+    compute_s = 2.0 * m * k * n / (peak * 1e12 * GEMM_EFFICIENCY[precision] * _tile_utilization(target, m, n))
+    memory_s = ((m * k + k * n) * size + m * n * out_bytes) / (target.bandwidth_gbs * 1e9 * MEMORY_EFFICIENCY)
+    return (max(compute_s, memory_s) + GEMM_LAUNCH_US * 1e-6) * 1e3
+
+
+def elementwise_ms(target: str | Target, read_bytes: float, write_bytes: float = 0.0) -> float:
+    """A bandwidth-bound pass (a cast, an amax reduction, glue between layers)."""
+    target = get_target(target)
+    return ((read_bytes + write_bytes) / (target.bandwidth_gbs * 1e9 * MEMORY_EFFICIENCY)
+            + ELEMENTWISE_LAUNCH_US * 1e-6) * 1e3
+
+
+def _fp8_scaling_ms(target: Target, numel: int, source_bytes: int, both_layouts: bool = False) -> float:
+    """Dynamic per-tensor scaling of one tensor: an amax reduction, then one scale-and-cast pass that
+    writes the FP8 tensor (and, where a backward GEMM needs the other layout, its transpose in the
+    same pass, as torch.compile fuses torchao's casts)."""
+    written = numel * (2 if both_layouts else 1)
+    return elementwise_ms(target, numel * source_bytes) + elementwise_ms(target, numel * source_bytes, written)
+
+
+def linear_ms(target: str | Target, m: int, k: int, n: int, precision: str, mode: str = "inference",
+              activation_bytes: int = 2, weight_bytes: int = 2, weight_cached: bool = True) -> float:
+    """A linear layer (input (m, k), weight (k, n)) in ``precision``: 1 GEMM for inference, 3 for
+    training; FP8 adds its scaling passes. ``activation_bytes``/``weight_bytes``: the itemsize FP8 casts
+    the input / the weight from (2: bf16, as in torchao's benchmarks; 4: fp32 master weights)."""
+    target = get_target(target)
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; use one of: {', '.join(MODES)}")
+    training = mode == "training"
+    gemms = 3 if training else 1
+    if precision != "fp8":
+        return gemms * gemm_ms(target, m, k, n, precision)
+    # FP8 GEMMs: forward E4M3 x E4M3; backward E5M2 gradient x E4M3 weight / input (as torchao does).
+    ms = gemms * gemm_ms(target, m, k, n, "fp8")
+    ms += _fp8_scaling_ms(target, m * k, activation_bytes, both_layouts=training)  # the input
+    if training or not weight_cached:
+        ms += _fp8_scaling_ms(target, k * n, weight_bytes, both_layouts=training)  # the weight
+    if training:
+        ms += _fp8_scaling_ms(target, m * n, 2, both_layouts=True)  # the E5M2 output gradient
+    return ms
+
+
+def estimate(target: str | Target, shapes: Iterable[Sequence[int]], mode: str = "inference") -> dict:
+    """``autoprec estimate``'s JSON: each precision's predicted ms for each (M, K, N) linear."""
+    target = get_target(target)
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; use one of: {', '.join(MODES)}")
+    gemms = []
+    for m, k, n in shapes:
+        # A precision without tensor cores on the target (FP8 before compute capability 8.9) is null:
+        # emulated there, it never runs faster.
+        ms = {p: round(linear_ms(target, m, k, n, p, mode), 6) if p in target.tflops else None
+              for p in ("fp32", "bf16", "fp16", "fp8")}
+        gemms.append({"shape": [m, k, n], "ms": ms})
+    return {"target": target.name, "estimated": True, "for": mode, "gemms": gemms}
+
+
+# ---- a model's layers: what `autoprec tune --target` uses instead of measuring ------------------------------
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(int(d) for d in shape)
+
+
+def layer_ms(target: Target, layer, precision: str, mode: str = "inference") -> float:
+    """One captured layer (a :class:`autoprec.capture.Layer`) in ``precision``: a linear by its GEMM
+    shape; any other layer (conv, attention, functional matmul) by its FLOPs and bytes."""
+    if layer.kind == "linear" and layer.input_shapes and layer.output_shapes:
+        k, n = layer.input_shapes[0][-1], layer.output_shapes[0][-1]
+        m = max(1, _numel(layer.input_shapes[0]) // max(1, k))
+        if precision == "fp8" and "fp8" not in target.tflops:
+            # No FP8 tensor cores: the emulation, an fp32 GEMM plus quantize-dequantize passes over
+            # its operands (accuracy only; the search drops it as emulated).
+            passes = 2 * elementwise_ms(target, 4 * (m * k + k * n), 4 * (m * k + k * n))
+            return linear_ms(target, m, k, n, "fp32", mode) + (3 if mode == "training" else 1) * passes
+        # Inference keeps the FP8 weight cached; the input arrives in fp32 (an fp32 region) at worst.
+        return linear_ms(target, m, k, n, precision, mode, activation_bytes=4)
+    compute_precision = "fp32" if precision == "fp8" else precision  # FP8 exists for nn.Linear only
+    size = BYTES[compute_precision] / 4  # capture ran in fp32: its byte counts are fp32 bytes
+    gemms = 3 if mode == "training" else 1
+    compute_s = layer.flops / (target.tflops[compute_precision] * 1e12 * GEMM_EFFICIENCY[compute_precision])
+    memory_s = (layer.activation_bytes + layer.weight_bytes) * size / (target.bandwidth_gbs * 1e9 * MEMORY_EFFICIENCY)
+    return gemms * (max(compute_s, memory_s) + GEMM_LAUNCH_US * 1e-6) * 1e3
+
+
+def _output_numel(layer) -> int:
+    return sum(_numel(shape) for shape in layer.output_shapes)
+
+
+def estimated_latency(target: str | Target, table, precisions: Sequence[str], fp8_layers: Sequence[str],
+                      mode: str = "inference"):
+    """The per-layer latency, cast and remainder structure :func:`autoprec.profile.profile_model`
+    measures, estimated for ``target`` from the captured shapes, so the search runs unchanged.
+
+    Boundary casts: one pass over a low-precision layer's outputs to fp32. Remainder (the glue between
+    layers: bias, activation, residual, norm): one read-and-write pass over each layer's outputs in
+    the region's precision; FP8 is never a region default and keeps its output in the region's dtype.
+    """
+    from .profile.latency import LatencyResult, predict_ms
+
+    target = get_target(target)
+    names = [layer.name for layer in table]
+    low = [Precision.parse(p).value for p in precisions if Precision.parse(p).is_low]
+    latency: dict[str, dict[str, float]] = {}
+    casts: dict[str, dict[str, float]] = {}
+    for layer in table:
+        options = ["fp32", *(p for p in low if p != "fp8" or layer.name in fp8_layers)]
+        latency[layer.name] = {p: layer_ms(target, layer, p, mode) for p in options}
+        out = _output_numel(layer)
+        casts[layer.name] = {p: (0.0 if p == "fp8" else elementwise_ms(target, out * BYTES[p], out * 4))
+                             for p in options if p != "fp32"}
+    regions = ["fp32", *(p for p in low if p != "fp8")]
+    remainder = {p: sum(elementwise_ms(target, _output_numel(layer) * BYTES[p], _output_numel(layer) * BYTES[p])
+                        for layer in table) for p in regions}
+    end_to_end = {p: predict_ms({n: p for n in names}, p, latency, casts, remainder) for p in regions}
+    return LatencyResult(latency, casts, remainder, end_to_end, {}, {n: "fp32" for n in names})
+
+
+def policy_ms(profile, policy) -> float:
+    """A policy's latency from a profile's per-layer figures (the search's additive model)."""
+    from .profile.latency import predict_ms
+
+    default = policy.default.value
+    assignment = {}
+    for layer in profile.layers:
+        rule = policy.rule_for(layer.name)
+        precision = rule.value if rule is not None else default
+        assignment[layer.name] = precision if precision in layer.latency_ms else default
+    latency = {layer.name: layer.latency_ms for layer in profile.layers}
+    casts = {layer.name: layer.cast_ms for layer in profile.layers}
+    return predict_ms(assignment, default, latency, casts, profile.remainder_ms)
