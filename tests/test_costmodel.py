@@ -220,7 +220,8 @@ def test_tune_cli_with_target_labels_every_latency_estimated(cli_models, autopre
     out = tmp_path / "run"
     done = autoprec("tune", cli_models / "mlp.py", "--target", "a100", "--trials", "4", "--out", out, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "latency on 256x512 (estimated for a100 by the cost model):" in done.stdout
+    assert "latency at the shapes of 256x512: estimated for a100 by the cost model, not measured" in done.stdout
+    assert "latency ms (estimated for a100)" in done.stdout
     assert "note: latencies are estimated for a100 by the cost model, not measured" in done.stdout
     policy = json.loads((out / "policy.json").read_text())
     assert policy["result"]["estimated_for"] == "a100" and policy["tuned_on"]["device"] == "estimated for a100"
