@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["dumps", "finite_or_none", "json_safe"]
+__all__ = ["dumps", "finite_or_none", "json_safe", "tag_nonfinite", "untag_nonfinite"]
 
 
 def finite_or_none(x: float | None) -> float | None:
@@ -55,3 +55,33 @@ def _safe(obj: Any, where: str) -> Any:
 def dumps(obj: Any, indent: int | None = 2) -> str:
     """Standard JSON text of ``obj`` (see :func:`json_safe`); never a bare Infinity or NaN."""
     return json.dumps(json_safe(obj), indent=indent, allow_nan=False)
+
+
+_TAGS = ("inf", "-inf", "nan")
+
+
+def tag_nonfinite(obj: Any) -> Any:
+    """``obj`` with each non-finite float as the string ``"inf"``, ``"-inf"`` or ``"nan"``.
+
+    For autoprec's own caches (profile.json), which must read back exactly: an SQNR of +inf
+    (identical to fp32) and one of -inf (broken) mean opposite things. Files users keep and share
+    (policy.json) use :func:`json_safe` instead.
+    """
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, Mapping):
+        return {k: tag_nonfinite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [tag_nonfinite(v) for v in obj]
+    return obj
+
+
+def untag_nonfinite(obj: Any) -> Any:
+    """The inverse of :func:`tag_nonfinite`."""
+    if isinstance(obj, str) and obj in _TAGS:
+        return float(obj)
+    if isinstance(obj, Mapping):
+        return {k: untag_nonfinite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [untag_nonfinite(v) for v in obj]
+    return obj

@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from ..jsonsafe import tag_nonfinite, untag_nonfinite
+
 __all__ = ["Sensitivity", "LayerProfile", "Profile", "ProfileError", "fingerprint", "device_name",
            "PROFILE_SCHEMA", "PROFILE_VERSION"]
 
@@ -84,7 +86,7 @@ class Profile:
         raise KeyError(f"layer {name!r} is not in the profile")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": PROFILE_SCHEMA, **_json_safe(asdict(self))}
+        return {"schema": PROFILE_SCHEMA, **tag_nonfinite(asdict(self))}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
@@ -93,7 +95,7 @@ class Profile:
         data = {k: v for k, v in data.items() if k != "schema"}
         layers = []
         for layer in data.pop("layers"):
-            sens = {p: Sensitivity(**_from_json(s)) for p, s in layer.pop("sensitivity").items()}
+            sens = {p: Sensitivity(**untag_nonfinite(s)) for p, s in layer.pop("sensitivity").items()}
             layers.append(LayerProfile(**layer, sensitivity=sens))
         return cls(layers=layers, **data)
 
@@ -116,21 +118,6 @@ class Profile:
         """Whether this profile can stand in for profiling again."""
         return (self.fingerprint == fingerprint and self.device == device and self.torch == torch.__version__
                 and set(precisions) <= set(self.precisions))
-
-
-def _json_safe(obj: Any) -> Any:
-    """JSON has no inf/NaN: write them as strings that read back."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
-def _from_json(obj: dict[str, Any]) -> dict[str, Any]:
-    return {k: float(v) if v in ("inf", "-inf", "nan") else v for k, v in obj.items()}
 
 
 def fingerprint(model: nn.Module, batches: Sequence[Any]) -> str:
