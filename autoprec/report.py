@@ -35,6 +35,11 @@ def _fmt(x: Any, spec: str = ".3g") -> str:
     return format(x, spec)
 
 
+def _ms(x: float) -> str:
+    """A latency as people write it: 1151, 97.1, 0.482 (never 1.15e+03)."""
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
@@ -73,7 +78,7 @@ def results_rows(v: Verification) -> tuple[list[str], list[list[Any]]]:
                    f"{v.speedup_of(key).ratio:.2f}x" if estimated else str(v.speedup_of(key)))
         ok = "yes" if key == "fp32" or v.within_budget.get(key) else "no"
         value = "exact" if v.fidelity and key == "fp32" else v.metric.get(key)
-        rows.append([label, v.latency_ms[key], speedup, value, ok])
+        rows.append([label, _ms(v.latency_ms[key]), speedup, value, ok])
     return header, rows
 
 
