@@ -19,11 +19,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+import torch.nn as nn
+
 from .policy import Policy
 from .profile import Profile, predict_ms
 from .searchspace import SearchSpace, Unit
 
-__all__ = ["Part", "Structure", "find_parts", "region_cost_ms", "count_regions"]
+__all__ = ["Part", "Structure", "find_parts", "region_cost_ms", "count_regions", "predict_policy_ms"]
 
 _REGION_LOW = ("bf16", "fp16")  # precisions a whole module region can take (fp8 swaps single Linears)
 _ATTENTION = re.compile(r"(self_?)?attn|attention|self_attention|mixer")
@@ -122,11 +124,12 @@ def count_regions(policy: Policy) -> int:
 
 
 def region_cost_ms(profile: Profile) -> float:
-    """Measured cost of entering one region (dispatch + boundary casts), from the profile's mixed check.
+    """Measured cost of entering one region (dispatch + boundary casts), from the profile's checks.
 
-    Profiling timed, without hooks, a policy with every other layer lowered (many small regions);
-    what that run took beyond the additive model's layers + casts + remainder, divided by its
-    number of regions, is the cost of one region on this device.
+    Profiling timed, without hooks, fp32, blanket low precision (no regions) and a policy with
+    every other layer lowered (many small regions). The region-free runs give the additive
+    model's own bias (measured / predicted); what the mixed run took beyond its bias-corrected
+    prediction, divided by its number of regions, is the cost of one region on this device.
     """
     e2e = profile.end_to_end_ms
     lows = [k for k in e2e if k not in ("fp32", "mixed")]
@@ -135,11 +138,16 @@ def region_cost_ms(profile: Profile) -> float:
     latency = {layer.name: layer.latency_ms for layer in profile.layers}
     casts = {layer.name: layer.cast_ms for layer in profile.layers}
     low = min(lows, key=lambda p: sum(ms.get(p, float("inf")) for ms in latency.values()))
-    mixed = {layer.name: (low if i % 2 else "fp32") for i, layer in enumerate(profile.layers)}
-    regions = count_regions(Policy.from_assignment(mixed))
-    if not regions or any(p not in latency[n] for n, p in mixed.items()):
+    if any(p not in ms for ms in latency.values() for p in ("fp32", low)):
         return 0.0
-    return max(0.0, (e2e["mixed"] - predict_ms(mixed, "fp32", latency, casts, profile.remainder_ms)) / regions)
+    mixed = {name: (low if i % 2 else "fp32") for i, name in enumerate(latency)}
+    regions = count_regions(Policy.from_assignment(mixed))
+    bias = [e2e[p] / predict_ms({n: p for n in latency}, p, latency, casts, profile.remainder_ms)
+            for p in ("fp32", low) if p in profile.remainder_ms]
+    scale = sum(bias) / len(bias) if bias else 1.0
+    if not regions:
+        return 0.0
+    return max(0.0, (e2e["mixed"] - scale * predict_ms(mixed, "fp32", latency, casts, profile.remainder_ms)) / regions)
 
 
 @dataclass
@@ -267,3 +275,16 @@ def _region_allows(profile: Profile, space: SearchSpace, members: Sequence[str],
         fp32_ms += layer.latency_ms["fp32"]
         low_ms += layer.latency_ms[p]
     return low_ms <= (1 - _SPEED_MARGIN) * fp32_ms
+
+
+def predict_policy_ms(profile: Profile, policy: Policy, model: nn.Module) -> float:
+    """The search's latency model for any policy on ``model``: layers + casts + remainder + one
+    region cost per rule."""
+    from .apply import effective_precisions  # lazy: apply pulls in the FP8 swap machinery
+
+    precisions = effective_precisions(model, policy)
+    assignment = {layer.name: precisions[layer.name].value for layer in profile.layers}
+    latency = {layer.name: layer.latency_ms for layer in profile.layers}
+    casts = {layer.name: layer.cast_ms for layer in profile.layers}
+    return (predict_ms(assignment, policy.default.value, latency, casts, profile.remainder_ms)
+            + region_cost_ms(profile) * count_regions(policy))

@@ -36,6 +36,7 @@ class Verification:
     predicted_ms: float | None
     timing_batch: str
     notes: list[str] = field(default_factory=list)
+    prediction_error_pct: dict[str, float] = field(default_factory=dict)  # label -> (predicted - measured) / measured
 
     @property
     def speedup(self) -> float | None:
@@ -92,6 +93,10 @@ def verify(model: nn.Module, candidates: Sequence[Candidate], holdout_batches: S
     latency = interleaved_ms(model, batch, runners, device, repeats=repeats)
     if progress:
         progress("latency")
+    # The latency model's error on each verified candidate (meaningful when the timing batch has the profile's shape).
+    errors = {c.label: 100.0 * (c.predicted_ms - latency[c.label]) / latency[c.label] for c, _, _ in passing}
+    if errors:
+        notes.append("predicted vs measured latency: " + ", ".join(f"{k} {e:+.0f}%" for k, e in errors.items()))
 
     chosen = None
     if passing:
@@ -117,7 +122,7 @@ def verify(model: nn.Module, candidates: Sequence[Candidate], holdout_batches: S
                         metric=metric, sqnr_db=sqnr, within_budget=within,
                         autocast_precision=autocast_precision.value,
                         predicted_ms=chosen.predicted_ms if chosen else None,
-                        timing_batch=_describe(batch), notes=notes)
+                        timing_batch=_describe(batch), notes=notes, prediction_error_pct=errors)
 
 
 def _describe(batch: Any) -> str:

@@ -73,8 +73,9 @@ def batches():
     return [torch.randn(8, 32, generator=g) for _ in range(2)]
 
 
-def make_profile(names: list[str], sqnr: dict[str, float], region_ms: float = REGION_MS) -> Profile:
-    """Every layer 10 ms in fp32, 2 ms in bf16; one region costs ``region_ms`` (planted in the mixed check)."""
+def make_profile(names: list[str], sqnr: dict[str, float], region_ms: float = REGION_MS, bias: float = 1.0) -> Profile:
+    """Every layer 10 ms in fp32, 2 ms in bf16; one region costs ``region_ms`` (planted in the mixed
+    check); whole-model runs take ``bias`` times what the additive model predicts."""
     layers = [LayerProfile(name=n, kind="linear", type="Linear", flops=1, latency_ms=dict(MS),
                            cast_ms={"bf16": 0.01},
                            sensitivity={"bf16": Sensitivity(sqnr_db=sqnr.get(n, 60.0), metric_drop=None,
@@ -87,9 +88,12 @@ def make_profile(names: list[str], sqnr: dict[str, float], region_ms: float = RE
     mixed = {n: ("bf16" if i % 2 else "fp32") for i, n in enumerate(names)}
     latency = {n: dict(MS) for n in names}
     casts = {n: {"bf16": 0.01} for n in names}
-    base = predict_ms(mixed, "fp32", latency, casts, profile.remainder_ms)
-    profile.end_to_end_ms = {"fp32": 1.0, "bf16": 1.0,
-                             "mixed": base + region_ms * count_regions(Policy.from_assignment(mixed))}
+    def measured(assignment: dict[str, str], default: str, regions: int = 0) -> float:
+        return bias * predict_ms(assignment, default, latency, casts, profile.remainder_ms) + region_ms * regions
+
+    profile.end_to_end_ms = {"fp32": measured({n: "fp32" for n in names}, "fp32"),
+                             "bf16": measured({n: "bf16" for n in names}, "bf16"),
+                             "mixed": measured(mixed, "fp32", count_regions(Policy.from_assignment(mixed)))}
     return profile
 
 
@@ -124,6 +128,9 @@ def test_region_cost_is_read_back_from_the_mixed_check():
     names = layer_names(Stack(lambda i, path: nn.Linear(32, 32)))
     assert region_cost_ms(make_profile(names, {}, region_ms=0.7)) == pytest.approx(0.7)
     assert region_cost_ms(make_profile(names, {}, region_ms=0.0)) == pytest.approx(0.0)
+    # a model that is 20% slow everywhere has no region cost: the bias of region-free runs is taken out
+    assert region_cost_ms(make_profile(names, {}, region_ms=0.0, bias=1.2)) == pytest.approx(0.0, abs=1e-9)
+    assert region_cost_ms(make_profile(names, {}, region_ms=0.7, bias=1.2)) == pytest.approx(0.7)
 
 
 # ---- search --------------------------------------------------------------------------------------
@@ -176,3 +183,16 @@ def test_fewer_regions_are_predicted_faster_for_the_same_layers():
     base = predict_ms(assignment, "bf16", latency, casts, profile.remainder_ms)
     per_region = region_cost_ms(profile)
     assert base + per_region * count_regions(island) < base + per_region * count_regions(scattered) - 1.0
+
+
+def test_a_floor_just_above_blanket_autocast_still_lowers_most_of_the_model(storage):
+    model = Stack(lambda i, path: nn.Linear(32, 32)).eval()
+    names = layer_names(model)
+    ev = Evaluator(model, batches())
+    floor = sqnr_with(ev, names) + 0.5  # blanket bf16 misses it by half a dB
+    result = search(make_profile(names, {}), ev, Budget.parse(None, floor), SearchSpace.load("default"),
+                    trials=30, patience=5, storage=storage, progress=False)
+    best = result.best
+    assert best is not None and best.feasible and best.sqnr_db >= floor
+    lowered = sum(p == "bf16" for p in best.assignment.values())
+    assert lowered >= len(names) // 2, best.policy()
