@@ -27,7 +27,7 @@ from .measure import Evaluator, Measurement
 from .policy import Policy
 from .profile import Profile, predict_ms
 from .searchspace import SearchSpace, Unit
-from .structure import Structure, count_regions, region_cost_ms
+from .structure import Structure, coarse_to_fine, count_regions, region_cost_ms
 
 __all__ = ["Budget", "Candidate", "SearchResult", "search", "plan_units", "choose_default", "pareto_front"]
 
@@ -342,9 +342,9 @@ def search(profile: Profile, evaluator: Evaluator, budget: Budget, space: Search
             if all_fast is not None and all_fast.feasible:
                 stopped = "the fastest assignment is within budget"
             elif structured:
-                _structured(structure, profile, run, latest,
-                            lambda: _candidates(state.completed(), structure.assignment),
-                            lambda: trials - state.n_trials())
+                coarse_to_fine(structure, profile, run, latest, _greedy,
+                               lambda: _candidates(state.completed(), structure.assignment),
+                               lambda: trials - state.n_trials())
             else:
                 _greedy(searchable, fastest, profile, lambda params: run(1, params, "greedy"), latest, trials - 2)
         remaining = trials - state.n_trials() if stopped == "trials" else 0
@@ -420,64 +420,6 @@ def _greedy(units: list[Unit], fastest: Mapping[str, str], profile: Profile, run
         result = latest("greedy")
         if result is not None and result.feasible:
             kept.append(unit)
-
-
-def _structured(structure: Structure, profile: Profile, run: Callable[..., None],
-                latest: Callable[[str], Candidate | None], every: Callable[[], list[Candidate]],
-                left: Callable[[], int]) -> None:
-    """Coarse to fine: the structured heuristics, the greedy order over blocks and outside parts,
-    then a refinement inside the blocks at the boundary (:func:`_refine`)."""
-    for name, params in structure.heuristics().items():
-        if left() <= 0:
-            return
-        run(1, params, f"heuristic:{name}")
-    top = [p for p in structure.top if structure.searchable(p)]
-    fastest = {p.key: structure.low(p) for p in top}
-    _greedy(top, fastest, profile, lambda params: run(1, params, "greedy"), latest, max(0, left()))  # type: ignore[arg-type]
-    coarse = {p.key for p in structure.parts}
-    done = [c for c in every() if c.feasible and c.params and set(c.params) <= coarse]
-    start = min(done, key=lambda c: (c.predicted_ms, c.number)) if done else None
-    _refine(structure, profile, dict(start.params) if start else {p.key: "fp32" for p in top},
-            lambda params: run(1, params, "refine"), latest, left)
-
-
-def _refine(structure: Structure, profile: Profile, base: dict[str, str], run: Callable[[dict], None],
-            latest: Callable[[str], Candidate | None], left: Callable[[], int]) -> None:
-    """Lower what the best block-level policy keeps fp32, finer and finer, while the budget holds.
-
-    In each block kept fp32, each sub-block (attention, MLP) is tried lowered on its own; inside
-    the sub-blocks still fp32 (or the block itself, without sub-blocks), each layer unit is. A
-    block-level answer thus becomes a sub-block or single-layer island only where that measures
-    within budget, and stays one island where it does not.
-    """
-    def fastest(unit: Unit) -> str:
-        return min(unit.candidates[1:], key=lambda p: sum(profile.layer(n).latency_ms[p] for n in unit.layers))
-
-    def attempt(key: str, precision: str) -> bool:
-        nonlocal base
-        if left() <= 0:
-            return False
-        run({**base, key: precision})
-        result = latest("refine")
-        if result is not None and result.feasible:
-            base = {**base, key: precision}
-            return True
-        return False
-
-    for block in structure.blocks:
-        block_p = base.get(block.key, "fp32")
-        subs = structure.sub_blocks(block)
-        if block_p == "fp32":
-            for sub in subs:
-                if structure.searchable(sub) and base.get(sub.key, "fp32") == "fp32":
-                    attempt(sub.key, structure.low(sub))
-        kept = [s for s in subs if base.get(s.key, block_p) == "fp32"]
-        if block_p == "fp32" and not subs:
-            kept = [block]
-        for region in kept:
-            for unit in structure.units_in(region):
-                if base.get(unit.key, "fp32") == "fp32":
-                    attempt(unit.key, fastest(unit))
 
 
 def _same_params(completed: Sequence[Any], params: Mapping[str, str], number: int, policy_key: str = "") -> Any:
