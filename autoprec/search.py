@@ -279,10 +279,10 @@ def search(profile: Profile, evaluator: Evaluator, budget: Budget, space: Search
                                  for p in structure.parts if structure.searchable(p)}}
     # With repeated blocks, the sampler searches blocks and outside parts (coarse); finer parts and
     # layers enter through the seeds and the refinement at the block boundary.
-    structured = any(structure.searchable(b) for b in structure.blocks)
+    structured = space.structure and any(structure.searchable(b) for b in structure.blocks)
     sampled = {p.key: every[p.key] for p in structure.top if p.key in every} if structured else distributions
     notes = [f"module structure: {len(structure.blocks)} blocks, {len(structure.top) - len(structure.blocks)} "
-             f"outside part(s); searched coarse to fine" if structured else "no repeated blocks: searched per layer",
+             f"outside part(s); searched coarse to fine" if structured else "searched per layer (no block structure)",
              f"one region boundary costs {per_region:.3g} ms here (measured in profiling, added per region)"]
     evaluations_before = evaluator.evaluations
 
