@@ -339,7 +339,9 @@ def search(profile: Profile, evaluator: Evaluator, budget: Budget, space: Search
                 if blanket != fastest and any(v != "fp32" for v in blanket.values()):
                     run(1, blanket, f"blanket-{p}")
             all_fast = latest("fastest")
-            if all_fast is not None and all_fast.feasible:
+            # Done when the all-fastest assignment is within budget, unless its many regions make
+            # another seed (blanket, all fp32) predicted faster: then keep searching.
+            if all_fast is not None and all_fast.feasible and all_fast.predicted_ms <= _best_ms(state.completed()):
                 stopped = "the fastest assignment is within budget"
             elif structured:
                 coarse_to_fine(structure, profile, run, latest, _greedy,

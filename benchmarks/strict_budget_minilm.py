@@ -49,6 +49,8 @@ def main() -> None:
     parser.add_argument("--out", default="autoprec-runs/minilm-strict")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--trials", type=int, default=60)
+    parser.add_argument("--reuse-profile", action="store_true",
+                        help="keep each floor's folder, so a profile.json there is reused (tune time then excludes it)")
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "strict_budget_minilm.json"))
     args = parser.parse_args()
 
@@ -57,7 +59,11 @@ def main() -> None:
     heuristics: dict[str, autoprec.Policy] = {"hand (issue 8)": HAND}
     for floor in args.floors:
         out = Path(args.out) / f"sqnr{floor:g}"
-        shutil.rmtree(out, ignore_errors=True)
+        if not args.reuse_profile:
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            for stale in ("study.db", "policy.json"):
+                (out / stale).unlink(missing_ok=True)
         start = time.perf_counter()
         result = autoprec.tune(minilm.get_model(), batches[:-1], holdout_batches=batches[-1:], min_sqnr=floor,
                                out=out, trials=args.trials, progress=False, log=lambda _m: None)
