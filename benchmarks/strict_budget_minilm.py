@@ -35,12 +35,28 @@ import model as minilm  # noqa: E402  (examples/minilm/model.py)
 import autoprec  # noqa: E402
 from autoprec.formats import Precision  # noqa: E402
 from autoprec.measure import Evaluator, interleaved_ms  # noqa: E402
-from autoprec.structure import predict_policy_ms, region_cost_ms  # noqa: E402
+from autoprec.search import choose_default  # noqa: E402
+from autoprec.searchspace import SearchSpace  # noqa: E402
+from autoprec.structure import Structure, predict_policy_ms, region_cost_ms  # noqa: E402
 
 # Issue 8's four-rule hand policy: bf16, with the first and last encoder blocks, the embeddings and the pooler fp32.
 HAND = autoprec.Policy(default=Precision.BF16, layers={
     "embeddings": Precision.FP32, "encoder.layer.0": Precision.FP32, "encoder.layer.5": Precision.FP32,
     "pooler": Precision.FP32})
+
+
+def structured_heuristics(result: autoprec.TuneResult) -> dict[str, autoprec.Policy]:
+    """The search's structured seed policies (first/last blocks fp32, attention fp32, ...), built
+    from the tuned model's structure whether or not the search got to try them."""
+    profile, units = result.profile, result.search.units
+    model = minilm.get_model()
+    space = SearchSpace.load("transformer")
+    structure = Structure.build(profile, space, units, [n for n, _ in model.named_modules()], profile.precisions)
+    out = {}
+    for name, params in structure.heuristics().items():
+        assignment, regions = structure.assignment(params)
+        out[name] = autoprec.Policy.from_assignment({**regions, **assignment}, choose_default(assignment, profile))
+    return out
 
 
 def main() -> None:
@@ -75,9 +91,7 @@ def main() -> None:
         print("  " + str(result.policy).replace("\n", "\n  "))
         for note in result.verification.notes + result.search.notes:
             print(f"  note: {note}")
-        for c in result.search.trials:
-            if c.heuristic:
-                heuristics.setdefault(c.seed.removeprefix("heuristic:"), c.policy())
+        heuristics.update(structured_heuristics(result))
 
     model = minilm.get_model()
     big = minilm.get_batches(batch_size=64, n_batches=2)[1]  # 64 x 128 tokens after the tune's 3 x 16
