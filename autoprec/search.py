@@ -28,6 +28,7 @@ from .measure import Evaluator
 from .policy import Policy
 from .profile import Profile, predict_ms
 from .searchspace import SearchSpace, Unit
+from .structure import Structure, coarse_to_fine, count_regions, region_cost_ms
 
 __all__ = ["Candidate", "SearchResult", "StorageError", "choose_default", "open_storage", "pareto_front", "plan_units",
            "search"]
@@ -50,7 +51,14 @@ class Candidate:
     sqnr_db: float
     violation: float
     error: str | None = None
-    seed: str | None = None  # "fp32", "fastest", "greedy" for seed trials
+    seed: str | None = None  # "fp32", "fastest", "greedy", "heuristic:<name>", "refine" for seed trials
+    regions: dict[str, str] = field(default_factory=dict)  # module region (block, sub-block) -> precision
+    params: dict[str, str] = field(default_factory=dict)  # the study parameters it came from
+
+    @property
+    def heuristic(self) -> bool:
+        """Whether this is a structured policy people write by hand (e.g. first/last block fp32)."""
+        return bool(self.seed and self.seed.startswith("heuristic:"))
 
     @property
     def feasible(self) -> bool:
@@ -61,7 +69,7 @@ class Candidate:
         return f"trial #{self.number}" if self.number >= 0 else f"blanket {self.default} (not a trial)"
 
     def policy(self, **fields: Any) -> Policy:
-        return Policy.from_assignment(self.assignment, self.default, **fields)
+        return Policy.from_assignment({**self.regions, **self.assignment}, self.default, **fields)
 
     def lowered(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -203,37 +211,46 @@ def search(profile: Profile, evaluator: Evaluator, budget: Budget, space: Search
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
-    units, pinned, dropped = plan_units(profile, space, [Precision.parse(p).value for p in precisions])
-    layer_names = [layer.name for layer in profile.layers]
+    allowed = [Precision.parse(p).value for p in precisions]
+    units, pinned, dropped = plan_units(profile, space, allowed)
     latency = {layer.name: layer.latency_ms for layer in profile.layers}
     casts = {layer.name: layer.cast_ms for layer in profile.layers}
+    structure = Structure.build(profile, space, units, [n for n, _ in evaluator.model.named_modules()], allowed)
+    per_region = region_cost_ms(profile)  # entering one region: dispatch + boundary casts, measured
     study_name = study_name or f"autoprec-{profile.fingerprint}-{space.name}-{budget.tag()}"
     state = _Study(storage, study_name, seed, fail_stale)
     study, optuna = state.study, state.optuna
     searchable = [u for u in units if len(u.candidates) > 1]
     distributions = {u.key: optuna.distributions.CategoricalDistribution(list(u.candidates)) for u in searchable}
+    every = {**distributions, **{p.key: optuna.distributions.CategoricalDistribution(list(structure.candidates[p.key]))
+                                 for p in structure.parts if structure.searchable(p)}}
+    # With repeated blocks, the sampler searches blocks and outside parts (coarse); finer parts and
+    # layers enter through the seeds and the refinement at the block boundary.
+    structured = space.structure and any(structure.searchable(b) for b in structure.blocks)
+    sampled = {p.key: every[p.key] for p in structure.top if p.key in every} if structured else distributions
+    notes = [f"module structure: {len(structure.blocks)} blocks, {len(structure.top) - len(structure.blocks)} "
+             f"outside part(s); searched coarse to fine" if structured else "searched per layer (no block structure)",
+             f"one region boundary costs {per_region:.3g} ms here (measured in profiling, added per region)"]
     evaluations_before = evaluator.evaluations
 
-    def assignment_of(params: Mapping[str, str]) -> dict[str, str]:
-        out = {n: "fp32" for n in layer_names}
-        for u in searchable:
-            for n in u.layers:
-                out[n] = params.get(u.key, "fp32")  # a worker with other units left it fp32
-        return out
-
     def objective(trial: Any) -> float:
-        params = {key: trial.suggest_categorical(key, list(d.choices)) for key, d in distributions.items()}
-        assignment = assignment_of(params)
+        keys = trial.user_attrs.get("keys") or list(sampled)  # a seed names its own parameters
+        params = {key: trial.suggest_categorical(key, list(every[key].choices)) for key in keys}
+        assignment, regions = structure.assignment(params)
         default = choose_default(assignment, profile)
-        predicted = predict_ms(assignment, default, latency, casts, profile.remainder_ms)
+        policy = Policy.from_assignment({**regions, **assignment}, default)
+        predicted = (predict_ms(assignment, default, latency, casts, profile.remainder_ms)
+                     + per_region * count_regions(policy))
+        key = _policy_key(policy)
         trial.set_user_attr("default", default)
         trial.set_user_attr("predicted_ms", predicted)
-        done = _same_params(state.completed(), params, trial.number)
-        if done is not None:  # another trial (or worker) measured this assignment already
+        trial.set_user_attr("policy_key", key)
+        done = _same_params(state.completed(), params, trial.number, key)
+        if done is not None:  # another trial (or worker) measured this policy already
             values = {key: done.user_attrs.get(key) for key in ("metric", "sqnr_db", "violation", "error")}
             trial.set_user_attr("same_as", done.number)
         else:
-            m = evaluator.measure(Policy.from_assignment(assignment, default))
+            m = evaluator.measure(policy)
             values = {"metric": _finite_or_str(m.metric), "sqnr_db": _finite_or_str(m.sqnr_db),
                       "violation": _finite_or_str(budget.violation(m, evaluator)), "error": m.error}
         for key, value in values.items():
@@ -243,9 +260,10 @@ def search(profile: Profile, evaluator: Evaluator, budget: Budget, space: Search
         return predicted
 
     def run(n: int, params: Mapping[str, str] | None = None, seed_name: str | None = None) -> None:
-        greedy_probe = seed_name == "greedy"  # the greedy walk reads back the trial it asked for
+        probe = seed_name in ("greedy", "refine")  # these walks read back the trial they asked for
         if params is not None:
-            study.enqueue_trial(dict(params), user_attrs={"seed": seed_name}, skip_if_exists=not greedy_probe)
+            study.enqueue_trial(dict(params), user_attrs={"seed": seed_name, "keys": list(params)},
+                                skip_if_exists=not probe)
         # No `catch`: the model failing under a candidate is recorded on the candidate by the
         # evaluator (Measurement.error); anything else raised here is a bug or the user's evaluate()
         # and must stop the search with its own message.
@@ -253,7 +271,7 @@ def search(profile: Profile, evaluator: Evaluator, budget: Budget, space: Search
         bar.update(n)
 
     def latest(seed_name: str | None = None) -> Candidate | None:
-        done = [c for c in _candidates(state.completed(), assignment_of) if seed_name in (None, c.seed)]
+        done = [c for c in _candidates(state.completed(), structure.assignment) if seed_name in (None, c.seed)]
         return done[-1] if done else None
 
     stopped = "trials"
@@ -271,8 +289,14 @@ def search(profile: Profile, evaluator: Evaluator, budget: Budget, space: Search
                 if blanket != fastest and any(v != "fp32" for v in blanket.values()):
                     run(1, blanket, f"blanket-{p}")
             all_fast = latest("fastest")
-            if all_fast is not None and all_fast.feasible:
+            # Done when the all-fastest assignment is within budget, unless its many regions make
+            # another seed (blanket, all fp32) predicted faster: then keep searching.
+            if all_fast is not None and all_fast.feasible and all_fast.predicted_ms <= _best_ms(state.completed()):
                 stopped = "the fastest assignment is within budget"
+            elif structured:
+                coarse_to_fine(structure, profile, run, latest, _greedy,
+                               lambda: _candidates(state.completed(), structure.assignment),
+                               lambda: trials - state.n_trials())
             else:
                 _greedy(searchable, fastest, profile, lambda params: run(1, params, "greedy"), latest, trials - 2)
         remaining = trials - state.n_trials() if stopped == "trials" else 0
@@ -298,13 +322,13 @@ def search(profile: Profile, evaluator: Evaluator, budget: Budget, space: Search
             if timeout is not None and time.perf_counter() - start >= timeout:
                 stopped = "timeout"
 
-    all_trials = _candidates(state.completed(), assignment_of)
+    all_trials = _candidates(state.completed(), structure.assignment)
     feasible = [c for c in all_trials if c.feasible]
     best = min(feasible, key=lambda c: (c.predicted_ms, c.number)) if feasible else None
     return SearchResult(units=units, pinned=pinned, dropped=dropped, trials=all_trials,
                         front=pareto_front(all_trials), best=best, study_name=study_name, storage=storage,
                         seconds=time.perf_counter() - start,
-                        evaluations=evaluator.evaluations - evaluations_before, stopped_because=stopped)
+                        evaluations=evaluator.evaluations - evaluations_before, stopped_because=stopped, notes=notes)
 
 
 def _greedy(units: list[Unit], fastest: Mapping[str, str], profile: Profile, run: Callable[[dict], None],
@@ -350,11 +374,17 @@ def _greedy(units: list[Unit], fastest: Mapping[str, str], profile: Profile, run
             kept.append(unit)
 
 
-def _same_params(completed: Sequence[Any], params: Mapping[str, str], number: int) -> Any:
+def _same_params(completed: Sequence[Any], params: Mapping[str, str], number: int, policy_key: str = "") -> Any:
+    """A finished trial with these parameters, or (coarse and fine parameters can say the same) this policy."""
     for t in completed:
-        if t.number != number and t.params == params and "violation" in t.user_attrs:
+        if t.number != number and "violation" in t.user_attrs and (
+                t.params == params or (policy_key and t.user_attrs.get("policy_key") == policy_key)):
             return t
     return None
+
+
+def _policy_key(policy: Policy) -> str:
+    return repr((policy.default.value, sorted((n, p.value) for n, p in policy.layers.items())))
 
 
 def _finite_or_str(x: float) -> float | str:
@@ -365,13 +395,16 @@ def _num(x: Any) -> float:
     return float(x) if x is not None else math.nan
 
 
-def _candidates(trials: Sequence[Any], assignment_of: Callable[[Mapping[str, str]], dict[str, str]]) -> list[Candidate]:
+def _candidates(trials: Sequence[Any],
+                assignment_of: Callable[[Mapping[str, str]], tuple[dict[str, str], dict[str, str]]]) -> list[Candidate]:
     out = []
     for t in sorted(trials, key=lambda t: t.number):
         attrs = t.user_attrs
         if "violation" not in attrs:
             continue
-        out.append(Candidate(number=t.number, assignment=assignment_of(t.params), default=attrs["default"],
+        assignment, regions = assignment_of(t.params)
+        out.append(Candidate(number=t.number, assignment=assignment, regions=regions, params=dict(t.params),
+                             default=attrs["default"],
                              predicted_ms=float(attrs["predicted_ms"]), metric=_num(attrs.get("metric")),
                              sqnr_db=_num(attrs.get("sqnr_db")), violation=_num(attrs["violation"]),
                              error=attrs.get("error"), seed=attrs.get("seed")))

@@ -6,6 +6,7 @@ A search space is a YAML file (presets live in ``autoprec/search_spaces/``)::
     candidates: {linear: [bf16, fp16, fp8], conv: [bf16, fp16], attention: [bf16, fp16]}
     pin: ['(.*\\.)?lm_head', last]      # regexes over module paths (full match), or first / last
     groups: ['(.*)\\.(query|key|value)'] # regexes with a capture group: same captured text, one precision
+    structure: true                      # search blocks, then sub-blocks, then layers (default true)
 
 A layer whose kind has no candidates, or that a ``pin`` matches, stays fp32.
 """
@@ -24,7 +25,7 @@ from .formats import Precision
 
 __all__ = ["SearchSpace", "SearchSpaceError", "Unit", "preset_names", "choose_preset"]
 
-_KEYS = {"description", "candidates", "pin", "groups"}
+_KEYS = {"description", "candidates", "pin", "groups", "structure"}
 _KINDS = {"linear", "conv", "attention", "matmul"}
 _POSITIONS = {"first", "last"}
 
@@ -49,6 +50,7 @@ class SearchSpace:
     candidates: dict[str, tuple[str, ...]] = field(default_factory=dict)
     pin: tuple[str, ...] = ()
     groups: tuple[str, ...] = ()
+    structure: bool = True  # with repeated blocks in the model: search blocks first, then finer
 
     def __post_init__(self) -> None:
         where = f"search space {self.name!r}"
@@ -84,7 +86,10 @@ class SearchSpace:
         for key in ("pin", "groups"):
             if not isinstance(data.get(key) or [], list):
                 raise SearchSpaceError(f"search space {name!r}: {key!r} must be a list of patterns")
-        return cls(name=name, description=str(data.get("description", "")),
+        structure = data.get("structure", True)
+        if not isinstance(structure, bool):
+            raise SearchSpaceError(f"search space {name!r}: 'structure' must be true or false, got {structure!r}")
+        return cls(name=name, description=str(data.get("description", "")), structure=structure,
                    candidates={k: tuple(str(p) for p in v) for k, v in candidates.items()},
                    pin=tuple(str(p) for p in data.get("pin") or ()),
                    groups=tuple(str(p) for p in data.get("groups") or ()))

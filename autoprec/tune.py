@@ -207,17 +207,20 @@ def _verify_candidates(result: SearchResult, profile: Profile, autocast: Precisi
     Blanket autocast (every layer in ``autocast``, no rules) is always a candidate, searched or
     not: held-out batches decide whether it is within budget, and measurement whether it is the
     fastest. So when blanket autocast is within budget the tuned policy is at least as fast as it
-    *measured*, whatever the latency model predicted.
+    *measured*, whatever the latency model predicted. Likewise the best structured heuristic within
+    budget (e.g. first and last block fp32) is measured beside them, so the tuned policy is never
+    slower than it.
     """
     feasible = sorted((c for c in result.trials if c.feasible), key=lambda c: (c.predicted_ms, c.number))
+    heuristic = next((c for c in feasible if c.heuristic), None)
     chosen, seen = [], set()
     for c in feasible:
-        key = (c.default, tuple(sorted(c.assignment.items())))
-        if key not in seen and (len(chosen) < best or c.seed == "fastest"):
+        key = (c.default, tuple(sorted(c.assignment.items())), tuple(sorted(c.regions.items())))
+        if key not in seen and (len(chosen) < best or c.seed == "fastest" or c is heuristic):
             seen.add(key)
             chosen.append(c)
     assignment = {layer.name: autocast.value for layer in profile.layers}
-    if (autocast.value, tuple(sorted(assignment.items()))) not in seen and autocast.value in profile.remainder_ms:
+    if (autocast.value, tuple(sorted(assignment.items())), ()) not in seen and autocast.value in profile.remainder_ms:
         latency = {layer.name: layer.latency_ms for layer in profile.layers}
         casts = {layer.name: layer.cast_ms for layer in profile.layers}
         predicted = predict_ms(assignment, autocast.value, latency, casts, profile.remainder_ms)

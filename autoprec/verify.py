@@ -83,6 +83,7 @@ class Verification:
     tuned_is_autocast: bool = False  # the chosen policy computes exactly what blanket autocast does
     estimated_for: str | None = None  # latencies from the cost model for this GPU, not measured
     notes: list[str] = field(default_factory=list)
+    prediction_error_pct: dict[str, float] = field(default_factory=dict)  # label -> (predicted - measured) / measured
 
     @property
     def latency_ms(self) -> dict[str, float]:
@@ -159,6 +160,11 @@ def verify(model: nn.Module, candidates: Sequence[Candidate], holdout_batches: S
     latency = {k: statistics.median(v) for k, v in samples.items()}
     if progress:
         progress("latency")
+    # The latency model's error on each verified candidate (meaningful when the timing batch has the profile's shape).
+    errors = {} if estimated_ms is not None else {
+        c.label: 100.0 * (c.predicted_ms - latency[label[c.label]]) / latency[label[c.label]] for c, _, _ in passing}
+    if errors:
+        notes.append("predicted vs measured latency: " + ", ".join(f"{k} {e:+.0f}%" for k, e in errors.items()))
 
     chosen = None
     tuned_is_autocast = False
@@ -193,7 +199,8 @@ def verify(model: nn.Module, candidates: Sequence[Candidate], holdout_batches: S
                         autocast_precision=autocast_precision.value,
                         predicted_ms=chosen.predicted_ms if chosen else None,
                         timing_batch=describe_batch(batch), fidelity=evaluator.uses_fidelity,
-                        tuned_is_autocast=tuned_is_autocast, estimated_for=estimated_for, notes=notes)
+                        tuned_is_autocast=tuned_is_autocast, estimated_for=estimated_for, notes=notes,
+                        prediction_error_pct=errors)
 
 
 def bench_policy(model: nn.Module, batches: Sequence[Any], policy: Policy, budget: Budget,

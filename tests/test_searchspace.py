@@ -100,6 +100,7 @@ def test_choose_preset():
     ("candidates: [bf16]\n", "'candidates' must map"),
     ("- a\n- b\n", "expected a mapping"),
     ("candidates: {linear: [bf16]\n", "not valid YAML"),
+    ("candidates: {linear: [bf16]}\nstructure: maybe\n", "'structure' must be true or false"),
 ])
 def test_bad_files_name_the_problem(tmp_path, text, message):
     path = tmp_path / "space.yaml"
@@ -111,3 +112,10 @@ def test_bad_files_name_the_problem(tmp_path, text, message):
 def test_unknown_preset_lists_the_presets():
     with pytest.raises(SearchSpaceError, match="presets: .*transformer"):
         SearchSpace.load("transfomer")
+
+
+def test_structure_is_on_unless_a_space_turns_it_off(tmp_path):
+    assert all(SearchSpace.load(name).structure for name in preset_names())
+    path = tmp_path / "flat.yaml"
+    path.write_text("candidates: {linear: [bf16]}\nstructure: false\n")
+    assert SearchSpace.load(path).structure is False
