@@ -1,6 +1,7 @@
 """Search spaces: which layers are tuned, in which precisions, pinned or grouped.
 
-A search space is a YAML file (presets live in ``autoprec/search_spaces/``)::
+A search space is a YAML file (presets live in ``search_spaces/`` at the top of the repository,
+installed as ``autoprec.search_spaces``)::
 
     description: one line
     candidates: {linear: [bf16, fp16, fp8], conv: [bf16, fp16], attention: [bf16, fp16]}
@@ -107,7 +108,7 @@ class SearchSpace:
             if name not in preset_names():
                 raise SearchSpaceError(f"unknown search space {name!r}; presets: {', '.join(preset_names())}, "
                                        "or give a path to a .yaml file")
-            text = resources.files("autoprec").joinpath("search_spaces", f"{name}.yaml").read_text()
+            text = _presets().joinpath(f"{name}.yaml").read_text()
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
@@ -153,8 +154,16 @@ def _compile(pattern: str, where: str) -> re.Pattern:
         raise SearchSpaceError(f"{where}: pattern {pattern!r} does not compile: {e}") from None
 
 
+def _presets() -> Any:
+    """The folder of preset files: the installed package data, or the source tree's search_spaces/."""
+    try:
+        return resources.files("autoprec.search_spaces")
+    except ModuleNotFoundError:  # running from a source tree that is not installed
+        return Path(__file__).resolve().parent.parent / "search_spaces"
+
+
 def preset_names() -> list[str]:
-    folder = resources.files("autoprec").joinpath("search_spaces")
+    folder = _presets()
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
