@@ -194,21 +194,27 @@ def sensitivity_heatmap(profile: Profile, path: str | Path, chosen: dict[str, st
     if plt is None:
         return None
     names = [layer.name or "(model)" for layer in profile.layers]
-    cols = profile.precisions
+    cols = ["fp32", *profile.precisions]  # fp32 is the reference (exact), shown so its choice can be marked
     finite = [s.sqnr_db for layer in profile.layers for s in layer.sensitivity.values()
               if not s.nonfinite and math.isfinite(s.sqnr_db)]
     vmax = max(finite, default=60.0)
     vmin = min(min(finite, default=0.0), vmax - 1.0)
     data = [[layer.sensitivity[p].sqnr_db if p in layer.sensitivity and not layer.sensitivity[p].nonfinite
              and math.isfinite(layer.sensitivity[p].sqnr_db) else math.nan for p in cols] for layer in profile.layers]
-    fig, ax = plt.subplots(figsize=(4.8 + 1.3 * len(cols), 1.8 + 0.28 * len(names)))
+    label_inches = 0.075 * max(len(n) for n in names)  # room for the layer names on the left
+    fig, ax = plt.subplots(figsize=(2.8 + label_inches + 1.2 * len(cols), 1.8 + 0.28 * len(names)))
     cmap = plt.get_cmap("viridis").with_extremes(bad="whitesmoke")
     im = ax.imshow(data, aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax)
     ax.set_xticks(range(len(cols)), cols, fontsize=9)
     ax.set_yticks(range(len(names)), names, fontsize=8 if len(names) < 40 else 6)
     for i, layer in enumerate(profile.layers):
         for j, p in enumerate(cols):
+            if chosen and chosen.get(layer.name, "fp32") == p:
+                ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="tab:red", lw=2))
             s = layer.sensitivity.get(p)
+            if p == "fp32":
+                ax.text(j, i, "exact", ha="center", va="center", fontsize=7, color="dimgray")
+                continue
             if s is None:
                 continue
             error = getattr(s, "error", None)
@@ -217,18 +223,16 @@ def sensitivity_heatmap(profile: Profile, path: str | Path, chosen: dict[str, st
             light = (shade - vmin) / max(vmax - vmin, 1e-9) > 0.6
             ax.text(j, i, text, ha="center", va="center", fontsize=7,
                     color="red" if s.nonfinite or error else ("black" if light else "white"))
-            if chosen and chosen.get(layer.name) == p:
-                ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="tab:red", lw=2))
     bar = fig.colorbar(im, ax=ax, fraction=0.05, pad=0.02)
     bar.set_label("output SQNR (dB) with that layer alone lowered", fontsize=9)
     ax.set_title("per-layer sensitivity (higher is safer)", fontsize=10)
-    notes = ["grey: not a candidate for that layer (fp8 is for nn.Linear only)"]
+    notes = ["fp32 is the reference", "grey: not a candidate for that layer (fp8 is for nn.Linear only)"]
     if chosen:
         notes.insert(0, "red box: the precision the policy chose")
     fig.text(0.01, 0.005, "; ".join(notes), fontsize=7, va="bottom")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.tight_layout(rect=(0, 0.03, 1, 1))  # the names set the left margin; the notes sit below
     path = Path(path)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -287,7 +291,7 @@ def pareto_plot(result: TuneResult, path: str | Path) -> Path | None:
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
