@@ -311,12 +311,13 @@ def test_a_policy_for_this_model_or_without_a_record_applies_silently():
 
 
 def test_bench_warns_for_a_policy_of_another_model():
+    from autoprec.budget import Budget
     from autoprec.verify import bench_policy
 
     model, x = make_net(), torch.randn(2, 4, 8)
     policy = Policy(layers={"head": "bf16"}, model={"type": "Net", "structure": "0" * 16})
     with pytest.warns(UserWarning, match="tuned on another model"):
-        bench_policy(model, [x], policy, repeats=1)
+        bench_policy(model, [x], policy, Budget(min_sqnr=20.0), repeats=1)
 
 
 def test_applying_twice_raises():

@@ -114,7 +114,8 @@ def test_bench_remeasures_the_policy_against_fp32_and_autocast(tuned, autoprec, 
     assert "output SQNR dB" in lines[1] and "within budget" in lines[1]
     rows = [line.strip().split("  ") for line in table_rows(lines)]
     labels = [row[0] for row in rows]
-    assert labels[0] == "fp32" and labels[1].startswith("blanket autocast (bf16)"), run.stdout
+    # the baseline is the native autocast dtype measured fastest here: bf16 on this CPU, unless noise says fp16
+    assert labels[0] == "fp32" and labels[1].startswith(("blanket autocast (bf16)", "blanket autocast (fp16)"))
     assert "autoprec policy" in " ".join(labels[1:]), run.stdout  # its own row, or blanket's when the same
     for row in rows[1:]:
         cells = [c for c in row[1:] if c.strip()]
