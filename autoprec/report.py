@@ -118,10 +118,12 @@ def decision(v: Verification, budget: Any) -> str:
     autocast = f"blanket autocast ({v.autocast_precision})"
     metric = f"held-out metric {_fmt(v.metric['tuned'], '.4g')}"
     if v.policy is None:
-        over = "" if not v.within_budget.get("autocast") else " it is within budget, but"
-        return (f"**The policy stays fp32.** {autocast}:{over} " +
-                ("is over budget on the held-out batches" if not v.within_budget.get("autocast") else
-                 "no candidate within budget measured faster than fp32") + f" (budget: {budget}).")
+        why = (f"{autocast} is within the budget but measured no faster than fp32 here "
+               f"({v.speedup_of('autocast')}), and no per-layer candidate measured faster either"
+               if v.within_budget.get("autocast") else
+               f"{autocast} is over budget on the held-out batches, and no candidate within budget measured "
+               "faster than fp32")
+        return f"**The policy stays fp32.** {why[0].upper()}{why[1:]} (budget: {budget})."
     speed = v.speedup_of("tuned")
     if v.estimated_for is not None:
         speed = f"{speed.ratio:.2f}x (estimated for {v.estimated_for})"  # type: ignore[assignment]
