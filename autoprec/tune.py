@@ -101,14 +101,34 @@ def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module
          trials: int = 60, timeout: float | None = None, patience: int = 20, out: str | Path | None = None,
          storage: str | None = None, study_name: str | None = None, sensitivity_batches: int | None = 1,
          seed: int = 0, progress: bool = True, timing_batch: Any = None,
-         log: Callable[[str], None] = print) -> TuneResult:
+         log: Callable[[str], None] = print, for_: str = "inference", loss: Callable | None = None,
+         train_batches: Sequence[Any] | None = None, optimizer: Callable | None = None, steps: int | None = None,
+         model_path: str | Path = "model.py") -> TuneResult:
     """Find the fastest per-layer precision policy for ``model`` within the accuracy budget.
 
     ``batches`` are searched on; ``holdout_batches`` (default: the last quarter of
     ``batches``) verify the winner. Without ``evaluate`` the metric is output fidelity (SQNR
     in dB against fp32) and the budget is a floor, ``min_sqnr`` (default 30 dB).
     Ctrl-C raises :class:`TuneInterrupted`, which says in which phase the run stopped.
+
+    ``for_="training"`` tunes for training instead (:mod:`autoprec.tune_training`): ``loss(model,
+    batch)`` is required, ``train_batches`` default to all batches, ``optimizer(model)`` to AdamW;
+    the objective is step time, the budget (default 2%) is on the loss, ``min_sqnr`` is the
+    gradient floor (default 10 dB), and ``steps`` training steps (default 16) verify.
     """
+    if for_ not in ("inference", "training"):
+        raise ValueError(f"for_ must be 'inference' or 'training', got {for_!r}")
+    if for_ == "training":
+        from .train_verify import DEFAULT_STEPS
+        from .tune_training import tune_training
+
+        return tune_training(model, [*batches, *(holdout_batches or [])], loss, train_batches=train_batches,
+                             optimizer=optimizer, evaluate=evaluate, eval_batches=holdout_batches or batches,
+                             higher_is_better=higher_is_better, budget=budget, min_sqnr=min_sqnr,
+                             steps=DEFAULT_STEPS if steps is None else steps, device=device, precisions=precisions,
+                             search_space=search_space, trials=trials, timeout=timeout, patience=patience, out=out,
+                             storage=storage, study_name=study_name, seed=seed, progress=progress,
+                             model_path=model_path, log=log)
     # Cheap checks first: nothing expensive runs before every argument is known to be usable.
     batches = list(batches)
     if holdout_batches is None:
