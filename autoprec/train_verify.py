@@ -37,7 +37,7 @@ from .training import TrainStep
 from .userspec import to_device
 from .verify import TIE_TOLERANCE, Verification
 
-__all__ = ["DEFAULT_STEPS", "TrainVerification", "verify_training"]
+__all__ = ["DEFAULT_STEPS", "TrainVerification", "metric_after", "train_interleaved", "train_runs", "verify_training"]
 
 # 16 steps: the loss of a pretrained model fine-tuned with AdamW moves clearly in that many, and
 # MiniLM (batch 16 x 64 tokens) runs fp32, autocast and two candidates for 16 steps each in about
@@ -96,7 +96,8 @@ def _make_run(model: nn.Module, how: Policy | Precision | None, loss: Callable, 
     return _Run(trained, policy_step)
 
 
-def _metric(run: _Run, evaluate: Callable | None, eval_batches: Sequence[Any], steps: int) -> float:
+def metric_after(run: _Run, evaluate: Callable | None, eval_batches: Sequence[Any], steps: int) -> float:
+    """``evaluate`` of the trained copy (under its autocast, if it trained under one), else its final loss."""
     if evaluate is None:
         tail = run.losses[-max(1, steps // 4):]
         return statistics.fmean(tail) if all(math.isfinite(x) for x in tail) else math.nan
@@ -109,6 +110,47 @@ def _metric(run: _Run, evaluate: Callable | None, eval_batches: Sequence[Any], s
             value = evaluate(run.model, list(eval_batches))
     value = float(value)
     return value if math.isfinite(value) else math.nan
+
+
+
+def train_interleaved(runs: dict[str, _Run], batches: Sequence[Any], steps: int, device: torch.device,
+                      seed: int = 0, progress: Callable[[int], None] | None = None) -> None:
+    """Advance every run one step in turn (the order rotating), ``steps`` times, timing each step."""
+    keys = list(runs)
+    for i in range(steps):
+        batch = batches[i % len(batches)]
+        shift = i % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            run = runs[key]
+            torch.manual_seed(seed + i)  # the same dropout masks in every run
+            if run.losses and not math.isfinite(run.losses[-1]):
+                run.losses.append(math.nan)  # a run that broke down stays broken; it is not timed further
+                run.ms.append(math.nan)
+                continue
+            start = time.perf_counter()
+            try:
+                value = run.step(batch)
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except RuntimeError:
+                value = math.nan
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            run.ms.append((time.perf_counter() - start) * 1e3)
+            run.losses.append(value)
+        if progress:
+            progress(i)
+
+
+def train_runs(model: nn.Module, runners: dict[str, Policy | Precision | None], train_batches: Sequence[Any],
+               loss: Callable, make_optimizer: Callable, steps: int = DEFAULT_STEPS, path: str | Path = "model.py",
+               device: str | torch.device = "cpu", seed: int = 0) -> dict[str, _Run]:
+    """Train a copy of ``model`` per runner (None: fp32, a Precision: blanket autocast, a Policy) for ``steps``
+    steps, interleaved; each run has ``.model``, ``.losses`` and ``.ms`` (per step)."""
+    device = torch.device(device)
+    runs = {k: _make_run(model, how, loss, Path(path), make_optimizer, device) for k, how in runners.items()}
+    train_interleaved(runs, [to_device(b, device) for b in train_batches], steps, device, seed)
+    return runs
 
 
 class _Reference:
@@ -154,34 +196,10 @@ def verify_training(model: nn.Module, candidates: Sequence[Candidate], train_bat
         if label[c.label] not in runs:
             runs[c.label] = _make_run(model, policy, loss, path, make_optimizer, device)
 
-    keys = list(runs)
-    for i in range(steps):
-        batch = batches[i % len(batches)]
-        shift = i % len(keys)
-        for key in keys[shift:] + keys[:shift]:
-            run = runs[key]
-            torch.manual_seed(seed + i)  # the same dropout masks in every run
-            if run.losses and not math.isfinite(run.losses[-1]):
-                run.losses.append(math.nan)  # a run that broke down stays broken; it is not timed further
-                run.ms.append(math.nan)
-                continue
-            start = time.perf_counter()
-            try:
-                value = run.step(batch)
-            except torch.cuda.OutOfMemoryError:
-                raise
-            except RuntimeError:
-                value = math.nan
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            run.ms.append((time.perf_counter() - start) * 1e3)
-            run.losses.append(value)
-        if progress:
-            progress(i)
-
+    train_interleaved(runs, batches, steps, device, seed, progress)
     warmup = max(2, steps // 4)
     samples = {k: r.ms[warmup:] for k, r in runs.items()}
-    metric = {k: _metric(r, evaluate, eval_batches, steps) for k, r in runs.items()}
+    metric = {k: metric_after(r, evaluate, eval_batches, steps) for k, r in runs.items()}
     reference = _Reference(metric["fp32"], higher_is_better if evaluate is not None else False)
     if math.isnan(metric["fp32"]):
         raise ValueError("the fp32 training run itself broke down (inf/NaN loss): check loss() and the optimizer")

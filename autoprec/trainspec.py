@@ -37,12 +37,17 @@ class TrainSpec:
 
     spec: UserSpec
     loss: Callable[[nn.Module, Any], torch.Tensor]  # checked: returns a finite scalar tensor (see run_loss)
-    train_batches: list
+    train_batches: list | None  # from get_train_batches(); None without it (get_batches() is trained on)
     make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
 
     @property
     def path(self) -> Path:
         return self.spec.path
+
+    @property
+    def batches(self) -> list:
+        """The batches training runs on."""
+        return self.train_batches if self.train_batches is not None else self.spec.batches
 
 
 def run_loss(path: str | Path, loss: Callable, model: nn.Module, batch: Any) -> torch.Tensor:
@@ -79,8 +84,8 @@ def load_train_spec(path: str | Path, check: bool = True) -> TrainSpec:
     get_train = _function(module, spec.path, "get_train_batches", "get_train_batches() -> list", required=False)
     get_optimizer = _function(module, spec.path, "get_optimizer", "get_optimizer(model) -> torch.optim.Optimizer",
                               required=False)
-    batches = spec.batches if get_train is None else _call_user(spec.path, "get_train_batches", get_train)
-    if not isinstance(batches, list) or not batches:
+    batches = None if get_train is None else _call_user(spec.path, "get_train_batches", get_train)
+    if batches is not None and (not isinstance(batches, list) or not batches):
         raise UserCodeError(spec.path, "get_train_batches()", f"returned {_a(batches)}"
                             f"{' (empty)' if isinstance(batches, list) else ''}, not a list of batches",
                             "return a non-empty list of batches, each one something loss(model, batch) takes")
@@ -104,7 +109,7 @@ def _check_loss(train: TrainSpec) -> None:
     """One fp32 loss on the first training batch (the weights are left as they were) and one optimizer built."""
     model = train.spec.model
     try:
-        value = run_loss(train.path, train.loss, model, train.train_batches[0])
+        value = run_loss(train.path, train.loss, model, train.batches[0])
         if not torch.isfinite(value):
             raise UserCodeError(train.path, "loss()", f"returned {value.item()} for the unchanged fp32 model",
                                 "return a finite loss for the model as get_model() builds it")

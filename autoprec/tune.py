@@ -122,8 +122,11 @@ def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module
         from .train_verify import DEFAULT_STEPS
         from .tune_training import tune_training
 
-        return tune_training(model, [*batches, *(holdout_batches or [])], loss, train_batches=train_batches,
-                             optimizer=optimizer, evaluate=evaluate, eval_batches=holdout_batches or batches,
+        # get_batches() is not trained on when there are training batches of their own: evaluate() gets all of it
+        every = [*batches, *holdout_batches] if holdout_batches is not None else list(batches)
+        return tune_training(model, every, loss, train_batches=train_batches, optimizer=optimizer,
+                             evaluate=evaluate, eval_batches=every if train_batches is not None else
+                             (holdout_batches or batches),
                              higher_is_better=higher_is_better, budget=budget, min_sqnr=min_sqnr,
                              steps=DEFAULT_STEPS if steps is None else steps, device=device, precisions=precisions,
                              search_space=search_space, trials=trials, timeout=timeout, patience=patience, out=out,

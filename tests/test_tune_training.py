@@ -40,10 +40,10 @@ def final_loss(losses: list[float]) -> float:
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
     model = PlantedTrainNet(width=512, depth=10)
-    batches = model.batches(4, size=64)
+    batches = model.batches(4, size=256)
     out = tmp_path_factory.mktemp("train") / "out"
     result = tune(model, [batches[0][0]], holdout_batches=[batches[1][0]], for_="training", loss=mse_loss,
-                  train_batches=batches, optimizer=adamw(1e-3), steps=8, trials=12, precisions=["bf16"],
+                  train_batches=batches, optimizer=adamw(1e-3), steps=12, trials=16, precisions=["bf16"],
                   out=out, progress=False)
     return model, result, out
 
@@ -74,12 +74,12 @@ def test_planted_trap_stays_fp32_while_ordinary_layers_go_bf16_and_the_policy_tr
 def test_training_outputs_say_what_they_were_tuned_for(planted):
     _, result, out = planted
     data = Policy.load(out / "policy.json").result
-    assert data["for"] == "training" and data["steps"] == 8
+    assert data["for"] == "training" and data["steps"] == 12
     assert set(data["step_ms"]) == {"fp32", "autocast", "tuned"} and data["speedup"] > 0
     assert "speedup_vs_autocast" in data
     assert (out / "loss.png").stat().st_size > 1000
     report = (out / "report.md").read_text()
-    assert "training runs of 8 steps" in report and "loss.png" in report
+    assert "training runs of 12 steps" in report and "loss.png" in report
     profile = Profile.load(out / "profile.json")
     assert profile.training["for"] == "training" and profile.version == 2
     layer = profile.layer("blocks.0")
