@@ -31,7 +31,7 @@ from .trainspec import run_loss
 from .userspec import UserCodeError, to_device
 
 __all__ = ["DEFAULT_MIN_GRAD_SQNR", "FP16_FLUSH", "GradRun", "TrainEvaluator", "gradient_run", "gradient_sqnr",
-           "loss_scale_for", "noise_ratio", "scaled_run", "sqnr_of_noise"]
+           "loss_scale_for", "noise_ratio", "requires_grad_inputs", "scaled_run", "sqnr_of_noise"]
 
 # The gradient-fidelity floor of the training search (dB): the mean, over parameter tensors, of each
 # gradient's error power relative to its own power must stay below 10% (about 32% RMS error).
@@ -60,7 +60,7 @@ class GradRun:
         return max(values, default=0.0)
 
 
-def _requires_grad_inputs(batch: Any) -> Any:
+def requires_grad_inputs(batch: Any) -> Any:
     """The batch with each floating-point tensor a fresh leaf that requires grad, so the first layer
     passes a gradient back too (as every other layer does) and its backward is complete."""
     return pytree.tree_map_only(
@@ -91,7 +91,7 @@ def gradient_run(model: nn.Module, batch: Any, loss: Callable, path: str | Path,
             applied = True
         modules = dict(model.named_modules())  # after applying: an fp8 rule swaps the module itself
         hooks = [modules[n].register_forward_pre_hook(_input_catcher(n, caught), with_kwargs=True) for n in watch]
-        value = run_loss(path, loss, model, _requires_grad_inputs(batch))
+        value = run_loss(path, loss, model, requires_grad_inputs(batch))
         (value * scale).backward() if scale != 1.0 else value.backward()
         grads = {n: p.grad.detach().float() / scale for n, p in model.named_parameters() if p.grad is not None}
         inputs = {n: torch.cat([t.grad.detach().float().flatten() / scale for t in ts if t.grad is not None])

@@ -32,10 +32,10 @@ from .formats import Precision
 from .measure import Measurement
 from .policy import Policy
 from .search import Candidate
-from .trainspec import run_loss
 from .training import TrainStep
+from .trainspec import run_loss
 from .userspec import to_device
-from .verify import TIE_TOLERANCE, Verification
+from .verify import TIE_TOLERANCE, Verification, _is_blanket
 
 __all__ = ["DEFAULT_STEPS", "TrainVerification", "metric_after", "train_interleaved", "train_runs", "verify_training"]
 
@@ -165,10 +165,6 @@ class _Reference:
         if math.isnan(metric):
             return math.inf
         return self.metric_fp32 - metric if self.higher_is_better else metric - self.metric_fp32
-
-
-def _is_blanket(policy: Policy, autocast: Precision) -> bool:
-    return not policy.layers and policy.default is autocast
 
 
 def verify_training(model: nn.Module, candidates: Sequence[Candidate], train_batches: Sequence[Any], loss: Callable,

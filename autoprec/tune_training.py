@@ -76,8 +76,8 @@ def tune_training(model: nn.Module, capture_batches: Sequence[Any], loss: Callab
                   device: str | torch.device = "cpu", precisions: Sequence[str] = ("bf16", "fp16", "fp8"),
                   search_space: str | Path = "auto", trials: int = 60, timeout: float | None = None,
                   patience: int = 20, out: str | Path | None = None, storage: str | None = None,
-                  study_name: str | None = None, seed: int = 0, progress: bool = True, model_path: str | Path = "model.py",
-                  log: Callable[[str], None] = print) -> Any:
+                  study_name: str | None = None, seed: int = 0, progress: bool = True,
+                  model_path: str | Path = "model.py", log: Callable[[str], None] = print) -> Any:
     """Tune ``model`` for training; see :func:`autoprec.tune` (``for_="training"``) for the arguments."""
     from .tune import TuneInterrupted, TuneResult, _tuned_policy, _verify_candidates
 

@@ -39,7 +39,15 @@ from ..capture import LayerTable
 from ..formats import DEFAULT_PRECISIONS, Capability, Precision, device_capabilities
 from ..measure import settle
 from ..policy import Policy
-from ..train_eval import FP16_FLUSH, GradRun, _requires_grad_inputs, gradient_run, loss_scale_for, noise_ratio, sqnr_of_noise
+from ..train_eval import (
+    FP16_FLUSH,
+    GradRun,
+    gradient_run,
+    loss_scale_for,
+    noise_ratio,
+    requires_grad_inputs,
+    sqnr_of_noise,
+)
 from ..trainspec import run_loss
 from ..userspec import UserCodeError, to_device
 from .latency import _cast_ms, _LayerClock, blanket_policy, predict_ms
@@ -91,7 +99,7 @@ class _BackwardClock:
 
 
 def _step(model: nn.Module, batch: Any, loss: Callable, path: Path) -> None:
-    value = run_loss(path, loss, model, _requires_grad_inputs(batch))  # as in the sensitivity runs
+    value = run_loss(path, loss, model, requires_grad_inputs(batch))  # as in the sensitivity runs
     value.backward()
     model.zero_grad(set_to_none=True)
 

@@ -1,7 +1,6 @@
 """A model.py for --for training with one problem: see the test in tests/test_tune_training.py."""
 
 import torch
-import torch.nn.functional as F
 
 
 def get_model():
