@@ -79,8 +79,13 @@ def _input_catcher(name: str, caught: dict[str, list[torch.Tensor]]) -> Callable
 
 
 def gradient_run(model: nn.Module, batch: Any, loss: Callable, path: str | Path, policy: Policy | None = None,
-                 scale: float = 1.0, watch: Sequence[str] = ()) -> GradRun:
-    """Loss and gradients of ``model`` on ``batch`` under ``policy`` (training mode); the model is left as it was."""
+                 scale: float = 1.0, watch: Sequence[str] = (), only: Sequence[str] | None = None) -> GradRun:
+    """Loss and gradients of ``model`` on ``batch`` under ``policy`` (training mode); the model is left as it was.
+
+    ``only``: the parameter names whose gradients are wanted (default: all). With it, autograd
+    computes just those and the watched input gradients, so the backward stops where nothing
+    below is asked for (the profile asks for one layer at a time).
+    """
     caught: dict[str, list[torch.Tensor]] = {}
     hooks: list = []
     applied = False
@@ -92,10 +97,23 @@ def gradient_run(model: nn.Module, batch: Any, loss: Callable, path: str | Path,
         modules = dict(model.named_modules())  # after applying: an fp8 rule swaps the module itself
         hooks = [modules[n].register_forward_pre_hook(_input_catcher(n, caught), with_kwargs=True) for n in watch]
         value = run_loss(path, loss, model, requires_grad_inputs(batch))
-        (value * scale).backward() if scale != 1.0 else value.backward()
-        grads = {n: p.grad.detach().float() / scale for n, p in model.named_parameters() if p.grad is not None}
-        inputs = {n: torch.cat([t.grad.detach().float().flatten() / scale for t in ts if t.grad is not None])
-                  for n, ts in caught.items() if any(t.grad is not None for t in ts)}
+        scaled = value * scale if scale != 1.0 else value
+        if only is None:
+            scaled.backward()
+            grads = {n: p.grad.detach().float() / scale for n, p in model.named_parameters() if p.grad is not None}
+            inputs = {n: torch.cat([t.grad.detach().float().flatten() / scale for t in ts if t.grad is not None])
+                      for n, ts in caught.items() if any(t.grad is not None for t in ts)}
+        else:
+            params = dict(model.named_parameters())
+            wanted = [(n, params[n]) for n in only if params[n].requires_grad]
+            watched = [(n, t) for n, ts in caught.items() for t in ts]
+            found = torch.autograd.grad(scaled, [t for _, t in wanted] + [t for _, t in watched], allow_unused=True)
+            grads = {n: g.detach().float() / scale for (n, _), g in zip(wanted, found) if g is not None}
+            inputs = {}
+            for (n, _), g in zip(watched, found[len(wanted):]):
+                if g is not None:
+                    inputs[n] = torch.cat([inputs[n], g.float().flatten() / scale]) if n in inputs \
+                        else g.float().flatten() / scale
     finally:
         for h in hooks:
             h.remove()

@@ -25,7 +25,8 @@ from autoprec.train_verify import verify_training
 sys.path.insert(0, str(Path(__file__).parent))
 from train_models import PlantedTrainNet, TinyGradNet, mse_loss, tiny_loss  # noqa: E402
 
-BAD = Path(__file__).parent / "train_bad_model_py"
+MODELS = Path(__file__).parent / "train_model_py"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def adamw(lr: float):
@@ -145,10 +146,36 @@ def test_a_candidate_that_passes_the_search_batches_but_fails_training_is_reject
     ("loss_raises.py", "loss(): raised ValueError: too many values to unpack"),
 ])
 def test_for_training_with_a_bad_loss_is_one_line(tmp_path, name, expected):
-    path = Path(shutil.copy(BAD / name, tmp_path / name))
+    path = Path(shutil.copy(MODELS / name, tmp_path / name))
     run = subprocess.run([sys.executable, "-m", "autoprec", "tune", str(path), "--for", "training",
                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith(f"autoprec tune: error: {path}: ") and expected in lines[-1], run.stderr
     assert sum(": error: " in line for line in lines) == 1
+
+
+def test_cli_tunes_for_training_and_writes_its_outputs(tmp_path):
+    path = Path(shutil.copy(MODELS / "mlp.py", tmp_path / "mlp.py"))
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "autoprec", "tune", str(path), "--for", "training", "--steps", "4",
+                          "--trials", "4", "--precisions", "bf16", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("training runs of 4 steps from the same weights"), run.stdout
+    assert "final loss" in run.stdout.splitlines()[1]
+    assert {"policy.json", "report.md", "profile.json", "study.db"} <= {p.name for p in out.iterdir()}
+    assert Policy.load(out / "policy.json").result["for"] == "training"
+
+
+def test_minilm_finetune_example_loads_for_training():
+    from autoprec.trainspec import load_train_spec
+
+    train = load_train_spec(EXAMPLES / "minilm_finetune" / "model.py")
+    assert len(train.train_batches) == 16 and len(train.spec.batches) == 6
+    labels = torch.cat([b["labels"] for b in train.train_batches])
+    assert 0.4 < labels.float().mean() < 0.6  # functions and classes, about half each
+    held_out = {tuple(b["input_ids"][i].tolist()) for b in train.spec.batches for i in range(len(b["labels"]))}
+    trained = {tuple(b["input_ids"][i].tolist()) for b in train.train_batches for i in range(len(b["labels"]))}
+    assert not held_out & trained  # evaluate() sees docstrings the training never does
+    assert 30 < train.spec.evaluate(train.spec.model, train.spec.batches[:2]) < 70  # the head is untrained

@@ -148,10 +148,12 @@ def _layer_sensitivity(model: nn.Module, batch: Any, loss: Callable, path: Path,
     policy = Policy.from_assignment({name: precision, **nested})
     own = [n for n in reference.grads if n.startswith(name + ".")
            and not any(n.startswith(inner + ".") for inner in nested)]
-    unscaled = gradient_run(model, batch, loss, path, policy, watch=[name])
+    unscaled = gradient_run(model, batch, loss, path, policy, watch=[name], only=own)
     run = unscaled
-    if precision == "fp16" and scale != 1.0:
-        scaled = gradient_run(model, batch, loss, path, policy, scale=scale, watch=[name])
+    lost, nonzero = _flushed(reference, unscaled, name, own)
+    if precision == "fp16" and scale != 1.0 and (lost or unscaled.nonfinite):
+        # Loss scaling changes an fp16 run only where values were flushed to zero (or it overflowed)
+        scaled = gradient_run(model, batch, loss, path, policy, scale=scale, watch=[name], only=own)
         run = scaled if not scaled.nonfinite else unscaled  # a GradScaler backs off to a smaller scale
     weight_noise = [noise_ratio(reference.grads[n], run.grads.get(n)) for n in own if bool(reference.grads[n].any())]
     ref_in = reference.input_grads.get(name)
@@ -165,15 +167,21 @@ def _layer_sensitivity(model: nn.Module, batch: Any, loss: Callable, path: Path,
         "loss_scale": run.scale,
     }
     if precision == "fp16":  # without scaling: how many gradient values fp16 flushes to zero
-        pairs = [(reference.grads[n], unscaled.grads.get(n)) for n in own]
-        if ref_in is not None:
-            pairs.append((ref_in, unscaled.input_grads.get(name)))
-        nonzero = sum(int((ref != 0).sum()) for ref, _ in pairs)
-        lost = sum(int(((ref != 0) & (act.reshape(ref.shape) == 0)).sum()) if act is not None else int((ref != 0).sum())
-                   for ref, act in pairs)
         entry["underflow_unscaled"] = lost / nonzero if nonzero else 0.0
         entry["nonfinite_unscaled"] = unscaled.nonfinite
     return entry
+
+
+def _flushed(reference: GradRun, run: GradRun, name: str, own: Sequence[str]) -> tuple[int, int]:
+    """(values non-zero in fp32 but zero in ``run``, values non-zero in fp32) over the layer's weight
+    gradients and its input gradient."""
+    pairs = [(reference.grads[n], run.grads.get(n)) for n in own]
+    if name in reference.input_grads:
+        pairs.append((reference.input_grads[name], run.input_grads.get(name)))
+    nonzero = sum(int((ref != 0).sum()) for ref, _ in pairs)
+    lost = sum(int(((ref != 0) & (act.reshape(ref.shape) == 0)).sum()) if act is not None else int((ref != 0).sum())
+               for ref, act in pairs)
+    return lost, nonzero
 
 
 def _flush_share(reference: GradRun, name: str) -> float:

@@ -66,9 +66,10 @@ def docstrings() -> list[tuple[str, int]]:
             if member_name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
                 continue
             doc = inspect.getdoc(obj)
-            if not doc or len(doc) < 40 or doc in seen:
+            # no two docstrings may share the start the model reads (64 tokens; 150 characters, with margin)
+            if not doc or len(doc) < 40 or doc[:150] in seen:
                 continue
-            seen.add(doc)
+            seen.add(doc[:150])
             if inspect.isclass(obj):
                 classes.append((doc, 1))
             elif inspect.isfunction(obj) or inspect.isbuiltin(obj):
