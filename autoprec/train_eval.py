@@ -33,8 +33,8 @@ from .userspec import UserCodeError, to_device
 __all__ = ["DEFAULT_MIN_GRAD_SQNR", "FP16_FLUSH", "GradRun", "TrainEvaluator", "gradient_run", "gradient_sqnr",
            "loss_scale_for", "noise_ratio", "requires_grad_inputs", "scaled_run", "sqnr_of_noise"]
 
-# The gradient-fidelity floor of the training search (dB): the mean, over parameter tensors, of each
-# gradient's error power relative to its own power must stay below 10% (about 32% RMS error).
+# The gradient-fidelity floor of the training search (dB): the mean, over modules, of each module's
+# gradient error power relative to its own gradient power must stay below 10% (about 32% RMS error).
 # Stochastic gradient descent averages noise of that size out over steps (minibatch noise is
 # usually larger); what it does not survive, a gradient that is mostly noise, is far below it.
 # The training run in verification is the final proof either way.
@@ -147,15 +147,24 @@ def scaled_run(model: nn.Module, batch: Any, loss: Callable, path: str | Path, p
     return run
 
 
-def noise_ratio(reference: torch.Tensor, actual: torch.Tensor | None) -> float:
-    """Error power of ``actual`` relative to the power of ``reference`` (0 exact, 1 all lost, inf non-finite)."""
-    if actual is None:
-        return 1.0
-    if not torch.isfinite(actual).all():
-        return math.inf
-    ref, act = reference.double(), actual.double().reshape(reference.shape)
-    signal = float(ref.pow(2).sum())
-    noise = float((ref - act).pow(2).sum())
+def noise_ratio(reference: Sequence[torch.Tensor] | torch.Tensor,
+                actual: Sequence[torch.Tensor | None] | torch.Tensor | None) -> float:
+    """Error power of ``actual`` relative to the power of ``reference`` (0 exact, 1 all lost, inf non-finite).
+
+    Several tensors count as one (their powers add up): a layer's bias whose true gradient is about
+    zero (a BERT key bias: softmax ignores it) does not turn rounding noise into a verdict on the layer.
+    """
+    if isinstance(reference, torch.Tensor):
+        reference, actual = [reference], [actual]
+    signal = noise = 0.0
+    for ref, act in zip(reference, actual):
+        ref = ref.double()
+        if act is None:
+            act = torch.zeros_like(ref)
+        if not torch.isfinite(act).all():
+            return math.inf
+        signal += float(ref.pow(2).sum())
+        noise += float((ref - act.double().reshape(ref.shape)).pow(2).sum())
     if signal == 0:
         return 0.0 if noise == 0 else math.inf
     return noise / signal
@@ -168,9 +177,14 @@ def sqnr_of_noise(ratio: float) -> float:
 
 
 def gradient_sqnr(reference: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> float:
-    """Gradient fidelity in dB: the mean over parameter tensors of each one's own noise ratio, so a small
-    bias counts as much as a large weight and no tensor's error hides behind another's size."""
-    ratios = [noise_ratio(ref, actual.get(name)) for name, ref in reference.items() if bool(ref.any())]
+    """Gradient fidelity in dB: the mean over modules of each one's own noise ratio (its parameters'
+    gradients together), so a small layer counts as much as a large one and no layer's error hides
+    behind another's size."""
+    modules: dict[str, list[str]] = {}
+    for name in reference:
+        modules.setdefault(name.rpartition(".")[0], []).append(name)
+    ratios = [noise_ratio([reference[n] for n in names], [actual.get(n) for n in names])
+              for names in modules.values() if any(bool(reference[n].any()) for n in names)]
     return sqnr_of_noise(sum(ratios) / len(ratios)) if ratios else math.inf
 
 

@@ -155,10 +155,10 @@ def _layer_sensitivity(model: nn.Module, batch: Any, loss: Callable, path: Path,
         # Loss scaling changes an fp16 run only where values were flushed to zero (or it overflowed)
         scaled = gradient_run(model, batch, loss, path, policy, scale=scale, watch=[name], only=own)
         run = scaled if not scaled.nonfinite else unscaled  # a GradScaler backs off to a smaller scale
-    weight_noise = [noise_ratio(reference.grads[n], run.grads.get(n)) for n in own if bool(reference.grads[n].any())]
+    weight_noise = noise_ratio([reference.grads[n] for n in own], [run.grads.get(n) for n in own])
     ref_in = reference.input_grads.get(name)
     entry = {
-        "weight_grad_sqnr_db": sqnr_of_noise(max(weight_noise)) if weight_noise else math.inf,
+        "weight_grad_sqnr_db": sqnr_of_noise(weight_noise),
         "input_grad_sqnr_db": (sqnr_of_noise(noise_ratio(ref_in, run.input_grads.get(name)))
                                if ref_in is not None and bool(ref_in.any()) else math.inf),
         "loss": run.loss,
