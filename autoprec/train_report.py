@@ -41,7 +41,10 @@ def loss_plot(v: Any, path: str | Path) -> Path | None:
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    shown = [("fp32", "fp32", "-"), ("autocast", f"blanket autocast ({v.autocast_precision})", "--")]
+    # a tuned policy that is fp32 or blanket autocast itself shares that curve, and its label says so
+    same = " = autoprec policy"
+    shown = [("fp32", "fp32" + (same if v.policy is None else ""), "-"),
+             ("autocast", f"blanket autocast ({v.autocast_precision})" + (same if v.tuned_is_autocast else ""), "--")]
     if not v.tuned_is_autocast and v.policy is not None:
         shown.append(("tuned", "autoprec policy", ":"))
     for key, label, style in shown:

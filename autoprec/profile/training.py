@@ -12,7 +12,9 @@ not allow full backward hooks (an in-place op on a hooked output), backward is a
 twice each layer's forward time (the two GEMMs of a linear's backward) and the profile says so.
 ``latency_ms`` holds forward + backward, so the search, unchanged, optimises step time; the
 remainder is the measured step minus the layers; a cast at a precision boundary is paid twice
-(the activation forward, its gradient backward).
+(the activation forward, its gradient backward). Steps run in ``eval()`` mode, as the sensitivity
+runs do: dropout's masks (a small, precision-independent share of the step) are left out, and
+BatchNorm statistics are not moved by profiling.
 
 **Sensitivity.** From the same weights and batch as the fp32 run, each layer alone in each
 precision: the SQNR of its weight gradient and of the input gradient it passes back, the loss
