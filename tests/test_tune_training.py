@@ -179,3 +179,24 @@ def test_minilm_finetune_example_loads_for_training():
     trained = {tuple(b["input_ids"][i].tolist()) for b in train.train_batches for i in range(len(b["labels"]))}
     assert not held_out & trained  # evaluate() sees docstrings the training never does
     assert 30 < train.spec.evaluate(train.spec.model, train.spec.batches[:2]) < 70  # the head is untrained
+
+
+def test_fp16_that_overflows_even_with_loss_scaling_is_marked_and_infeasible():
+    from models import TrapNet
+
+    model = TrapNet()
+    generator = torch.Generator().manual_seed(0)
+    batches = [(x, torch.randint(0, 4, (8,), generator=generator)) for x in model.make_batches(2)]
+
+    def loss(m, batch):
+        return torch.nn.functional.cross_entropy(m(batch[0]), batch[1])
+
+    profile = profile_training(model, capture(model, batches[0][0]), batches, loss, precisions=["bf16", "fp16"],
+                               repeats=1, progress=False)
+    overflow = profile.training["layers"]["overflow"]["precisions"]["fp16"]
+    assert overflow["nonfinite"] and overflow["nonfinite_unscaled"]  # its activations pass 65504: scaling can't help
+    assert profile.layer("overflow").sensitivity["fp16"].nonfinite
+    assert not profile.layer("fc1").sensitivity["fp16"].nonfinite
+    evaluator = TrainEvaluator(model, batches, loss)
+    assert evaluator.measure(Policy.from_assignment({"overflow": "fp16"})).nonfinite
+    assert not evaluator.measure(Policy.from_assignment({"fc1": "fp16"})).nonfinite
