@@ -162,6 +162,12 @@ def _tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
     parser.add_argument("--target", help="plan for a GPU that is not here (h100, h200, a100, l4): latency "
                                          "estimated by a cost model, accuracy measured here")
+    parser.add_argument("--for", dest="for_", choices=("inference", "training"), default="inference",
+                        help="what to tune for: inference (forward latency, output fidelity) or training (step "
+                             "time, training loss; needs loss(model, batch) in model.py; --budget on the loss, "
+                             "default 2%%; --min-sqnr is the gradient floor, default 10 dB)")
+    parser.add_argument("--steps", type=_positive_int, default=None,
+                        help="--for training: steps of each verification training run (default 16)")
 
 
 def tune(args: argparse.Namespace) -> int:
@@ -176,6 +182,11 @@ def tune(args: argparse.Namespace) -> int:
             get_target(args.target)  # before loading the model: a typo costs nothing
         except ValueError as e:
             raise CommandError(str(e)) from None
+    if args.for_ == "training":
+        if args.target is not None:
+            raise CommandError("--target plans inference latency only for now; drop --target to tune for "
+                               "training on this device")
+        return _tune_training(args)
     spec = _load(args)
     out = Path(args.out) if args.out else _default_out(args.model_py)
     try:
@@ -186,13 +197,7 @@ def tune(args: argparse.Namespace) -> int:
                           study_name=args.study_name, sensitivity_batches=args.sensitivity_batches,
                           seed=args.seed, log=lambda msg: print(msg, file=sys.stderr), target=args.target)
     except TuneInterrupted as stop:
-        kept = {"checking": "nothing was started",
-                "profile": "nothing is saved yet (the profile is written when it is complete)",
-                "search": "the profile and every finished trial are saved",
-                "verify": "the profile and the search are saved; only the verification runs again",
-                "outputs": "the search is saved; the outputs are written again"}[stop.phase]
-        print(f"\ninterrupted during {stop.phase}: {kept}; run the same command to go on ({out})", file=sys.stderr)
-        return 130
+        return _interrupted(stop, out)
     print(results_table(result.verification))
     for note in result.verification.notes:
         print(f"  note: {note}")
@@ -200,6 +205,47 @@ def tune(args: argparse.Namespace) -> int:
     names = ("policy.json", "report.md", "pareto.png", "sensitivity.png", "profile.json", "study.db")
     print(f"outputs: {out}/ ({', '.join(n for n in names if (out / n).exists())})")
     return 0
+
+
+def _tune_training(args: argparse.Namespace) -> int:
+    from .train_report import training_results_table
+    from .trainspec import load_train_spec
+    from .tune import TuneInterrupted
+    from .tune import tune as run_tune
+
+    _check_device(args.device)
+    print(f"loading {args.model_py} for training", file=sys.stderr)
+    train = load_train_spec(args.model_py)
+    spec = train.spec
+    out = Path(args.out) if args.out else _default_out(args.model_py)
+    try:
+        result = run_tune(spec.model, spec.search_batches, spec.evaluate, higher_is_better=spec.higher_is_better,
+                          holdout_batches=spec.holdout_batches, budget=args.budget, min_sqnr=args.min_sqnr,
+                          device=args.device, precisions=args.precisions, search_space=args.search_space,
+                          trials=args.trials, timeout=args.timeout, out=out, storage=args.storage,
+                          study_name=args.study_name, seed=args.seed, log=lambda msg: print(msg, file=sys.stderr),
+                          for_="training", loss=train.loss, train_batches=train.train_batches,
+                          optimizer=train.make_optimizer, steps=args.steps, model_path=train.path)
+    except TuneInterrupted as stop:
+        return _interrupted(stop, out)
+    print(training_results_table(result.verification))
+    for note in result.verification.notes:
+        print(f"  note: {note}")
+    print(result.policy)
+    names = ("policy.json", "report.md", "loss.png", "sensitivity.png", "profile.json", "study.db")
+    print(f"outputs: {out}/ ({', '.join(n for n in names if (out / n).exists())})")
+    return 0
+
+
+def _interrupted(stop: Any, out: Path) -> int:
+    """Ctrl-C: say what was kept and how to go on (exit 130)."""
+    kept = {"checking": "nothing was started",
+            "profile": "nothing is saved yet (the profile is written when it is complete)",
+            "search": "the profile and every finished trial are saved",
+            "verify": "the profile and the search are saved; only the verification runs again",
+            "outputs": "the search is saved; the outputs are written again"}[stop.phase]
+    print(f"\ninterrupted during {stop.phase}: {kept}; run the same command to go on ({out})", file=sys.stderr)
+    return 130
 
 
 # ---- profile -------------------------------------------------------------------------------------------

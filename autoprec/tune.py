@@ -105,7 +105,9 @@ def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module
          trials: int = 60, timeout: float | None = None, patience: int = 20, out: str | Path | None = None,
          storage: str | None = None, study_name: str | None = None, sensitivity_batches: int | None = 1,
          seed: int = 0, progress: bool = True, timing_batch: Any = None,
-         log: Callable[[str], None] = print, target: str | None = None) -> TuneResult:
+         log: Callable[[str], None] = print, target: str | None = None, for_: str = "inference",
+         loss: Callable | None = None, train_batches: Sequence[Any] | None = None, optimizer: Callable | None = None,
+         steps: int | None = None, model_path: str | Path = "model.py") -> TuneResult:
     """Find the fastest per-layer precision policy for ``model`` within the accuracy budget.
 
     ``batches`` are searched on; ``holdout_batches`` (default: the last quarter of
@@ -113,7 +115,30 @@ def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module
     in dB against fp32) and the budget is a floor, ``min_sqnr`` (default 30 dB).
     Ctrl-C raises :class:`TuneInterrupted`, which says in which phase the run stopped. ``target`` (e.g.
     "h100"): plan for that GPU; latency and speed-ups are estimated by its cost model, labelled so.
+
+    ``for_="training"`` tunes for training instead (:mod:`autoprec.tune_training`): ``loss(model,
+    batch)`` is required, ``train_batches`` default to all batches, ``optimizer(model)`` to AdamW;
+    the objective is step time, the budget (default 2%) is on the loss, ``min_sqnr`` is the
+    gradient floor (default 10 dB), and ``steps`` training steps (default 16) verify.
     """
+    if for_ not in ("inference", "training"):
+        raise ValueError(f"for_ must be 'inference' or 'training', got {for_!r}")
+    if for_ == "training":
+        if target is not None:
+            raise ValueError("target plans inference latency only for now; tune for training without a target")
+        from .train_verify import DEFAULT_STEPS
+        from .tune_training import tune_training
+
+        # get_batches() is not trained on when there are training batches of their own: evaluate() gets all of it
+        every = [*batches, *holdout_batches] if holdout_batches is not None else list(batches)
+        return tune_training(model, every, loss, train_batches=train_batches, optimizer=optimizer,
+                             evaluate=evaluate, eval_batches=every if train_batches is not None else
+                             (holdout_batches or batches),
+                             higher_is_better=higher_is_better, budget=budget, min_sqnr=min_sqnr,
+                             steps=DEFAULT_STEPS if steps is None else steps, device=device, precisions=precisions,
+                             search_space=search_space, trials=trials, timeout=timeout, patience=patience, out=out,
+                             storage=storage, study_name=study_name, seed=seed, progress=progress,
+                             model_path=model_path, log=log)
     # Cheap checks first: nothing expensive runs before every argument is known to be usable.
     batches = list(batches)
     if holdout_batches is None:

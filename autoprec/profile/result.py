@@ -19,7 +19,8 @@ __all__ = ["Sensitivity", "LayerProfile", "Profile", "ProfileError", "fingerprin
            "PROFILE_SCHEMA", "PROFILE_VERSION"]
 
 PROFILE_SCHEMA = "autoprec.profile"
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: the optional training section (a version 1 file still loads)
+_READABLE_VERSIONS = (1, 2)
 
 
 class ProfileError(ValueError):
@@ -78,6 +79,9 @@ class Profile:
     # Modules with weights of their own that no batch ran: not profiled, left in fp32 (older
     # profiles lack the list: read as empty).
     not_exercised: list[str] = field(default_factory=list)
+    # None for an inference profile. For training (profile/training.py): how the step was timed and
+    # attributed, and each layer's gradient sensitivity; latency_ms then holds forward + backward.
+    training: dict[str, Any] | None = None
 
     def layer(self, name: str) -> LayerProfile:
         for layer in self.layers:
@@ -90,8 +94,8 @@ class Profile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
-        if data.get("schema") != PROFILE_SCHEMA or data.get("version") != PROFILE_VERSION:
-            raise ProfileError(f"not an autoprec profile of version {PROFILE_VERSION}")
+        if data.get("schema") != PROFILE_SCHEMA or data.get("version") not in _READABLE_VERSIONS:
+            raise ProfileError(f"not an autoprec profile of version {' or '.join(map(str, _READABLE_VERSIONS))}")
         data = {k: v for k, v in data.items() if k != "schema"}
         layers = []
         for layer in data.pop("layers"):
@@ -114,10 +118,10 @@ class Profile:
         except (OSError, json.JSONDecodeError, TypeError, KeyError) as e:
             raise ProfileError(f"cannot read profile {str(path)!r}: {e}") from None
 
-    def matches(self, fingerprint: str, device: str, precisions: Sequence[str]) -> bool:
-        """Whether this profile can stand in for profiling again."""
+    def matches(self, fingerprint: str, device: str, precisions: Sequence[str], for_: str = "inference") -> bool:
+        """Whether this profile can stand in for profiling again (``for_``: "inference" or "training")."""
         return (self.fingerprint == fingerprint and self.device == device and self.torch == torch.__version__
-                and set(precisions) <= set(self.precisions))
+                and set(precisions) <= set(self.precisions) and (self.training is not None) == (for_ == "training"))
 
 
 def fingerprint(model: nn.Module, batches: Sequence[Any]) -> str:

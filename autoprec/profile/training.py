@@ -1,0 +1,306 @@
+"""The training profile: per layer and precision, forward + backward time and gradient sensitivity.
+
+**Time.** Each precision gets whole training steps (forward, ``loss``, backward; optimizer
+excluded) with that precision applied to every layer, warmed up until the time settles, then
+timed repeats and medians. Forward time per layer comes from forward pre/post hooks, as in
+inference profiling. Backward time per layer comes from module *full backward* hooks: the
+pre-hook fires when the gradient of the layer's output is ready, the hook when the gradient of
+its input is computed, so the time between them is the layer's backward (its input- and
+weight-gradient GEMMs; the autograd engine on one device runs them in that window). Layers
+nested in another tunable layer are subtracted from it, as in the forward. Where a model does
+not allow full backward hooks (an in-place op on a hooked output), backward is attributed as
+twice each layer's forward time (the two GEMMs of a linear's backward) and the profile says so.
+``latency_ms`` holds forward + backward, so the search, unchanged, optimises step time; the
+remainder is the measured step minus the layers; a cast at a precision boundary is paid twice
+(the activation forward, its gradient backward). Steps run in ``eval()`` mode, as the sensitivity
+runs do: dropout's masks (a small, precision-independent share of the step) are left out, and
+BatchNorm statistics are not moved by profiling.
+
+**Sensitivity.** From the same weights and batch as the fp32 run, each layer alone in each
+precision: the SQNR of its weight gradient and of the input gradient it passes back, the loss
+change, inf/NaN anywhere, and for fp16 the fraction of gradient values that are non-zero in fp32
+and flush to zero without loss scaling (the SQNRs are then taken with loss scaling, as training
+would run). The profile also flags layers whose fp32 gradients already lie below fp16's range.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+from tqdm.auto import tqdm
+
+from .. import __version__
+from ..apply import apply_policy, remove_policy, takes_precision
+from ..capture import LayerTable
+from ..formats import DEFAULT_PRECISIONS, Capability, Precision, device_capabilities
+from ..measure import settle
+from ..policy import Policy
+from ..train_eval import (
+    FP16_FLUSH,
+    GradRun,
+    gradient_run,
+    loss_scale_for,
+    noise_ratio,
+    requires_grad_inputs,
+    sqnr_of_noise,
+)
+from ..trainspec import run_loss
+from ..userspec import UserCodeError, to_device
+from .latency import _cast_ms, _LayerClock, blanket_policy, predict_ms
+from .result import LayerProfile, Profile, Sensitivity, device_name, fingerprint
+
+__all__ = ["profile_training", "UNDERFLOW_FLAG"]
+
+UNDERFLOW_FLAG = 0.01  # a layer losing this share of its non-zero gradient values to fp16 is flagged
+
+
+class _BackwardClock:
+    """Full backward hooks timing each named module's backward, exclusive of named modules inside it."""
+
+    def __init__(self, modules: dict[str, nn.Module], device: torch.device) -> None:
+        self.device = device
+        self.stack: list[list] = []  # [name, start, child_ms]
+        self.times: dict[str, float] = {}
+        self.handles = []
+        for name, module in modules.items():
+            self.handles.append(module.register_full_backward_pre_hook(self._pre(name)))
+            self.handles.append(module.register_full_backward_hook(self._post(name)))
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _pre(self, name: str) -> Callable:
+        def hook(_m: nn.Module, _grad_out: Any) -> None:
+            self.stack.append([name, self._now(), 0.0])
+        return hook
+
+    def _post(self, name: str) -> Callable:
+        def hook(_m: nn.Module, _grad_in: Any, _grad_out: Any) -> None:
+            end = self._now()
+            at = max((i for i, entry in enumerate(self.stack) if entry[0] == name), default=None)
+            if at is None:
+                return
+            _, start, child_ms = self.stack.pop(at)
+            inclusive = (end - start) * 1e3
+            self.times[name] = self.times.get(name, 0.0) + inclusive - child_ms
+            if at > 0:
+                self.stack[at - 1][2] += inclusive
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _step(model: nn.Module, batch: Any, loss: Callable, path: Path) -> None:
+    value = run_loss(path, loss, model, requires_grad_inputs(batch))  # as in the sensitivity runs
+    value.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _time_precision(model: nn.Module, batch: Any, loss: Callable, path: Path, policy: Policy, layers: Sequence[str],
+                    device: torch.device, repeats: int, backward_hooks: bool) -> dict[str, Any]:
+    """Hooked steps (per-layer forward and backward ms) alternating with plain steps, under one policy."""
+    modules = dict(model.named_modules())
+    apply_policy(model, policy, mode="training")
+    try:
+        settle(lambda: _step(model, batch, loss, path), device)
+        fwd_runs, bwd_runs, totals, plain = [], [], [], []
+        outputs: dict = {}
+        for _ in range(repeats):
+            forward = _LayerClock({n: modules[n] for n in layers}, device)
+            backward = _BackwardClock({n: modules[n] for n in layers}, device) if backward_hooks else None
+            try:
+                start = forward._now()
+                _step(model, batch, loss, path)
+                totals.append((forward._now() - start) * 1e3)
+            finally:
+                forward.remove()
+                if backward is not None:
+                    backward.remove()
+            fwd_runs.append(forward.times)
+            bwd_runs.append(backward.times if backward is not None else {})
+            outputs = forward.outputs
+            start = time.perf_counter()
+            _step(model, batch, loss, path)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            plain.append((time.perf_counter() - start) * 1e3)
+    finally:
+        remove_policy(model)
+        model.zero_grad(set_to_none=True)
+    fwd = {n: statistics.median(r.get(n, 0.0) for r in fwd_runs) for n in layers}
+    bwd = ({n: statistics.median(r.get(n, 0.0) for r in bwd_runs) for n in layers} if backward_hooks
+           else {n: 2.0 * fwd[n] for n in layers})
+    return {"forward_ms": fwd, "backward_ms": bwd, "step_ms": statistics.median(totals),
+            "plain_ms": statistics.median(plain), "outputs": outputs}
+
+
+def _layer_sensitivity(model: nn.Module, batch: Any, loss: Callable, path: Path, name: str, precision: str,
+                       nested: dict[str, str], reference: GradRun, scale: float) -> dict[str, Any]:
+    """One layer alone in ``precision`` against the fp32 reference run, on the same weights and batch."""
+    policy = Policy.from_assignment({name: precision, **nested})
+    own = [n for n in reference.grads if n.startswith(name + ".")
+           and not any(n.startswith(inner + ".") for inner in nested)]
+    unscaled = gradient_run(model, batch, loss, path, policy, watch=[name], only=own)
+    run = unscaled
+    lost, nonzero = _flushed(reference, unscaled, name, own)
+    if precision == "fp16" and scale != 1.0 and (lost or unscaled.nonfinite):
+        # Loss scaling changes an fp16 run only where values were flushed to zero (or it overflowed)
+        scaled = gradient_run(model, batch, loss, path, policy, scale=scale, watch=[name], only=own)
+        run = scaled if not scaled.nonfinite else unscaled  # a GradScaler backs off to a smaller scale
+    weight_noise = noise_ratio([reference.grads[n] for n in own], [run.grads.get(n) for n in own])
+    ref_in = reference.input_grads.get(name)
+    entry = {
+        "weight_grad_sqnr_db": sqnr_of_noise(weight_noise),
+        "input_grad_sqnr_db": (sqnr_of_noise(noise_ratio(ref_in, run.input_grads.get(name)))
+                               if ref_in is not None and bool(ref_in.any()) else math.inf),
+        "loss": run.loss,
+        "loss_change": run.loss - reference.loss,
+        "nonfinite": run.nonfinite,
+        "loss_scale": run.scale,
+    }
+    if precision == "fp16":  # without scaling: how many gradient values fp16 flushes to zero
+        entry["underflow_unscaled"] = lost / nonzero if nonzero else 0.0
+        entry["nonfinite_unscaled"] = unscaled.nonfinite
+    return entry
+
+
+def _flushed(reference: GradRun, run: GradRun, name: str, own: Sequence[str]) -> tuple[int, int]:
+    """(values non-zero in fp32 but zero in ``run``, values non-zero in fp32) over the layer's weight
+    gradients and its input gradient."""
+    pairs = [(reference.grads[n], run.grads.get(n)) for n in own]
+    if name in reference.input_grads:
+        pairs.append((reference.input_grads[name], run.input_grads.get(name)))
+    nonzero = sum(int((ref != 0).sum()) for ref, _ in pairs)
+    lost = sum(int(((ref != 0) & (act.reshape(ref.shape) == 0)).sum()) if act is not None else int((ref != 0).sum())
+               for ref, act in pairs)
+    return lost, nonzero
+
+
+def _flush_share(reference: GradRun, name: str) -> float:
+    """Share of the layer's non-zero fp32 gradient values (weights and input) below fp16's smallest step."""
+    tensors = [g for n, g in reference.grads.items() if n.startswith(name + ".")]
+    if name in reference.input_grads:
+        tensors.append(reference.input_grads[name])
+    nonzero = sum(int((g != 0).sum()) for g in tensors)
+    tiny = sum(int(((g != 0) & (g.abs() < FP16_FLUSH)).sum()) for g in tensors)
+    return tiny / nonzero if nonzero else 0.0
+
+
+def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any], loss: Callable,
+                     path: str | Path = "model.py", device: str | torch.device = "cpu",
+                     precisions: Sequence[str | Precision] = DEFAULT_PRECISIONS, repeats: int = 5,
+                     progress: bool = True, capture_seconds: float = 0.0) -> Profile:
+    """Profile every layer of ``table`` for training: sensitivity on ``batches[0]``, step time on it too.
+
+    Precisions the device only emulates (FP8 on most hardware) are profiled for accuracy and not
+    timed: they are never a speed-up here, so the search never gets them for speed.
+    """
+    device, path = torch.device(device), Path(path)
+    low = [Precision.parse(p) for p in precisions if Precision.parse(p).is_low]
+    if not low:
+        raise ValueError("profile needs at least one low precision (bf16, fp16 or fp8)")
+    model = model.to(device).eval()
+    modules = dict(model.named_modules())
+    names = [layer.name for layer in table]
+    candidates = {n: [p.value for p in low if takes_precision(modules[n], p)] for n in names}
+    batch = to_device(batches[0], device)
+    seconds: dict[str, float] = {"capture": capture_seconds}
+
+    start = time.perf_counter()
+    reference = gradient_run(model, batch, loss, path, watch=names)
+    if reference.nonfinite:
+        raise UserCodeError(path, "loss()", "gave inf/NaN (loss or gradients) for the unchanged fp32 model",
+                            "return a finite loss with finite gradients for the model as get_model() builds it")
+    scale = loss_scale_for(reference)
+    sensitivity: dict[str, dict[str, Sensitivity]] = {n: {} for n in names}
+    details: dict[str, dict[str, Any]] = {}
+    with tqdm(total=sum(map(len, candidates.values())), desc="gradient sensitivity", unit="step",
+              disable=not progress, leave=False) as bar:
+        for name in names:
+            nested = {other: "fp32" for other in names if other.startswith(name + ".")}
+            details[name] = {"fp16_flush_share_fp32": _flush_share(reference, name), "precisions": {}}
+            for p in candidates[name]:
+                entry = _layer_sensitivity(model, batch, loss, path, name, p, nested, reference, scale)
+                details[name]["precisions"][p] = entry
+                sensitivity[name][p] = Sensitivity(
+                    sqnr_db=min(entry["weight_grad_sqnr_db"], entry["input_grad_sqnr_db"]),
+                    metric_drop=entry["loss_change"], nonfinite=entry["nonfinite"])
+                bar.update()
+    seconds["sensitivity"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    caps = device_capabilities(device)
+    timed = [Precision.FP32, *(p for p in low if caps[p] is Capability.NATIVE)]
+    fp8_layers = [n for n in names if "fp8" in candidates[n]]
+    attribution = "full backward hooks"
+    blocks: dict[str, dict[str, Any]] = {}
+    for p in tqdm(timed, desc="step time", unit="precision", disable=not progress, leave=False):
+        policy = blanket_policy(p, fp8_layers)
+        try:
+            blocks[p.value] = _time_precision(model, batch, loss, path, policy, names, device, repeats,
+                                              backward_hooks=attribution == "full backward hooks")
+        except RuntimeError:  # e.g. an in-place op on a hooked output: time again, backward attributed as 2x forward
+            attribution = "2x each layer's forward time (this model does not allow full backward hooks)"
+            blocks[p.value] = _time_precision(model, batch, loss, path, policy, names, device, repeats, False)
+    seconds["latency"] = time.perf_counter() - start
+
+    latency = {n: {p: b["forward_ms"][n] + b["backward_ms"][n] for p, b in blocks.items()
+                   if p == "fp32" or p in candidates[n]} for n in names}
+    casts = {n: {} for n in names}
+    for p, b in blocks.items():
+        if p != "fp32":
+            for n in names:
+                if p in candidates[n]:
+                    casts[n][p] = 2.0 * _cast_ms(b["outputs"].get(n, []), device)  # activation fwd, gradient bwd
+    remainder = {p: b["step_ms"] - sum(b["forward_ms"].values()) - sum(b["backward_ms"].values())
+                 for p, b in blocks.items() if p != "fp8"}
+    end_to_end = {p: b["plain_ms"] for p, b in blocks.items()}
+    error = {}
+    for p in remainder:
+        assignment = {n: p for n in names}
+        predicted = predict_ms(assignment, p, latency, casts, remainder)
+        error[p] = 100.0 * (predicted - end_to_end[p]) / end_to_end[p]
+
+    flagged = sorted(n for n in names if details[n]["fp16_flush_share_fp32"] >= UNDERFLOW_FLAG or
+                     details[n]["precisions"].get("fp16", {}).get("underflow_unscaled", 0.0) >= UNDERFLOW_FLAG)
+    layers = [LayerProfile(name=layer.name, kind=layer.kind, type=layer.type, flops=3 * int(layer.flops),
+                           latency_ms=latency[layer.name], cast_ms=casts[layer.name],
+                           sensitivity=sensitivity[layer.name]) for layer in table]
+    training = {
+        "for": "training",
+        "step": "forward + loss + backward, optimizer excluded; latency_ms = forward + backward per layer",
+        "backward_attribution": attribution,
+        "loss_fp32": reference.loss,
+        "loss_scale": scale,
+        "fp16_underflow_without_scaling": flagged,
+        "not_timed": [p.value for p in low if caps[p] is not Capability.NATIVE],
+        "forward_ms": {n: {p: b["forward_ms"][n] for p, b in blocks.items()} for n in names},
+        "backward_ms": {n: {p: b["backward_ms"][n] for p, b in blocks.items()} for n in names},
+        "layers": details,
+    }
+    return Profile(
+        fingerprint=fingerprint(model, batches[:1]),
+        device=device_name(device),
+        torch=torch.__version__,
+        precisions=[p.value for p in low],
+        capabilities={p.value: caps[p].value for p in Precision},
+        capture_method=table.method,
+        layers=layers,
+        end_to_end_ms=end_to_end,
+        remainder_ms=remainder,
+        prediction_error_pct=error,
+        metric={"kind": "loss", "fp32": reference.loss, "higher_is_better": False, "batches": 1},
+        cost={"evaluations": sum(map(len, candidates.values())), "seconds": seconds, "autoprec": __version__},
+        model_type=table.model_type,
+        training=training,
+    )
