@@ -441,7 +441,8 @@ def open_storage(url: Any, attempts: int = 5) -> Any:
             cause = e.__cause__ if isinstance(e.__cause__, ImportError) else e
             missing = f" (no module {cause.name!r})" if getattr(cause, "name", None) else ""
             raise StorageError(f"cannot open storage {shown}: its database driver is not installed{missing}; "
-                               "install it, e.g. pip install psycopg2-binary for PostgreSQL") from None
+                               "install the driver for that database (for PostgreSQL: pip install psycopg2-binary)"
+                               ) from None
         except sqlalchemy.exc.ArgumentError as e:
             raise StorageError(f"cannot open storage {shown}: not a database URL ({e}); give one like "
                                "sqlite:///study.db or postgresql+psycopg2://user@host/db") from None

@@ -89,7 +89,8 @@ def load_or_profile(model: nn.Module, batches: Sequence[Any], evaluate: Callable
     log(table.summary())
     if not len(table):
         raise NothingToTune(f"{table.model_type} has no layer whose precision autoprec can tune (it tunes modules "
-                            "that run matmuls, convolutions or attention; this model runs none on its batches)")
+                            "that run matmuls, convolutions or attention; this model runs none on its batches), so "
+                            "there is nothing to gain: run it as it is")
     profile = profile_model(model, table, batches, evaluate, higher_is_better, device, precisions,
                             sensitivity_batches=sensitivity_batches, progress=progress,
                             capture_seconds=time.perf_counter() - start, target=target)

@@ -166,6 +166,10 @@ def user_function(fn: Callable, name: str, path: str | Path | None = None) -> Ca
 
 
 def _import(path: Path) -> Any:
+    if path.is_dir():
+        inside = path / "model.py"
+        raise UserCodeError(path, "import", "is a folder, not a model.py",
+                            f"pass {inside}" if inside.is_file() else "pass the path of the model.py file itself")
     if not path.is_file():
         raise UserCodeError(path, "import", "no such file", "pass the path of an existing model.py")
     if path.suffix != ".py":

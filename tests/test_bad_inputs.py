@@ -191,7 +191,7 @@ CASES = [
     # ---- model.py --------------------------------------------------------------------------------------
     Case("model-missing", ["tune", "{d}/nope.py"], 1, ["nope.py", "no such file", "existing model.py"]),
     Case("model-not-python", ["tune", "{d}/notes.txt"], 1, ["not a Python file", ".txt"]),
-    Case("model-folder", ["tune", "{d}"], 1, ["no such file"]),
+    Case("model-folder", ["tune", "{d}"], 1, ["is a folder, not a model.py", "model.py file itself"]),
     Case("model-syntax", ["tune", "{bad}/syntax_error.py"], 1, ["syntax_error.py", "syntax error (line 7)"]),
     Case("model-import-raises", ["tune", "{bad}/raises_at_import.py"], 1, ["import", "helpers_that_do_not_exist"]),
     Case("model-no-get_model", ["tune", "{bad}/missing_get_model.py"], 1, ["get_model()", "not defined", "def "]),
@@ -224,7 +224,8 @@ CASES = [
     Case("no-tunable-layers", ["tune", "{d}/no_tunable_layers.py", "--out", "{d}/out-none"], 1,
          ["Net", "no layer", "matmuls, convolutions or attention"]),
     # ---- budgets and numbers -----------------------------------------------------------------------------
-    Case("budget-not-a-number", ["tune", "{d}/tiny_metric_zero.py", "--budget", "lots"], 1, ["cannot read budget", "1%"]),
+    Case("budget-not-a-number", ["tune", "{d}/tiny_metric_zero.py", "--budget", "lots"], 1,
+         ["cannot read budget", "1%"]),
     Case("budget-negative", ["tune", "{d}/tiny_metric_zero.py", "--budget", "-1"], 1, [">= 0"]),
     Case("budget-nan", ["tune", "{d}/tiny_metric_zero.py", "--budget", "nan"], 1, ["finite number >= 0"]),
     Case("budget-without-metric", ["tune", "{d}/tiny.py", "--budget", "1%"], 1, ["SQNR floor", "evaluate"]),
@@ -267,7 +268,8 @@ CASES = [
          ["in use by another autoprec run", "pid 4242"]),
     Case("profile-out-is-a-file", ["profile", "{d}/tiny.py", "--out", "{d}/notes.txt"], 1, ["is a file"]),
     Case("storage-missing-driver", ["tune", "{d}/tiny.py", "--out", "{d}/out-s1", "--storage",
-                                    "mysql://user@127.0.0.1:1/db"], 1, ["driver is not installed", "pip install"]),
+                                    "mysql://user@127.0.0.1:1/db"], 1,
+         ["driver is not installed", "MySQLdb", "install the driver"]),
     Case("storage-no-server", ["tune", "{d}/tiny.py", "--out", "{d}/out-s2", "--storage",
                                "postgresql+psycopg2://user:secret@127.0.0.1:1/db"], 1,
          ["cannot open storage", "server is running", "user:***@"]),

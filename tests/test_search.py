@@ -14,10 +14,10 @@ import torch
 import torch.nn as nn
 from models import Cancel, seeded
 
+from autoprec.budget import Budget
 from autoprec.measure import Evaluator, Measurement
 from autoprec.policy import PolicyError
 from autoprec.profile import LayerProfile, Profile, Sensitivity
-from autoprec.budget import Budget
 from autoprec.search import Candidate, choose_default, pareto_front, plan_units, search
 from autoprec.searchspace import SearchSpace
 

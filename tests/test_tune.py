@@ -15,6 +15,7 @@ import autoprec
 from autoprec.apply import effective_precisions
 from autoprec.formats import Precision, sqnr_db
 from autoprec.measure import Evaluator
+from autoprec.profile.result import PROFILE_VERSION
 
 FLOOR_DB = 25.0  # all ordinary layers in bf16 stay near 40 dB; the cancel trap in bf16 is below 0 dB
 
@@ -119,7 +120,7 @@ def test_outputs_are_written(trap_run):
     report = (out / "report.md").read_text()
     assert "autoprec policy" in report and "cancel" in report
     profile = json.loads((out / "profile.json").read_text())
-    assert profile["version"] == 1 and len(profile["layers"]) == 13
+    assert profile["version"] == PROFILE_VERSION and len(profile["layers"]) == 13
     assert set(profile["layers"][0]) >= {"name", "kind", "flops", "latency_ms", "sensitivity"}
     # the policy drops into the model in one line and keeps the floor on a batch the tune never saw
     unseen = model.batches(1, seed=7)[0]
