@@ -340,7 +340,8 @@ def report_markdown(result: TuneResult) -> str:
     lines += ["", f"Device: `{p.device}`; precisions: "
               + ", ".join(f"{k} ({c})" for k, c in p.capabilities.items())
               + f". Metric: {'output SQNR in dB against fp32' if p.metric['kind'] == 'fidelity' else 'your evaluate()'}"
-              + f". Budget: {result.budget}.", ""]
+              + f". Budget: {result.budget} (the search works to {result.budget.for_search()}, a margin so that "
+              "what it finds holds on batches it never saw; verification checks the budget itself).", ""]
     if v.policy is not None:
         lines += ["## Policy", "", "```", str(result.policy), "```", ""]
         if v.chosen is not None:

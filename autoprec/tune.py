@@ -181,8 +181,8 @@ def tune(model: nn.Module, batches: Sequence[Any], evaluate: Callable[[nn.Module
             phase = "search"
             start = time.perf_counter()
             space = named_space or SearchSpace.load(choose_preset([layer.kind for layer in profile.layers]))
-            result = search(profile, evaluator, the_budget, space, precisions, trials=trials, timeout=timeout,
-                            patience=patience, storage=storage, study_name=study_name, seed=seed,
+            result = search(profile, evaluator, the_budget.for_search(), space, precisions, trials=trials,
+                            timeout=timeout, patience=patience, storage=storage, study_name=study_name, seed=seed,
                             fail_stale=fail_stale, progress=progress)
             seconds["search"] = time.perf_counter() - start
 

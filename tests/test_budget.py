@@ -60,3 +60,11 @@ def test_violation_is_measured_against_the_allowed_drop_either_way_round():
     assert budget.violation(M(0.70), Ref(True)) == pytest.approx(0.05)  # lost 0.10
     assert budget.violation(M(0.84), Ref(False)) == pytest.approx(-0.01)  # lower is better: rose by 0.04
     assert budget.violation(M(0.90), Ref(False)) == pytest.approx(0.05)
+
+
+def test_the_search_works_inside_the_budget_it_is_given():
+    floor = Budget(min_sqnr=45.0).for_search()
+    assert floor.min_sqnr == pytest.approx(45.5) and floor.drop is None
+    drop = Budget.parse("2%").for_search()
+    assert drop.relative and drop.drop == pytest.approx(0.018)
+    assert Budget.parse("0").for_search().drop == 0.0  # no drop allowed stays no drop
