@@ -198,13 +198,7 @@ def tune(args: argparse.Namespace) -> int:
                           seed=args.seed, log=lambda msg: print(msg, file=sys.stderr), target=args.target)
     except TuneInterrupted as stop:
         return _interrupted(stop, out)
-    print(results_table(result.verification))
-    for note in result.verification.notes:
-        print(f"  note: {note}")
-    print(result.policy)
-    names = ("policy.json", "report.md", "pareto.png", "sensitivity.png", "profile.json", "study.db")
-    print(f"outputs: {out}/ ({', '.join(n for n in names if (out / n).exists())})")
-    return 0
+    return _print_tuned(results_table(result.verification), result, out, "pareto.png")
 
 
 def _tune_training(args: argparse.Namespace) -> int:
@@ -228,11 +222,16 @@ def _tune_training(args: argparse.Namespace) -> int:
                           optimizer=train.make_optimizer, steps=args.steps, model_path=train.path)
     except TuneInterrupted as stop:
         return _interrupted(stop, out)
-    print(training_results_table(result.verification))
+    return _print_tuned(training_results_table(result.verification), result, out, "loss.png")
+
+
+def _print_tuned(table: str, result: Any, out: Path, plot: str) -> int:
+    """What a finished tune prints: the results, the notes, the policy, and the outputs it wrote."""
+    print(table)
     for note in result.verification.notes:
         print(f"  note: {note}")
     print(result.policy)
-    names = ("policy.json", "report.md", "loss.png", "sensitivity.png", "profile.json", "study.db")
+    names = ("policy.json", "report.md", plot, "sensitivity.png", "profile.json", "study.db")
     print(f"outputs: {out}/ ({', '.join(n for n in names if (out / n).exists())})")
     return 0
 

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .verify import Verification
 
 __all__ = ["decision", "markdown_table", "pareto_plot", "profile_summary", "profile_table", "report_markdown",
+           "write_run_folder",
            "results_table", "sensitivity_heatmap", "write_outputs"]
 
 
@@ -367,20 +368,25 @@ def report_markdown(result: TuneResult) -> str:
 
 def write_outputs(result: TuneResult) -> dict[str, Path]:
     """policy.json, report.md and the plots into the result's output folder."""
+    return write_run_folder(result, "pareto", lambda out: pareto_plot(result, out / "pareto.png"), report_markdown)
+
+
+def write_run_folder(result: Any, main_plot: str, plot: Any, report: Any) -> dict[str, Path]:
+    """What every tune writes: policy.json, its ``main_plot`` (``plot(out)``), sensitivity.png and
+    report.md (``report(result)``), saying where plots were skipped for want of matplotlib."""
     out = result.out_dir
     if out is None:
         raise ValueError("this tune has no output folder to write into")
     written = {"policy": result.policy.save(out / "policy.json")}
     chosen = result.verification.chosen.assignment if result.verification.chosen else None
-    for key, make in (("pareto", lambda: pareto_plot(result, out / "pareto.png")),
+    for key, make in ((main_plot, lambda: plot(out)),
                       ("sensitivity", lambda: sensitivity_heatmap(result.profile, out / "sensitivity.png", chosen))):
         path = make()
         if path is not None:
             written[key] = path
-    text = report_markdown(result)
-    if "pareto" not in written:
+    text = report(result)
+    if main_plot not in written:
         text += "\n(Plots skipped: matplotlib is not installed; `pip install autoprec[plot]`.)\n"
-    report = out / "report.md"
-    report.write_text(text)
-    written["report"] = report
+    (out / "report.md").write_text(text)
+    written["report"] = out / "report.md"
     return written

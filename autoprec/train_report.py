@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .report import _fmt, _plt, markdown_table, profile_summary, sensitivity_heatmap, text_table
+from .report import _fmt, _plt, markdown_table, profile_summary, text_table, write_run_folder
 
 __all__ = ["loss_plot", "training_report", "training_results_table", "write_training_outputs"]
 
@@ -94,18 +94,6 @@ def training_report(result: Any) -> str:
 
 
 def write_training_outputs(result: Any) -> dict[str, Path]:
-    out = result.out_dir
-    written = {"policy": result.policy.save(out / "policy.json")}
-    chosen = result.verification.chosen.assignment if result.verification.chosen else None
-    for key, make in (("loss", lambda: loss_plot(result.verification, out / "loss.png")),
-                      ("sensitivity", lambda: sensitivity_heatmap(result.profile, out / "sensitivity.png", chosen))):
-        path = make()
-        if path is not None:
-            written[key] = path
-    text = training_report(result)
-    if "loss" not in written:
-        text += "\n(Plots skipped: matplotlib is not installed; `pip install autoprec[plot]`.)\n"
-    (out / "report.md").write_text(text)
-    written["report"] = out / "report.md"
-    return written
+    return write_run_folder(result, "loss", lambda out: loss_plot(result.verification, out / "loss.png"),
+                            training_report)
 

@@ -35,7 +35,7 @@ from .search import Candidate
 from .training import TrainStep
 from .trainspec import run_loss
 from .userspec import to_device
-from .verify import TIE_TOLERANCE, Verification, _is_blanket
+from .verify import Verification, _is_blanket, fastest_simplest
 
 __all__ = ["DEFAULT_STEPS", "TrainVerification", "metric_after", "train_interleaved", "train_runs", "verify_training"]
 
@@ -226,9 +226,7 @@ def verify_training(model: nn.Module, candidates: Sequence[Candidate], train_bat
 
     chosen, tuned_is_autocast = None, False
     if passing:
-        fastest = min(ms(label[c.label]) for c in passing)
-        close = [c for c in passing if ms(label[c.label]) <= fastest * (1 + TIE_TOLERANCE)]
-        best = min(close, key=lambda c: (len(c.policy().layers), ms(label[c.label])))
+        best = fastest_simplest(passing, lambda c: ms(label[c.label]), lambda c: len(c.policy().layers))
         if ms(label[best.label]) < ms("fp32"):
             chosen = best
             tuned_is_autocast = label[best.label] == "autocast"

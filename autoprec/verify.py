@@ -27,7 +27,7 @@ from .policy import Policy
 from .search import Candidate
 from .userspec import describe_batch
 
-__all__ = ["Speedup", "Verification", "autocast_baseline", "bench_policy", "verify"]
+__all__ = ["Speedup", "Verification", "autocast_baseline", "bench_policy", "fastest_simplest", "verify"]
 
 TIE_TOLERANCE = 0.03  # measured latencies this close are a tie on a shared machine
 AUTOCAST_CHOICES = (Precision.BF16, Precision.FP16)  # the dtypes torch.autocast takes
@@ -101,6 +101,15 @@ class Verification:
         return self.speedup_of("tuned", "autocast").ratio if "tuned" in self.samples else None
 
 
+def fastest_simplest(options: Sequence[Any], ms: Callable[[Any], float], rules: Callable[[Any], int]) -> Any:
+    """The option to keep: within timing noise (:data:`TIE_TOLERANCE`) of the fastest, the one with the
+    fewest rules. A simpler policy that measures the same is the better one to keep (and to trust on
+    other batches). Whether it beats fp32 is the caller's check."""
+    fastest = min(ms(o) for o in options)
+    close = [o for o in options if ms(o) <= fastest * (1 + TIE_TOLERANCE)]
+    return min(close, key=lambda o: (rules(o), ms(o)))
+
+
 def _is_blanket(policy: Policy, autocast: Precision) -> bool:
     return not policy.layers and policy.default is autocast
 
@@ -169,14 +178,10 @@ def verify(model: nn.Module, candidates: Sequence[Candidate], holdout_batches: S
     chosen = None
     tuned_is_autocast = False
     if passing:
-        # Within timing noise of the fastest, the policy with the fewest rules wins: a simpler
-        # policy that measures the same is the better one to keep (and to trust on other batches).
         def ms(c: Candidate) -> float:
             return latency[label[c.label]]
 
-        fastest = min(ms(c) for c, _, _ in passing)
-        close = [cpm for cpm in passing if ms(cpm[0]) <= fastest * (1 + TIE_TOLERANCE)]
-        candidate, policy, m = min(close, key=lambda cpm: (len(cpm[1].layers), ms(cpm[0])))
+        candidate, policy, m = fastest_simplest(passing, lambda cpm: ms(cpm[0]), lambda cpm: len(cpm[1].layers))
         if ms(candidate) < latency["fp32"]:
             chosen = candidate
             samples["tuned"] = samples[label[candidate.label]]
