@@ -171,67 +171,52 @@ def _tune_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def tune(args: argparse.Namespace) -> int:
-    from .report import results_table
+    from .results import results_table
     from .tune import TuneInterrupted
     from .tune import tune as run_tune
 
-    if args.target is not None:
-        from .costmodel import get_target
-
-        try:
-            get_target(args.target)  # before loading the model: a typo costs nothing
-        except ValueError as e:
-            raise CommandError(str(e)) from None
+    config = _config(args, out=Path(args.out) if args.out else _default_out(args.model_py))  # before loading
     if args.for_ == "training":
+        from .trainspec import load_train_spec
+        from .workloads.training import TrainingWorkload
+
         if args.target is not None:
             raise CommandError("--target plans inference latency only for now; drop --target to tune for "
                                "training on this device")
-        return _tune_training(args)
-    spec = _load(args)
-    out = Path(args.out) if args.out else _default_out(args.model_py)
+        _check_device(args.device)
+        print(f"loading {args.model_py} for training", file=sys.stderr)
+        workload: Any = TrainingWorkload.from_spec(load_train_spec(args.model_py), args.steps)
+    else:
+        from .workloads.inference import InferenceWorkload
+
+        workload = InferenceWorkload.from_spec(_load(args))
     try:
-        result = run_tune(spec.model, spec.search_batches, spec.evaluate, higher_is_better=spec.higher_is_better,
-                          holdout_batches=spec.holdout_batches, budget=args.budget, min_sqnr=args.min_sqnr,
-                          device=args.device, precisions=args.precisions, search_space=args.search_space,
-                          trials=args.trials, timeout=args.timeout, out=out, storage=args.storage,
-                          study_name=args.study_name, sensitivity_batches=args.sensitivity_batches,
-                          seed=args.seed, log=lambda msg: print(msg, file=sys.stderr), target=args.target)
+        result = run_tune(workload, config, log=lambda msg: print(msg, file=sys.stderr))
     except TuneInterrupted as stop:
-        return _interrupted(stop, out)
-    return _print_tuned(results_table(result.verification), result, out, "pareto.png")
+        return _interrupted(stop, config.out)
+    return _print_tuned(results_table(result.verification), result, config.out)
 
 
-def _tune_training(args: argparse.Namespace) -> int:
-    from .train_report import training_results_table
-    from .trainspec import load_train_spec
-    from .tune import TuneInterrupted
-    from .tune import tune as run_tune
+def _config(args: argparse.Namespace, **fields: Any) -> Any:
+    """The TuneConfig of a tune's arguments: every setting checked before the model is loaded."""
+    from .config import TuneConfig
 
-    _check_device(args.device)
-    print(f"loading {args.model_py} for training", file=sys.stderr)
-    train = load_train_spec(args.model_py)
-    spec = train.spec
-    out = Path(args.out) if args.out else _default_out(args.model_py)
     try:
-        result = run_tune(spec.model, spec.search_batches, spec.evaluate, higher_is_better=spec.higher_is_better,
-                          holdout_batches=spec.holdout_batches, budget=args.budget, min_sqnr=args.min_sqnr,
-                          device=args.device, precisions=args.precisions, search_space=args.search_space,
-                          trials=args.trials, timeout=args.timeout, out=out, storage=args.storage,
-                          study_name=args.study_name, seed=args.seed, log=lambda msg: print(msg, file=sys.stderr),
-                          for_="training", loss=train.loss, train_batches=train.train_batches,
-                          optimizer=train.make_optimizer, steps=args.steps, model_path=train.path)
-    except TuneInterrupted as stop:
-        return _interrupted(stop, out)
-    return _print_tuned(training_results_table(result.verification), result, out, "loss.png")
+        return TuneConfig(budget=args.budget, min_sqnr=args.min_sqnr, device=args.device,
+                          precisions=tuple(args.precisions), search_space=args.search_space, trials=args.trials,
+                          timeout=args.timeout, storage=args.storage, study_name=args.study_name,
+                          sensitivity_batches=args.sensitivity_batches, seed=args.seed, target=args.target, **fields)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
 
 
-def _print_tuned(table: str, result: Any, out: Path, plot: str) -> int:
+def _print_tuned(table: str, result: Any, out: Path) -> int:
     """What a finished tune prints: the results, the notes, the policy, and the outputs it wrote."""
     print(table)
     for note in result.verification.notes:
         print(f"  note: {note}")
     print(result.policy)
-    names = ("policy.json", "report.md", plot, "sensitivity.png", "profile.json", "study.db")
+    names = ("policy.json", "report.md", "pareto.png", "loss.png", "sensitivity.png", "profile.json", "study.db")
     print(f"outputs: {out}/ ({', '.join(n for n in names if (out / n).exists())})")
     return 0
 
@@ -260,17 +245,23 @@ def _profile_arguments(parser: argparse.ArgumentParser) -> None:
 def profile(args: argparse.Namespace) -> int:
     import torch
 
+    from .config import TuneConfig
     from .outdir import claim_out_dir
     from .report import profile_summary, profile_table, sensitivity_heatmap
     from .tune import load_or_profile
+    from .workloads.inference import InferenceWorkload
 
-    spec = _load(args)
     out = Path(args.out) if args.out else _default_out(args.model_py)
+    try:
+        config = TuneConfig(device=args.device, precisions=tuple(args.precisions), out=out,
+                            sensitivity_batches=args.sensitivity_batches)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    workload = InferenceWorkload.from_spec(_load(args))
     with claim_out_dir(out):
-        model = spec.model.to(args.device).eval()
-        prof = load_or_profile(model, spec.search_batches, spec.evaluate, spec.higher_is_better,
-                               torch.device(args.device), args.precisions, out, args.sensitivity_batches,
-                               log=lambda msg: print(msg, file=sys.stderr), capture_batches=spec.batches)
+        workload.model = workload.model.to(args.device).eval()
+        prof = load_or_profile(workload, config, torch.device(args.device), out,
+                               log=lambda msg: print(msg, file=sys.stderr))
         print(profile_table(prof))
         print()
         print(profile_summary(prof))
@@ -289,7 +280,7 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def bench(args: argparse.Namespace) -> int:
     from .budget import choose_budget
-    from .report import results_table
+    from .results import results_table
     from .verify import bench_policy
 
     policy = Policy.load(args.policy)

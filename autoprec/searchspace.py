@@ -147,6 +147,14 @@ class SearchSpace:
         return units, sorted(set(pinned), key=names.index)
 
 
+def allows_everywhere(space: SearchSpace, layers: Sequence[tuple[str, str]], precision: str) -> bool:
+    """Whether ``space`` lets every ``(name, kind)`` layer run in ``precision``: none pinned to fp32, none of
+    a kind it keeps fp32, none in a group that cannot take it. Blanket autocast is a candidate only then."""
+    units, pinned = space.units(layers, [precision])
+    covered = {n for u in units if precision in u.candidates for n in u.layers}
+    return not pinned and covered == {n for n, _ in layers}
+
+
 def _compile(pattern: str, where: str) -> re.Pattern:
     try:
         return re.compile(pattern)

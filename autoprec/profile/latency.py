@@ -15,7 +15,6 @@ policy with every other layer lowered.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -23,9 +22,11 @@ import torch
 import torch.nn as nn
 
 from ..apply import apply_policy, remove_policy
+from ..batches import call_model
 from ..formats import Precision
-from ..measure import call_model, median_ms, output_tensors, settle
+from ..measure import median_ms, settle
 from ..policy import Policy
+from .clock import LayerClock, cast_ms
 
 __all__ = ["LatencyResult", "measure_latency", "predict_ms", "blanket_policy"]
 
@@ -60,55 +61,16 @@ def predict_ms(assignment: Mapping[str, str], default: str, latency_ms: Mapping[
     return total
 
 
-class _LayerClock:
-    """Hooks timing each named module's forward, exclusive of named modules inside it."""
-
-    def __init__(self, modules: Mapping[str, nn.Module], device: torch.device) -> None:
-        self.device = device
-        self.stack: list[list] = []  # [name, start, child_ms]
-        self.times: dict[str, float] = {}
-        self.outputs: dict[str, list[tuple[tuple[int, ...], torch.dtype]]] = {}
-        self.handles = []
-        for name, module in modules.items():
-            self.handles.append(module.register_forward_pre_hook(self._pre(name)))
-            self.handles.append(module.register_forward_hook(self._post(name)))
-
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def _pre(self, name: str) -> Callable:
-        def hook(_m: nn.Module, _args: Any) -> None:
-            self.stack.append([name, self._now(), 0.0])
-        return hook
-
-    def _post(self, name: str) -> Callable:
-        def hook(_m: nn.Module, _args: Any, output: Any) -> None:
-            end = self._now()
-            _, start, child_ms = self.stack.pop()
-            inclusive = (end - start) * 1e3
-            self.times[name] = self.times.get(name, 0.0) + inclusive - child_ms
-            if self.stack:
-                self.stack[-1][2] += inclusive
-            self.outputs.setdefault(name, [(tuple(t.shape), t.dtype) for t in output_tensors(output)])
-        return hook
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
 def _clocked_run(model: nn.Module, batch: Any, names: Sequence[str], device: torch.device
                  ) -> tuple[dict[str, float], float, dict]:
     """One forward (policy already applied): exclusive ms per layer, total ms, and output shapes."""
     modules = dict(model.named_modules())
-    clock = _LayerClock({n: modules[n] for n in names}, device)
+    clock = LayerClock({n: modules[n] for n in names}, device)
     try:
         with torch.no_grad():
-            start = clock._now()
+            start = clock.now()
             call_model(model, batch)
-            total = (clock._now() - start) * 1e3
+            total = (clock.now() - start) * 1e3
     finally:
         clock.remove()
     return clock.times, total, clock.outputs
@@ -128,13 +90,6 @@ def _steady_ms(model: nn.Module, batch: Any, policy: Policy | None, device: torc
     finally:
         if policy is not None:
             remove_policy(model)
-
-
-def _cast_ms(shapes: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> float:
-    tensors = [torch.randn(shape, device=device).to(dtype) for shape, dtype in shapes if dtype != torch.float32]
-    if not tensors:
-        return 0.0
-    return median_ms(lambda: [t.float() for t in tensors], device, warmup=1, repeats=5)
 
 
 @dataclass
@@ -173,7 +128,7 @@ def _time_block(model: nn.Module, batch: Any, policy: Policy, layers: Sequence[s
         remove_policy(model)
     # A layer the batch does not reach costs nothing on it: 0 ms in every precision alike.
     layer_ms = {name: statistics.median(times.get(name, 0.0) for times, _ in runs) for name in layers}
-    casts = {name: _cast_ms(outputs.get(name, []), device) for name in cast_layers}
+    casts = {name: cast_ms(outputs.get(name, []), device) for name in cast_layers}
     return _Block(layer_ms=layer_ms, cast_ms=casts,
                   remainder_ms=statistics.median(total - sum(times.values()) for times, total in runs),
                   hooked_ms=statistics.median(total for _, total in runs), plain_ms=statistics.median(plain))

@@ -50,7 +50,7 @@ class LayerProfile:
     kind: str
     type: str
     flops: int
-    latency_ms: dict[str, float]  # precision -> ms, measured in context on the device
+    latency_ms: dict[str, float]  # precision -> ms in context on the device, of what Profile.timed says
     cast_ms: dict[str, float] = field(default_factory=dict)  # precision -> ms to cast its output to fp32
     sensitivity: dict[str, Sensitivity] = field(default_factory=dict)  # precision -> sensitivity
 
@@ -82,6 +82,9 @@ class Profile:
     # None for an inference profile. For training (profile/training.py): how the step was timed and
     # attributed, and each layer's gradient sensitivity; latency_ms then holds forward + backward.
     training: dict[str, Any] | None = None
+    # What every latency above times: "forward" (inference), or "training step" (forward + backward of
+    # each layer; the remainder and end-to-end figures are whole steps, optimizer excluded).
+    timed: str = "forward"
 
     def layer(self, name: str) -> LayerProfile:
         for layer in self.layers:
