@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import hashlib
+import inspect
 import threading
 import warnings
 from collections.abc import Callable
@@ -114,6 +115,11 @@ class _Region:
         self.is_root = is_root
         self.fp32_compute = fp32_compute  # root only: some region runs in fp32, so turn the mode on
         self.inner_forward: Callable | None = module.__dict__.get("forward")  # one the module already had
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The module's own forward signature: frameworks read it (the HF Trainer keeps the input columns it names)."""
+        return inspect.signature(self.inner_forward or type(self.module).forward.__get__(self.module))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module

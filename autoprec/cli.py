@@ -5,6 +5,8 @@
     autoprec bench MODEL_PY --policy FILE   re-measure a policy against fp32 and blanket autocast
     autoprec show POLICY_JSON     the policy's rules, what it was tuned on and what it achieved
     autoprec estimate --target h100 --gemm MxKxN   each precision's estimated time on a named GPU
+    autoprec init [--hf MODEL_DIR --text FILE]     write a model.py to start from
+    autoprec dashboard RUN_DIR    a tune's Optuna study in optuna-dashboard
 
 A subcommand is an entry in :data:`COMMANDS`: its name, one line of help, a function that adds its
 arguments and a function that runs it and returns the exit status. Usage errors print that
@@ -324,6 +326,53 @@ def estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- init ----------------------------------------------------------------------------------------------
+def _init_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hf", metavar="MODEL_DIR", help="a Hugging Face model folder (config.json, weights, "
+                                                          "tokenizer): write a model.py for it")
+    parser.add_argument("--text", metavar="FILE", help="with --hf: a text file of samples, one per line")
+    parser.add_argument("--out", default="model.py", help="the file to write (default: model.py)")
+    parser.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+
+
+def init(args: argparse.Namespace) -> int:
+    from .init import write_hf_model_py, write_template
+
+    if args.text is not None and args.hf is None:
+        raise CommandError("--text goes with --hf MODEL_DIR (the model the samples are for)")
+    if args.hf is not None and args.text is None:
+        raise CommandError("--hf needs --text FILE: a text file of samples, one per line, to tune on")
+    if args.hf is None:
+        path = write_template(args.out, args.force)
+        print(f"wrote {path}: a commented template; fill in get_model() and get_batches(), then "
+              f"`autoprec tune {path}`")
+        return 0
+    path = write_hf_model_py(args.hf, args.text, args.out, args.force)
+    print(f"wrote {path}; run `autoprec tune {path}` (read it first: the sequence length, batch size and "
+          f"metric are at the top)")
+    return 0
+
+
+# ---- dashboard -----------------------------------------------------------------------------------------
+def _dashboard_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the folder a tune wrote (it holds study.db)")
+    parser.add_argument("--port", type=_positive_int, default=8080, help="port to serve on (default 8080)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this "
+                                                           "machine only)")
+
+
+def dashboard(args: argparse.Namespace) -> int:
+    from .dashboard import serve, study_storage
+
+    url = study_storage(args.run_dir)
+    print(f"serving {url.removeprefix('sqlite:///')} at http://{args.host}:{args.port}/ (Ctrl-C stops)", flush=True)
+    try:
+        serve(url, args.host, args.port)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+    return 0
+
+
 # ---- the table ---------------------------------------------------------------------------------------
 COMMANDS: list[Command] = [
     Command("tune", "find the fastest per-layer precision policy within an accuracy budget", _tune_arguments, tune),
@@ -333,6 +382,9 @@ COMMANDS: list[Command] = [
     Command("estimate", "estimated time of GEMMs in each precision on a named GPU (cost model, no GPU needed)",
             _estimate_arguments, estimate),
     Command("show", "print a policy file: its rules, what it was tuned on, what it achieved", _show_arguments, show),
+    Command("init", "write a model.py to start from: a template, or one for a Hugging Face model and your text",
+            _init_arguments, init),
+    Command("dashboard", "serve a tune's Optuna study in optuna-dashboard", _dashboard_arguments, dashboard),
 ]
 
 

@@ -226,6 +226,7 @@ def search(profile: Profile, evaluator: Objective, budget: Budget, space: Search
         trial.set_user_attr("default", default)
         trial.set_user_attr("predicted_ms", predicted)
         trial.set_user_attr("policy_key", key)
+        trial.set_user_attr("policy", policy.to_dict())  # the policy file's content: the study reads without autoprec
         done = _same_params(state.completed(), params, trial.number, key)
         if done is not None:  # another trial (or worker) measured this policy already
             values = {key: done.user_attrs.get(key) for key in ("metric", "sqnr_db", "violation", "error")}

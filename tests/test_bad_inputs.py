@@ -177,6 +177,16 @@ POLICIES = {
     "good.json": '{"schema": "autoprec.policy", "version": 1, "default": "bf16"}',
 }
 
+# Files for `autoprec init --hf` and `autoprec dashboard` (paths inside this table's folder)
+INIT_FILES = {
+    "hf_model/config.json": '{"model_type": "bert"}',
+    "hf_model/model.safetensors": "",
+    "hf_no_weights/config.json": '{"model_type": "bert"}',
+    "hf_bad_config/config.json": "{not json",
+    "samples.txt": "one sample\nanother sample\n",
+    "blank.txt": "\n   \n\n",
+}
+
 
 @dataclass
 class Case:
@@ -291,6 +301,29 @@ CASES = [
          ["'encoder.q'", "'head'", "not in the model"]),
     Case("bench-no-policy-flag", ["bench", "{mlp}"], 2, ["--policy"]),
     Case("bench-bad-policy-first", ["bench", "{d}/nope.py", "--policy", "{d}/policy.pkl"], 1, ["not a policy file"]),
+    # ---- init ----------------------------------------------------------------------------------------------
+    Case("init-hf-missing", ["init", "--hf", "{d}/nope", "--text", "{d}/samples.txt", "--out", "{d}/i1.py"], 1,
+         ["--hf", "no such folder", "config.json"]),
+    Case("init-hf-is-a-file", ["init", "--hf", "{d}/notes.txt", "--text", "{d}/samples.txt", "--out", "{d}/i2.py"],
+         1, ["is a file, not a model folder"]),
+    Case("init-hf-not-a-model", ["init", "--hf", "{d}", "--text", "{d}/samples.txt", "--out", "{d}/i3.py"], 1,
+         ["not a Hugging Face model folder", "no config.json", "save_pretrained()"]),
+    Case("init-hf-no-weights", ["init", "--hf", "{d}/hf_no_weights", "--text", "{d}/samples.txt", "--out",
+                                "{d}/i4.py"], 1, ["no weights", "model.safetensors"]),
+    Case("init-hf-bad-config", ["init", "--hf", "{d}/hf_bad_config", "--text", "{d}/samples.txt", "--out",
+                                "{d}/i5.py"], 1, ["config.json", "not a model config"]),
+    Case("init-text-missing", ["init", "--hf", "{d}/hf_model", "--text", "{d}/nope.txt", "--out", "{d}/i6.py"], 1,
+         ["--text", "no such file", "one sample per line"]),
+    Case("init-text-blank", ["init", "--hf", "{d}/hf_model", "--text", "{d}/blank.txt", "--out", "{d}/i7.py"], 1,
+         ["blank.txt", "no samples", "one sample per line"]),
+    Case("init-text-without-hf", ["init", "--text", "{d}/samples.txt"], 1, ["--text goes with --hf"]),
+    Case("init-hf-without-text", ["init", "--hf", "{d}/hf_model"], 1, ["--hf needs --text"]),
+    Case("init-out-exists", ["init", "--out", "{d}/tiny.py"], 1, ["tiny.py", "exists", "--force"]),
+    # ---- dashboard -----------------------------------------------------------------------------------------
+    Case("dashboard-missing", ["dashboard", "{d}/no_run"], 1, ["no_run", "no such folder", "study.db"]),
+    Case("dashboard-no-study", ["dashboard", "{d}"], 1, ["no study.db", "autoprec tune"]),
+    Case("dashboard-not-sqlite", ["dashboard", "{d}/notes.txt"], 1, ["not an SQLite database"]),
+    Case("dashboard-bad-port", ["dashboard", "{d}", "--port", "http"], 2, ["--port", "whole number"]),
 ]
 
 @pytest.fixture(scope="module")
@@ -298,7 +331,8 @@ def folder(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("bad_inputs")
     for name, source in SOURCES.items():
         (d / name).write_text(textwrap.dedent(source))
-    for name, text in {**SPACES, **POLICIES}.items():
+    for name, text in {**SPACES, **POLICIES, **INIT_FILES}.items():
+        (d / name).parent.mkdir(exist_ok=True)
         (d / name).write_text(text)
     (d / "notes.txt").write_text("not a model\n")
     (d / "policy.pkl").write_bytes(pickle.dumps({"default": "bf16"}))
