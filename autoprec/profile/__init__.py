@@ -95,5 +95,7 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
                 "higher_is_better": evaluator.higher_is_better, "batches": len(sens_batches)},
         cost={"evaluations": evaluator.evaluations, "seconds": seconds, "autoprec": __version__},
         model_type=table.model_type,
+        autocast_untuned=latency.autocast_untuned,
+        not_runnable=latency.not_runnable,
     )
 

@@ -10,24 +10,30 @@ is timed separately on tensors of the recorded output shapes.
 The additive model the search uses, ``sum(layer ms) + casts at boundaries + remainder``,
 is checked against whole-model runs without hooks: fp32, blanket low precision, and a mixed
 policy with every other layer lowered.
+
+A module that is not tuned but that autocast lowers all the same (an LSTM, a GRU) may have no
+kernel in a precision (oneDNN has no fp16 LSTM with autograd on). :func:`runnable_policy` finds it:
+the layers are then timed with that module kept in fp32, and the precision is no region default
+(``not_runnable`` says why); :func:`autocast_untuned` lists such modules for the report.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 
-from ..apply import apply_policy, remove_policy
+from ..apply import AUTOCAST_LOWERED, apply_policy, remove_policy
 from ..formats import Precision
 from ..measure import call_model, median_ms, output_tensors, settle
 from ..policy import Policy
+from ..userspec import one_line
 
-__all__ = ["LatencyResult", "measure_latency", "predict_ms", "blanket_policy"]
+__all__ = ["LatencyResult", "autocast_untuned", "blanket_policy", "measure_latency", "predict_ms", "runnable_policy"]
 
 
 @dataclass
@@ -38,6 +44,10 @@ class LatencyResult:
     end_to_end_ms: dict[str, float]  # "fp32", "<p>" (blanket) and "mixed", without hooks
     prediction_error_pct: dict[str, float]  # same keys: (predicted - measured) / measured
     mixed: dict[str, str]  # the assignment of the mixed check
+    # precision (or "mixed") -> {"error": one line, "kept_fp32": ["name (Type)", ...]}: the whole model
+    # could not run in it; its layers were timed with kept_fp32 in fp32 (none timed when that is empty)
+    not_runnable: dict[str, dict] = field(default_factory=dict)
+    autocast_untuned: list[str] = field(default_factory=list)  # see autocast_untuned()
 
 
 def blanket_policy(precision: Precision, fp8_layers: Sequence[str]) -> Policy:
@@ -58,6 +68,80 @@ def predict_ms(assignment: Mapping[str, str], default: str, latency_ms: Mapping[
             casts = cast_ms[name]
             total += casts.get(precision if precision != "fp32" else default, 0.0)
     return total
+
+
+def _innermost(model: nn.Module, run: Callable[[], Any]) -> tuple[str | None, str | None]:
+    """Run ``run()`` once; on an exception, (the innermost module running when it was raised, the error
+    in one line); (None, None) when it ran."""
+    names = {id(m): n for n, m in reversed(list(model.named_modules()))}
+    stack: list[str] = []
+
+    def enter(module: nn.Module, _args: Any) -> None:
+        stack.append(names[id(module)])
+
+    def leave(_module: nn.Module, _args: Any, _output: Any) -> None:
+        stack.pop()
+
+    handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    try:
+        run()
+    except Exception as error:  # the model's own failure in this precision: reported, not raised
+        return (stack[-1] if stack else None), one_line(error.__cause__ or error)  # unwrapped from loss()'s line
+    finally:
+        for h in handles:
+            h.remove()
+    return None, None
+
+
+def runnable_policy(model: nn.Module, policy: Policy, run: Callable[[], Any], layers: Sequence[str],
+                    tries: int = 4) -> tuple[Policy | None, dict]:
+    """``policy``, or what of it the model can run: each untuned module that raises under it (no
+    kernel in that precision) is kept in fp32, one at a time (at most ``tries``). ``run()`` is one
+    pass of the model; this applies and removes the policy around it.
+
+    Returns (the policy to time, or None when a tuned layer itself raised, or a module holding or
+    inside one; ``{}`` when it ran as it is, else ``{"error": ..., "kept_fp32": [...]}``).
+    """
+    modules = dict(model.named_modules())
+    kept: list[str] = []
+    first_error = None
+    for _ in range(tries + 1):
+        apply_policy(model, policy)
+        try:
+            name, error = _innermost(model, run)
+        finally:
+            remove_policy(model)
+        if error is None:
+            return policy, ({"error": first_error, "kept_fp32": kept} if kept else {})
+        first_error = first_error or (f"{name or 'the model'} ({type(modules.get(name, model)).__name__}) raised "
+                                      f"{error}")
+        tuned = name is None or name == "" or any(
+            layer == name or layer.startswith(name + ".") or name.startswith(layer + ".") for layer in layers)
+        if tuned or len(kept) == tries:
+            return None, {"error": first_error, "kept_fp32": []}
+        kept.append(f"{name} ({type(modules[name]).__name__})")
+        policy = Policy(default=policy.default, layers={**{k: v.value for k, v in policy.layers.items()},
+                                                        name: "fp32"}, fp8=policy.fp8)
+    return None, {"error": first_error, "kept_fp32": []}
+
+
+def autocast_untuned(model: nn.Module, run: Callable[[], Any], layers: Sequence[str]) -> list[str]:
+    """The modules, as "name (Type)", that ``run()`` (one fp32 pass) calls, that are not tuned layers
+    nor inside one, and whose compute blanket autocast lowers all the same (an LSTM, a GRU, a
+    MultiheadAttention or linear that capture did not list): what blanket autocast changes beyond
+    the tuned layers, and what a region default lowers with them."""
+    ran: list[str] = []
+    handles = [m.register_forward_pre_hook(lambda _m, _a, n=n: ran.append(n))
+               for n, m in model.named_modules() if n and isinstance(m, AUTOCAST_LOWERED)
+               and not any(n == layer or n.startswith(layer + ".") for layer in layers)]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    modules = dict(model.named_modules())
+    return [f"{n} ({type(modules[n]).__name__})" for n in dict.fromkeys(ran)]
 
 
 class _LayerClock:
@@ -190,7 +274,10 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
     What the result holds, by construction: every precision timed has a time for each layer
     that can take it (fp8: ``fp8_layers``; the others: all of ``layers``), a cast time for each
     of those layers when it is low, a blanket end-to-end time and its prediction error; and a
-    remainder when it can be a region default (fp8 never is, so it has none).
+    remainder when it can be a region default (fp8 never is, so it has none). A precision the whole
+    model cannot run in (see :func:`runnable_policy`) is in ``not_runnable`` instead and has neither
+    remainder nor end-to-end time; its layers are timed only when keeping the failing untuned
+    modules in fp32 let it run.
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a whole number >= 1, got {repeats!r}")
@@ -202,22 +289,32 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
     end_to_end: dict[str, float] = {}
     checks: dict[str, tuple[dict[str, str], str]] = {}  # key -> (assignment, region default) it predicts
     blocks: dict[Precision, _Block] = {}
+    not_runnable: dict[str, dict] = {}
+
+    def plain_run() -> None:
+        with torch.no_grad():
+            call_model(model, batch)
 
     def time_block(p: Precision) -> None:
         timed = list(fp8_layers) if p is Precision.FP8 else list(layers)
-        block = _time_block(model, batch, blanket_policy(p, fp8_layers), layers, timed if p.is_low else [],
-                            device, repeats, blocks.get(Precision.FP32))
-        blocks[p] = block
-        for name in timed:
-            latency[name][p.value] = block.layer_ms[name]
-            if p.is_low:
-                casts[name][p.value] = block.cast_ms[name]
-        if p is Precision.FP8:  # never a region default: blanket fp8 is fp8 layers in an fp32 region
-            checks["fp8"] = ({n: ("fp8" if n in fp8_layers else "fp32") for n in layers}, "fp32")
-        else:
-            remainder[p.value] = block.remainder_ms
-            checks[p.value] = ({n: p.value for n in layers}, p.value)
-        end_to_end[p.value] = block.plain_ms
+        policy, failure = runnable_policy(model, blanket_policy(p, fp8_layers), plain_run, layers)
+        if failure:
+            not_runnable[p.value] = failure
+        if policy is not None:
+            block = _time_block(model, batch, policy, layers, timed if p.is_low else [], device, repeats,
+                                blocks.get(Precision.FP32))
+            blocks[p] = block
+            for name in timed:
+                latency[name][p.value] = block.layer_ms[name]
+                if p.is_low:
+                    casts[name][p.value] = block.cast_ms[name]
+        if policy is not None and not failure:  # the whole model ran in p: check it end to end
+            if p is Precision.FP8:  # never a region default: blanket fp8 is fp8 layers in an fp32 region
+                checks["fp8"] = ({n: ("fp8" if n in fp8_layers else "fp32") for n in layers}, "fp32")
+            else:
+                remainder[p.value] = block.remainder_ms
+                checks[p.value] = ({n: p.value for n in layers}, p.value)
+            end_to_end[p.value] = block.plain_ms
         if progress:
             progress(p.value)
 
@@ -227,13 +324,17 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
 
     # The blanket runs check the additive model with every layer alike; a mixed policy (every
     # other layer lowered to the fastest native region precision) checks it across boundaries.
-    fastest = min((p for p in native if p is not Precision.FP8),
+    fastest = min((p for p in native if p is not Precision.FP8 and p in blocks),
                   key=lambda p: sum(latency[n][p.value] for n in layers), default=None)
     mixed = {n: "fp32" for n in layers}
     if fastest is not None:
         mixed = {n: (fastest.value if i % 2 else "fp32") for i, n in enumerate(layers)}
-        checks["mixed"] = (mixed, "fp32")
-        end_to_end["mixed"] = _steady_ms(model, batch, Policy.from_assignment(mixed), device, repeats)
+        policy, failure = runnable_policy(model, Policy.from_assignment(mixed), plain_run, layers, tries=0)
+        if failure:
+            not_runnable["mixed"] = failure
+        else:
+            checks["mixed"] = (mixed, "fp32")
+            end_to_end["mixed"] = _steady_ms(model, batch, policy, device, repeats)
     if progress:
         progress("end to end")
 
@@ -244,4 +345,5 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
     for key, (assignment, default) in checks.items():
         predicted = predict_ms(assignment, default, latency, casts, remainder)
         error[key] = 100.0 * (predicted - end_to_end[key]) / end_to_end[key]
-    return LatencyResult(latency, casts, remainder, end_to_end, error, mixed)
+    return LatencyResult(latency, casts, remainder, end_to_end, error, mixed, not_runnable,
+                         autocast_untuned(model, plain_run, layers))

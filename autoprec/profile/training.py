@@ -52,7 +52,7 @@ from ..train_eval import (
 )
 from ..trainspec import run_loss
 from ..userspec import UserCodeError, to_device
-from .latency import _cast_ms, _LayerClock, blanket_policy, predict_ms
+from .latency import _cast_ms, _LayerClock, autocast_untuned, blanket_policy, predict_ms, runnable_policy
 from .result import LayerProfile, Profile, Sensitivity, device_name, fingerprint
 
 __all__ = ["profile_training", "UNDERFLOW_FLAG"]
@@ -244,8 +244,12 @@ def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any]
     fp8_layers = [n for n in names if "fp8" in candidates[n]]
     attribution = "full backward hooks"
     blocks: dict[str, dict[str, Any]] = {}
+    not_runnable: dict[str, dict] = {}  # see latency.runnable_policy: e.g. oneDNN has no fp16 LSTM with autograd
     for p in tqdm(timed, desc="step time", unit="precision", disable=not progress, leave=False):
-        policy = blanket_policy(p, fp8_layers)
+        policy, not_runnable[p.value] = runnable_policy(model, blanket_policy(p, fp8_layers),
+                                                        lambda: _step(model, batch, loss, path), names)
+        if policy is None:
+            continue
         try:
             blocks[p.value] = _time_precision(model, batch, loss, path, policy, names, device, repeats,
                                               backward_hooks=attribution == "full backward hooks")
@@ -262,9 +266,10 @@ def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any]
             for n in names:
                 if p in candidates[n]:
                     casts[n][p] = 2.0 * _cast_ms(b["outputs"].get(n, []), device)  # activation fwd, gradient bwd
+    not_runnable = {p: failure for p, failure in not_runnable.items() if failure}
     remainder = {p: b["step_ms"] - sum(b["forward_ms"].values()) - sum(b["backward_ms"].values())
-                 for p, b in blocks.items() if p != "fp8"}
-    end_to_end = {p: b["plain_ms"] for p, b in blocks.items()}
+                 for p, b in blocks.items() if p != "fp8" and p not in not_runnable}
+    end_to_end = {p: b["plain_ms"] for p, b in blocks.items() if p not in not_runnable}
     error = {}
     for p in remainder:
         assignment = {n: p for n in names}
@@ -303,4 +308,6 @@ def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any]
         cost={"evaluations": sum(map(len, candidates.values())), "seconds": seconds, "autoprec": __version__},
         model_type=table.model_type,
         training=training,
+        autocast_untuned=autocast_untuned(model, lambda: run_loss(path, loss, model, batch), names),
+        not_runnable=not_runnable,
     )
