@@ -83,9 +83,13 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _precisions(text: str) -> list[str]:
     try:
-        return [Precision.parse(p).value for p in text.split(",") if p.strip()]
+        precisions = [Precision.parse(p).value for p in text.split(",") if p.strip()]
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if not any(Precision.parse(p).is_low for p in precisions):  # fp32 is always the reference, never a candidate
+        raise argparse.ArgumentTypeError(f"{text!r} names no low precision to try; give one or more of "
+                                         "bf16, fp16, fp8 (comma-separated), e.g. --precisions bf16,fp16")
+    return precisions
 
 
 def _positive_int(text: str) -> int:
@@ -136,6 +140,13 @@ def _check_device(device: str) -> None:
         raise CommandError(f"bad --device {device!r}: {e}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise CommandError(f"--device {device}: no CUDA device is available here; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise CommandError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                           f"cuda:0 to cuda:{torch.cuda.device_count() - 1}; give one of them")
+    if dev.type not in ("cpu", "cuda"):
+        why = " (meta tensors hold no data)" if dev.type == "meta" else ""
+        raise CommandError(f"--device {device}: autoprec cannot run a model on {dev.type!r}{why}; "
+                           "use --device cpu or cuda")
 
 
 def _budget_arguments(parser: argparse.ArgumentParser) -> None:
@@ -320,9 +331,16 @@ def estimate(args: argparse.Namespace) -> int:
           f"cost model (not measured):")
     for gemm in result["gemms"]:
         ms = gemm["ms"]
-        cells = "  ".join(f"{p} {'n/a' if v is None else f'{v:.4g} ms'}" for p, v in ms.items())
-        speedups = "  ".join(f"{p} {ms['bf16'] / v:.2f}x" for p, v in ms.items() if v is not None and p != "bf16")
-        print(f"  {'x'.join(map(str, gemm['shape']))}: {cells}  | vs bf16: {speedups}")
+
+        def cell(p: str, v: float | None, gemm: dict = gemm) -> str:
+            if p in gemm["too_big"]:
+                return f"{p} too big ({gemm['gb'][p]:.4g} GB > {result['memory_gb']:g} GB)"
+            return f"{p} {'n/a' if v is None else f'{v:.4g} ms'}"
+
+        cells = "  ".join(cell(p, v) for p, v in ms.items())
+        speedups = "  ".join(f"{p} {ms['bf16'] / v:.2f}x" for p, v in ms.items()
+                             if v is not None and ms["bf16"] is not None and p != "bf16")
+        print(f"  {'x'.join(map(str, gemm['shape']))}: {cells}" + (f"  | vs bf16: {speedups}" if speedups else ""))
     return 0
 
 
@@ -410,10 +428,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Options whose value may start with a minus and a digit without being a number ("--gemm -5x2x3"): argparse
+# would read it as an option; glued to its flag ("--gemm=-5x2x3") it reaches the option's own check.
+_DASH_VALUES = ("--gemm",)
+
+
+def _glue_dash_values(argv: Sequence[str]) -> list[str]:
+    argv = list(argv)
+    glued = []
+    for i, token in enumerate(argv):
+        if i and argv[i - 1] in _DASH_VALUES and token[:1] == "-" and token[1:2].isdigit() and glued[-1] == argv[i - 1]:
+            glued[-1] = f"{argv[i - 1]}={token}"
+        else:
+            glued.append(token)
+    return glued
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args, extra = parser.parse_known_args(argv)
+        args, extra = parser.parse_known_args(_glue_dash_values(sys.argv[1:] if argv is None else argv))
         if extra:  # reported by the subcommand's parser, so its help is what gets printed
             args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as e:  # usage error (2) or --help (0): argparse has printed what to say

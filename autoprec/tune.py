@@ -33,6 +33,7 @@ from .profile import Profile, ProfileError, device_name, predict_ms
 from .results import TuneResult
 from .search import Candidate, SearchResult, open_storage, search
 from .searchspace import SearchSpace, allows_everywhere, choose_preset
+from .userspec import check_fp32_model
 from .verify import Verification, autocast_baseline, verify
 from .version import __version__
 from .workloads import Workload
@@ -144,6 +145,7 @@ def _refuse_unknown(settings: dict[str, Any], known: set[str]) -> None:
 def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None]) -> TuneResult:
     """The pipeline, once for every workload: checks, profile, search, verify, outputs."""
     # Cheap checks first: nothing expensive runs before every argument is known to be usable.
+    check_fp32_model(workload.model)  # a .half() or meta model: one line now, not wrong labels later
     workload.check(config)
     the_budget = workload.budget(config, getattr(workload, "evaluate", None) is not None)
     space = SearchSpace.load(config.search_space) if config.search_space != "auto" else None

@@ -26,9 +26,9 @@ from torch import nn
 
 from .batches import BATCH_FORMS, OutputError, batch_args, call_model, describe_batch, fidelity_outputs, to_device
 
-__all__ = ["HOLDOUT_FRACTION", "UserCodeError", "UserSpec", "as_metric", "batch_args", "call_model", "call_user",
-           "describe_batch", "find_function", "import_model_py", "kind_of", "line_in", "load_model_py", "one_line",
-           "run_evaluate", "split_holdout", "to_device", "user_function"]
+__all__ = ["HOLDOUT_FRACTION", "ModelDataError", "UserCodeError", "UserSpec", "as_metric", "batch_args", "call_model",
+           "call_user", "check_fp32_model", "describe_batch", "find_function", "import_model_py", "kind_of", "line_in",
+           "load_model_py", "one_line", "run_evaluate", "split_holdout", "to_device", "user_function"]
 
 HOLDOUT_FRACTION = 0.25  # the last quarter of the batches verifies the winner; the search never sees them
 
@@ -42,6 +42,42 @@ class UserCodeError(Exception):
 
     def __reduce__(self) -> tuple:  # picklable, e.g. across worker processes
         return type(self), (self.path, self.function, self.problem, self.fix)
+
+
+class ModelDataError(ValueError):
+    """The model's weights are not fp32 tensors holding data; ``problem`` and ``fix`` say it in words."""
+
+    def __init__(self, problem: str, fix: str):
+        self.problem, self.fix = problem, fix
+        super().__init__(f"{problem}; fix: {fix}")
+
+
+def check_fp32_model(model: nn.Module) -> None:
+    """Refuse a model autoprec cannot tune as it is: weights on the ``meta`` device (no data to run),
+    or floating parameters and buffers that are not float32 (a ``.half()``, ``.bfloat16()`` or
+    float64 model): every table, policy and report calls the reference "fp32", so it must be fp32.
+
+    Raises :class:`ModelDataError` (a ValueError) naming the dtypes found and the fix.
+    """
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    on_meta = [name for name, t in tensors if t.device.type == "meta"]
+    if on_meta:
+        raise ModelDataError(
+            f"the model's weights are on the 'meta' device, so they hold no data ({len(on_meta)} of "
+            f"{len(tensors)} tensors, e.g. {on_meta[0]!r})",
+            "load real weights before returning the model, e.g. `model.to_empty(device='cpu')` then "
+            "`model.load_state_dict(...)`, or build it without torch.device('meta')")
+    found: dict[torch.dtype, list[str]] = {}
+    for name, t in tensors:
+        if t.is_floating_point() and t.dtype != torch.float32:
+            found.setdefault(t.dtype, []).append(name)
+    if found:
+        floats = sum(t.is_floating_point() for _, t in tensors)
+        dtypes = ", ".join(f"{str(dtype).removeprefix('torch.')} ({len(names)} of {floats} floating tensors, "
+                           f"e.g. {names[0]!r})" for dtype, names in found.items())
+        raise ModelDataError(f"the model is not fp32: its weights are {dtypes}; autoprec tunes an fp32 model "
+                             "and lowers layers itself",
+                             "return model.float() (and float32 inputs from get_batches())")
 
 
 @dataclass
@@ -265,6 +301,10 @@ def load_model_py(path: str | Path, holdout_fraction: float = HOLDOUT_FRACTION, 
     if not isinstance(model, nn.Module):
         raise UserCodeError(path, "get_model()", f"returned {kind_of(model)}, not a torch.nn.Module",
                             "return the model itself, e.g. `return Net()`")
+    try:
+        check_fp32_model(model)
+    except ModelDataError as error:
+        raise UserCodeError(path, "get_model()", error.problem, error.fix) from None
     batches = _check_batches(call_user(path, "get_batches", get_batches), path)
 
     spec = UserSpec(path, model, *split_holdout(batches, holdout_fraction), evaluate, higher_is_better)

@@ -222,3 +222,35 @@ def test_a_loss_that_runs_only_in_train_mode_tunes_and_dropout_is_no_noise(tmp_p
     same = objective.measure(Policy())
     assert same.sqnr_db == math.inf and same.metric == objective.metric_fp32
     assert not model.training  # measuring leaves the model's mode as it was
+
+
+class _LSTMFirst(torch.nn.Module):
+    """An untuned LSTM reading the fp32 input: under fp16 autocast with autograd on, oneDNN (CPU) has
+    no kernel for it (issue 15's traceback); elsewhere it may run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = torch.nn.LSTM(16, 16, batch_first=True)
+        self.fc, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc(self.rnn(x)[0]))
+
+
+def test_an_untuned_lstm_does_not_crash_the_training_step_time_and_is_reported():
+    torch.manual_seed(0)
+    model = _LSTMFirst()
+    batches = [torch.randn(4, 6, 16) for _ in range(2)]
+
+    def loss(m, batch):
+        return m(batch).pow(2).mean()
+
+    profile = profile_training(model, capture(model, batches[0]), batches, loss, precisions=["bf16", "fp16"],
+                               repeats=1, progress=False)
+    assert profile.autocast_untuned == ["rnn (LSTM)"]
+    assert "bf16" in profile.remainder_ms
+    if "fp16" in profile.not_runnable:  # this CPU: timed with the LSTM kept fp32, and no fp16 region default
+        assert profile.not_runnable["fp16"]["kept_fp32"] == ["rnn (LSTM)"]
+        assert "fp16" not in profile.remainder_ms and "fp16" in profile.layer("fc").latency_ms
+    else:
+        assert "fp16" in profile.remainder_ms

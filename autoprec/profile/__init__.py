@@ -77,4 +77,5 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
                     latency.prediction_error_pct,
                     metric={"kind": "fidelity" if evaluator.uses_fidelity else "user", "fp32": evaluator.metric_fp32,
                             "higher_is_better": evaluator.higher_is_better, "batches": len(sens_batches)},
-                    cost={"evaluations": evaluator.evaluations, "seconds": seconds})
+                    cost={"evaluations": evaluator.evaluations, "seconds": seconds},
+                    autocast_untuned=latency.autocast_untuned, not_runnable=latency.not_runnable)

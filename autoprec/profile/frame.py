@@ -38,7 +38,8 @@ def assemble(model: nn.Module, table: LayerTable, batches: Sequence[Any], where:
              cast_ms: Mapping[str, dict[str, float]], sensitivity: Mapping[str, dict[str, Sensitivity]],
              end_to_end_ms: dict[str, float], remainder_ms: dict[str, float], prediction_error_pct: dict[str, float],
              metric: dict[str, Any], cost: dict[str, Any], flops_per_layer: int = 1,
-             training: dict[str, Any] | None = None) -> Profile:
+             training: dict[str, Any] | None = None, autocast_untuned: Sequence[str] = (),
+             not_runnable: Mapping[str, dict] | None = None) -> Profile:
     """The profile of ``model`` over ``table``; ``batches``: what it was profiled on (its fingerprint),
     ``where``: the device it holds for (or "estimated for <GPU>")."""
     layers = [LayerProfile(name=layer.name, kind=layer.kind, type=layer.type, flops=flops_per_layer * int(layer.flops),
@@ -50,7 +51,8 @@ def assemble(model: nn.Module, table: LayerTable, batches: Sequence[Any], where:
         capture_method=table.method, not_exercised=list(table.not_exercised), layers=layers,
         end_to_end_ms=end_to_end_ms, remainder_ms=remainder_ms, prediction_error_pct=prediction_error_pct,
         metric=metric, cost={**cost, "autoprec": __version__}, model_type=table.model_type, training=training,
-        timed="forward" if training is None else "training step")
+        timed="forward" if training is None else "training step", autocast_untuned=list(autocast_untuned),
+        not_runnable=dict(not_runnable or {}))
 
 
 def device_label(device: torch.device, target: str | None = None) -> str:

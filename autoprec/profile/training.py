@@ -56,6 +56,7 @@ from .clock import LayerClock, cast_ms
 from .frame import assemble, layer_candidates, low_precisions
 from .latency import blanket_policy, predict_ms
 from .result import Profile, Sensitivity, device_name
+from .runnable import autocast_untuned, runnable_policy
 
 __all__ = ["profile_training", "UNDERFLOW_FLAG"]
 
@@ -204,8 +205,12 @@ def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any]
     fp8_layers = [n for n in names if "fp8" in candidates[n]]
     attribution = "full backward hooks"
     blocks: dict[str, dict[str, Any]] = {}
+    not_runnable: dict[str, dict] = {}  # see latency.runnable_policy: e.g. oneDNN has no fp16 LSTM with autograd
     for p in tqdm(timed, desc="step time", unit="precision", disable=not progress, leave=False):
-        policy = blanket_policy(p, fp8_layers)
+        policy, not_runnable[p.value] = runnable_policy(model, blanket_policy(p, fp8_layers),
+                                                        lambda: _step(model, batch, loss, path), names)
+        if policy is None:
+            continue
         try:
             blocks[p.value] = _time_precision(model, batch, loss, path, policy, names, device, repeats,
                                               backward_hooks=attribution == "full backward hooks")
@@ -222,9 +227,10 @@ def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any]
             for n in names:
                 if p in candidates[n]:
                     casts[n][p] = 2.0 * cast_ms(b["outputs"].get(n, []), device)  # activation fwd, gradient bwd
+    not_runnable = {p: failure for p, failure in not_runnable.items() if failure}
     remainder = {p: b["step_ms"] - sum(b["forward_ms"].values()) - sum(b["backward_ms"].values())
-                 for p, b in blocks.items() if p != "fp8"}
-    end_to_end = {p: b["plain_ms"] for p, b in blocks.items()}
+                 for p, b in blocks.items() if p != "fp8" and p not in not_runnable}
+    end_to_end = {p: b["plain_ms"] for p, b in blocks.items() if p not in not_runnable}
     error = {}
     for p in remainder:
         assignment = {n: p for n in names}
@@ -249,4 +255,6 @@ def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any]
                     remainder, error, metric={"kind": "loss", "fp32": reference.loss, "higher_is_better": False,
                                               "batches": 1},
                     cost={"evaluations": sum(map(len, candidates.values())), "seconds": seconds},
-                    flops_per_layer=3, training=training)
+                    flops_per_layer=3, training=training,
+                    autocast_untuned=autocast_untuned(model, lambda: run_loss(path, loss, model, batch), names),
+                    not_runnable=not_runnable)
