@@ -191,6 +191,10 @@ class Ratio:
             decision = "tie" if precise else "undecided"
         return cls(math.exp(centre), math.exp(low), math.exp(high), len(logs), decision)
 
+    def within(self, rel_precision: float) -> bool:
+        """Whether the interval is within ±``rel_precision`` of the estimate."""
+        return self.low > 0 and math.sqrt(self.high / self.low) <= 1 + rel_precision
+
     def __str__(self) -> str:
         return f"{self.estimate:.2f}x [{self.low:.2f}, {self.high:.2f}] over {self.rounds} rounds"
 
@@ -206,8 +210,9 @@ class Comparison:
     seconds: float
     confidence: float
     rel_precision: float
-    capped_by: str | None = None  # "rounds" or "seconds" when a cap ended it before all were decided
+    capped_by: str | None = None  # "rounds" or "seconds" when a cap ended it before all were done
     caps: dict[str, float] = field(default_factory=dict)  # "rounds", "seconds"
+    until: str = "decided"  # what "done" meant: every ratio decided, or every interval precise
 
     def ratio(self, entry: str, baseline: str) -> Ratio:
         """``entry``'s time over ``baseline``'s, paired round by round."""
@@ -222,6 +227,9 @@ class Comparison:
 
     @property
     def undecided(self) -> list[str]:
+        """The entries not done: undecided, or (``until="precise"``) measured less precisely than asked."""
+        if self.until == "precise":
+            return [name for name, r in self.ratios.items() if not r.within(self.rel_precision)]
         return [name for name, r in self.ratios.items() if not r.decided]
 
     @property
@@ -252,6 +260,9 @@ class Comparison:
             return f"{noise}: all {n} comparisons decided in {self.rounds} rounds ({self.seconds:.1f} s)"
         cap = (f"cap {self.caps['seconds']:g} s" if self.capped_by == "seconds"
                else f"cap {int(self.caps['rounds'])} rounds")
+        if self.until == "precise":
+            return (f"{noise} on this machine: {len(self.undecided)} of {n} ratios not measured to "
+                    f"±{self.rel_precision * 100:g}% after {self.rounds} rounds ({cap}); see their intervals")
         return (f"{noise} on this machine: {len(self.undecided)} of {n} comparisons undecided after "
                 f"{self.rounds} rounds ({cap}); not distinguishable from {self.reference}, treated as ties")
 
@@ -286,8 +297,12 @@ def _default_sync(device: str) -> Callable[[], None]:
 def compare(runs: Mapping[str, Callable[[], Any]], *, reference: str, device: str = "cpu", min_rounds: int = 6,
             max_rounds: int = 60, max_seconds: float = 20.0, rel_precision: float = 0.03,
             confidence: float = 0.95, warmup: bool = True, clock: Callable[[], float] = time.perf_counter,
-            sync: Callable[[], None] | None = None) -> Comparison:
+            sync: Callable[[], None] | None = None, until: str = "decided") -> Comparison:
     """Time ``runs`` against ``runs[reference]`` until every ratio is decided or a cap is hit.
+
+    ``until="precise"`` goes on until every interval is within ±``rel_precision`` instead: for
+    figures that are used as magnitudes (per-layer costs, a benchmark's ratios between entries),
+    not only as a direction.
 
     ``min_rounds`` always run (6 is the fewest that can decide anything at 95%); after that a
     new round starts only while fewer than ``max_rounds`` ran and the rounds so far predict it
@@ -301,7 +316,12 @@ def compare(runs: Mapping[str, Callable[[], Any]], *, reference: str, device: st
         raise ValueError(f"compare: need 0 < confidence < 1, rel_precision > 0, 1 <= min_rounds <= max_rounds; "
                          f"got confidence={confidence}, rel_precision={rel_precision}, "
                          f"min_rounds={min_rounds}, max_rounds={max_rounds}")
+    if until not in ("decided", "precise"):
+        raise ValueError(f"compare: until must be 'decided' or 'precise', got {until!r}")
     sync = sync or _default_sync(device)
+
+    def done(r: Ratio) -> bool:
+        return r.decided if until == "decided" else r.within(rel_precision)
 
     def once(fn: Callable[[], Any]) -> float:
         start = clock()
@@ -324,7 +344,7 @@ def compare(runs: Mapping[str, Callable[[], Any]], *, reference: str, device: st
         rounds_started = clock()
         while True:
             if rounds >= min_rounds:
-                if all(r.decided for r in ratios.values()):
+                if all(done(r) for r in ratios.values()):
                     break
                 per_round = (clock() - rounds_started) / rounds
                 if rounds >= max_rounds:
@@ -342,7 +362,7 @@ def compare(runs: Mapping[str, Callable[[], Any]], *, reference: str, device: st
         if gc_was_enabled:
             gc.enable()
     return Comparison(reference, samples, ratios, rounds, clock() - start, confidence, rel_precision,
-                      capped_by, {"rounds": max_rounds, "seconds": max_seconds})
+                      capped_by, {"rounds": max_rounds, "seconds": max_seconds}, until)
 
 
 def _settle(fn: Callable[[], Any], once: Callable[[Callable[[], Any]], float], max_runs: int = 12,

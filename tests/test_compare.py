@@ -178,3 +178,17 @@ def test_looking_after_every_round_keeps_false_decisions_near_the_stated_rate():
     false = sum(not fake_compare(FakeMachine(seed=seed, noise=0.05), {"fp32": 10.0, "same": 10.0}).ratios["same"].tie
                 for seed in range(100))
     assert false <= 6  # 4 here; 10 with every look at the plain 95% (no correction for looking)
+
+
+def test_until_precise_measures_every_ratio_to_the_asked_precision():
+    nominal = {"fp32": 10.0, "a": 5.0, "b": 5.2}  # both far from fp32: decided in a few rounds
+    quick = fake_compare(FakeMachine(seed=4, noise=0.06), nominal)
+    precise = fake_compare(FakeMachine(seed=4, noise=0.06), nominal, until="precise", max_rounds=200)
+    assert quick.decided and not all(r.within(0.03) for r in quick.ratios.values())
+    assert precise.decided and all(r.within(0.03) for r in precise.ratios.values())
+    assert precise.rounds > quick.rounds
+    capped = fake_compare(FakeMachine(seed=4, noise=0.06), nominal, until="precise", rel_precision=0.002,
+                          max_rounds=20)
+    assert capped.undecided == ["a", "b"] and "2 of 2 ratios not measured to ±0.2%" in capped.verdict
+    with pytest.raises(ValueError, match="until must be"):
+        compare({"fp32": lambda: None}, reference="fp32", until="forever")
