@@ -9,8 +9,8 @@
 2. The pretrained MiniLM (examples/minilm/model.py): the same tune three times at
    ``--min-sqnr 45``, and once at the default 30 dB for the wall time.
 3. Per model, one interleaved :func:`autoprec.compare.compare` run on batches no tune saw:
-   fp32, blanket autocast bf16, the structured heuristics (as autoprec's search builds them,
-   plus the hand policies: planted "traps fp32, the rest bf16", MiniLM "blocks 4 and 5 fp32")
+   fp32, blanket autocast (bf16 and fp16), the structured heuristics (as autoprec's search builds them,
+   plus the hand policies: planted "traps fp32, the rest bf16" (and fp16), MiniLM "blocks 4 and 5 fp32")
    and every chosen policy; each policy's latency ratio to fp32 with its interval, and its
    output SQNR against fp32 on those unseen batches.
 
@@ -52,7 +52,8 @@ from autoprec.structure import Structure, find_parts  # noqa: E402
 PLANTED = ROOT / "benchmarks" / "models" / "planted" / "model.py"
 MINILM = ROOT / "examples" / "minilm" / "model.py"
 TUNE_TIMEOUT_S = 1800  # one tune; the neighbour never outlives it
-AUTOCAST = "autocast"  # the entry that runs the fp32 model under torch.autocast(bfloat16)
+# Blanket torch.autocast, as a user writes it: an entry given as a Precision runs the fp32 model under it.
+AUTOCAST = {"autocast bf16": autoprec.Precision.BF16, "autocast fp16": autoprec.Precision.FP16}
 
 # A noisy neighbour: one busy Python thread, 1.5 s on and 1 s off, that ends by itself after argv[1] s.
 NEIGHBOUR = """
@@ -146,8 +147,10 @@ def side_by_side(get_model: Callable[[], torch.nn.Module], batch: Any, entries: 
         if isinstance(how, autoprec.Policy):
             autoprec.apply_policy(model, how)
 
-        def run(model: torch.nn.Module = model, autocast: bool = isinstance(how, str)) -> None:
-            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        def run(model: torch.nn.Module = model, how: Any = how) -> None:
+            autocast = isinstance(how, autoprec.Precision)
+            with torch.no_grad(), torch.autocast("cpu", dtype=how.autocast_dtype if autocast else None,
+                                                 enabled=autocast):
                 call_model(model, batch)
         runs[label] = run
     # until every ratio is known to ±2%: the goals compare chosen policies with each other (5%)
@@ -157,8 +160,9 @@ def side_by_side(get_model: Callable[[], torch.nn.Module], batch: Any, entries: 
 
 def fidelity(get_model: Callable[[], torch.nn.Module], batches: list, entries: dict[str, Any]) -> dict[str, float]:
     evaluator = Evaluator(get_model().eval(), batches)
-    return {label: evaluator.measure(autoprec.Policy(default="bf16") if isinstance(how, str) else how).sqnr_db
-            for label, how in entries.items() if how is not None}
+    policies = {label: autoprec.Policy(default=how) if isinstance(how, autoprec.Precision) else how
+                for label, how in entries.items() if how is not None}
+    return {label: evaluator.measure(policy).sqnr_db for label, policy in policies.items()}
 
 
 def study(name: str, module: Any, runs: dict[str, dict], hand: dict[str, autoprec.Policy], timing_batch: Any,
@@ -166,7 +170,7 @@ def study(name: str, module: Any, runs: dict[str, dict], hand: dict[str, autopre
     """Time and check every chosen policy beside fp32, autocast and the heuristics."""
     model = module.get_model().eval()
     layers = capture(model, module.get_batches()[:1]).names()
-    entries: dict[str, Any] = {"fp32": None, AUTOCAST: AUTOCAST, **{f"hand: {k}": p for k, p in hand.items()}}
+    entries: dict[str, Any] = {"fp32": None, **AUTOCAST, **{f"hand: {k}": p for k, p in hand.items()}}
     for k, p in heuristics(model, layers).items():
         if p not in entries.values():  # one the hand policies already are
             entries[f"heuristic: {k}"] = p
@@ -211,7 +215,8 @@ def planted_goals(result: dict[str, Any], runs: dict[str, dict]) -> dict[str, An
                         "vs_fastest_chosen": versus, "within_5pct": versus.estimate <= 1.05,
                         "floor_met": record["sqnr_unseen"] >= 30}
         per_run[run]["ok"] = all(per_run[run][k] for k in ("traps_fp32", "blocks_lowered", "within_5pct", "floor_met"))
-    return {"fastest_chosen": fastest, "runs": per_run, "met": bool(per_run) and all(r["ok"] for r in per_run.values())}
+    return {"fastest_chosen": fastest, "runs": per_run, "timing": comparison.verdict,
+            "met": bool(per_run) and all(r["ok"] for r in per_run.values())}
 
 
 def minilm_goals(result: dict[str, Any], runs: dict[str, dict], floor: float) -> dict[str, Any]:
@@ -226,11 +231,12 @@ def minilm_goals(result: dict[str, Any], runs: dict[str, dict], floor: float) ->
         versus = comparison.ratio(result["chosen"][run], best) if best else None
         per_run[run] = {"vs_best_heuristic": versus, "floor_met": record["sqnr_unseen"] >= floor,
                         "ok": versus is not None and versus.estimate <= 0.95 and record["sqnr_unseen"] >= floor}
-    return {"best_heuristic": best, "runs": per_run, "met": bool(per_run) and all(r["ok"] for r in per_run.values())}
+    return {"best_heuristic": best, "runs": per_run, "timing": comparison.verdict,
+            "met": bool(per_run) and all(r["ok"] for r in per_run.values())}
 
 
 def table(title: str, runs: dict[str, dict], goals: dict[str, Any]) -> None:
-    print(f"\n{title}")
+    print(f"\n{title}\n({goals['timing']})")
     print(f"{'run':14s} {'tune s':>7s}  {'latency / fp32 [interval]':42s} {'SQNR':>6s} {'goal':4s}  policy")
     for run, record in runs.items():
         if record["policy"] is None:
@@ -290,8 +296,8 @@ def main() -> None:
               + (f"{len(record['policy'].layers)} rules, default {record['policy'].default}" if record["policy"]
                  else str(record["log_tail"][-1:])), flush=True)
 
-    traps_hand = {"traps fp32, rest bf16": autoprec.Policy.from_assignment(
-        {"trap_in": "fp32", "trap_out": "fp32"}, "bf16")}
+    traps_hand = {f"traps fp32, rest {p}": autoprec.Policy.from_assignment({"trap_in": "fp32", "trap_out": "fp32"}, p)
+                  for p in ("bf16", "fp16")}
     planted_result = study("planted", planted, runs["planted"], traps_hand, planted.get_batches(seed=1)[0],
                            planted.get_batches(seed=1), timing_cap)
     blocks_hand = {"blocks 4 and 5 fp32": autoprec.Policy.from_assignment(
