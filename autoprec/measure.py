@@ -8,6 +8,7 @@ case over batches; the metric is the user's ``evaluate`` or, without one, that f
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 import sys
@@ -25,8 +26,8 @@ from .policy import Policy
 from .userspec import UserCodeError, as_metric, one_line, user_function
 
 __all__ = ["BatchError", "Evaluator", "Measurement", "OutputError", "call_model", "fidelity_outputs",
-           "interleaved_ms", "interleaved_samples", "median_ms", "output_tensors", "rotations", "settle", "time_ms",
-           "to_device"]
+           "interleaved_ms", "interleaved_samples", "median_ms", "output_tensors", "policy_runs", "rotations", "settle",
+           "time_ms", "to_device"]
 
 class BatchError(ValueError):
     """The unchanged fp32 model fails on one of its own batches."""
@@ -82,6 +83,49 @@ def rotations(keys: Sequence[str], rounds: int) -> Iterator[tuple[int, str]]:
         shift = turn % len(keys) if keys else 0
         for key in [*keys[shift:], *keys[:shift]]:
             yield turn, key
+
+
+def policy_runs(model: nn.Module, batch: Any, runners: Mapping[str, Policy | Precision | None],
+                device: str | torch.device = "cpu") -> dict[str, Callable[[], Any]]:
+    """One forward per entry as a callable, for :func:`autoprec.compare.compare`: a Policy runs on its own
+    copy of the model with the policy applied once (as a user runs it: no apply in the timed call), a
+    Precision under blanket ``torch.autocast``, None the plain fp32 model. All without gradients."""
+    device = torch.device(device)
+    runs: dict[str, Callable[[], Any]] = {}
+    for key, how in runners.items():
+        if isinstance(how, Policy):
+            try:
+                copy_of = copy.deepcopy(model)
+            except Exception:  # a model that cannot be copied: apply and remove around each call instead
+                copy_of = None
+            if copy_of is not None:
+                apply_policy(copy_of, how)
+                runs[key] = _no_grad(lambda m=copy_of: call_model(m, batch))
+            else:
+                runs[key] = _no_grad(lambda how=how: _applied(model, how, lambda: call_model(model, batch)))
+        elif isinstance(how, Precision):
+            def autocast(how: Precision = how) -> Any:
+                with torch.autocast(device.type, dtype=how.autocast_dtype):
+                    return call_model(model, batch)
+            runs[key] = _no_grad(autocast)
+        else:
+            runs[key] = _no_grad(lambda: call_model(model, batch))
+    return runs
+
+
+def _no_grad(fn: Callable[[], Any]) -> Callable[[], Any]:
+    def run() -> Any:
+        with torch.no_grad():
+            return fn()
+    return run
+
+
+def _applied(model: nn.Module, policy: Policy, fn: Callable[[], Any]) -> Any:
+    apply_policy(model, policy)
+    try:
+        return fn()
+    finally:
+        remove_policy(model)
 
 
 def interleaved_ms(model: nn.Module, batch: Any, runners: Mapping[str, Policy | Precision | None],

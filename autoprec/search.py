@@ -87,7 +87,7 @@ def plan_units(profile: Profile, space: SearchSpace, precisions: Sequence[str]) 
                 why = "overflows (inf/NaN)"
             elif profile.capabilities.get(p) == "emulated":
                 why = f"emulated on this device (accuracy only; measured {ms:.3g} vs fp32 {fp32_ms:.3g} ms)"
-            elif ms > (1 - SPEED_MARGIN) * fp32_ms:
+            elif _not_faster(profile, unit.layers, p, ms, fp32_ms):
                 why = f"not faster than fp32 here ({ms:.3g} vs {fp32_ms:.3g} ms)"
             if why:
                 dropped.setdefault(unit.key, []).append(f"{p}: {why}")
@@ -95,6 +95,16 @@ def plan_units(profile: Profile, space: SearchSpace, precisions: Sequence[str]) 
                 keep.append(p)
         kept_units.append(Unit(unit.key, unit.layers, tuple(keep)))
     return kept_units, pinned, dropped
+
+
+def _not_faster(profile: Profile, layers: Sequence[str], p: str, ms: float, fp32_ms: float) -> bool:
+    """Whether ``p`` is not worth a boundary for these layers: for a layer timed in paired rounds, when
+    its whole interval of the ratio to fp32 lies above 1 - :data:`SPEED_MARGIN` (decided, not a noisy
+    median); otherwise by the medians. An undecided layer stays a candidate: verification measures."""
+    intervals = [profile.latency_ratio.get(n, {}).get(p) for n in layers]
+    if len(layers) == 1 and intervals[0] is not None:
+        return intervals[0][1] >= 1 - SPEED_MARGIN
+    return ms > (1 - SPEED_MARGIN) * fp32_ms
 
 
 def choose_default(assignment: Mapping[str, str], profile: Profile) -> str:

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from .batches import describe_batch, to_device
 from .budget import Budget
+from .compare import Ratio
 from .formats import Capability, Precision, device_capabilities
 from .measure import Evaluator, interleaved_samples
 from .objective import Measurement, Objective
@@ -112,13 +113,27 @@ class Verification:
         return self.speedup_of("tuned", "autocast").ratio if "tuned" in self.samples else None
 
 
-def fastest_simplest(options: Sequence[Any], ms: Callable[[Any], float], rules: Callable[[Any], int]) -> Any:
-    """The option to keep: within timing noise (:data:`TIE_TOLERANCE`) of the fastest, the one with the
-    fewest rules. A simpler policy that measures the same is the better one to keep (and to trust on
-    other batches). Whether it beats fp32 is the caller's check."""
-    fastest = min(ms(o) for o in options)
-    close = [o for o in options if ms(o) <= fastest * (1 + TIE_TOLERANCE)]
+def fastest_simplest(options: Sequence[Any], ms: Callable[[Any], float], rules: Callable[[Any], int],
+                     slower: Callable[[Any, Any], bool] | None = None) -> Any:
+    """The option to keep: of those not measurably slower than the fastest, the one with the fewest
+    rules. A simpler policy that measures the same is the better one to keep (and to trust on other
+    batches). ``slower(a, b)``: whether ``a`` is decided slower than ``b`` (default: more than
+    :data:`TIE_TOLERANCE` slower). Whether it beats fp32 is the caller's check."""
+    fastest = min(options, key=ms)
+    if slower is None:
+        def slower(a: Any, b: Any) -> bool:
+            return ms(a) > ms(b) * (1 + TIE_TOLERANCE)
+    close = [o for o in options if o is fastest or not slower(o, fastest)]
     return min(close, key=lambda o: (rules(o), ms(o)))
+
+
+def paired_ratio(samples: Mapping[str, Sequence[float]], key: str, over: str) -> Ratio | None:
+    """``key``'s time over ``over``'s from their paired rounds (None when a run broke down or there
+    is one estimate each: nothing to pair)."""
+    a, b = samples[key], samples[over]
+    if len(a) < 2 or len(a) != len(b) or not all(math.isfinite(x) and x > 0 for x in [*a, *b]):
+        return None
+    return Ratio.of(a, b)
 
 
 def is_blanket(policy: Policy, autocast: Precision) -> bool:
@@ -177,11 +192,13 @@ def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, 
     if estimated_ms is not None:  # one estimate per entry stands in for the timed rounds
         as_policy = {"fp32": Policy(), "autocast": Policy(default=autocast)}
         samples = {key: [estimated_ms(as_policy.get(key, how))] for key, how in timed.items()}
-        _, timed_on = workload.time({}, device)
+        _, timed_on, _ = workload.time({}, device)
         notes.append(f"latencies are estimated for {estimated_for} by the cost model, not measured; "
                      "the metric was measured where the search never looked")
     else:
-        samples, timed_on = workload.time(timed, device)
+        samples, timed_on, verdict = workload.time(timed, device)
+        if verdict:
+            notes.append(verdict)
     latency = {k: _median_finite(v) for k, v in samples.items()}
     # The latency model's error on each verified candidate (meaningful when the timing batch has the profile's shape).
     errors = {} if estimated_ms is not None or workload.name != "inference" else {
@@ -193,17 +210,30 @@ def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, 
     sqnr = {"fp32": math.inf, "autocast": held.measured["autocast"].sqnr_db}
     chosen, tuned = None, "fp32"
     lowered = [c for c in passing if label[c.label] != "fp32"]  # a policy that is fp32 is not a candidate to time
+    def decided_slower(a: Candidate, b: Candidate) -> bool:
+        ratio = paired_ratio(samples, label[a.label], label[b.label])
+        return ratio.slower if ratio is not None else latency[label[a.label]] > latency[label[b.label]] * (
+            1 + TIE_TOLERANCE)
+
+    def beats_fp32(c: Candidate) -> bool:
+        """Decided faster than fp32 in the paired rounds: a tie with fp32 never becomes a lowered policy."""
+        ratio = paired_ratio(samples, label[c.label], "fp32")
+        return ratio.faster if ratio is not None else latency[label[c.label]] < latency["fp32"]
+
     if lowered:
-        best = fastest_simplest(lowered, lambda c: latency[label[c.label]], lambda c: len(c.policy().layers))
-        if latency[label[best.label]] < latency["fp32"]:
+        best = fastest_simplest(lowered, lambda c: latency[label[c.label]], lambda c: len(c.policy().layers),
+                                decided_slower)
+        if beats_fp32(best):
             chosen, tuned = best, label[best.label]
             if tuned == "autocast":
                 notes.append(f"the tuned policy is blanket autocast ({autocast.value}) itself: within the "
                              "budget, and no per-layer policy measured faster")
         else:
+            ratio = paired_ratio(samples, label[best.label], "fp32")
             notes.append(f"no candidate within budget was measured faster than fp32 here (the best, "
                          f"{best.label}, took {latency[label[best.label]]:.3g} ms against fp32's "
-                         f"{latency['fp32']:.3g} ms): the policy stays fp32")
+                         f"{latency['fp32']:.3g} ms{f'; {ratio} of fp32, not decided faster' if ratio else ''}): "
+                         "the policy stays fp32")
     elif not candidates:
         notes.append("nothing was lowered: no layer had a candidate precision worth searching here")
     samples["tuned"] = samples[tuned]

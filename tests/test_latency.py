@@ -72,26 +72,44 @@ def fake_clock(monkeypatch, hooked_slow: Precision | None, plain_slow: Precision
     return plain_runs
 
 
-def test_a_spiked_hooked_run_does_not_cut_a_block_short(monkeypatch):
-    """Every hooked run of bf16 reads 100x fp32 (a busy machine), its plain runs do not: the block
-    still times all its repeats and records its end-to-end time."""
-    plain_runs = fake_clock(monkeypatch, hooked_slow=Precision.BF16, plain_slow=None)
+def test_a_spiked_hooked_run_leaves_no_hole(monkeypatch):
+    """Every hooked run of bf16 reads 100x fp32 (a busy machine): bf16 is still complete, timed in every
+    round beside fp32, and its whole-model check comes from the paired plain runs."""
+    fake_clock(monkeypatch, hooked_slow=Precision.BF16, plain_slow=None)
     result = measure_latency(issue_mlp(), torch.randn(32, 64), LAYERS, LAYERS, LOW, repeats=3,
                              emulated=[Precision.FP8])
     assert_complete(result, LOW)
-    assert plain_runs.count("bf16") == 3 and plain_runs.count("fp16") == 3
-    assert result.end_to_end_ms["bf16"] == 1.0
+    assert result.remainder_ms["bf16"] == pytest.approx(100.0 - 3 * 0.2)
+    assert result.end_to_end_comparison["rounds"] >= 6  # the checks were one paired comparison
 
 
-def test_a_truly_slow_precision_stops_after_one_pair_and_is_still_complete(monkeypatch):
-    """Both the hooked and the plain run of fp16 read 100x fp32 (an emulation): one pair is enough."""
-    plain_runs = fake_clock(monkeypatch, hooked_slow=Precision.FP16, plain_slow=Precision.FP16)
-    result = measure_latency(issue_mlp(), torch.randn(32, 64), LAYERS, LAYERS, [Precision.BF16, Precision.FP16],
-                             repeats=4)
-    assert_complete(result, [Precision.BF16, Precision.FP16])
-    assert plain_runs.count("fp16") == 1 and plain_runs.count("bf16") == 4
-    assert result.end_to_end_ms["fp16"] == 100.0
-    assert result.remainder_ms["fp16"] == pytest.approx(100.0 - 3 * 0.2)
+def test_a_truly_slow_emulated_precision_stops_after_one_pair_and_is_still_complete(monkeypatch):
+    """Both the hooked and the plain runs of fp8 (emulated) read 100x fp32: one pair is enough."""
+    plain_runs = fake_clock(monkeypatch, hooked_slow=Precision.FP8, plain_slow=Precision.FP8)
+    result = measure_latency(issue_mlp(), torch.randn(32, 64), LAYERS, LAYERS, [Precision.BF16, Precision.FP8],
+                             repeats=4, emulated=[Precision.FP8])
+    assert_complete(result, [Precision.BF16, Precision.FP8])
+    assert len(plain_runs) == 1  # only the emulated block times plain runs itself, and it stopped after one
+    assert result.end_to_end_ms["fp8"] == 100.0
+
+
+def test_layer_ratios_are_paired_round_by_round(monkeypatch):
+    """Each layer's ratio to fp32 comes from the same rounds: with bf16 hooked at 0.5x fp32 in every round
+    whatever the round's speed, the interval is exactly 0.5."""
+    clocked, state = latency_stage._clocked_run, {"round": 0}
+
+    def hooked(model, batch, names, device):
+        _times, _total, outputs = clocked(model, batch, names, device)
+        bf16 = low_precision_runs(model, Precision.BF16)
+        speed = 1.0 + (state["round"] // 2) % 3  # the machine slows down and recovers, pair by pair
+        state["round"] += 1
+        per_layer = 0.1 * speed if bf16 else 0.2 * speed
+        return {n: per_layer for n in names}, 3 * per_layer + 0.1, outputs
+
+    monkeypatch.setattr(latency_stage, "_clocked_run", hooked)
+    result = measure_latency(issue_mlp(), torch.randn(32, 64), LAYERS, LAYERS, [Precision.BF16], repeats=6)
+    for name in LAYERS:
+        assert result.ratio[name]["bf16"] == pytest.approx([0.5, 0.5, 0.5])
 
 
 def test_only_fp8_timed_still_checks_fp32_and_blanket_fp8():

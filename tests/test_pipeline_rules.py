@@ -36,7 +36,7 @@ def test_a_layer_the_space_pins_stays_fp32_even_when_blanket_autocast_measures_f
     workload = InferenceWorkload(model, batches())
 
     def time(runners, device):  # blanket autocast measures fastest of all; every other entry alike
-        return {k: [5.0 if k == "autocast" else 10.0] * 6 for k in runners}, "fake timer"
+        return {k: [5.0 if k == "autocast" else 10.0] * 6 for k in runners}, "fake timer", None
 
     monkeypatch.setattr(workload, "time", time)
     result = tune(workload, config(tmp_path, search_space=str(space)))

@@ -1,12 +1,14 @@
 """The verify stage's decisions, on a real model whose timings are set by the test.
 
 Which candidate wins depends on measured latency, which a shared machine makes noisy; so here
-``interleaved_samples`` is replaced by one that returns the times each test sets, and every rule
+the workload's timer is replaced by one that returns the times each test sets, and every rule
 of the choice is checked against them: the held-out budget, never slower than fp32, ties broken
 toward fewer rules, blanket autocast reported as itself. Metrics are measured for real.
 """
 
 from __future__ import annotations
+
+import statistics
 
 import pytest
 import torch
@@ -39,12 +41,12 @@ def timings(monkeypatch):
     """``timings(label=ms, ...)``: what the interleaved run measures for each runner (7 equal rounds)."""
     table: dict[str, float] = {}
 
-    def fake(model, batch, runners, device="cpu", repeats=7, rewarm=1):
+    def fake(self, runners, device):
         missing = set(runners) - set(table)
         assert not missing, f"the test set no time for {missing}"
-        return {key: [table[key]] * repeats for key in runners}
+        return {key: [table[key]] * 7 for key in runners}, "fake timer", None
 
-    monkeypatch.setattr("autoprec.workloads.inference.interleaved_samples", fake)
+    monkeypatch.setattr(InferenceWorkload, "time", fake)
     return table.update
 
 
@@ -121,3 +123,29 @@ def test_a_policy_that_is_fp32_is_reported_as_fp32_never_as_faster(timings):
     assert v.chosen is None and v.policy is None
     assert v.speedup == 1.0
     assert "fp32 = autoprec policy" in results_table(v)
+
+
+def test_a_tie_with_fp32_never_becomes_a_lowered_policy(monkeypatch):
+    # The candidate's median is 1% below fp32's, but round by round it is as often slower as faster: noise.
+    fp32 = [10.0, 10.4, 9.8, 10.1, 10.3, 9.9, 10.2, 10.0]
+    trial = [9.7, 10.6, 9.6, 10.3, 10.0, 10.1, 9.9, 9.8]
+
+    def time(self, runners, device):
+        return {k: {"fp32": fp32, "autocast": [x * 1.5 for x in fp32]}.get(k, trial) for k in runners}, "fake", None
+
+    monkeypatch.setattr(InferenceWorkload, "time", time)
+    v = run([candidate(1, {"0": "bf16"})])
+    assert statistics.median(trial) < statistics.median(fp32)
+    assert v.chosen is None and v.policy is None
+    assert any("not decided faster" in n for n in v.notes), v.notes
+
+
+def test_a_candidate_decided_faster_round_by_round_is_chosen(monkeypatch):
+    fp32 = [10.0, 14.0, 9.0, 12.0, 10.5, 20.0, 9.5, 11.0]  # the machine's speed swings 2x between rounds
+    trial = [x * 0.8 for x in fp32]  # but in every round the candidate takes 0.8 of fp32's time
+
+    def time(self, runners, device):
+        return {k: {"fp32": fp32, "autocast": [x * 1.5 for x in fp32]}.get(k, trial) for k in runners}, "fake", None
+
+    monkeypatch.setattr(InferenceWorkload, "time", time)
+    assert run([candidate(1, {"0": "bf16"})]).chosen.number == 1

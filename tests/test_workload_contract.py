@@ -67,7 +67,7 @@ def fake_times(monkeypatch, workload, ms: dict[str, float]) -> None:
     def time(runners, device):
         missing = set(runners) - set(ms)
         assert not missing, f"the test set no time for {missing}"
-        return {k: [ms[k]] * 6 for k in runners}, "fake timer"
+        return {k: [ms[k]] * 6 for k in runners}, "fake timer", None
 
     monkeypatch.setattr(workload, "time", time)
 

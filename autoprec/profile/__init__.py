@@ -26,7 +26,7 @@ __all__ = ["Profile", "LayerProfile", "Sensitivity", "ProfileError", "profile_mo
 def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
                   evaluate: Callable[[nn.Module, list], float] | None = None, higher_is_better: bool = True,
                   device: str | torch.device = "cpu", precisions: Sequence[str | Precision] = DEFAULT_PRECISIONS,
-                  sensitivity_batches: int | None = 1, repeats: int = 5, progress: bool = True,
+                  sensitivity_batches: int | None = 1, repeats: int = 9, progress: bool = True,
                   capture_seconds: float = 0.0, target: str | None = None) -> Profile:
     """Profile every layer of ``table`` in each of ``precisions`` on ``device``.
 
@@ -78,4 +78,5 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
                     metric={"kind": "fidelity" if evaluator.uses_fidelity else "user", "fp32": evaluator.metric_fp32,
                             "higher_is_better": evaluator.higher_is_better, "batches": len(sens_batches)},
                     cost={"evaluations": evaluator.evaluations, "seconds": seconds},
-                    autocast_untuned=latency.autocast_untuned, not_runnable=latency.not_runnable)
+                    autocast_untuned=latency.autocast_untuned, not_runnable=latency.not_runnable,
+                    latency_ratio=latency.ratio, end_to_end_check=latency.end_to_end_comparison)

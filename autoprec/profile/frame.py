@@ -39,7 +39,8 @@ def assemble(model: nn.Module, table: LayerTable, batches: Sequence[Any], where:
              end_to_end_ms: dict[str, float], remainder_ms: dict[str, float], prediction_error_pct: dict[str, float],
              metric: dict[str, Any], cost: dict[str, Any], flops_per_layer: int = 1,
              training: dict[str, Any] | None = None, autocast_untuned: Sequence[str] = (),
-             not_runnable: Mapping[str, dict] | None = None) -> Profile:
+             not_runnable: Mapping[str, dict] | None = None, latency_ratio: Mapping[str, dict] | None = None,
+             end_to_end_check: Mapping[str, Any] | None = None) -> Profile:
     """The profile of ``model`` over ``table``; ``batches``: what it was profiled on (its fingerprint),
     ``where``: the device it holds for (or "estimated for <GPU>")."""
     layers = [LayerProfile(name=layer.name, kind=layer.kind, type=layer.type, flops=flops_per_layer * int(layer.flops),
@@ -52,7 +53,8 @@ def assemble(model: nn.Module, table: LayerTable, batches: Sequence[Any], where:
         end_to_end_ms=end_to_end_ms, remainder_ms=remainder_ms, prediction_error_pct=prediction_error_pct,
         metric=metric, cost={**cost, "autoprec": __version__}, model_type=table.model_type, training=training,
         timed="forward" if training is None else "training step", autocast_untuned=list(autocast_untuned),
-        not_runnable=dict(not_runnable or {}))
+        not_runnable=dict(not_runnable or {}), latency_ratio=dict(latency_ratio or {}),
+        end_to_end_check=dict(end_to_end_check or {}))
 
 
 def device_label(device: torch.device, target: str | None = None) -> str:

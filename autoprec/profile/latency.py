@@ -28,8 +28,9 @@ import torch.nn as nn
 
 from ..apply import apply_policy, remove_policy
 from ..batches import call_model
+from ..compare import compare, median_interval
 from ..formats import Precision
-from ..measure import median_ms, settle
+from ..measure import median_ms, policy_runs, rotations, settle
 from ..policy import Policy
 from .clock import LayerClock, cast_ms
 from .runnable import autocast_untuned, runnable_policy
@@ -49,6 +50,9 @@ class LatencyResult:
     # could not run in it; its layers were timed with kept_fp32 in fp32 (none timed when that is empty)
     not_runnable: dict[str, dict] = field(default_factory=dict)
     autocast_untuned: list[str] = field(default_factory=list)  # see autocast_untuned()
+    # layer -> precision -> [median, low, high] of its per-round time ratio to fp32 (paired rounds)
+    ratio: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    end_to_end_comparison: dict[str, Any] = field(default_factory=dict)  # Comparison.to_dict() of the checks
 
 
 def blanket_policy(precision: Precision, fp8_layers: Sequence[str]) -> Policy:
@@ -89,17 +93,6 @@ def _clocked_run(model: nn.Module, batch: Any, names: Sequence[str], device: tor
 def _plain_ms(model: nn.Module, batch: Any, device: torch.device) -> float:
     with torch.no_grad():
         return median_ms(lambda: call_model(model, batch), device, warmup=0, repeats=1)
-
-
-def _steady_ms(model: nn.Module, batch: Any, policy: Policy | None, device: torch.device, repeats: int) -> float:
-    if policy is not None:
-        apply_policy(model, policy)
-    try:
-        with torch.no_grad():
-            return median_ms(lambda: call_model(model, batch), device, warmup=2, repeats=repeats)
-    finally:
-        if policy is not None:
-            remove_policy(model)
 
 
 @dataclass
@@ -144,13 +137,44 @@ def _time_block(model: nn.Module, batch: Any, policy: Policy, layers: Sequence[s
                   hooked_ms=statistics.median(total for _, total in runs), plain_ms=statistics.median(plain))
 
 
+def _interleaved_layers(model: nn.Module, batch: Any, policies: Mapping[Precision, Policy], layers: Sequence[str],
+                        device: torch.device, rounds: int) -> tuple[dict[Precision, list], dict[Precision, dict]]:
+    """Hooked runs of every policy in the same rounds, the order rotated each round (A B, B A, ...), each
+    settled first: per precision, ``(layer ms, total ms)`` per round, and the layers' output shapes.
+
+    Round ``i`` of every precision ran in the same few milliseconds, so a layer's ratio to fp32 is
+    taken round by round and a slow phase of the machine hits both sides of it alike."""
+    for policy in policies.values():
+        apply_policy(model, policy)
+        try:
+            settle(lambda: _clocked_run(model, batch, layers, device), device)
+        finally:
+            remove_policy(model)
+    runs: dict[Precision, list] = {p: [] for p in policies}
+    outputs: dict[Precision, dict] = {}
+    for _, p in rotations(list(policies), rounds):
+        apply_policy(model, policies[p])
+        try:
+            times, total, outputs[p] = _clocked_run(model, batch, layers, device)
+        finally:
+            remove_policy(model)
+        runs[p].append((times, total))
+    return runs, outputs
+
+
 def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_layers: Sequence[str],
-                    precisions: Sequence[Precision], device: str | torch.device = "cpu", repeats: int = 5,
-                    emulated: Sequence[Precision] = (), progress: Callable[[str], None] | None = None) -> LatencyResult:
+                    precisions: Sequence[Precision], device: str | torch.device = "cpu", repeats: int = 9,
+                    emulated: Sequence[Precision] = (), progress: Callable[[str], None] | None = None,
+                    end_to_end_seconds: float = 20.0) -> LatencyResult:
     """Time every layer in fp32 and each of ``precisions``; check the additive model end to end.
 
-    Precisions run in blocks, each warmed up until its time settles. The ``emulated`` ones go
-    last: their big temporaries touch fresh memory, which slows whatever runs next on a VM.
+    Native precisions are timed as paired comparisons: ``repeats`` rounds in which fp32 and each
+    precision run in turn (:func:`_interleaved_layers`); a layer's time is its median over the rounds,
+    and its ratio to fp32 is taken round by round (``ratio``: median and a distribution-free interval).
+    The whole-model checks (fp32, each blanket precision, and a mixed policy that makes many region
+    boundaries) are then one :func:`autoprec.compare.compare` of plain runs, until each ratio to fp32 is
+    known to ±3% or ``end_to_end_seconds`` pass, so the region cost derived from them is a paired figure.
+    The ``emulated`` ones go last, timed once in a block each: never a speed-up, they need no pairing.
 
     What the result holds, by construction: every precision timed has a time for each layer
     that can take it (fp8: ``fp8_layers``; the others: all of ``layers``), a cast time for each
@@ -165,47 +189,62 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
     device = torch.device(device)
     precisions = list(dict.fromkeys(Precision.parse(p) for p in precisions if Precision.parse(p).is_low))
     latency: dict[str, dict[str, float]] = {n: {} for n in layers}
+    ratio: dict[str, dict[str, list[float]]] = {n: {} for n in layers}
     casts: dict[str, dict[str, float]] = {n: {} for n in layers}
     remainder: dict[str, float] = {}
     end_to_end: dict[str, float] = {}
     checks: dict[str, tuple[dict[str, str], str]] = {}  # key -> (assignment, region default) it predicts
-    blocks: dict[Precision, _Block] = {}
     not_runnable: dict[str, dict] = {}
+    whole: dict[str, Policy] = {}  # the policies whose plain runs check the additive model end to end
 
     def plain_run() -> None:
         with torch.no_grad():
             call_model(model, batch)
 
-    def time_block(p: Precision) -> None:
+    def record(p: Precision, policy: Policy, failure: dict, layer_ms: Mapping[str, float], rest_ms: float,
+               cast_of: Callable[[str], float]) -> None:
         timed = list(fp8_layers) if p is Precision.FP8 else list(layers)
-        policy, failure = runnable_policy(model, blanket_policy(p, fp8_layers), plain_run, layers)
+        for name in timed:
+            latency[name][p.value] = layer_ms[name]
+            if p.is_low:
+                casts[name][p.value] = cast_of(name)
         if failure:
-            not_runnable[p.value] = failure
+            return
+        if p is Precision.FP8:  # never a region default: blanket fp8 is fp8 layers in an fp32 region
+            checks["fp8"] = ({n: ("fp8" if n in fp8_layers else "fp32") for n in layers}, "fp32")
+        else:
+            remainder[p.value] = rest_ms
+            checks[p.value] = ({n: p.value for n in layers}, p.value)
+        whole[p.value] = policy
+
+    native = [p for p in precisions if p not in emulated]
+    policies: dict[Precision, Policy] = {}
+    failures: dict[Precision, dict] = {}
+    for p in [Precision.FP32, *native]:
+        policy, failures[p] = runnable_policy(model, blanket_policy(p, fp8_layers), plain_run, layers)
+        if failures[p]:
+            not_runnable[p.value] = failures[p]
         if policy is not None:
-            block = _time_block(model, batch, policy, layers, timed if p.is_low else [], device, repeats,
-                                blocks.get(Precision.FP32))
-            blocks[p] = block
-            for name in timed:
-                latency[name][p.value] = block.layer_ms[name]
-                if p.is_low:
-                    casts[name][p.value] = block.cast_ms[name]
-        if policy is not None and not failure:  # the whole model ran in p: check it end to end
-            if p is Precision.FP8:  # never a region default: blanket fp8 is fp8 layers in an fp32 region
-                checks["fp8"] = ({n: ("fp8" if n in fp8_layers else "fp32") for n in layers}, "fp32")
-            else:
-                remainder[p.value] = block.remainder_ms
-                checks[p.value] = ({n: p.value for n in layers}, p.value)
-            end_to_end[p.value] = block.plain_ms
+            policies[p] = policy
+    runs, outputs = _interleaved_layers(model, batch, policies, layers, device, repeats)
+    for p, rounds in runs.items():
+        # A layer the batch does not reach costs nothing on it: 0 ms in every precision alike.
+        layer_ms = {n: statistics.median(times.get(n, 0.0) for times, _ in rounds) for n in layers}
+        record(p, policies[p], failures[p], layer_ms,
+               statistics.median(total - sum(times.values()) for times, total in rounds),
+               lambda name, shapes=outputs[p]: cast_ms(shapes.get(name, []), device))
+        if p is not Precision.FP32 and Precision.FP32 in runs:
+            for n in (fp8_layers if p is Precision.FP8 else layers):
+                pairs = [(times.get(n, 0.0), ref.get(n, 0.0))
+                         for (times, _), (ref, _) in zip(rounds, runs[Precision.FP32])]
+                if all(b > 0 for _, b in pairs):
+                    ratio[n][p.value] = list(median_interval([a / b for a, b in pairs]))
         if progress:
             progress(p.value)
 
-    native = [p for p in precisions if p not in emulated]
-    for p in [Precision.FP32, *native]:
-        time_block(p)
-
     # The blanket runs check the additive model with every layer alike; a mixed policy (every
     # other layer lowered to the fastest native region precision) checks it across boundaries.
-    fastest = min((p for p in native if p is not Precision.FP8 and p in blocks),
+    fastest = min((p for p in native if p is not Precision.FP8 and p.value in remainder),
                   key=lambda p: sum(latency[n][p.value] for n in layers), default=None)
     mixed = {n: "fp32" for n in layers}
     if fastest is not None:
@@ -215,16 +254,37 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
             not_runnable["mixed"] = failure
         else:
             checks["mixed"] = (mixed, "fp32")
-            end_to_end["mixed"] = _steady_ms(model, batch, policy, device, repeats)
+            whole["mixed"] = policy
+    paired = None
+    if "fp32" in whole:
+        paired = compare(policy_runs(model, batch, whole, device), reference="fp32", device=str(device),
+                         until="precise", max_seconds=end_to_end_seconds)
+        end_to_end.update({k: statistics.median(v) for k, v in paired.samples.items()})
     if progress:
         progress("end to end")
 
+    fp32_block = None  # what an emulated block's early stop compares with
+    if Precision.FP32 in runs and "fp32" in end_to_end:
+        fp32_block = _Block({}, {}, 0.0, statistics.median(total for _, total in runs[Precision.FP32]),
+                            end_to_end["fp32"])
     for p in precisions:
         if p in emulated:
-            time_block(p)
+            policy, failure = runnable_policy(model, blanket_policy(p, fp8_layers), plain_run, layers)
+            if failure:
+                not_runnable[p.value] = failure
+            if policy is not None:
+                timed = list(fp8_layers) if p is Precision.FP8 else list(layers)
+                block = _time_block(model, batch, policy, layers, timed, device, repeats, fp32_block)
+                record(p, policy, failure, block.layer_ms, block.remainder_ms, block.cast_ms.__getitem__)
+                if not failure:
+                    end_to_end[p.value] = block.plain_ms
+            if progress:
+                progress(p.value)
     error = {}
     for key, (assignment, default) in checks.items():
-        predicted = predict_ms(assignment, default, latency, casts, remainder)
-        error[key] = 100.0 * (predicted - end_to_end[key]) / end_to_end[key]
+        if key in end_to_end:
+            predicted = predict_ms(assignment, default, latency, casts, remainder)
+            error[key] = 100.0 * (predicted - end_to_end[key]) / end_to_end[key]
     return LatencyResult(latency, casts, remainder, end_to_end, error, mixed, not_runnable,
-                         autocast_untuned(model, plain_run, layers))
+                         autocast_untuned(model, plain_run, layers), ratio,
+                         paired.to_dict() if paired is not None else {})

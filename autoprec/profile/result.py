@@ -91,6 +91,12 @@ class Profile:
     # What every latency above times: "forward" (inference), or "training step" (forward + backward of
     # each layer; the remainder and end-to-end figures are whole steps, optimizer excluded).
     timed: str = "forward"
+    # layer -> precision -> [median, low, high] of the layer's time over fp32's, round by round in paired
+    # interleaved rounds (95% distribution-free interval); and the whole-model check as one paired
+    # comparison (autoprec.compare.Comparison.to_dict(): rounds, noise, verdict, ratios). Older profiles
+    # and training profiles lack them: read as empty.
+    latency_ratio: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    end_to_end_check: dict[str, Any] = field(default_factory=dict)
 
     def layer(self, name: str) -> LayerProfile:
         for layer in self.layers:

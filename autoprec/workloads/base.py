@@ -93,8 +93,9 @@ class Workload:
         raise NotImplementedError
 
     def time(self, runners: Mapping[str, Policy | Precision | None], device: torch.device
-             ) -> tuple[dict[str, list[float]], str]:
-        """ms per interleaved round for each entry, and what was timed (for the results table)."""
+             ) -> tuple[dict[str, list[float]], str, str | None]:
+        """ms per interleaved round for each entry (the same rounds for all: samples pair up), what was
+        timed (for the results table), and a one-line verdict where timing noise left a comparison undecided."""
         raise NotImplementedError
 
     def policy_result(self, result: dict[str, Any], verification: Any) -> dict[str, Any]:

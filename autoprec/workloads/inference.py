@@ -13,16 +13,21 @@ import torch.nn as nn
 from ..batches import describe_batch, to_device
 from ..budget import Budget, choose_budget
 from ..capture import LayerTable
+from ..compare import compare
 from ..config import TuneConfig
 from ..formats import Precision
-from ..measure import Evaluator, interleaved_samples
+from ..measure import Evaluator, policy_runs
 from ..objective import Measurement
 from ..policy import Policy
 from ..profile import Profile, fingerprint, profile_model
 from ..userspec import split_holdout
 from .base import HeldOut, Workload
 
-__all__ = ["InferenceWorkload"]
+__all__ = ["InferenceWorkload", "VERIFY_SECONDS"]
+
+# The time verification spends timing at most (warm-up included): 20 interleaved rounds of MiniLM at
+# 16 x 128 tokens and five entries take about a minute on 2 cores; rounds stop earlier once decided.
+VERIFY_SECONDS = 60.0
 
 
 @dataclass
@@ -84,9 +89,15 @@ class InferenceWorkload(Workload):
         return HeldOut(evaluator, measured, "on the held-out batches")
 
     def time(self, runners: Mapping[str, Policy | Precision | None], device: torch.device
-             ) -> tuple[dict[str, list[float]], str]:
+             ) -> tuple[dict[str, list[float]], str, str | None]:
+        """Paired interleaved rounds (:func:`autoprec.compare.compare`) until every entry's ratio to fp32 is
+        decided or a cap is hit; the verdict says so when the machine was too noisy to decide."""
         batch = to_device(self.timing_batch if self.timing_batch is not None else self.holdout_batches[0], device)
-        return interleaved_samples(self.model, batch, runners, device), describe_batch(batch)
+        if not runners:
+            return {}, describe_batch(batch), None
+        comparison = compare(policy_runs(self.model, batch, runners, device), reference="fp32", device=str(device),
+                             max_seconds=VERIFY_SECONDS)
+        return comparison.samples, describe_batch(batch), comparison.verdict
 
     def policy_result(self, result: dict[str, Any], verification: Any) -> dict[str, Any]:
         return {**result, "timing_batch": verification.timed_on}

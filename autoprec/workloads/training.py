@@ -143,9 +143,10 @@ class TrainingWorkload(Workload):
                        losses={k: r.losses for k, r in runs.items()})
 
     def time(self, runners: Mapping[str, Policy | Precision | None], device: torch.device
-             ) -> tuple[dict[str, list[float]], str]:
+             ) -> tuple[dict[str, list[float]], str, str | None]:
+        """The steady-state step times of the training runs (they ran interleaved, step by step)."""
         warmup = max(2, self.steps // 4)
-        return {k: self._runs[k].ms[warmup:] for k in runners}, f"{self.steps} training steps"
+        return {k: self._runs[k].ms[warmup:] for k in runners}, f"{self.steps} training steps", None
 
     def policy_result(self, result: dict[str, Any], verification: Any) -> dict[str, Any]:
         return {"for": "training", "steps": self.steps,
