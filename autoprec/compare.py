@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import itertools
 import math
 import statistics
 import time
@@ -69,20 +70,28 @@ def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[
     return statistics.median(xs), xs[k - 1], xs[n - k]
 
 
+_EXACT_UP_TO = 60  # rounds for which the signed-rank distribution is counted exactly
+
+
 @functools.cache
-def _signed_rank_cdf(n: int) -> tuple[float, ...]:
-    """P(T <= t) for t = 0..n(n+1)/2, T the Wilcoxon signed-rank statistic of n values."""
-    counts = [1]
-    for i in range(1, n + 1):  # generating function prod (1 + x^i)
-        grown = counts + [0] * i
-        for t, c in enumerate(counts):
-            grown[t + i] += c
-        counts = grown
-    total, acc, cdf = 2**n, 0, []
-    for c in counts:
-        acc += c
-        cdf.append(acc / total)
-    return tuple(cdf)
+def _signed_rank_counts(n: int) -> tuple[int, ...]:
+    """How many sign patterns of ranks 1..n give each signed-rank sum T = 0..n(n+1)/2."""
+    if n == 0:
+        return (1,)
+    counts = list(_signed_rank_counts(n - 1)) + [0] * n  # times (1 + x^n)
+    for t, c in enumerate(_signed_rank_counts(n - 1)):
+        counts[t + n] += c
+    return tuple(counts)
+
+
+def _signed_rank_cdf(n: int) -> Callable[[int], float]:
+    """t -> P(T <= t), T the Wilcoxon signed-rank statistic of n values: exact up to
+    ``_EXACT_UP_TO`` values, the normal approximation (continuity-corrected) beyond."""
+    if n > _EXACT_UP_TO:
+        mean, sd = n * (n + 1) / 4, math.sqrt(n * (n + 1) * (2 * n + 1) / 24)
+        return lambda t: 0.5 * math.erfc(-(t + 0.5 - mean) / (sd * math.sqrt(2)))
+    cumulative = list(itertools.accumulate(_signed_rank_counts(n)))
+    return lambda t: cumulative[t] / 2**n
 
 
 def shift_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
@@ -104,7 +113,7 @@ def _shift_intervals(values: Sequence[float], confidences: Sequence[float]) -> l
     walsh = sorted((xs[i] + xs[j]) / 2 for i in range(n) for j in range(i, n))
     centre, cdf, out = statistics.median(walsh), _signed_rank_cdf(n), []
     for confidence in confidences:
-        k = _order_statistic_k(lambda j: cdf[j], len(walsh) // 2, confidence)
+        k = _order_statistic_k(cdf, len(walsh) // 2, confidence)
         out.append((centre, walsh[k - 1], walsh[len(walsh) - k]) if k else (centre, -math.inf, math.inf))
     return out
 

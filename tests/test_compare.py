@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from autoprec.compare import Interval, Ratio, compare, median_interval, round_orders
+from autoprec.compare import Interval, Ratio, compare, median_interval, round_orders, shift_interval
 
 
 class FakeMachine:
@@ -192,3 +192,15 @@ def test_until_precise_measures_every_ratio_to_the_asked_precision():
     assert capped.undecided == ["a", "b"] and "2 of 2 ratios not measured to ±0.2%" in capped.verdict
     with pytest.raises(ValueError, match="until must be"):
         compare({"fp32": lambda: None}, reference="fp32", until="forever")
+
+
+def test_signed_rank_interval_is_exact_for_few_rounds_and_approximate_for_many():
+    from autoprec.compare import _EXACT_UP_TO, _signed_rank_cdf
+
+    assert _signed_rank_cdf(6)(0) == 1 / 64 and _signed_rank_cdf(6)(21) == 1.0
+    n = _EXACT_UP_TO
+    exact, normal = _signed_rank_cdf(n), _signed_rank_cdf(n + 1)
+    t = n * (n + 1) // 4 - 300  # a left tail near the 95% bound: both agree on it
+    assert abs(exact(t) - normal(t)) < 0.01
+    mid, low, high = shift_interval([0.01 * ((i * 37) % 200 - 100) for i in range(200)])
+    assert low < mid < high and abs(mid) < 0.1
