@@ -49,9 +49,12 @@ def profile_summary(profile: Profile) -> str:
     err = ", ".join(f"{k} {v:+.1f}%" for k, v in profile.prediction_error_pct.items())
     secs = ", ".join(f"{k} {v:.1f} s" for k, v in profile.cost["seconds"].items())
     caps = ", ".join(f"{p} {c}" for p, c in profile.capabilities.items())
+    check = profile.end_to_end_check
+    paired = (f"end to end (measured, one paired comparison): {e2e}; {check['verdict']}\n" if check.get("verdict")
+              else f"end to end (measured): {e2e}\n")
     return (f"device {profile.device} ({caps}); capture: {profile.capture_method}; {len(profile.layers)} layers\n"
-            f"end to end (measured): {e2e}\n"
-            f"additive latency model error: {err}\n"
+            + paired
+            + f"additive latency model error: {err}\n"
             f"sensitivity evaluations: {profile.cost['evaluations']}; time: {secs}")
 
 

@@ -27,6 +27,7 @@ from .capture import capture
 from .config import TuneConfig
 from .formats import Precision, device_capabilities
 from .jsonsafe import finite_or_none
+from .objective import Measurement
 from .outdir import claim_out_dir
 from .policy import Policy
 from .profile import Profile, ProfileError, device_name, predict_ms
@@ -193,8 +194,11 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None]) -> 
             autocast = autocast_baseline(caps, profile.end_to_end_ms)
             blanket_allowed = allows_everywhere(space, [(layer.name, layer.kind) for layer in profile.layers],
                                                 autocast.value)
+            def within_user_budget(c: Candidate) -> bool:
+                return the_budget.violation(Measurement(c.metric, c.sqnr_db, False, 0.0), objective) <= 0
+
             candidates = _verify_candidates(result, profile, autocast, best=workload.verify_best,
-                                            blanket=blanket_allowed)
+                                            blanket=blanket_allowed, within=within_user_budget)
             verification = verify(workload, candidates, the_budget, autocast, device, seed=config.seed,
                                   estimated_ms=estimated_ms, estimated_for=config.target)
             seconds["verify"] = time.perf_counter() - start
@@ -232,23 +236,26 @@ def _tuned_policy(v: Verification, profile: Profile, budget: Budget, model: nn.M
 
 
 def _verify_candidates(result: SearchResult, profile: Profile, autocast: Precision, best: int = 3,
-                       blanket: bool = True) -> list:
-    """The ``best`` feasible candidates by predicted latency, plus blanket autocast itself.
+                       blanket: bool = True, within: Callable[[Candidate], bool] | None = None) -> list:
+    """The ladder verification walks: candidates in order of predicted latency, plus blanket autocast.
 
-    Blanket autocast (every layer in ``autocast``, no rules) is a candidate, searched or not, where
-    the search space lets every layer run in it (``blanket``; else it is a baseline to report, never
-    the policy): held-out batches decide whether it is within budget, and measurement whether it is the
-    fastest. So when blanket autocast is within budget the tuned policy is at least as fast as it
-    *measured*, whatever the latency model predicted. Likewise the best structured heuristic within
-    budget (e.g. first and last block fp32) is measured beside them, so the tuned policy is never
-    slower than it.
+    The ``best`` fastest distinct candidates that met the search's budget, or (``within``) the user's own
+    budget on the search batches though not the search's margin inside it: the margin guards against
+    batches the search never saw, and the held-out batches are exactly that test, so such a candidate
+    deserves the test too. The all-fastest seed and the best two structured heuristics (e.g. first and
+    last block fp32) always come along, so the tuned policy is never slower than a hand policy that
+    passes. Blanket autocast (every layer in ``autocast``, no rules) is a candidate where the search
+    space lets every layer run in it (``blanket``; else it is a baseline to report, never the policy).
     """
-    feasible = sorted((c for c in result.trials if c.feasible), key=lambda c: (c.predicted_ms, c.number))
-    heuristic = next((c for c in feasible if c.heuristic), None)
+    def ok(c: Candidate) -> bool:
+        return c.feasible or (within is not None and not c.error and within(c))
+
+    ladder = sorted((c for c in result.trials if ok(c)), key=lambda c: (c.predicted_ms, c.number))
+    heuristics = [c for c in ladder if c.heuristic and c.feasible][:2]
     chosen, seen = [], set()
-    for c in feasible:
+    for c in ladder:
         key = (c.default, tuple(sorted(c.assignment.items())), tuple(sorted(c.regions.items())))
-        if key not in seen and (len(chosen) < best or c.seed == "fastest" or c is heuristic):
+        if key not in seen and (len(chosen) < best or c.seed == "fastest" or c in heuristics):
             seen.add(key)
             chosen.append(c)
     assignment = {layer.name: autocast.value for layer in profile.layers}
@@ -259,7 +266,7 @@ def _verify_candidates(result: SearchResult, profile: Profile, autocast: Precisi
         predicted = predict_ms(assignment, autocast.value, latency, casts, profile.remainder_ms)
         chosen.append(Candidate(number=-1, assignment=assignment, default=autocast.value, predicted_ms=predicted,
                                 metric=math.nan, sqnr_db=math.nan, violation=math.nan, seed="blanket"))
-    return chosen
+    return sorted(chosen, key=lambda c: c.predicted_ms)
 
 
 def _round(x: float | None, digits: int = 4) -> float | None:

@@ -188,6 +188,8 @@ def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, 
         notes.append(f"no candidate met the budget {held.where}: the policy stays fp32; give more or more "
                      "representative batches, a larger budget, or (training) more steps")
 
+    # The ladder: the fastest few that pass by predicted latency, and every heuristic and blanket that passes
+    passing = [c for i, c in enumerate(passing) if i < workload.verify_timed or c.heuristic or c.number < 0]
     timed = {k: runners[k] for k in dict.fromkeys(["fp32", "autocast", *(label[c.label] for c in passing)])}
     if estimated_ms is not None:  # one estimate per entry stands in for the timed rounds
         as_policy = {"fp32": Policy(), "autocast": Policy(default=autocast)}

@@ -40,3 +40,24 @@ def study_trials():
         return optuna.load_study(study_name=names[0], storage=storage).get_trials(deepcopy=False)
 
     return read
+
+
+@pytest.fixture(scope="session")
+def bf16_speed():
+    """``bf16_speed(model, batch)``: skip the test unless blanket bf16 autocast is measured faster than fp32
+    for this model on this machine (paired rounds; an AMX Xeon: several times; a Zen 4 EPYC: 1.3-2x, and
+    small layers not at all). A test that needs bf16 to be faster measures first, never assumes it."""
+    import torch
+
+    from autoprec.compare import compare
+    from autoprec.formats import Precision
+    from autoprec.measure import policy_runs
+
+    def check(model, batch) -> None:
+        runs = policy_runs(model, batch, {"fp32": None, "bf16": Precision.BF16})
+        ratio = compare(runs, reference="fp32", max_seconds=15.0).ratios["bf16"]
+        if not ratio.faster:
+            pytest.skip(f"needs bf16 faster than fp32 here; measured bf16/fp32 {ratio} ({torch.get_num_threads()} "
+                        "threads)")
+
+    return check

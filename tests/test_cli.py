@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -57,7 +58,7 @@ def tuned(tmp_path_factory, autoprec, cli_models):
 def test_tune_prints_fp32_autocast_and_policy_rows_and_the_output_folder(tuned):
     run, out = tuned
     lines = run.stdout.splitlines()
-    assert lines[0].startswith("held-out batches; latency on 256x512: median of 7 interleaved rounds")
+    assert re.match(r"held-out batches; latency on 256x512: median of \d+ interleaved rounds", lines[0]), lines[0]
     rows = {line.strip().split("  ")[0]: line for line in table_rows(lines)}
     labels = list(rows)
     # blanket autocast and the policy share one row when the policy is blanket autocast itself
@@ -79,7 +80,10 @@ def test_tune_writes_policy_report_profile_and_study(tuned):
     latency = policy.result["latency_ms"]
     assert latency["tuned"] <= latency["fp32"]  # never slower than fp32 as measured: else the policy is fp32
     assert policy.result["budget"] == "SQNR >= 30 dB"  # the fidelity floor without evaluate()
-    assert policy.result["metric_kind"] == "fidelity" and policy.result["metric"] >= 30
+    # the held-out SQNR of the policy: null (JSON has no inf) exactly when the policy is fp32 itself
+    metric = policy.result["metric"]
+    assert policy.result["metric_kind"] == "fidelity" and (metric >= 30 if policy.layers or
+                                                           policy.default.value != "fp32" else metric is None)
     assert policy.model["layers"] == 3
     assert (out / "report.md").read_text().startswith("# autoprec tuning report")
     assert json.loads((out / "profile.json").read_text())

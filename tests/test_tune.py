@@ -87,8 +87,9 @@ def test_profile_finds_both_traps(trap_run):
     assert not any(layers[name].sensitivity["fp16"].nonfinite for name in ORDINARY)
 
 
-def test_tuned_policy_keeps_the_traps_safe_and_lowers_the_rest(trap_run):
+def test_tuned_policy_keeps_the_traps_safe_and_lowers_the_rest(trap_run, bf16_speed):
     model, result, _ = trap_run
+    bf16_speed(model, model.batches(1)[0])
     precisions = effective_precisions(model, result.policy)
     assert precisions["cancel"] is Precision.FP32
     assert precisions["overflow"] is not Precision.FP16
@@ -96,8 +97,9 @@ def test_tuned_policy_keeps_the_traps_safe_and_lowers_the_rest(trap_run):
     assert lowered >= 0.9 * len(ORDINARY), result.policy
 
 
-def test_tuned_policy_meets_the_floor_on_held_out_batches(trap_run):
-    _, result, _ = trap_run
+def test_tuned_policy_meets_the_floor_on_held_out_batches(trap_run, bf16_speed):
+    model, result, _ = trap_run
+    bf16_speed(model, model.batches(1)[0])
     v = result.verification
     assert v.within_budget["tuned"] and v.metric["tuned"] >= FLOOR_DB
     assert not v.within_budget["autocast"]
@@ -144,10 +146,11 @@ def test_rerun_reuses_profile_and_study(trap_run, capsys):
     assert {t.number for t in first.search.trials} <= {t.number for t in again.search.trials}
 
 
-def test_when_blanket_autocast_is_within_budget_the_policy_is_blanket(tmp_path):
-    with seeded(1):  # matmul-bound, so bf16's speed-up is far above timing noise
+def test_when_blanket_autocast_is_within_budget_the_policy_is_blanket(tmp_path, bf16_speed):
+    with seeded(1):  # matmul-bound, so bf16's speed-up is far above timing noise where bf16 has fast kernels
         model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(512, 512), nn.ReLU())])
     batches = [torch.randn(1024, 512) for _ in range(3)]
+    bf16_speed(model, batches[0])
     result = autoprec.tune(model, batches, min_sqnr=20, trials=10, out=tmp_path, progress=False,
                            log=lambda _: None)
     assert result.verification.within_budget["autocast"]

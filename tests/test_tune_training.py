@@ -50,8 +50,10 @@ def planted(tmp_path_factory):
     return model, result, out
 
 
-def test_planted_trap_stays_fp32_while_ordinary_layers_go_bf16_and_the_policy_trains_to_fp32s_loss(planted):
+def test_planted_trap_stays_fp32_while_ordinary_layers_go_bf16_and_the_policy_trains_to_fp32s_loss(planted,
+                                                                                                  bf16_speed):
     model, result, _ = planted
+    bf16_speed(model, model.batches(1, size=256)[0][0])
     policy = result.policy
     # The trap: in bf16 its output, and the gradient it passes back, are rounding noise.
     trap = result.profile.layer("cancel").sensitivity["bf16"]

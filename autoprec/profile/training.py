@@ -70,6 +70,12 @@ def _step(model: nn.Module, batch: Any, loss: Callable, path: Path) -> None:
     model.zero_grad(set_to_none=True)
 
 
+def _forward(model: nn.Module, batch: Any, loss: Callable, path: Path) -> None:
+    """The loss alone, as training computes it (train mode, fixed dropout masks, buffers kept)."""
+    with as_in_training(model):
+        run_loss(path, loss, model, batch)
+
+
 def _time_precision(model: nn.Module, batch: Any, loss: Callable, path: Path, policy: Policy, layers: Sequence[str],
                     device: torch.device, repeats: int, backward_hooks: bool) -> dict[str, Any]:
     """Hooked steps (per-layer forward and backward ms) alternating with plain steps, under one policy."""
@@ -256,5 +262,5 @@ def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any]
                                               "batches": 1},
                     cost={"evaluations": sum(map(len, candidates.values())), "seconds": seconds},
                     flops_per_layer=3, training=training,
-                    autocast_untuned=autocast_untuned(model, lambda: run_loss(path, loss, model, batch), names),
+                    autocast_untuned=autocast_untuned(model, lambda: _forward(model, batch, loss, path), names),
                     not_runnable=not_runnable)

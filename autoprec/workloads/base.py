@@ -55,7 +55,8 @@ class Workload:
     """
 
     name = "workload"  # "inference", "training": in the profile, the policy and the study name
-    verify_best = 3  # how many of the search's best candidates verification measures
+    verify_best = 6  # how many of the search's best candidates verification checks where the search never looked
+    verify_timed = 4  # how many of those that pass it times (in predicted order; heuristics and blanket as well)
     latency_key = "latency_ms"  # policy.json's result key for the measured times
 
     model: nn.Module
