@@ -14,9 +14,11 @@ boundaries cost anything. Regions follow autocast's model of where casts happen:
 - the model hands its caller fp32 outputs.
 
 So any mix just works, and a policy with a rule on every layer costs about what blanket
-autocast costs. FP8 rules replace each ``nn.Linear`` below them with an
-:class:`~autoprec.formats.FP8Linear` sharing the same parameters, so ``state_dict`` keys,
-optimizers and checkpoints are unchanged. A module shared under several names is one object and
+autocast costs. FP8, MXFP8 and NVFP4 rules replace each ``nn.Linear`` below them with a
+module computing in that format and sharing the same parameters (torchao's where it has the
+kernels, see :mod:`autoprec.torchao_linear`; else :class:`~autoprec.formats.FP8Linear` or
+:class:`~autoprec.mx.BlockScaledLinear`), so ``state_dict`` keys, optimizers and checkpoints are
+unchanged. A module shared under several names is one object and
 runs in one precision: a policy that gives its names different precisions is refused.
 """
 
@@ -38,7 +40,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from . import torchao_linear
 from .formats import FP8Linear, Precision
+from .mx import BlockScaledLinear
 from .policy import Policy, PolicyError
 
 __all__ = ["applied_policy", "apply_policy", "effective_precisions", "remove_policy", "structure_fingerprint",
@@ -236,14 +240,15 @@ def _check_shared(aliases: list[tuple[nn.Module, list[str]]], precisions: dict[s
     for module, names in aliases:
         asked = {precisions[n] for n in names}
         needs_region = any(precisions[n] is not _parent_precision(n, precisions) for n in names)
-        fp8_linear = type(module) is nn.Linear and Precision.FP8 in asked
-        if len(asked) > 1 and (needs_region or fp8_linear):
+        swapped = type(module) is nn.Linear and any(p.swaps_linear for p in asked)
+        if len(asked) > 1 and (needs_region or swapped):
             got = ", ".join(f"{n!r}: {precisions[n].value}" for n in names)
             raise PolicyError(f"one module is shared under several names that the policy gives different "
                               f"precisions ({got}); give each of its names the same rule")
-        if fp8_linear and "" in names:
-            raise PolicyError("fp8 replaces each nn.Linear inside the model, and the model itself is one; "
-                              "wrap it in a container (e.g. nn.Sequential(linear)) to run it in fp8")
+        if swapped and "" in names:
+            p = next(p for p in asked if p.swaps_linear)
+            raise PolicyError(f"{p} replaces each nn.Linear inside the model, and the model itself is one; "
+                              f"wrap it in a container (e.g. nn.Sequential(linear)) to run it in {p}")
 
 
 def applied_policy(model: nn.Module) -> Policy | None:
@@ -253,7 +258,7 @@ def applied_policy(model: nn.Module) -> Policy | None:
 
 
 def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inference",
-                 strict: bool = False) -> nn.Module:
+                 strict: bool = False, kernels: str = "auto") -> nn.Module:
     """Install ``policy`` into ``model`` in place and return the model.
 
     ``mode="inference"`` or ``"training"``: both keep the fp32 master weights and leave
@@ -264,9 +269,16 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     A layer the policy names but the model lacks is an error (every such layer is named); a
     ``re:`` pattern that matches no module warns, or is an error with ``strict=True``. A policy
     recorded for another model type or structure (``policy.model``) warns.
+
+    ``kernels``: who computes FP8, MXFP8 and NVFP4 linears. ``"auto"``: torchao's modules where
+    torchao is installed and the device has the tensor cores, autoprec's own elsewhere;
+    ``"autoprec"``: always autoprec's own; ``"torchao"``: torchao's wherever it takes the layer
+    (on a CPU its emulation, for tests).
     """
     if mode not in _MODES:
         raise ValueError(f"mode must be 'inference' or 'training', got {mode!r}")
+    if kernels not in torchao_linear.KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(map(repr, torchao_linear.KERNELS))}, got {kernels!r}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_policy needs a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(policy, Policy):
@@ -279,17 +291,7 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     _check_shared(_aliases(model), precisions)  # before anything changes: a refused policy leaves no trace
 
     state = _Installed(policy=policy, mode=mode)
-    # FP8: every nn.Linear that runs in fp8 becomes an FP8Linear sharing its parameters, under each of
-    # its names (a shared linear stays shared).
-    for module, names in _aliases(model):
-        if type(module) is not nn.Linear or precisions[names[0]] is not Precision.FP8:
-            continue
-        fp8 = FP8Linear.from_linear(module, policy.fp8, cache_weight=mode == "inference")
-        for name in names:
-            parent_name, _, attr = name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            setattr(parent, attr, fp8)
-            state.swapped.append((parent, attr, module))
+    _swap_linears(model, precisions, state, kernels)
 
     # A region wherever a module's precision differs from its parent's; elsewhere modules run in
     # their parent's region, so only boundaries cost anything.
@@ -310,6 +312,33 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     return model
 
 
+def _swap_linears(model: nn.Module, precisions: dict[str, Precision], state: _Installed, kernels: str) -> None:
+    """Every nn.Linear that runs in fp8, mxfp8 or nvfp4 becomes a module computing in it that shares its
+    parameters, under each of its names (a shared linear stays shared)."""
+    torchao_fp8 = []
+    for module, names in _aliases(model):
+        precision = precisions[names[0]]
+        if type(module) is not nn.Linear or not precision.swaps_linear:
+            continue
+        if len(names) == 1 and torchao_linear.torchao_takes(module, precision, state.mode, kernels):
+            if precision is Precision.FP8:
+                torchao_fp8.append(names[0])
+            else:
+                state.swapped.append(torchao_linear.install_mx(model, names[0], precision))
+            continue
+        cache = state.mode == "inference"
+        swap = (FP8Linear.from_linear(module, state.policy.fp8, cache_weight=cache) if precision is Precision.FP8
+                else BlockScaledLinear.from_linear(module, precision.value, cache_weight=cache))
+        for name in names:
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            setattr(parent, attr, swap)
+            state.swapped.append((parent, attr, module))
+    if torchao_fp8:
+        emulate = next(model.get_submodule(n) for n in torchao_fp8).weight.device.type != "cuda"
+        state.swapped.extend(torchao_linear.install_fp8(model, torchao_fp8, emulate))
+
+
 def remove_policy(model: nn.Module) -> nn.Module:
     """Undo :func:`apply_policy`: the original modules and forwards, bit for bit."""
     state: _Installed | None = getattr(model, _STATE_ATTR, None)
@@ -324,7 +353,8 @@ def remove_policy(model: nn.Module) -> nn.Module:
 
 
 def takes_precision(module: nn.Module, precision: Precision | str) -> bool:
-    """Whether a rule can run ``module`` itself in ``precision``: FP8 exists for ``nn.Linear`` only."""
-    if Precision.parse(precision) is Precision.FP8:
-        return type(module) in (nn.Linear, FP8Linear)
+    """Whether a rule can run ``module`` itself in ``precision``: FP8, MXFP8 and NVFP4 exist for
+    ``nn.Linear`` only."""
+    if Precision.parse(precision).swaps_linear:
+        return type(module) in (nn.Linear, FP8Linear, BlockScaledLinear)
     return True

@@ -42,8 +42,8 @@ class LatencyResult:
 
 def blanket_policy(precision: Precision, fp8_layers: Sequence[str]) -> Policy:
     """Every layer that can take ``precision`` in it: as a region default where it is one."""
-    if precision is Precision.FP8:
-        return Policy.from_assignment({name: Precision.FP8 for name in fp8_layers})
+    if precision.swaps_linear:  # fp8, mxfp8, nvfp4: the linears that take it, in an fp32 region
+        return Policy.from_assignment({name: precision for name in fp8_layers})
     return Policy(default=precision)
 
 
@@ -204,7 +204,7 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
     blocks: dict[Precision, _Block] = {}
 
     def time_block(p: Precision) -> None:
-        timed = list(fp8_layers) if p is Precision.FP8 else list(layers)
+        timed = list(fp8_layers) if p.swaps_linear else list(layers)
         block = _time_block(model, batch, blanket_policy(p, fp8_layers), layers, timed if p.is_low else [],
                             device, repeats, blocks.get(Precision.FP32))
         blocks[p] = block
@@ -212,8 +212,8 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
             latency[name][p.value] = block.layer_ms[name]
             if p.is_low:
                 casts[name][p.value] = block.cast_ms[name]
-        if p is Precision.FP8:  # never a region default: blanket fp8 is fp8 layers in an fp32 region
-            checks["fp8"] = ({n: ("fp8" if n in fp8_layers else "fp32") for n in layers}, "fp32")
+        if p.swaps_linear:  # never a region default: blanket fp8 is fp8 layers in an fp32 region
+            checks[p.value] = ({n: (p.value if n in fp8_layers else "fp32") for n in layers}, "fp32")
         else:
             remainder[p.value] = block.remainder_ms
             checks[p.value] = ({n: p.value for n in layers}, p.value)
@@ -227,7 +227,7 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
 
     # The blanket runs check the additive model with every layer alike; a mixed policy (every
     # other layer lowered to the fastest native region precision) checks it across boundaries.
-    fastest = min((p for p in native if p is not Precision.FP8),
+    fastest = min((p for p in native if not p.swaps_linear),
                   key=lambda p: sum(latency[n][p.value] for n in layers), default=None)
     mixed = {n: "fp32" for n in layers}
     if fastest is not None:

@@ -241,7 +241,7 @@ def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any]
     start = time.perf_counter()
     caps = device_capabilities(device)
     timed = [Precision.FP32, *(p for p in low if caps[p] is Capability.NATIVE)]
-    fp8_layers = [n for n in names if "fp8" in candidates[n]]
+    fp8_layers = [n for n in names if any(Precision(p).swaps_linear for p in candidates[n])]
     attribution = "full backward hooks"
     blocks: dict[str, dict[str, Any]] = {}
     for p in tqdm(timed, desc="step time", unit="precision", disable=not progress, leave=False):
@@ -263,7 +263,7 @@ def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any]
                 if p in candidates[n]:
                     casts[n][p] = 2.0 * _cast_ms(b["outputs"].get(n, []), device)  # activation fwd, gradient bwd
     remainder = {p: b["step_ms"] - sum(b["forward_ms"].values()) - sum(b["backward_ms"].values())
-                 for p, b in blocks.items() if p != "fp8"}
+                 for p, b in blocks.items() if not Precision(p).swaps_linear}
     end_to_end = {p: b["plain_ms"] for p, b in blocks.items()}
     error = {}
     for p in remainder:
