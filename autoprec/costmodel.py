@@ -48,13 +48,16 @@ TILE = (64, 128)  # output tile per thread block that best fits the XLA rows (cu
 # torchao's B200 inference microbenchmarks (ReLU -> Linear, docs/source/workflows/inference.md). Published
 # B200 bf16 GEMMs reach a much smaller share of the datasheet peak than Hopper's (XLA: at most 0.8 of 2.25
 # PFLOP/s), which is why MXFP8 GEMMs measure 2x to 3x over bf16 there, above the 2x of the peaks.
-BLACKWELL_EFFICIENCY = {"fp32": 0.85, "tf32": 0.4, "bf16": 0.4, "fp16": 0.4, "fp8": 0.6, "mxfp8": 0.6,
-                        "nvfp4": 0.45}
+BLACKWELL_EFFICIENCY = {"fp32": 0.85, "tf32": 0.62, "bf16": 0.62, "fp16": 0.62, "fp8": 0.56, "mxfp8": 0.56,
+                        "nvfp4": 0.46}
 BLACKWELL_LAUNCH_US = 5.0
-BLACKWELL_TILE = (128, 256)
+BLACKWELL_TILE = (64, 128)
 # torchao's MX cast kernels on B200 (mx_formats README): up to 5.5 TB/s along dim0 (rows, with
 # torch.compile) and 3.9 TB/s along dim1 (the transposed layout the backward GEMMs need), of 8 TB/s.
 MX_CAST_EFFICIENCY = {"dim0": 5.5 / 8.0, "dim1": 3.9 / 8.0}
+# Fixed cost of one MX cast (its kernels and the scale layout swizzle the GEMM needs), fitted with the
+# efficiencies above to torchao's B200 inference microbenchmarks.
+MX_CAST_US = {"mxfp8": 10.5, "nvfp4": 11.0}
 
 
 @dataclass(frozen=True)
@@ -198,7 +201,7 @@ def mx_cast_ms(target: str | Target, numel: int, precision: str, source_bytes: i
     target = get_target(target)
     moved = numel * (source_bytes + BYTES[precision])
     cast_s = moved / (target.bandwidth_gbs * 1e9 * MX_CAST_EFFICIENCY["dim1" if dim1 else "dim0"])
-    ms = (cast_s + ELEMENTWISE_LAUNCH_US * 1e-6) * 1e3
+    ms = (cast_s + MX_CAST_US[precision] * 1e-6) * 1e3
     return ms + (elementwise_ms(target, numel * source_bytes) if precision == "nvfp4" else 0.0)
 
 
