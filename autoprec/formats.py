@@ -111,8 +111,8 @@ def _capabilities(device_type: str, index: int | None) -> dict[Precision, Capabi
             Precision.FP8: native if (major, minor) >= (8, 9) else emulated,
             # MX tensor cores are Blackwell's (10.x); autoprec's own MX linear only emulates, so a
             # fast kernel exists only where torchao provides one.
-            Precision.MXFP8: native if major == 10 and _torchao_installed() else emulated,
-            Precision.NVFP4: native if major == 10 and _torchao_installed() else emulated,
+            Precision.MXFP8: native if major == 10 and torchao_installed() else emulated,
+            Precision.NVFP4: native if major == 10 and torchao_installed() else emulated,
         }
     # CPU: oneDNN reports whether the hardware has bf16 / fp16 instructions (AMX, AVX512-BF16,
     # AVX512-FP16); without them the op upcasts internally. FP8 has no CPU kernel.
@@ -127,7 +127,7 @@ def _capabilities(device_type: str, index: int | None) -> dict[Precision, Capabi
     }
 
 
-def _torchao_installed() -> bool:
+def torchao_installed() -> bool:
     from importlib.util import find_spec
 
     return find_spec("torchao") is not None

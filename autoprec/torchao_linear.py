@@ -25,17 +25,12 @@ import torch
 from torch import nn
 
 from .formats import Precision
+from .formats import torchao_installed as installed
 
 __all__ = ["KERNELS", "installed", "install_fp8", "install_mx", "torchao_takes"]
 
 KERNELS = ("auto", "autoprec", "torchao")
 _INSTALL_HINT = "pip install 'autoprec[torchao]' (or: pip install torchao)"
-
-
-def installed() -> bool:
-    from importlib.util import find_spec
-
-    return find_spec("torchao") is not None
 
 
 def _import(module: str):
