@@ -291,7 +291,12 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     _check_shared(_aliases(model), precisions)  # before anything changes: a refused policy leaves no trace
 
     state = _Installed(policy=policy, mode=mode)
-    _swap_linears(model, precisions, state, kernels)
+    try:
+        own_dtype = _swap_linears(model, precisions, state, kernels)
+    except Exception:  # e.g. a kernel torchao refuses on this device: a refused policy leaves no trace
+        for parent, attr, original in reversed(state.swapped):
+            setattr(parent, attr, original)
+        raise
 
     # A region wherever a module's precision differs from its parent's; elsewhere modules run in
     # their parent's region, so only boundaries cost anything.
@@ -305,6 +310,8 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
         is_root = "" in names
         if not (is_root and any_low) and all(precisions[n] is _parent_precision(n, precisions) for n in names):
             continue
+        if id(module) in own_dtype:  # torchao's MX linears set their own (bf16) compute dtype
+            continue
         _install_region(module, precisions[names[0]], is_root, fp32_compute and is_root)
         state.wrapped.append(module)
 
@@ -312,10 +319,11 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     return model
 
 
-def _swap_linears(model: nn.Module, precisions: dict[str, Precision], state: _Installed, kernels: str) -> None:
+def _swap_linears(model: nn.Module, precisions: dict[str, Precision], state: _Installed, kernels: str) -> set[int]:
     """Every nn.Linear that runs in fp8, mxfp8 or nvfp4 becomes a module computing in it that shares its
-    parameters, under each of its names (a shared linear stays shared)."""
-    torchao_fp8 = []
+    parameters, under each of its names (a shared linear stays shared). Returns the ids of the modules
+    that set their own compute dtype (torchao's MX linears): they get no region."""
+    torchao_fp8, own_dtype = [], set()
     for module, names in _aliases(model):
         precision = precisions[names[0]]
         if type(module) is not nn.Linear or not precision.swaps_linear:
@@ -325,6 +333,7 @@ def _swap_linears(model: nn.Module, precisions: dict[str, Precision], state: _In
                 torchao_fp8.append(names[0])
             else:
                 state.swapped.append(torchao_linear.install_mx(model, names[0], precision))
+                own_dtype.add(id(model.get_submodule(names[0])))
             continue
         cache = state.mode == "inference"
         swap = (FP8Linear.from_linear(module, state.policy.fp8, cache_weight=cache) if precision is Precision.FP8
@@ -337,6 +346,7 @@ def _swap_linears(model: nn.Module, precisions: dict[str, Precision], state: _In
     if torchao_fp8:
         emulate = next(model.get_submodule(n) for n in torchao_fp8).weight.device.type != "cuda"
         state.swapped.extend(torchao_linear.install_fp8(model, torchao_fp8, emulate))
+    return own_dtype
 
 
 def remove_policy(model: nn.Module) -> nn.Module:

@@ -5,12 +5,15 @@ FP8 rules with torchao's ``Float8Linear`` (``convert_to_float8_training`` with a
 from the policy: tensorwise dynamic scaling, as autoprec's own FP8 recipe) and, in inference, MXFP8 and
 NVFP4 rules with ``quantize_`` and torchao's MX configs. autoprec's own modules stay the fallback and
 the CPU emulation: for a linear whose dimensions torchao's kernels cannot take, a linear shared under
-several names, and MX rules in training (torchao 0.18's MXFP8 training replaces the weight Parameter
-objects, which would detach them from the user's optimizer). torchao's Float8Linear scales every tensor
-by its current amax; the policy's ``amax_history`` applies to autoprec's own FP8Linear.
+several names, NVFP4 off a Blackwell GPU (torchao's NVFP4 needs one even to emulate), and MX rules in
+training (torchao 0.18's MXFP8 training replaces the weight Parameter objects, which would detach them
+from the user's optimizer). torchao's Float8Linear scales every tensor by its current amax; the policy's
+``amax_history`` applies to autoprec's own FP8Linear.
 
-Both kinds of module share the original ``weight`` and ``bias`` Parameters, so ``state_dict`` keys,
-optimizers and checkpoints are unchanged, and ``remove_policy`` puts the original linears back.
+Float8Linear shares the original ``weight`` and ``bias`` Parameters, so ``state_dict`` keys, optimizers
+and checkpoints are unchanged. An MX rule in inference runs a bf16 copy whose weight torchao quantized
+once, when the policy was applied (its ``state_dict`` entry is that quantized weight; the original linear
+is untouched). ``remove_policy`` puts the original linears back.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ def torchao_takes(linear: nn.Module, precision: Precision, mode: str, kernels: s
         return False
     if kernels == "auto" and not (installed() and _native(precision, linear.weight.device)):
         return False
+    if precision is Precision.NVFP4 and not _native(precision, linear.weight.device):
+        return False  # torchao's NVFP4 needs a Blackwell GPU even for its emulation
     block = {Precision.FP8: 16, Precision.MXFP8: 32, Precision.NVFP4: 16}[precision]
     return linear.in_features % block == 0 and linear.out_features % block == 0
 
@@ -81,17 +86,47 @@ def install_fp8(model: nn.Module, names: Iterable[str], emulate: bool) -> list[t
 
 
 def install_mx(model: nn.Module, name: str, precision: Precision) -> tuple[nn.Module, str, nn.Module]:
-    """Swap the linear at ``name`` for a copy that torchao's ``quantize_`` made MXFP8 or NVFP4 (inference);
-    the original linear and its Parameters are left as they were."""
+    """Swap the linear at ``name`` for a bf16 copy that torchao's ``quantize_`` made MXFP8 or NVFP4
+    (inference: the weight is quantized once, here); the original linear and its Parameters are left as
+    they were. torchao's MX linears compute in bf16: the copy takes its input in bf16 and hands back the
+    input's dtype. On a CPU (kernels="torchao", for tests) torchao's emulated MXFP8 kernel runs."""
     quant = _import("torchao.quantization")
     mx = _import("torchao.prototype.mx_formats")
     parent_name, _, attr = name.rpartition(".")
     parent, original = model.get_submodule(parent_name), model.get_submodule(name)
-    copy = nn.Linear(original.in_features, original.out_features, bias=original.bias is not None, device="meta")
-    copy.weight, copy.bias = original.weight, original.bias
-    config = (mx.MXDynamicActivationMXWeightConfig() if precision is Precision.MXFP8
-              else mx.NVFP4DynamicActivationNVFP4WeightConfig())
+    device = original.weight.device
+    copy = nn.Linear(original.in_features, original.out_features, bias=original.bias is not None, device=device,
+                     dtype=torch.bfloat16)
+    with torch.no_grad():
+        copy.weight.copy_(original.weight)
+        if original.bias is not None:
+            copy.bias.copy_(original.bias)
+    if precision is Precision.MXFP8:
+        preference = _import("torchao.quantization.quantize_.common.kernel_preference").KernelPreference
+        config = mx.MXDynamicActivationMXWeightConfig(
+            kernel_preference=preference.AUTO if device.type == "cuda" else preference.EMULATED)
+    else:
+        config = mx.NVFP4DynamicActivationNVFP4WeightConfig()
     holder = nn.Sequential(copy)
     quant.quantize_(holder, config)
-    setattr(parent, attr, holder[0])
+    quantized = holder[0]
+    quantized.register_forward_pre_hook(_to_bf16)
+    quantized.register_forward_hook(_back_to_input_dtype)
+    setattr(parent, attr, quantized)
     return parent, attr, original
+
+
+def _to_bf16(module: nn.Module, args: tuple) -> tuple:
+    """Into the module: bf16 input, and not an fp32 region (whose mode would upcast it back)."""
+    from .apply import _in_fp32_region
+
+    module._autoprec_outer = (args[0].dtype, getattr(_in_fp32_region, "value", False))
+    _in_fp32_region.value = False
+    return (args[0].to(torch.bfloat16), *args[1:])
+
+
+def _back_to_input_dtype(module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+    from .apply import _in_fp32_region
+
+    dtype, _in_fp32_region.value = module._autoprec_outer
+    return out.to(dtype)

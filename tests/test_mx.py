@@ -280,3 +280,44 @@ def test_block_scaled_formats_are_profiled_for_accuracy_but_not_timed_on_cpu_and
     assert planned.device == "estimated for b200" and planned.capabilities["mxfp8"] == "native"
     assert {"bf16", "mxfp8", "nvfp4"} <= set(planned.layer("0").latency_ms)
     assert planned.layer("0").sensitivity["mxfp8"].sqnr_db == layer.sensitivity["mxfp8"].sqnr_db
+
+
+# ---- torchao's MX inference linears (CPU: torchao's emulated MXFP8 kernel) ---------------------------------------
+def test_torchao_mxfp8_inference_linear_is_autoprecs_emulation_on_bf16_operands():
+    pytest.importorskip("torchao")
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32))
+    original = list(model)
+    x = gaussian(32, 64)
+    w, b = model[0].weight.detach(), model[0].bias.detach()
+    # torchao's MX linears compute in bf16: the same MXFP8 values of the bf16-rounded operands, bf16 output
+    expected = F.linear(mxfp8_fake_quantize(x.bfloat16()), mxfp8_fake_quantize(w.bfloat16()), b.bfloat16().float())
+    apply_policy(model, Policy.from_assignment({"0": "mxfp8"}), kernels="torchao")
+    assert type(model[0]).__name__ == "Linear" and type(model[0].weight).__name__ == "MXTensor"
+    assert original[0].weight.dtype == torch.float32  # the user's linear is untouched
+    with torch.no_grad():
+        assert torch.equal(model[0](x), expected.bfloat16().float())
+        assert model(x).dtype == torch.float32
+    remove_policy(model)
+    assert list(model) == original
+
+
+def test_a_kernel_that_fails_to_install_leaves_the_model_as_it_was(monkeypatch):
+    pytest.importorskip("torchao")
+    from autoprec import torchao_linear
+
+    def refuse(*_args, **_kwargs):
+        raise RuntimeError("no kernel for this device")
+
+    monkeypatch.setattr(torchao_linear, "install_fp8", refuse)  # installed last, after the other swaps
+    model = small_model()
+    original = list(model)
+    policy = Policy.from_assignment({"0": "fp8", "2": "mxfp8", "3": "nvfp4"})
+    with pytest.raises(RuntimeError, match="no kernel for this device"):
+        apply_policy(model, policy, kernels="torchao")
+    assert list(model) == original and not hasattr(model, "_autoprec_state")
+
+
+def test_torchao_nvfp4_needs_blackwell_so_a_cpu_keeps_the_emulation():
+    pytest.importorskip("torchao")
+    model = apply_policy(small_model(), Policy.from_assignment({"2": "nvfp4"}), kernels="torchao")
+    assert isinstance(model[2], BlockScaledLinear)
