@@ -7,7 +7,7 @@ optuna nor matplotlib.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from .version import __version__
 
 # Precisions and FP8
 from .formats import Capability, FP8Linear, FP8Recipe, Precision, device_capabilities
@@ -19,8 +19,11 @@ from .apply import apply_policy, remove_policy
 # Training with a policy
 from .training import TrainStep
 
-# Tuning (imports optuna lazily, when called)
+# Tuning (imports optuna lazily, when called): one pipeline, a workload and a config
+from .config import TuneConfig
 from .tune import TuneResult, tune
+from .workloads.inference import InferenceWorkload
+from .workloads.training import TrainingWorkload
 
 __all__ = [
     "__version__",
@@ -39,5 +42,8 @@ __all__ = [
     "TrainStep",
     # tuning
     "tune",
+    "TuneConfig",
     "TuneResult",
+    "InferenceWorkload",
+    "TrainingWorkload",
 ]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import hashlib
+import inspect
 import threading
 import warnings
 from collections.abc import Callable
@@ -118,6 +119,11 @@ class _Region:
         self.is_root = is_root
         self.fp32_compute = fp32_compute  # root only: some region runs in fp32, so turn the mode on
         self.inner_forward: Callable | None = module.__dict__.get("forward")  # one the module already had
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The module's own forward signature: frameworks read it (the HF Trainer keeps the input columns it names)."""
+        return inspect.signature(self.inner_forward or type(self.module).forward.__get__(self.module))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
@@ -228,6 +234,42 @@ def _check_model(model: nn.Module, policy: Policy) -> None:
                            "check that it is the policy for this model, or tune this one")
 
 
+# Modules whose compute autocast lowers (its matmul-class ops). Under an fp8 rule, the ones that are
+# not an exact nn.Linear would silently stay fp32 (MultiheadAttention's out_proj, an nn.Linear
+# subclass, too: the fp8 swap takes exact nn.Linear only).
+AUTOCAST_LOWERED = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.MultiheadAttention, nn.RNNBase,
+                    nn.RNNCellBase)
+# Modules that refuse an input whose dtype differs from their weights' when autocast is off (RNNs check
+# it in Python, before any op a TorchFunctionMode could upcast): an fp32 region upcasts their inputs.
+_FP32_INPUTS = (nn.RNNBase, nn.RNNCellBase)
+
+
+def _check_fp8(model: nn.Module, policy: Policy, precisions: dict[str, Precision]) -> None:
+    """fp8 (and mxfp8, nvfp4) must lower what it covers: refuse (naming each, with its type) a compute layer
+    that a rule, a pattern or the default puts in such a format but that cannot take it (a Conv2d), and an
+    exact rule on a module with no nn.Linear in it (a LayerNorm). A container under fp8 is fine: its linears
+    run in fp8 and its glue (norms, activations) in fp32, as any fp8 region does."""
+    for fmt in dict.fromkeys(p for p in (policy.default, *policy.layers.values()) if p.swaps_linear):
+        _check_linear_only(model, policy, precisions, fmt)
+
+
+def _check_linear_only(model: nn.Module, policy: Policy, precisions: dict[str, Precision], fmt: Precision) -> None:
+    modules = dict(model.named_modules(remove_duplicate=False))
+    wrong = {name: type(module).__name__ for name, module in modules.items()
+             if precisions[name] is fmt and isinstance(module, AUTOCAST_LOWERED)
+             and not takes_precision(module, fmt)}
+    for name in policy.exact_names:
+        if name not in wrong and policy.layers[name] is fmt and not any(
+                takes_precision(m, fmt) for m in modules[name].modules()):
+            wrong[name] = f"{type(modules[name]).__name__}, no nn.Linear inside"
+    wrong = [f"{name!r} ({what})" for name, what in wrong.items()]
+    if wrong:
+        listed = ", ".join(wrong[:6]) + (f" and {len(wrong) - 6} more" if len(wrong) > 6 else "")
+        raise PolicyError(f"{fmt} runs nn.Linear layers only, and the policy puts {'these' if len(wrong) > 1 else 'a'} "
+                          f"layer{'s' if len(wrong) > 1 else ''} that cannot take it in {fmt}: {listed}; give "
+                          f"{'them' if len(wrong) > 1 else 'it'} bf16, fp16 or fp32, or narrow the rule to the linears")
+
+
 def _warn_once(policy: Policy, message: str) -> None:
     """Warn at the caller of apply_policy, once per policy: bench and tune apply one policy many times."""
     if message not in policy._warned:
@@ -288,6 +330,7 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     _check_names(model, policy, strict)
     _check_model(model, policy)
     precisions = effective_precisions(model, policy)
+    _check_fp8(model, policy, precisions)
     _check_shared(_aliases(model), precisions)  # before anything changes: a refused policy leaves no trace
 
     state = _Installed(policy=policy, mode=mode)
@@ -308,7 +351,10 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     fp32_compute = any_low and any(p.autocast_dtype is None for p in precisions.values())
     for module, names in _aliases(model):
         is_root = "" in names
-        if not (is_root and any_low) and all(precisions[n] is _parent_precision(n, precisions) for n in names):
+        # An RNN in an fp32 region may be handed a low-precision value: its own fp32 region upcasts it.
+        upcast = any_low and isinstance(module, _FP32_INPUTS) and precisions[names[0]].autocast_dtype is None
+        if not (is_root and any_low) and not upcast and all(
+                precisions[n] is _parent_precision(n, precisions) for n in names):
             continue
         if id(module) in own_dtype:  # torchao's MX linears set their own (bf16) compute dtype
             continue

@@ -11,7 +11,10 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .objective import Measurement, Objective
 
 __all__ = ["Budget", "BudgetError", "DEFAULT_BUDGET", "DEFAULT_MIN_SQNR", "choose_budget"]
 
@@ -87,19 +90,19 @@ class Budget:
             raise BudgetError(f"a {self.drop * 100:g}% budget is a share of the fp32 metric, which is 0 here, so it "
                               "allows no drop at all: give an absolute budget instead (e.g. 0.01)")
 
-    def violation(self, m: Any, evaluator: Any) -> float:
+    def violation(self, m: Measurement, objective: Objective) -> float:
         """How far measurement ``m`` is outside the budget: <= 0 within it, inf for a broken run.
 
-        ``evaluator`` gives the fp32 reference (``metric_fp32``, ``uses_fidelity``, ``drop()``).
+        ``objective`` gives the fp32 reference (``metric_fp32``, ``uses_fidelity``, ``drop()``).
         """
         if m.error or m.nonfinite or math.isnan(m.metric):
             return math.inf
         worst = -math.inf
         if self.min_sqnr is not None:
             worst = max(worst, self.min_sqnr - m.sqnr_db)
-        allowed = self.allowed_drop(evaluator.metric_fp32)
-        if allowed is not None and not evaluator.uses_fidelity:
-            worst = max(worst, evaluator.drop(m.metric) - allowed)
+        allowed = self.allowed_drop(objective.metric_fp32)
+        if allowed is not None and not objective.uses_fidelity:
+            worst = max(worst, objective.drop(m.metric) - allowed)
         return worst
 
     def __str__(self) -> str:

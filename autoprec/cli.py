@@ -5,6 +5,8 @@
     autoprec bench MODEL_PY --policy FILE   re-measure a policy against fp32 and blanket autocast
     autoprec show POLICY_JSON     the policy's rules, what it was tuned on and what it achieved
     autoprec estimate --target h100 --gemm MxKxN   each precision's estimated time on a named GPU
+    autoprec init [--hf MODEL_DIR --text FILE]     write a model.py to start from
+    autoprec dashboard RUN_DIR    a tune's Optuna study in optuna-dashboard
 
 A subcommand is an entry in :data:`COMMANDS`: its name, one line of help, a function that adds its
 arguments and a function that runs it and returns the exit status. Usage errors print that
@@ -81,9 +83,13 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _precisions(text: str) -> list[str]:
     try:
-        return [Precision.parse(p).value for p in text.split(",") if p.strip()]
+        precisions = [Precision.parse(p).value for p in text.split(",") if p.strip()]
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if not any(Precision.parse(p).is_low for p in precisions):  # fp32 is always the reference, never a candidate
+        raise argparse.ArgumentTypeError(f"{text!r} names no low precision to try; give one or more of "
+                                         "bf16, fp16, fp8 (comma-separated), e.g. --precisions bf16,fp16")
+    return precisions
 
 
 def _positive_int(text: str) -> int:
@@ -134,6 +140,13 @@ def _check_device(device: str) -> None:
         raise CommandError(f"bad --device {device!r}: {e}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise CommandError(f"--device {device}: no CUDA device is available here; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise CommandError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                           f"cuda:0 to cuda:{torch.cuda.device_count() - 1}; give one of them")
+    if dev.type not in ("cpu", "cuda"):
+        why = " (meta tensors hold no data)" if dev.type == "meta" else ""
+        raise CommandError(f"--device {device}: autoprec cannot run a model on {dev.type!r}{why}; "
+                           "use --device cpu or cuda")
 
 
 def _budget_arguments(parser: argparse.ArgumentParser) -> None:
@@ -171,67 +184,52 @@ def _tune_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def tune(args: argparse.Namespace) -> int:
-    from .report import results_table
+    from .results import results_table
     from .tune import TuneInterrupted
     from .tune import tune as run_tune
 
-    if args.target is not None:
-        from .costmodel import get_target
-
-        try:
-            get_target(args.target)  # before loading the model: a typo costs nothing
-        except ValueError as e:
-            raise CommandError(str(e)) from None
+    config = _config(args, out=Path(args.out) if args.out else _default_out(args.model_py))  # before loading
     if args.for_ == "training":
+        from .trainspec import load_train_spec
+        from .workloads.training import TrainingWorkload
+
         if args.target is not None:
             raise CommandError("--target plans inference latency only for now; drop --target to tune for "
                                "training on this device")
-        return _tune_training(args)
-    spec = _load(args)
-    out = Path(args.out) if args.out else _default_out(args.model_py)
+        _check_device(args.device)
+        print(f"loading {args.model_py} for training", file=sys.stderr)
+        workload: Any = TrainingWorkload.from_spec(load_train_spec(args.model_py), args.steps)
+    else:
+        from .workloads.inference import InferenceWorkload
+
+        workload = InferenceWorkload.from_spec(_load(args))
     try:
-        result = run_tune(spec.model, spec.search_batches, spec.evaluate, higher_is_better=spec.higher_is_better,
-                          holdout_batches=spec.holdout_batches, budget=args.budget, min_sqnr=args.min_sqnr,
-                          device=args.device, precisions=args.precisions, search_space=args.search_space,
-                          trials=args.trials, timeout=args.timeout, out=out, storage=args.storage,
-                          study_name=args.study_name, sensitivity_batches=args.sensitivity_batches,
-                          seed=args.seed, log=lambda msg: print(msg, file=sys.stderr), target=args.target)
+        result = run_tune(workload, config, log=lambda msg: print(msg, file=sys.stderr))
     except TuneInterrupted as stop:
-        return _interrupted(stop, out)
-    return _print_tuned(results_table(result.verification), result, out, "pareto.png")
+        return _interrupted(stop, config.out)
+    return _print_tuned(results_table(result.verification), result, config.out)
 
 
-def _tune_training(args: argparse.Namespace) -> int:
-    from .train_report import training_results_table
-    from .trainspec import load_train_spec
-    from .tune import TuneInterrupted
-    from .tune import tune as run_tune
+def _config(args: argparse.Namespace, **fields: Any) -> Any:
+    """The TuneConfig of a tune's arguments: every setting checked before the model is loaded."""
+    from .config import TuneConfig
 
-    _check_device(args.device)
-    print(f"loading {args.model_py} for training", file=sys.stderr)
-    train = load_train_spec(args.model_py)
-    spec = train.spec
-    out = Path(args.out) if args.out else _default_out(args.model_py)
     try:
-        result = run_tune(spec.model, spec.search_batches, spec.evaluate, higher_is_better=spec.higher_is_better,
-                          holdout_batches=spec.holdout_batches, budget=args.budget, min_sqnr=args.min_sqnr,
-                          device=args.device, precisions=args.precisions, search_space=args.search_space,
-                          trials=args.trials, timeout=args.timeout, out=out, storage=args.storage,
-                          study_name=args.study_name, seed=args.seed, log=lambda msg: print(msg, file=sys.stderr),
-                          for_="training", loss=train.loss, train_batches=train.train_batches,
-                          optimizer=train.make_optimizer, steps=args.steps, model_path=train.path)
-    except TuneInterrupted as stop:
-        return _interrupted(stop, out)
-    return _print_tuned(training_results_table(result.verification), result, out, "loss.png")
+        return TuneConfig(budget=args.budget, min_sqnr=args.min_sqnr, device=args.device,
+                          precisions=tuple(args.precisions), search_space=args.search_space, trials=args.trials,
+                          timeout=args.timeout, storage=args.storage, study_name=args.study_name,
+                          sensitivity_batches=args.sensitivity_batches, seed=args.seed, target=args.target, **fields)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
 
 
-def _print_tuned(table: str, result: Any, out: Path, plot: str) -> int:
+def _print_tuned(table: str, result: Any, out: Path) -> int:
     """What a finished tune prints: the results, the notes, the policy, and the outputs it wrote."""
     print(table)
     for note in result.verification.notes:
         print(f"  note: {note}")
     print(result.policy)
-    names = ("policy.json", "report.md", plot, "sensitivity.png", "profile.json", "study.db")
+    names = ("policy.json", "report.md", "pareto.png", "loss.png", "sensitivity.png", "profile.json", "study.db")
     print(f"outputs: {out}/ ({', '.join(n for n in names if (out / n).exists())})")
     return 0
 
@@ -260,17 +258,23 @@ def _profile_arguments(parser: argparse.ArgumentParser) -> None:
 def profile(args: argparse.Namespace) -> int:
     import torch
 
+    from .config import TuneConfig
     from .outdir import claim_out_dir
     from .report import profile_summary, profile_table, sensitivity_heatmap
     from .tune import load_or_profile
+    from .workloads.inference import InferenceWorkload
 
-    spec = _load(args)
     out = Path(args.out) if args.out else _default_out(args.model_py)
+    try:
+        config = TuneConfig(device=args.device, precisions=tuple(args.precisions), out=out,
+                            sensitivity_batches=args.sensitivity_batches)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    workload = InferenceWorkload.from_spec(_load(args))
     with claim_out_dir(out):
-        model = spec.model.to(args.device).eval()
-        prof = load_or_profile(model, spec.search_batches, spec.evaluate, spec.higher_is_better,
-                               torch.device(args.device), args.precisions, out, args.sensitivity_batches,
-                               log=lambda msg: print(msg, file=sys.stderr), capture_batches=spec.batches)
+        workload.model = workload.model.to(args.device).eval()
+        prof = load_or_profile(workload, config, torch.device(args.device), out,
+                               log=lambda msg: print(msg, file=sys.stderr))
         print(profile_table(prof))
         print()
         print(profile_summary(prof))
@@ -289,7 +293,7 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def bench(args: argparse.Namespace) -> int:
     from .budget import choose_budget
-    from .report import results_table
+    from .results import results_table
     from .verify import bench_policy
 
     policy = Policy.load(args.policy)
@@ -327,9 +331,63 @@ def estimate(args: argparse.Namespace) -> int:
           f"cost model (not measured):")
     for gemm in result["gemms"]:
         ms = gemm["ms"]
-        cells = "  ".join(f"{p} {'n/a' if v is None else f'{v:.4g} ms'}" for p, v in ms.items())
-        speedups = "  ".join(f"{p} {ms['bf16'] / v:.2f}x" for p, v in ms.items() if v is not None and p != "bf16")
-        print(f"  {'x'.join(map(str, gemm['shape']))}: {cells}  | vs bf16: {speedups}")
+
+        def cell(p: str, v: float | None, gemm: dict = gemm) -> str:
+            if p in gemm["too_big"]:
+                return f"{p} too big ({gemm['gb'][p]:.4g} GB > {result['memory_gb']:g} GB)"
+            return f"{p} {'n/a' if v is None else f'{v:.4g} ms'}"
+
+        cells = "  ".join(cell(p, v) for p, v in ms.items())
+        speedups = "  ".join(f"{p} {ms['bf16'] / v:.2f}x" for p, v in ms.items()
+                             if v is not None and ms["bf16"] is not None and p != "bf16")
+        print(f"  {'x'.join(map(str, gemm['shape']))}: {cells}" + (f"  | vs bf16: {speedups}" if speedups else ""))
+    return 0
+
+
+# ---- init ----------------------------------------------------------------------------------------------
+def _init_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hf", metavar="MODEL_DIR", help="a Hugging Face model folder (config.json, weights, "
+                                                          "tokenizer): write a model.py for it")
+    parser.add_argument("--text", metavar="FILE", help="with --hf: a text file of samples, one per line")
+    parser.add_argument("--out", default="model.py", help="the file to write (default: model.py)")
+    parser.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+
+
+def init(args: argparse.Namespace) -> int:
+    from .init import write_hf_model_py, write_template
+
+    if args.text is not None and args.hf is None:
+        raise CommandError("--text goes with --hf MODEL_DIR (the model the samples are for)")
+    if args.hf is not None and args.text is None:
+        raise CommandError("--hf needs --text FILE: a text file of samples, one per line, to tune on")
+    if args.hf is None:
+        path = write_template(args.out, args.force)
+        print(f"wrote {path}: a commented template; fill in get_model() and get_batches(), then "
+              f"`autoprec tune {path}`")
+        return 0
+    path = write_hf_model_py(args.hf, args.text, args.out, args.force)
+    print(f"wrote {path}; run `autoprec tune {path}` (read it first: the sequence length, batch size and "
+          f"metric are at the top)")
+    return 0
+
+
+# ---- dashboard -----------------------------------------------------------------------------------------
+def _dashboard_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the folder a tune wrote (it holds study.db)")
+    parser.add_argument("--port", type=_positive_int, default=8080, help="port to serve on (default 8080)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this "
+                                                           "machine only)")
+
+
+def dashboard(args: argparse.Namespace) -> int:
+    from .dashboard import serve, study_storage
+
+    url = study_storage(args.run_dir)
+    print(f"serving {url.removeprefix('sqlite:///')} at http://{args.host}:{args.port}/ (Ctrl-C stops)", flush=True)
+    try:
+        serve(url, args.host, args.port)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
     return 0
 
 
@@ -342,6 +400,9 @@ COMMANDS: list[Command] = [
     Command("estimate", "estimated time of GEMMs in each precision on a named GPU (cost model, no GPU needed)",
             _estimate_arguments, estimate),
     Command("show", "print a policy file: its rules, what it was tuned on, what it achieved", _show_arguments, show),
+    Command("init", "write a model.py to start from: a template, or one for a Hugging Face model and your text",
+            _init_arguments, init),
+    Command("dashboard", "serve a tune's Optuna study in optuna-dashboard", _dashboard_arguments, dashboard),
 ]
 
 
@@ -367,10 +428,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Options whose value may start with a minus and a digit without being a number ("--gemm -5x2x3"): argparse
+# would read it as an option; glued to its flag ("--gemm=-5x2x3") it reaches the option's own check.
+_DASH_VALUES = ("--gemm",)
+
+
+def _glue_dash_values(argv: Sequence[str]) -> list[str]:
+    argv = list(argv)
+    glued = []
+    for i, token in enumerate(argv):
+        if i and argv[i - 1] in _DASH_VALUES and token[:1] == "-" and token[1:2].isdigit() and glued[-1] == argv[i - 1]:
+            glued[-1] = f"{argv[i - 1]}={token}"
+        else:
+            glued.append(token)
+    return glued
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args, extra = parser.parse_known_args(argv)
+        args, extra = parser.parse_known_args(_glue_dash_values(sys.argv[1:] if argv is None else argv))
         if extra:  # reported by the subcommand's parser, so its help is what gets printed
             args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as e:  # usage error (2) or --help (0): argparse has printed what to say

@@ -26,7 +26,7 @@ from typing import Iterable, Mapping, Sequence
 from .formats import Capability, Precision
 
 __all__ = ["MODES", "TARGETS", "Target", "UnknownTargetError", "elementwise_ms", "estimate", "estimated_latency",
-           "gemm_ms", "get_target", "layer_ms", "linear_ms", "parse_gemm", "policy_ms"]
+           "gemm_gb", "gemm_ms", "get_target", "layer_ms", "linear_ms", "parse_gemm", "policy_ms"]
 
 MODES = ("inference", "training")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4")  # what `estimate` reports
@@ -72,6 +72,7 @@ class Target:
     bandwidth_gbs: float  # HBM / GDDR bandwidth, GB/s
     sms: int  # streaming multiprocessors: how many GEMM output tiles run at once
     source: str
+    memory_gb: float  # device memory, GB as the datasheet prints it: what one GEMM's tensors must fit in
     efficiency: Mapping[str, float] = field(default_factory=lambda: GEMM_EFFICIENCY)
     gemm_launch_us: float = GEMM_LAUNCH_US
     tile: tuple[int, int] = TILE
@@ -98,34 +99,34 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     # FP32 67, TF32 494.7, BF16/FP16 989.4, FP8 1978.9 TFLOPS dense; HBM3 3.35 TB/s; 132 SMs.
     Target("h100", "NVIDIA H100 SXM5 80GB", (9, 0),
            {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9}, 3350.0, 132,
-           "NVIDIA H100 datasheet (SXM5)"),
+           "NVIDIA H100 datasheet (SXM5)", 80.0),
     # NVIDIA H200 datasheet, SXM column (nvidia.com/en-us/data-center/h200): the H100's compute
     # (same GH100 die and clocks) with HBM3e at 4.8 TB/s.
     Target("h200", "NVIDIA H200 SXM 141GB", (9, 0),
            {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9}, 4800.0, 132,
-           "NVIDIA H200 datasheet (SXM)"),
+           "NVIDIA H200 datasheet (SXM)", 141.0),
     # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column: FP32 19.5, TF32 156, BF16/FP16 312
     # TFLOPS dense; HBM2e 2039 GB/s; 108 SMs. No FP8 tensor cores.
     Target("a100", "NVIDIA A100 SXM 80GB", (8, 0),
            {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}, 2039.0, 108,
-           "NVIDIA A100 datasheet (80GB SXM)"),
+           "NVIDIA A100 datasheet (80GB SXM)", 80.0),
     # NVIDIA L4 Tensor Core GPU datasheet: FP32 30.3, TF32 60, BF16/FP16 121, FP8 242.5 TFLOPS dense
     # (120/242/485 with sparsity); GDDR6 300 GB/s; 58 SMs (Ada, compute capability 8.9).
     Target("l4", "NVIDIA L4 24GB", (8, 9),
            {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0, "fp8": 242.5}, 300.0, 58,
-           "NVIDIA L4 datasheet"),
+           "NVIDIA L4 datasheet", 24.0),
     # NVIDIA HGX B200 datasheet, per GPU (nvidia.com/en-us/data-center/hgx): FP4 18, FP8/FP6 9, BF16/FP16
-    # 4.5, TF32 2.2 PFLOPS with sparsity (dense: half), FP32 75 TFLOPS; HBM3e 8 TB/s; 148 SMs. MXFP8 runs
+    # 4.5, TF32 2.2 PFLOPS with sparsity (dense: half), FP32 75 TFLOPS; 180 GB HBM3e at 8 TB/s; 148 SMs. MXFP8 runs
     # at the FP8 rate, NVFP4 at the FP4 rate.
     Target("b200", "NVIDIA B200 (HGX, 1000 W)", (10, 0),
            {"fp32": 75.0, "tf32": 1100.0, "bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "mxfp8": 4500.0,
-            "nvfp4": 9000.0}, 8000.0, 148, "NVIDIA HGX B200 datasheet", BLACKWELL_EFFICIENCY,
+            "nvfp4": 9000.0}, 8000.0, 148, "NVIDIA HGX B200 datasheet", 180.0, BLACKWELL_EFFICIENCY,
            BLACKWELL_LAUNCH_US, BLACKWELL_TILE),
     # NVIDIA GB200 NVL72 datasheet, per GPU (nvidia.com/en-us/data-center/gb200-nvl72): FP4 20, FP8/FP6 10,
-    # BF16/FP16 5, TF32 2.5 PFLOPS with sparsity (dense: half), FP32 80 TFLOPS; HBM3e 8 TB/s; 148 SMs.
+    # BF16/FP16 5, TF32 2.5 PFLOPS with sparsity (dense: half), FP32 80 TFLOPS; 186 GB HBM3e at 8 TB/s; 148 SMs.
     Target("gb200", "NVIDIA GB200 (one Blackwell GPU of an NVL72)", (10, 0),
            {"fp32": 80.0, "tf32": 1250.0, "bf16": 2500.0, "fp16": 2500.0, "fp8": 5000.0, "mxfp8": 5000.0,
-            "nvfp4": 10000.0}, 8000.0, 148, "NVIDIA GB200 NVL72 datasheet", BLACKWELL_EFFICIENCY,
+            "nvfp4": 10000.0}, 8000.0, 148, "NVIDIA GB200 NVL72 datasheet", 186.0, BLACKWELL_EFFICIENCY,
            BLACKWELL_LAUNCH_US, BLACKWELL_TILE),
 )}
 
@@ -242,8 +243,21 @@ def linear_ms(target: str | Target, m: int, k: int, n: int, precision: str, mode
     return ms
 
 
+def gemm_gb(m: int, k: int, n: int, precision: str, mode: str = "inference") -> float:
+    """The least memory, in GB, a linear's GEMM needs at once: its input, weight and output in
+    ``precision`` (the 8- and 4-bit formats: bf16 output), and in training their gradients too."""
+    size = BYTES[precision]
+    out_bytes = size if size >= 2 else 2
+    forward = (m * k + k * n) * size + m * n * out_bytes
+    return forward * (2 if mode == "training" else 1) / 1e9
+
+
 def estimate(target: str | Target, shapes: Iterable[Sequence[int]], mode: str = "inference") -> dict:
-    """``autoprec estimate``'s JSON: each precision's predicted ms for each (M, K, N) linear."""
+    """``autoprec estimate``'s JSON: each precision's predicted ms for each (M, K, N) linear.
+
+    A precision whose tensors (:func:`gemm_gb`) exceed the target's memory is null, and listed
+    under ``too_big``; a GEMM that fits in no precision is refused (ValueError naming the sizes).
+    """
     target = get_target(target)
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; use one of: {', '.join(MODES)}")
@@ -251,10 +265,20 @@ def estimate(target: str | Target, shapes: Iterable[Sequence[int]], mode: str = 
     for m, k, n in shapes:
         # A precision without tensor cores on the target (FP8 before compute capability 8.9, MXFP8 and
         # NVFP4 before Blackwell) is null: emulated there, it never runs faster.
-        ms = {p: round(linear_ms(target, m, k, n, p, mode), 6) if p in target.tflops else None
+        priced = [p for p in PRECISIONS if p in target.tflops]
+        need = {p: gemm_gb(m, k, n, p, mode) for p in priced}
+        too_big = [p for p in priced if need[p] > target.memory_gb]
+        if len(too_big) == len(priced):
+            least = min(priced, key=need.get)
+            raise ValueError(f"GEMM {m}x{k}x{n} cannot fit in the {target.name}'s {target.memory_gb:g} GB: its "
+                             f"input, weight and output{' and their gradients' if mode == 'training' else ''} "
+                             f"need {need[least]:.4g} GB even in {least} ({need['fp32']:.4g} GB in fp32); "
+                             "give a shape that fits (split M into batches)")
+        ms = {p: round(linear_ms(target, m, k, n, p, mode), 6) if p in priced and p not in too_big else None
               for p in PRECISIONS}
-        gemms.append({"shape": [m, k, n], "ms": ms})
-    return {"target": target.name, "estimated": True, "for": mode, "gemms": gemms}
+        gemms.append({"shape": [m, k, n], "ms": ms, "gb": {p: round(need[p], 6) for p in priced},
+                      "too_big": too_big})
+    return {"target": target.name, "estimated": True, "for": mode, "memory_gb": target.memory_gb, "gemms": gemms}
 
 
 # ---- a model's layers: what `autoprec tune --target` uses instead of measuring ------------------------------

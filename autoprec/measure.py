@@ -12,74 +12,24 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
 from .apply import apply_policy, remove_policy
+from .batches import OutputError, call_model, describe_batch, fidelity_outputs, output_tensors, to_device
 from .formats import Precision, sqnr_db
+from .objective import Measurement, Objective
 from .policy import Policy
-from .userspec import UserCodeError, as_metric, call_model, describe_batch, one_line, to_device, user_function
+from .userspec import UserCodeError, as_metric, one_line, user_function
 
 __all__ = ["BatchError", "Evaluator", "Measurement", "OutputError", "call_model", "fidelity_outputs",
-           "interleaved_ms", "interleaved_samples", "median_ms", "output_tensors", "settle", "time_ms", "to_device"]
-
-_FIDELITY_FIX = "define evaluate(model, batches) to score the outputs yourself, or return float tensors"
-
-
-class OutputError(ValueError):
-    """An fp32 output that fidelity (the metric without evaluate()) cannot judge a precision by."""
-
-    def __init__(self, problem: str, fix: str = _FIDELITY_FIX):
-        self.problem, self.fix = problem, fix
-        super().__init__(f"{problem}; fix: {fix}")
-
+           "interleaved_ms", "interleaved_samples", "median_ms", "output_tensors", "rotations", "settle", "time_ms",
+           "to_device"]
 
 class BatchError(ValueError):
     """The unchanged fp32 model fails on one of its own batches."""
-
-
-def output_tensors(output: Any) -> list[torch.Tensor]:
-    """The floating-point tensors of a model's output, in a stable order."""
-    return [t.detach() for t in pytree.tree_leaves(output)
-            if isinstance(t, torch.Tensor) and t.is_floating_point()]
-
-
-def _is_cache(value: Any) -> bool:
-    """A transformers ``Cache`` (e.g. GPT-2's ``past_key_values``): state for the next decoding
-    step, computed by the same layers whose fidelity the logits already show."""
-    return type(value).__module__.startswith("transformers") and type(value).__name__.endswith("Cache")
-
-
-def fidelity_outputs(output: Any, batch_index: int | None = None) -> list[torch.Tensor]:
-    """The float tensors fidelity compares, after checking that they can judge a precision.
-
-    A non-float tensor (token ids, a mask) or a non-numeric object among the outputs would be
-    silently left out of the comparison, and an output that is already inf/NaN in fp32 makes
-    every precision look equally good or bad: each is an :class:`OutputError` naming the output.
-    """
-    batch = f" on batch {batch_index}" if batch_index is not None else ""
-    floats = []
-    for path, leaf in pytree.tree_flatten_with_path(output)[0]:
-        name = f"output{pytree.keystr(path)}"
-        if isinstance(leaf, torch.Tensor):
-            if not leaf.is_floating_point():
-                dtype = str(leaf.dtype).removeprefix("torch.")
-                raise OutputError(f"{name} is {'an' if dtype[0] in 'aeiou' else 'a'} {dtype} tensor; fidelity "
-                                  "(the metric without evaluate()) compares float outputs only")
-            if not torch.isfinite(leaf).all():
-                raise OutputError(f"{name} holds inf/NaN in fp32{batch}, so no precision can be judged against it",
-                                  "make the fp32 model's outputs finite, or define evaluate(model, batches)")
-            floats.append(leaf.detach())
-        elif not (leaf is None or isinstance(leaf, (bool, int, float)) or _is_cache(leaf)):
-            raise OutputError(f"{name} is {type(leaf).__name__} {leaf!r:.40}; fidelity (the metric without "
-                              "evaluate()) compares float tensors only")
-    if not floats:
-        raise OutputError(f"the model's output{batch} holds no float tensor to compare")
-    return floats
 
 
 def _sync(device: torch.device) -> None:
@@ -123,6 +73,15 @@ def time_ms(fn: Callable[[], Any], device: str | torch.device = "cpu", warmup: i
 
 def median_ms(fn: Callable[[], Any], device: str | torch.device = "cpu", warmup: int = 1, repeats: int = 5) -> float:
     return statistics.median(time_ms(fn, device, warmup, repeats))
+
+
+def rotations(keys: Sequence[str], rounds: int) -> Iterator[tuple[int, str]]:
+    """``(round, key)`` for every key in every round, the order rotated each round so that no entry always
+    follows the same one: a burst of machine noise or a drift hits every entry alike."""
+    for turn in range(rounds):
+        shift = turn % len(keys) if keys else 0
+        for key in [*keys[shift:], *keys[:shift]]:
+            yield turn, key
 
 
 def interleaved_ms(model: nn.Module, batch: Any, runners: Mapping[str, Policy | Precision | None],
@@ -175,28 +134,13 @@ def interleaved_samples(model: nn.Module, batch: Any, runners: Mapping[str, Poli
     with torch.no_grad():
         for how in runners.values():
             timed(how, lambda how=how: settle(forward(how), device))
-        keys = list(runners)
-        for turn in range(repeats):
-            shift = turn % len(keys)  # rotate the order so no entry always follows the same one
-            for key in keys[shift:] + keys[:shift]:
-                how = runners[key]
-                samples[key].append(timed(how, lambda how=how: burst(how)))
+        for _, key in rotations(list(runners), repeats):
+            how = runners[key]
+            samples[key].append(timed(how, lambda how=how: burst(how)))
     return samples
 
 
-@dataclass
-class Measurement:
-    """One model run under one policy on a list of batches."""
-
-    metric: float  # the user's metric, or the fidelity SQNR (dB) without one
-    sqnr_db: float  # worst output-tensor SQNR against fp32 over the batches
-    nonfinite: bool  # any inf/NaN in the outputs or in a watched layer's output
-    seconds: float
-    error: str | None = None  # an exception raised while running, as one line
-    nonfinite_layers: list[str] = field(default_factory=list)
-
-
-class Evaluator:
+class Evaluator(Objective):
     """Measures a model under candidate policies against its own fp32 run on fixed batches."""
 
     def __init__(self, model: nn.Module, batches: Sequence[Any],
@@ -242,14 +186,8 @@ class Evaluator:
         return reference
 
     @property
-    def uses_fidelity(self) -> bool:
+    def uses_fidelity(self) -> bool:  # type: ignore[override]
         return self.evaluate is None
-
-    def drop(self, metric: float) -> float:
-        """How much worse ``metric`` is than fp32's (positive = worse; inf for NaN)."""
-        if math.isnan(metric):
-            return math.inf
-        return self.metric_fp32 - metric if self.higher_is_better else metric - self.metric_fp32
 
     def measure(self, policy: Policy | None, watch: Sequence[str] = ()) -> Measurement:
         """Run every batch with ``policy`` applied (then removed) and compare to fp32."""

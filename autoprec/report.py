@@ -13,129 +13,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .profile import Profile
+from .results import decision, markdown_table, results_table, text_table
 
 if TYPE_CHECKING:
+    from .results import TuneResult
     from .search import SearchResult
-    from .tune import TuneResult
-    from .verify import Verification
 
-__all__ = ["decision", "markdown_table", "pareto_plot", "profile_summary", "profile_table", "report_markdown",
-           "write_run_folder",
-           "results_table", "sensitivity_heatmap", "write_outputs"]
-
-
-def _fmt(x: Any, spec: str = ".3g") -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, str):
-        return x
-    if isinstance(x, float) and math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if isinstance(x, float) and math.isnan(x):
-        return "nan"
-    return format(x, spec)
-
-
-def _ms(x: float) -> str:
-    """A latency as people write it: 1151, 97.1, 0.482 (never 1.15e+03)."""
-    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
-
-
-def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def text_table(header: list[str], rows: list[list[Any]], indent: str = "") -> str:
-    """Columns padded for a terminal: the first left-aligned, the rest right-aligned."""
-    cells = [header] + [[_fmt(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = [indent + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in cells]
-    lines.insert(1, indent + "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-# ---- results of a verification (tune) or a bench ------------------------------------------------------------
-def _labels(v: Verification) -> list[tuple[str, str]]:
-    """(key, label) rows: a policy that computes what fp32 or blanket autocast computes shares its row."""
-    autocast = f"blanket autocast ({v.autocast_precision})"
-    if v.tuned_is_autocast:
-        return [("fp32", "fp32"), ("autocast", f"{autocast} = autoprec policy")]
-    if v.policy is None:  # nothing chosen: the policy is fp32
-        return [("fp32", "fp32 = autoprec policy"), ("autocast", autocast)]
-    return [("fp32", "fp32"), ("autocast", autocast), ("tuned", "autoprec policy")]
-
-
-def results_rows(v: Verification) -> tuple[list[str], list[list[Any]]]:
-    quality = "output SQNR dB" if v.fidelity else "metric"
-    estimated = v.estimated_for is not None
-    header = ["", f"latency ms (estimated for {v.estimated_for})" if estimated else "latency ms",
-              "speed-up vs fp32" if estimated else "speed-up vs fp32 (range)", quality, "within budget"]
-    rows = []
-    for key, label in _labels(v):
-        speedup = ("1.00x" if key == "fp32" else
-                   f"{v.speedup_of(key).ratio:.2f}x" if estimated else str(v.speedup_of(key)))
-        ok = "yes" if key == "fp32" or v.within_budget.get(key) else "no"
-        value = "exact" if v.fidelity and key == "fp32" else v.metric.get(key)
-        rows.append([label, _ms(v.latency_ms[key]), speedup, value, ok])
-    return header, rows
-
-
-def _versus_autocast(v: Verification) -> str | None:
-    """One line on the policy against blanket autocast, or None where they are one row."""
-    if v.tuned_is_autocast or v.policy is None:
-        return None
-    s = v.speedup_of("tuned", "autocast")
-    if v.estimated_for is not None:
-        return f"autoprec policy vs blanket autocast ({v.autocast_precision}): {s.ratio:.2f}x, estimated for " \
-               f"{v.estimated_for} by the cost model"
-    verdict = ("a tie: the difference is inside the measured spread" if s.tie else
-               "faster" if s.ratio > 1 else "slower")
-    return (f"autoprec policy vs blanket autocast ({v.autocast_precision}): {s} over {s.rounds} interleaved rounds, "
-            f"{verdict}")
-
-
-def results_table(v: Verification, markdown: bool = False) -> str:
-    """The results of a verification or a bench, as the CLI prints them (or as Markdown for report.md)."""
-    header, rows = results_rows(v)
-    rounds = len(v.samples["fp32"])
-    title = (f"held-out batches; latency on {v.timing_batch}: median of {rounds} interleaved rounds, "
-             "speed-up range over the rounds")
-    if v.estimated_for is not None:
-        title = (f"held-out batches (metric measured here); latency at the shapes of {v.timing_batch}: "
-                 f"estimated for {v.estimated_for} by the cost model, not measured")
-    table = markdown_table(header, rows) if markdown else text_table(header, rows, indent="  ")
-    lines = [title, "", table] if markdown else [title, table]
-    versus = _versus_autocast(v)
-    if versus:
-        lines += (["", versus] if markdown else [f"  {versus}"])
-    return "\n".join(lines)
-
-
-def decision(v: Verification, budget: Any) -> str:
-    """What was chosen, how fast against fp32 and blanket autocast, how accurate, and why: one paragraph."""
-    autocast = f"blanket autocast ({v.autocast_precision})"
-    metric = f"held-out metric {_fmt(v.metric['tuned'], '.4g')}"
-    if v.policy is None:
-        why = (f"{autocast} is within the budget but measured no faster than fp32 here "
-               f"({v.speedup_of('autocast')}), and no per-layer candidate measured faster either"
-               if v.within_budget.get("autocast") else
-               f"{autocast} is over budget on the held-out batches, and no candidate within budget measured "
-               "faster than fp32")
-        return f"**The policy stays fp32.** {why[0].upper()}{why[1:]} (budget: {budget})."
-    speed = v.speedup_of("tuned")
-    if v.estimated_for is not None:
-        speed = f"{speed.ratio:.2f}x (estimated for {v.estimated_for})"  # type: ignore[assignment]
-    if v.tuned_is_autocast:
-        return (f"**The policy is {autocast} itself**: {speed} faster than fp32, {metric}, within the budget "
-                f"({budget}); no per-layer policy measured faster.")
-    rules = len(v.policy.layers)
-    why = (f"{autocast} is over budget on the held-out batches" if not v.within_budget.get("autocast")
-           else f"it measured against {autocast} at {v.speedup_of('tuned', 'autocast')}")
-    return (f"**autoprec policy: default {v.policy.default.value} with {rules} rule(s)**: {speed} faster than fp32, "
-            f"{metric}, within the budget ({budget}); chosen because {why}.")
+__all__ = ["decision", "markdown_table", "pareto_plot", "plot_library", "profile_summary", "profile_table",
+           "report_markdown", "results_table", "save_figure", "sensitivity_heatmap", "text_table", "write_outputs",
+           "write_text_atomic"]
 
 
 # ---- profile tables ---------------------------------------------------------------------------------------
@@ -179,7 +65,8 @@ def dropped_by_reason(dropped: dict[str, list[str]]) -> dict[str, list[str]]:
     return groups
 
 
-def _plt():
+def plot_library():
+    """matplotlib.pyplot drawing to files (Agg), or None where matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -193,7 +80,7 @@ def _plt():
 def sensitivity_heatmap(profile: Profile, path: str | Path, chosen: dict[str, str] | None = None) -> Path | None:
     """Per-layer SQNR (dB) for each precision, that layer alone lowered; overflow and errors marked in
     red, the chosen precision of each layer boxed. None without matplotlib."""
-    plt = _plt()
+    plt = plot_library()
     if plt is None:
         return None
     names = [layer.name or "(model)" for layer in profile.layers]
@@ -234,8 +121,7 @@ def sensitivity_heatmap(profile: Profile, path: str | Path, chosen: dict[str, st
         notes.insert(0, "red box: the precision the policy chose")
     fig.text(0.01, 0.005, "; ".join(notes), fontsize=7, va="bottom")
     fig.tight_layout(rect=(0, 0.03, 1, 1))  # the names set the left margin; the notes sit below
-    path = Path(path)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    path = save_figure(fig, path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -254,7 +140,7 @@ def _budget_line(result: TuneResult) -> float | None:
 def pareto_plot(result: TuneResult, path: str | Path) -> Path | None:
     """Every trial at its predicted latency against its metric on the search batches, the Pareto front,
     fp32, the budget, the verified candidates at their measured latency, and the chosen one."""
-    plt = _plt()
+    plt = plot_library()
     if plt is None:
         return None
     s, v, p = result.search, result.verification, result.profile
@@ -293,8 +179,7 @@ def pareto_plot(result: TuneResult, path: str | Path) -> Path | None:
     ax.set_title("speed against accuracy, every trial")
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    path = save_figure(fig, path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -332,17 +217,28 @@ def _search_section(s: SearchResult) -> list[str]:
     return lines
 
 
-def report_markdown(result: TuneResult) -> str:
+def report_markdown(result: TuneResult, workload: Any = None) -> str:
+    """report.md: the decision, the results, the notes, what ``workload`` adds, the policy, the layers,
+    the search and the profile."""
     v, s, p = result.verification, result.search, result.profile
-    lines = ["# autoprec tuning report", "", decision(v, result.budget), ""]
+    training = p.training is not None
+    title = "# autoprec tuning report" + (": training" if training else "")
+    lines = [title, "", decision(v, result.budget), ""]
+    if training:
+        lines += ["Tuned for training: step time as the objective, the loss on the search batches and a gradient "
+                  f"floor as the constraint ({result.budget}), then {v.steps}-step training runs as the proof.", ""]
     lines += [results_table(v, markdown=True), ""]
     for note in v.notes + s.notes:
         lines.append(f"- {note}")
+    searched_to = result.budget if training else result.budget.for_search()
     lines += ["", f"Device: `{p.device}`; precisions: "
               + ", ".join(f"{k} ({c})" for k, c in p.capabilities.items())
-              + f". Metric: {'output SQNR in dB against fp32' if p.metric['kind'] == 'fidelity' else 'your evaluate()'}"
-              + f". Budget: {result.budget} (the search works to {result.budget.for_search()}, a margin so that "
-              "what it finds holds on batches it never saw; verification checks the budget itself).", ""]
+              + f". Metric: {_metric_words(p.metric['kind'])}"
+              + f". Budget: {result.budget} (the search works to {searched_to}"
+              + ("" if training else ", a margin so that what it finds holds on batches it never saw")
+              + "; verification checks the budget itself).", ""]
+    if workload is not None:
+        lines += workload.report_sections(result)
     if v.policy is not None:
         lines += ["## Policy", "", "```", str(result.policy), "```", ""]
         if v.chosen is not None:
@@ -350,8 +246,9 @@ def report_markdown(result: TuneResult) -> str:
                       f"{v.chosen.predicted_ms:.3g} ms at the profiling batch size.", ""]
     lines += ["## Layers", ""]
     chosen = v.chosen.assignment if v.chosen else {}
-    header = ["layer", "kind", "chosen", "fp32 ms"] + [f"{q} ms" for q in p.precisions] + \
-             [f"{q} SQNR dB" for q in p.precisions]
+    ms, sqnr = ("fwd+bwd ms", "grad SQNR dB") if training else ("ms", "SQNR dB")
+    header = ["layer", "kind", "chosen", f"fp32 {ms}"] + [f"{q} {ms}" for q in p.precisions] + \
+             [f"{q} {sqnr}" for q in p.precisions]
     rows = [[layer.name, layer.kind, chosen.get(layer.name, "fp32"), layer.latency_ms.get("fp32")]
             + [layer.latency_ms.get(q) for q in p.precisions]
             + [layer.sensitivity[q].sqnr_db if q in layer.sensitivity else None for q in p.precisions]
@@ -366,27 +263,44 @@ def report_markdown(result: TuneResult) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(result: TuneResult) -> dict[str, Path]:
-    """policy.json, report.md and the plots into the result's output folder."""
-    return write_run_folder(result, "pareto", lambda out: pareto_plot(result, out / "pareto.png"), report_markdown)
+def _metric_words(kind: str) -> str:
+    return {"fidelity": "output SQNR in dB against fp32", "loss": "the training loss (lower is better)"}.get(
+        kind, "your evaluate()")
 
 
-def write_run_folder(result: Any, main_plot: str, plot: Any, report: Any) -> dict[str, Path]:
-    """What every tune writes: policy.json, its ``main_plot`` (``plot(out)``), sensitivity.png and
-    report.md (``report(result)``), saying where plots were skipped for want of matplotlib."""
+def write_outputs(result: TuneResult, workload: Any = None) -> dict[str, Path]:
+    """What every tune writes into its folder: policy.json, pareto.png, sensitivity.png, what ``workload``
+    adds (e.g. loss.png) and report.md, which says where plots were skipped for want of matplotlib."""
     out = result.out_dir
     if out is None:
         raise ValueError("this tune has no output folder to write into")
     written = {"policy": result.policy.save(out / "policy.json")}
     chosen = result.verification.chosen.assignment if result.verification.chosen else None
-    for key, make in ((main_plot, lambda: plot(out)),
-                      ("sensitivity", lambda: sensitivity_heatmap(result.profile, out / "sensitivity.png", chosen))):
-        path = make()
+    for key, path in (("pareto", pareto_plot(result, out / "pareto.png")),
+                      ("sensitivity", sensitivity_heatmap(result.profile, out / "sensitivity.png", chosen))):
         if path is not None:
             written[key] = path
-    text = report(result)
-    if main_plot not in written:
+    if workload is not None:
+        written.update(workload.write_extras(result))
+    text = report_markdown(result, workload)
+    if "pareto" not in written:
         text += "\n(Plots skipped: matplotlib is not installed; `pip install autoprec[plot]`.)\n"
-    (out / "report.md").write_text(text)
-    written["report"] = out / "report.md"
+    written["report"] = write_text_atomic(out / "report.md", text)
     return written
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    """Write ``text`` so that ``path`` holds either its old content or all of the new, never half."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path
+
+
+def save_figure(fig: Any, path: str | Path, **kwargs: Any) -> Path:
+    """Save a matplotlib figure as PNG atomically (as :func:`write_text_atomic` writes text)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, format="png", **kwargs)
+    tmp.replace(path)
+    return path

@@ -23,59 +23,22 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from .budget import Budget
+from .candidate import Candidate
 from .formats import DEFAULT_PRECISIONS, Precision
-from .measure import Evaluator
+from .objective import Objective
 from .policy import Policy
 from .profile import Profile, predict_ms
 from .searchspace import SearchSpace, Unit
-from .structure import Structure, coarse_to_fine, count_regions, region_cost_ms
+from .structure import Structure, count_regions, region_cost_ms
+from .walks import coarse_to_fine, greedy
 
-__all__ = ["Candidate", "SearchResult", "StorageError", "choose_default", "open_storage", "pareto_front", "plan_units",
-           "search"]
+__all__ = ["Candidate", "SearchResult", "StorageError", "StudyMismatchError", "choose_default", "open_storage",
+           "pareto_front", "plan_units", "search"]
 
 _REGION_DEFAULTS = ("fp32", "bf16", "fp16")
 # A candidate must be measured at least this much faster than fp32 to be worth a boundary:
 # smaller gains are within the noise of a shared machine.
 SPEED_MARGIN = 0.03
-
-
-@dataclass
-class Candidate:
-    """One evaluated assignment (an Optuna trial)."""
-
-    number: int
-    assignment: dict[str, str]  # every profiled layer -> precision
-    default: str
-    predicted_ms: float
-    metric: float
-    sqnr_db: float
-    violation: float
-    error: str | None = None
-    seed: str | None = None  # "fp32", "fastest", "greedy", "heuristic:<name>", "refine" for seed trials
-    regions: dict[str, str] = field(default_factory=dict)  # module region (block, sub-block) -> precision
-    params: dict[str, str] = field(default_factory=dict)  # the study parameters it came from
-
-    @property
-    def heuristic(self) -> bool:
-        """Whether this is a structured policy people write by hand (e.g. first/last block fp32)."""
-        return bool(self.seed and self.seed.startswith("heuristic:"))
-
-    @property
-    def feasible(self) -> bool:
-        return self.violation <= 0
-
-    @property
-    def label(self) -> str:
-        return f"trial #{self.number}" if self.number >= 0 else f"blanket {self.default} (not a trial)"
-
-    def policy(self, **fields: Any) -> Policy:
-        return Policy.from_assignment({**self.regions, **self.assignment}, self.default, **fields)
-
-    def lowered(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for p in self.assignment.values():
-            counts[p] = counts.get(p, 0) + 1
-        return counts
 
 
 @dataclass
@@ -199,6 +162,22 @@ class _Study:
             for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
                 self.study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
 
+    def claim(self, owner: dict[str, str]) -> None:
+        """Mark a new study as this model's, budget's and space's; refuse one that belongs to another.
+
+        Several workers share a study by giving the same name; a study of another model (or budget, or
+        search space) would hand this run its trials as if they were measured here."""
+        found = self.study.user_attrs.get("autoprec")
+        if found is None:
+            if not self.study.get_trials(deepcopy=False):
+                self.study.set_user_attr("autoprec", owner)
+            return
+        differ = [f"{k} {found.get(k)!r} here {v!r}" for k, v in owner.items() if found.get(k) != v]
+        if differ:
+            raise StudyMismatchError(f"study {self.study.study_name!r} belongs to another tune ({'; '.join(differ)}); "
+                                     "give another study name (--study-name) or storage, or tune the same model, "
+                                     "budget and search space as that study")
+
     def completed(self) -> list:
         return self.study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.COMPLETE,))
 
@@ -207,11 +186,11 @@ class _Study:
         return len(self.study.get_trials(deepcopy=False, states=states))
 
 
-def search(profile: Profile, evaluator: Evaluator, budget: Budget, space: SearchSpace,
+def search(profile: Profile, evaluator: Objective, budget: Budget, space: SearchSpace,
            precisions: Sequence[str] = DEFAULT_PRECISIONS, trials: int = 60, timeout: float | None = None,
            patience: int = 20, storage: str = "sqlite:///study.db", study_name: str | None = None, seed: int = 0,
            fail_stale: bool = True, progress: bool = True) -> SearchResult:
-    """Search the per-layer assignment; ``evaluator`` holds the model and the search batches."""
+    """Search the per-layer assignment; ``evaluator`` (the workload's objective) measures each candidate."""
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
@@ -223,6 +202,8 @@ def search(profile: Profile, evaluator: Evaluator, budget: Budget, space: Search
     per_region = region_cost_ms(profile)  # entering one region: dispatch + boundary casts, measured
     study_name = study_name or f"autoprec-{profile.fingerprint}-{space.name}-{budget.tag()}"
     state = _Study(storage, study_name, seed, fail_stale)
+    state.claim({"model": profile.fingerprint, "budget": str(budget), "search_space": space.name,
+                 "precisions": ",".join(allowed)})
     study, optuna = state.study, state.optuna
     searchable = [u for u in units if len(u.candidates) > 1]
     distributions = {u.key: optuna.distributions.CategoricalDistribution(list(u.candidates)) for u in searchable}
@@ -249,6 +230,7 @@ def search(profile: Profile, evaluator: Evaluator, budget: Budget, space: Search
         trial.set_user_attr("default", default)
         trial.set_user_attr("predicted_ms", predicted)
         trial.set_user_attr("policy_key", key)
+        trial.set_user_attr("policy", policy.to_dict())  # the policy file's content: the study reads without autoprec
         done = _same_params(state.completed(), params, trial.number, key)
         if done is not None:  # another trial (or worker) measured this policy already
             values = {key: done.user_attrs.get(key) for key in ("metric", "sqnr_db", "violation", "error")}
@@ -264,6 +246,9 @@ def search(profile: Profile, evaluator: Evaluator, budget: Budget, space: Search
         return predicted
 
     def run(n: int, params: Mapping[str, str] | None = None, seed_name: str | None = None) -> None:
+        n = min(n, trials - state.n_trials())  # seed trials count: --trials is the most the study runs
+        if n <= 0:
+            return
         probe = seed_name in ("greedy", "refine")  # these walks read back the trial they asked for
         if params is not None:
             study.enqueue_trial(dict(params), user_attrs={"seed": seed_name, "keys": list(params)},
@@ -298,11 +283,11 @@ def search(profile: Profile, evaluator: Evaluator, budget: Budget, space: Search
             if all_fast is not None and all_fast.feasible and all_fast.predicted_ms <= _best_ms(state.completed()):
                 stopped = "the fastest assignment is within budget"
             elif structured:
-                coarse_to_fine(structure, profile, run, latest, _greedy,
+                coarse_to_fine(structure, profile, run, latest,
                                lambda: _candidates(state.completed(), structure.assignment),
                                lambda: trials - state.n_trials())
             else:
-                _greedy(searchable, fastest, profile, lambda params: run(1, params, "greedy"), latest, trials - 2)
+                greedy(searchable, fastest, profile, lambda params: run(1, params, "greedy"), latest, trials - 2)
         remaining = trials - state.n_trials() if stopped == "trials" else 0
         if searchable and remaining > 0:
             best_at = [state.n_trials(), _best_ms(state.completed())]
@@ -333,49 +318,6 @@ def search(profile: Profile, evaluator: Evaluator, budget: Budget, space: Search
                         front=pareto_front(all_trials), best=best, study_name=study_name, storage=storage,
                         seconds=time.perf_counter() - start,
                         evaluations=evaluator.evaluations - evaluations_before, stopped_because=stopped, notes=notes)
-
-
-def _greedy(units: list[Unit], fastest: Mapping[str, str], profile: Profile, run: Callable[[dict], None],
-            latest: Callable[[str], Candidate | None], max_trials: int) -> None:
-    """Lower units in order of sensitivity per millisecond saved while the budget holds.
-
-    A binary search finds the longest feasible prefix of that order (log2(n) trials); then
-    each later unit is tried on its own on top of it, skipping the ones that break the budget.
-    """
-    layers = {layer.name: layer for layer in profile.layers}
-
-    def score(u: Unit) -> float:
-        p = fastest[u.key]
-        saved = sum(layers[n].latency_ms["fp32"] - layers[n].latency_ms[p] for n in u.layers)
-        noise = sum(layers[n].sensitivity[p].noise if p in layers[n].sensitivity else math.inf for n in u.layers)
-        return noise / max(saved, 1e-9)
-
-    order = sorted((u for u in units if fastest[u.key] != "fp32"), key=score)
-
-    def params(lowered: Sequence[Unit]) -> dict[str, str]:
-        chosen = {u.key for u in lowered}
-        return {u.key: fastest[u.key] if u.key in chosen else "fp32" for u in units}
-
-    used = 0
-    lo, hi = 0, len(order) - 1  # order[:lo] is known feasible; all of order is known infeasible
-    while lo < hi and used < max_trials:
-        mid = (lo + hi + 1) // 2
-        run(params(order[:mid]))
-        used += 1
-        result = latest("greedy")
-        if result is not None and result.feasible:
-            lo = mid
-        else:
-            hi = mid - 1
-    kept = list(order[:lo])
-    for unit in order[lo + 1:]:
-        if used >= max_trials // 2:
-            break
-        run(params(kept + [unit]))
-        used += 1
-        result = latest("greedy")
-        if result is not None and result.feasible:
-            kept.append(unit)
 
 
 def _same_params(completed: Sequence[Any], params: Mapping[str, str], number: int, policy_key: str = "") -> Any:
@@ -419,6 +361,10 @@ def _best_ms(trials: Sequence[Any]) -> float:
     ms = [float(t.user_attrs["predicted_ms"]) for t in trials
           if "violation" in t.user_attrs and _num(t.user_attrs["violation"]) <= 0]
     return min(ms, default=math.inf)
+
+
+class StudyMismatchError(ValueError):
+    """A study named for this run that holds another model's (or budget's, or search space's) trials."""
 
 
 class StorageError(ValueError):

@@ -9,12 +9,16 @@ installed as ``autoprec.search_spaces``)::
     groups: ['(.*)\\.(query|key|value)'] # regexes with a capture group: same captured text, one precision
     structure: true                      # search blocks, then sub-blocks, then layers (default true)
 
-A layer whose kind has no candidates, or that a ``pin`` matches, stays fp32.
+A layer whose kind has no candidates, or that a ``pin`` matches, stays fp32. A ``pin`` or
+``groups`` pattern of the user's file that matches no layer of the model warns
+(:class:`SearchSpaceWarning`), as a policy's unmatched pattern does; the presets' patterns are
+written for many models (``lm_head``, ``classifier``, ...), so theirs stay quiet.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -24,7 +28,7 @@ import yaml
 
 from .formats import Precision
 
-__all__ = ["SearchSpace", "SearchSpaceError", "Unit", "preset_names", "choose_preset"]
+__all__ = ["SearchSpace", "SearchSpaceError", "SearchSpaceWarning", "Unit", "preset_names", "choose_preset"]
 
 _KEYS = {"description", "candidates", "pin", "groups", "structure"}
 _KINDS = {"linear", "conv", "attention", "matmul"}
@@ -33,6 +37,10 @@ _POSITIONS = {"first", "last"}
 
 class SearchSpaceError(ValueError):
     pass
+
+
+class SearchSpaceWarning(UserWarning):
+    """A search space's pattern that matches no layer of the model."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,7 @@ class SearchSpace:
     pin: tuple[str, ...] = ()
     groups: tuple[str, ...] = ()
     structure: bool = True  # with repeated blocks in the model: search blocks first, then finer
+    preset: bool = False  # a shipped preset: its patterns are generic, so one that matches nothing is quiet
 
     def __post_init__(self) -> None:
         where = f"search space {self.name!r}"
@@ -73,7 +82,7 @@ class SearchSpace:
                                        "e.g. '(.*)\\.(query|key|value)'")
 
     @classmethod
-    def from_dict(cls, data: Any, name: str) -> SearchSpace:
+    def from_dict(cls, data: Any, name: str, preset: bool = False) -> SearchSpace:
         if not isinstance(data, dict):
             raise SearchSpaceError(f"search space {name!r}: expected a mapping at the top level")
         unknown = sorted(set(data) - _KEYS)
@@ -90,7 +99,7 @@ class SearchSpace:
         structure = data.get("structure", True)
         if not isinstance(structure, bool):
             raise SearchSpaceError(f"search space {name!r}: 'structure' must be true or false, got {structure!r}")
-        return cls(name=name, description=str(data.get("description", "")), structure=structure,
+        return cls(name=name, description=str(data.get("description", "")), structure=structure, preset=preset,
                    candidates={k: tuple(str(p) for p in v) for k, v in candidates.items()},
                    pin=tuple(str(p) for p in data.get("pin") or ()),
                    groups=tuple(str(p) for p in data.get("groups") or ()))
@@ -100,20 +109,23 @@ class SearchSpace:
         """A preset by name (``default``, ``transformer``, ``cnn``, ...) or a YAML file by path."""
         path = Path(name_or_path)
         if path.suffix in (".yaml", ".yml") or path.exists():
+            if path.is_dir():
+                raise SearchSpaceError(f"search space {str(path)!r} is a folder, not a YAML file; give the path "
+                                       "of a .yaml file, or a preset name")
             if not path.is_file():
                 raise SearchSpaceError(f"search space file {str(path)!r} not found")
-            text, name = path.read_text(), path.stem
+            text, name, preset = path.read_text(), path.stem, False
         else:
             name = str(name_or_path)
             if name not in preset_names():
                 raise SearchSpaceError(f"unknown search space {name!r}; presets: {', '.join(preset_names())}, "
                                        "or give a path to a .yaml file")
-            text = _presets().joinpath(f"{name}.yaml").read_text()
+            text, preset = _presets().joinpath(f"{name}.yaml").read_text(), True
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise SearchSpaceError(f"search space {name!r}: not valid YAML: {e}") from None
-        return cls.from_dict(data, name)
+        return cls.from_dict(data, name, preset)
 
     def units(self, layers: Sequence[tuple[str, str]], precisions: Sequence[str]) -> tuple[list[Unit], list[str]]:
         """Split ``(name, kind)`` layers (in execution order) into search units and pinned layers.
@@ -129,6 +141,7 @@ class SearchSpace:
             else:
                 regex = re.compile(pattern)
                 pinned += [n for n in names if regex.fullmatch(n)]
+        self._warn_unmatched(names)
         keys: dict[str, list[tuple[str, str]]] = {}
         for name, kind in layers:
             if name in pinned or not self.candidates.get(kind):
@@ -145,6 +158,27 @@ class SearchSpace:
             allowed = [p for p in precisions if all(p in self.candidates.get(kind, ()) for _, kind in members)]
             units.append(Unit(key=key, layers=tuple(n for n, _ in members), candidates=("fp32", *allowed)))
         return units, sorted(set(pinned), key=names.index)
+
+    def _warn_unmatched(self, names: Sequence[str]) -> None:
+        """Warn about each ``pin``/``groups`` pattern of a user's space that matches none of ``names``."""
+        if self.preset or not names:
+            return
+        unmatched = [f"{key} pattern {pattern!r}" for key, patterns in (("pin", self.pin), ("groups", self.groups))
+                     for pattern in patterns
+                     if pattern not in _POSITIONS and not any(re.fullmatch(pattern, n) for n in names)]
+        if unmatched:
+            warnings.warn(f"search space {self.name!r}: {', '.join(unmatched)} "
+                          f"match{'es' if len(unmatched) == 1 else ''} no layer of the model; fix or remove "
+                          f"{'it' if len(unmatched) == 1 else 'them'} (layers are named like {names[0]!r})",
+                          SearchSpaceWarning, stacklevel=3)
+
+
+def allows_everywhere(space: SearchSpace, layers: Sequence[tuple[str, str]], precision: str) -> bool:
+    """Whether ``space`` lets every ``(name, kind)`` layer run in ``precision``: none pinned to fp32, none of
+    a kind it keeps fp32, none in a group that cannot take it. Blanket autocast is a candidate only then."""
+    units, pinned = space.units(layers, [precision])
+    covered = {n for u in units if precision in u.candidates for n in u.layers}
+    return not pinned and covered == {n for n, _ in layers}
 
 
 def _compile(pattern: str, where: str) -> re.Pattern:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch.nn as nn
 
@@ -25,10 +25,7 @@ from .policy import Policy
 from .profile import Profile, predict_ms
 from .searchspace import SearchSpace, Unit
 
-if TYPE_CHECKING:
-    from .search import Candidate
-
-__all__ = ["Part", "Structure", "coarse_to_fine", "find_parts", "region_cost_ms", "count_regions", "predict_policy_ms"]
+__all__ = ["Part", "Structure", "find_parts", "region_cost_ms", "count_regions", "predict_policy_ms"]
 
 _REGION_LOW = ("bf16", "fp16")  # precisions a whole module region can take (fp8 swaps single Linears)
 _ATTENTION = re.compile(r"(self_?)?attn|attention|self_attention|mixer")
@@ -291,66 +288,3 @@ def predict_policy_ms(profile: Profile, policy: Policy, model: nn.Module) -> flo
     casts = {layer.name: layer.cast_ms for layer in profile.layers}
     return (predict_ms(assignment, policy.default.value, latency, casts, profile.remainder_ms)
             + region_cost_ms(profile) * count_regions(policy))
-
-
-def coarse_to_fine(structure: Structure, profile: Profile, run: Callable[..., None],
-                   latest: Callable[[str], Candidate | None], greedy: Callable[..., None],
-                   every: Callable[[], list[Candidate]], left: Callable[[], int]) -> None:
-    """Coarse to fine: the structured heuristics, the greedy order over blocks and outside parts,
-    then a refinement inside the blocks at the boundary (:func:`_refine`).
-
-    ``run(1, params, seed)`` measures one seed trial, ``latest(seed)`` reads the last one back,
-    ``greedy`` is the search's greedy walk, ``every()`` lists the finished trials and ``left()``
-    says how many trials the budget still allows.
-    """
-    for name, params in structure.heuristics().items():
-        if left() <= 0:
-            return
-        run(1, params, f"heuristic:{name}")
-    top = [p for p in structure.top if structure.searchable(p)]
-    fastest = {p.key: structure.low(p) for p in top}
-    greedy(top, fastest, profile, lambda params: run(1, params, "greedy"), latest, max(0, left()))  # type: ignore[arg-type]
-    coarse = {p.key for p in structure.parts}
-    done = [c for c in every() if c.feasible and c.params and set(c.params) <= coarse]
-    start = min(done, key=lambda c: (c.predicted_ms, c.number)) if done else None
-    _refine(structure, profile, dict(start.params) if start else {p.key: "fp32" for p in top},
-            lambda params: run(1, params, "refine"), latest, left)
-
-
-def _refine(structure: Structure, profile: Profile, base: dict[str, str], run: Callable[[dict], None],
-            latest: Callable[[str], Candidate | None], left: Callable[[], int]) -> None:
-    """Lower what the best block-level policy keeps fp32, finer and finer, while the budget holds.
-
-    In each block kept fp32, each sub-block (attention, MLP) is tried lowered on its own; inside
-    the sub-blocks still fp32 (or the block itself, without sub-blocks), each layer unit is. A
-    block-level answer thus becomes a sub-block or single-layer island only where that measures
-    within budget, and stays one island where it does not.
-    """
-    def fastest(unit: Unit) -> str:
-        return min(unit.candidates[1:], key=lambda p: sum(profile.layer(n).latency_ms[p] for n in unit.layers))
-
-    def attempt(key: str, precision: str) -> bool:
-        nonlocal base
-        if left() <= 0:
-            return False
-        run({**base, key: precision})
-        result = latest("refine")
-        if result is not None and result.feasible:
-            base = {**base, key: precision}
-            return True
-        return False
-
-    for block in structure.blocks:
-        block_p = base.get(block.key, "fp32")
-        subs = structure.sub_blocks(block)
-        if block_p == "fp32":
-            for sub in subs:
-                if structure.searchable(sub) and base.get(sub.key, "fp32") == "fp32":
-                    attempt(sub.key, structure.low(sub))
-        kept = [s for s in subs if base.get(s.key, block_p) == "fp32"]
-        if block_p == "fp32" and not subs:
-            kept = [block]
-        for region in kept:
-            for unit in structure.units_in(region):
-                if base.get(unit.key, "fp32") == "fp32":
-                    attempt(unit.key, fastest(unit))

@@ -19,9 +19,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from .userspec import UserCodeError, UserSpec, _a, _call_user, _function, _import, _where, load_model_py, one_line
+from .userspec import (
+    UserCodeError,
+    UserSpec,
+    call_user,
+    find_function,
+    import_model_py,
+    kind_of,
+    line_in,
+    load_model_py,
+    one_line,
+)
 
-__all__ = ["DEFAULT_LR", "TrainSpec", "default_optimizer", "load_train_spec", "run_loss"]
+__all__ = ["DEFAULT_LR", "TrainSpec", "default_optimizer", "load_train_spec", "require_trainable", "run_loss"]
 
 DEFAULT_LR = 1e-4  # AdamW's fine-tuning default: small enough for pretrained weights, large enough to move in 16 steps
 
@@ -56,10 +66,10 @@ def run_loss(path: str | Path, loss: Callable, model: nn.Module, batch: Any) -> 
     try:
         value = loss(model, batch)
     except Exception as error:
-        raise UserCodeError(path, "loss()", f"raised {one_line(error)}{_where(error, path)}",
+        raise UserCodeError(path, "loss()", f"raised {one_line(error)}{line_in(error, path)}",
                             "make loss(model, batch) run on one of your training batches") from error
     if not isinstance(value, torch.Tensor):
-        raise UserCodeError(path, "loss()", f"returned {_a(value)}, not a tensor",
+        raise UserCodeError(path, "loss()", f"returned {kind_of(value)}, not a tensor",
                             "return the loss as a scalar tensor, e.g. `return F.cross_entropy(model(x), y)`")
     if value.numel() != 1 or value.dim() > 1:
         raise UserCodeError(path, "loss()", f"returned a tensor of shape {tuple(value.shape)}, not a scalar",
@@ -76,26 +86,26 @@ def load_train_spec(path: str | Path, check: bool = True) -> TrainSpec:
     defines things, so this costs nothing the user would notice).
     """
     spec = load_model_py(path, check=check)
-    module = _import(spec.path)
-    loss = _function(module, spec.path, "loss", "loss(model, batch) -> torch.Tensor", required=False)
+    module = import_model_py(spec.path)
+    loss = find_function(module, spec.path, "loss", "loss(model, batch) -> torch.Tensor", required=False)
     if loss is None:
         raise UserCodeError(spec.path, "loss()", "not defined, and --for training needs it",
                             "add `def loss(model, batch) -> torch.Tensor` returning the scalar training loss")
-    get_train = _function(module, spec.path, "get_train_batches", "get_train_batches() -> list", required=False)
-    get_optimizer = _function(module, spec.path, "get_optimizer", "get_optimizer(model) -> torch.optim.Optimizer",
+    get_train = find_function(module, spec.path, "get_train_batches", "get_train_batches() -> list", required=False)
+    get_optimizer = find_function(module, spec.path, "get_optimizer", "get_optimizer(model) -> torch.optim.Optimizer",
                               required=False)
-    batches = None if get_train is None else _call_user(spec.path, "get_train_batches", get_train)
+    batches = None if get_train is None else call_user(spec.path, "get_train_batches", get_train)
     if batches is not None and (not isinstance(batches, list) or not batches):
-        raise UserCodeError(spec.path, "get_train_batches()", f"returned {_a(batches)}"
+        raise UserCodeError(spec.path, "get_train_batches()", f"returned {kind_of(batches)}"
                             f"{' (empty)' if isinstance(batches, list) else ''}, not a list of batches",
                             "return a non-empty list of batches, each one something loss(model, batch) takes")
 
     def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
         if get_optimizer is None:
             return default_optimizer(model)
-        optimizer = _call_user(spec.path, "get_optimizer", get_optimizer, model)
+        optimizer = call_user(spec.path, "get_optimizer", get_optimizer, model)
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise UserCodeError(spec.path, "get_optimizer()", f"returned {_a(optimizer)}, not a torch optimizer",
+            raise UserCodeError(spec.path, "get_optimizer()", f"returned {kind_of(optimizer)}, not a torch optimizer",
                                 "return e.g. `torch.optim.AdamW(model.parameters(), lr=1e-4)`")
         return optimizer
 
@@ -105,9 +115,18 @@ def load_train_spec(path: str | Path, check: bool = True) -> TrainSpec:
     return train
 
 
+def require_trainable(model: nn.Module, path: str | Path) -> None:
+    """A model with every parameter frozen has nothing to train: one line, before any work."""
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UserCodeError(path, "get_model()", "no parameter of the model requires a gradient (every one is "
+                            "frozen), so there is nothing to train", "unfreeze what you train (e.g. "
+                            "`p.requires_grad_(True)`), or tune for inference")
+
+
 def _check_loss(train: TrainSpec) -> None:
     """One fp32 loss on the first training batch (the weights are left as they were) and one optimizer built."""
     model = train.spec.model
+    require_trainable(model, train.path)
     try:
         value = run_loss(train.path, train.loss, model, train.batches[0])
         if not torch.isfinite(value):

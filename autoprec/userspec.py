@@ -22,14 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
-__all__ = ["HOLDOUT_FRACTION", "UserCodeError", "UserSpec", "as_metric", "batch_args", "call_model", "describe_batch",
+from .batches import BATCH_FORMS, OutputError, batch_args, call_model, describe_batch, fidelity_outputs, to_device
+
+__all__ = ["HOLDOUT_FRACTION", "ModelDataError", "UserCodeError", "UserSpec", "as_metric", "batch_args", "call_model",
+           "call_user", "check_fp32_model", "describe_batch", "find_function", "import_model_py", "kind_of", "line_in",
            "load_model_py", "one_line", "run_evaluate", "split_holdout", "to_device", "user_function"]
 
 HOLDOUT_FRACTION = 0.25  # the last quarter of the batches verifies the winner; the search never sees them
-_BATCH_FORMS = "a tensor (model(x)), a tuple/list of tensors (model(*x)) or a dict (model(**x))"
 
 
 class UserCodeError(Exception):
@@ -41,6 +42,42 @@ class UserCodeError(Exception):
 
     def __reduce__(self) -> tuple:  # picklable, e.g. across worker processes
         return type(self), (self.path, self.function, self.problem, self.fix)
+
+
+class ModelDataError(ValueError):
+    """The model's weights are not fp32 tensors holding data; ``problem`` and ``fix`` say it in words."""
+
+    def __init__(self, problem: str, fix: str):
+        self.problem, self.fix = problem, fix
+        super().__init__(f"{problem}; fix: {fix}")
+
+
+def check_fp32_model(model: nn.Module) -> None:
+    """Refuse a model autoprec cannot tune as it is: weights on the ``meta`` device (no data to run),
+    or floating parameters and buffers that are not float32 (a ``.half()``, ``.bfloat16()`` or
+    float64 model): every table, policy and report calls the reference "fp32", so it must be fp32.
+
+    Raises :class:`ModelDataError` (a ValueError) naming the dtypes found and the fix.
+    """
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    on_meta = [name for name, t in tensors if t.device.type == "meta"]
+    if on_meta:
+        raise ModelDataError(
+            f"the model's weights are on the 'meta' device, so they hold no data ({len(on_meta)} of "
+            f"{len(tensors)} tensors, e.g. {on_meta[0]!r})",
+            "load real weights before returning the model, e.g. `model.to_empty(device='cpu')` then "
+            "`model.load_state_dict(...)`, or build it without torch.device('meta')")
+    found: dict[torch.dtype, list[str]] = {}
+    for name, t in tensors:
+        if t.is_floating_point() and t.dtype != torch.float32:
+            found.setdefault(t.dtype, []).append(name)
+    if found:
+        floats = sum(t.is_floating_point() for _, t in tensors)
+        dtypes = ", ".join(f"{str(dtype).removeprefix('torch.')} ({len(names)} of {floats} floating tensors, "
+                           f"e.g. {names[0]!r})" for dtype, names in found.items())
+        raise ModelDataError(f"the model is not fp32: its weights are {dtypes}; autoprec tunes an fp32 model "
+                             "and lowers layers itself",
+                             "return model.float() (and float32 inputs from get_batches())")
 
 
 @dataclass
@@ -60,45 +97,7 @@ class UserSpec:
         return [*self.search_batches, *self.holdout_batches]
 
 
-def batch_args(batch: Any) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` a batch is called with: tensor -> (x,), tuple/list -> args, dict -> kwargs."""
-    if isinstance(batch, torch.Tensor):
-        return (batch,), {}
-    if isinstance(batch, (tuple, list)):
-        return tuple(batch), {}
-    if isinstance(batch, dict):
-        return (), dict(batch)
-    raise TypeError(f"a batch must be {_BATCH_FORMS}, got {type(batch).__name__}")
-
-
-def call_model(model: nn.Module, batch: Any) -> Any:
-    """Run ``model`` on one batch as the model.py contract says it is called."""
-    args, kwargs = batch_args(batch)
-    return model(*args, **kwargs)
-
-
-def to_device(batch: Any, device: torch.device | str) -> Any:
-    """The batch with every tensor in it moved to ``device`` (containers keep their type)."""
-    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
-
-
-def describe_batch(batch: Any) -> str:
-    """A batch in a few words: its inputs by name (or position) and shape, e.g.
-    ``input_ids 16x128, attention_mask 16x128``; a single tensor is just its shape."""
-
-    def shape(value: Any) -> str:
-        if isinstance(value, torch.Tensor):
-            return "x".join(map(str, value.shape)) if value.dim() else "scalar"
-        return type(value).__name__
-
-    if isinstance(batch, dict):
-        return ", ".join(f"{name} {shape(value)}" for name, value in batch.items()) or "empty dict"
-    if isinstance(batch, (tuple, list)):
-        return ", ".join(f"[{i}] {shape(value)}" for i, value in enumerate(batch)) or "empty tuple"
-    return shape(batch)
-
-
-def _a(value: Any) -> str:
+def kind_of(value: Any) -> str:
     name = type(value).__name__
     return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
 
@@ -109,7 +108,7 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
-def _where(error: BaseException, path: Path) -> str:
+def line_in(error: BaseException, path: Path) -> str:
     """' (line N)' for the deepest frame of the traceback that is in the user's file."""
     if isinstance(error, SyntaxError) and error.filename and Path(error.filename).resolve() == path:
         return f" (line {error.lineno})"
@@ -131,13 +130,13 @@ def _folder_on_path(path: Path) -> Iterator[None]:
             sys.path.remove(folder)
 
 
-def _call_user(path: Path, name: str, fn: Callable, *args: Any) -> Any:
+def call_user(path: Path, name: str, fn: Callable, *args: Any) -> Any:
     with _folder_on_path(path):
         try:
             return fn(*args)
         except Exception as error:
             raise UserCodeError(
-                path, f"{name}()", f"raised {one_line(error)}{_where(error, path)}",
+                path, f"{name}()", f"raised {one_line(error)}{line_in(error, path)}",
                 f"make {name}() run without errors (try calling it in a Python shell)",
             ) from error
 
@@ -157,7 +156,7 @@ def user_function(fn: Callable, name: str, path: str | Path | None = None) -> Ca
     where = Path(path).resolve() if not str(path).startswith("<") else Path(path)
 
     def call(*args: Any) -> Any:
-        return _call_user(where, name, fn, *args)
+        return call_user(where, name, fn, *args)
 
     call._autoprec_user_function = name  # type: ignore[attr-defined]
     call.path = where  # type: ignore[attr-defined]
@@ -165,7 +164,7 @@ def user_function(fn: Callable, name: str, path: str | Path | None = None) -> Ca
     return call
 
 
-def _import(path: Path) -> Any:
+def import_model_py(path: Path) -> Any:
     if path.is_dir():
         inside = path / "model.py"
         raise UserCodeError(path, "import", "is a folder, not a model.py",
@@ -184,23 +183,23 @@ def _import(path: Path) -> Any:
             spec.loader.exec_module(module)
         except SyntaxError as error:
             del sys.modules[name]
-            raise UserCodeError(path, "import", f"syntax error{_where(error, path)}: {error.msg}",
+            raise UserCodeError(path, "import", f"syntax error{line_in(error, path)}: {error.msg}",
                                 "fix the syntax on that line") from error
         except Exception as error:
             del sys.modules[name]
-            raise UserCodeError(path, "import", f"raised {one_line(error)}{_where(error, path)}",
+            raise UserCodeError(path, "import", f"raised {one_line(error)}{line_in(error, path)}",
                                 f"make the file import on its own (python {path.name})") from error
     return module
 
 
-def _function(module: Any, path: Path, name: str, signature: str, required: bool) -> Callable | None:
+def find_function(module: Any, path: Path, name: str, signature: str, required: bool) -> Callable | None:
     fn = getattr(module, name, None)
     if fn is None and not required:
         return None
     if fn is None:
         raise UserCodeError(path, f"{name}()", "not defined", f"add `def {signature}` to the file")
     if not callable(fn):
-        raise UserCodeError(path, f"{name}()", f"is {_a(fn)}, not a function",
+        raise UserCodeError(path, f"{name}()", f"is {kind_of(fn)}, not a function",
                             f"define it as `def {signature}`")
     return fn
 
@@ -208,7 +207,7 @@ def _function(module: Any, path: Path, name: str, signature: str, required: bool
 def _check_batches(batches: Any, path: Path) -> list:
     where = "get_batches()"
     if not isinstance(batches, list):
-        raise UserCodeError(path, where, f"returned {_a(batches)}, not a list",
+        raise UserCodeError(path, where, f"returned {kind_of(batches)}, not a list",
                             "return a list of batches, e.g. `return [x[i:i + 8] for i in range(0, len(x), 8)]`")
     if len(batches) < 2:
         got = "an empty list" if not batches else "only 1 batch"
@@ -219,16 +218,14 @@ def _check_batches(batches: Any, path: Path) -> list:
             continue
         if isinstance(batch, (tuple, list)) and batch and all(isinstance(t, torch.Tensor) for t in batch):
             continue
-        raise UserCodeError(path, where, f"batch {i} is {_a(batch)} that autoprec cannot call "
-                            "the model with", f"make each batch {_BATCH_FORMS}")
+        raise UserCodeError(path, where, f"batch {i} is {kind_of(batch)} that autoprec cannot call "
+                            "the model with", f"make each batch {BATCH_FORMS}")
     return batches
 
 
 def _check_model_runs(model: nn.Module, batches: list, path: Path, fidelity: bool) -> None:
     """fp32 on every batch before any work, so that a bad batch is named now, not after profiling;
     in fidelity mode (no evaluate()) also the outputs that fidelity will compare."""
-    from .measure import OutputError, fidelity_outputs  # measure imports this module
-
     training = {m: m.training for m in model.modules()}
     model.eval()  # a check must not move BatchNorm statistics
     try:
@@ -258,7 +255,7 @@ def as_metric(value: Any, path: str | Path) -> float:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise UserCodeError(path, "evaluate()", f"returned {_a(value)} ({value!r:.40}), not a number",
+        raise UserCodeError(path, "evaluate()", f"returned {kind_of(value)} ({value!r:.40}), not a number",
                             "return the metric as a float, e.g. `return float(accuracy)`")
     return float(value)
 
@@ -288,11 +285,11 @@ def load_model_py(path: str | Path, holdout_fraction: float = HOLDOUT_FRACTION, 
     if not 0.0 < holdout_fraction < 1.0:
         raise ValueError(f"holdout_fraction must be between 0 and 1, got {holdout_fraction}")
     path = Path(path).resolve()
-    module = _import(path)
+    module = import_model_py(path)
 
-    get_model = _function(module, path, "get_model", "get_model() -> torch.nn.Module", required=True)
-    get_batches = _function(module, path, "get_batches", "get_batches() -> list", required=True)
-    evaluate = _function(module, path, "evaluate", "evaluate(model, batches) -> float", required=False)
+    get_model = find_function(module, path, "get_model", "get_model() -> torch.nn.Module", required=True)
+    get_batches = find_function(module, path, "get_batches", "get_batches() -> list", required=True)
+    evaluate = find_function(module, path, "evaluate", "evaluate(model, batches) -> float", required=False)
     if evaluate is not None:  # an error inside it, whenever the pipeline calls it, names this file
         evaluate = user_function(evaluate, "evaluate", path)
     higher_is_better = getattr(module, "HIGHER_IS_BETTER", True)
@@ -300,11 +297,15 @@ def load_model_py(path: str | Path, holdout_fraction: float = HOLDOUT_FRACTION, 
         raise UserCodeError(path, "HIGHER_IS_BETTER", f"is {higher_is_better!r}, not a bool",
                             "set `HIGHER_IS_BETTER = False` (lower is better) or leave it out (higher is better)")
 
-    model = _call_user(path, "get_model", get_model)
+    model = call_user(path, "get_model", get_model)
     if not isinstance(model, nn.Module):
-        raise UserCodeError(path, "get_model()", f"returned {_a(model)}, not a torch.nn.Module",
+        raise UserCodeError(path, "get_model()", f"returned {kind_of(model)}, not a torch.nn.Module",
                             "return the model itself, e.g. `return Net()`")
-    batches = _check_batches(_call_user(path, "get_batches", get_batches), path)
+    try:
+        check_fp32_model(model)
+    except ModelDataError as error:
+        raise UserCodeError(path, "get_model()", error.problem, error.fix) from None
+    batches = _check_batches(call_user(path, "get_batches", get_batches), path)
 
     spec = UserSpec(path, model, *split_holdout(batches, holdout_fraction), evaluate, higher_is_better)
     if check:

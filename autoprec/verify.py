@@ -1,10 +1,12 @@
-"""Verify stage: re-measure the search's best candidates end to end on held-out batches.
+"""Verify stage: re-measure the search's best candidates end to end where the search never looked.
 
-The best few feasible candidates, fp32 and blanket autocast are timed in one interleaved run
-on the device (so noise hits all alike; medians of repeats, and the spread of each comparison
-round by round). Each candidate's metric is then measured on the held-out batches, which the
-search never saw; the fastest measured candidate that stays within the budget there is chosen,
-and a miss is said in the notes.
+The workload says how (:mod:`autoprec.workloads`): held-out batches and one forward timed per
+round for inference; short training runs from the same weights, each step timed, for training.
+Each candidate's metric is measured there first; the candidates within budget, fp32 and blanket
+autocast are then timed interleaved (so noise hits all alike; medians, and the spread of each
+comparison round by round). The fastest that stays within budget and measures faster than fp32 is
+chosen; within timing noise, the one with fewer rules; a miss is said in the notes. A candidate that
+computes what fp32 or blanket autocast computes is measured as that, once.
 
 This module owns the baseline every result is compared with: :func:`autocast_baseline` picks
 the blanket ``torch.autocast`` a user would pick on this device, for ``tune`` and ``bench`` alike.
@@ -12,22 +14,28 @@ the blanket ``torch.autocast`` a user would pick on this device, for ``tune`` an
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
 
+from .batches import describe_batch, to_device
 from .budget import Budget
 from .formats import Capability, Precision, device_capabilities
-from .measure import Evaluator, interleaved_samples, to_device
+from .measure import Evaluator, interleaved_samples
+from .objective import Measurement, Objective
 from .policy import Policy
 from .search import Candidate
-from .userspec import describe_batch
 
-__all__ = ["Speedup", "Verification", "autocast_baseline", "bench_policy", "fastest_simplest", "verify"]
+if TYPE_CHECKING:
+    from .workloads import Workload
+
+__all__ = ["Speedup", "Verification", "autocast_baseline", "bench_policy", "fastest_simplest", "is_blanket", "is_fp32",
+           "verify"]
 
 TIE_TOLERANCE = 0.03  # measured latencies this close are a tie on a shared machine
 AUTOCAST_CHOICES = (Precision.BF16, Precision.FP16)  # the dtypes torch.autocast takes
@@ -72,18 +80,21 @@ class Speedup:
 class Verification:
     chosen: Candidate | None
     policy: Policy | None
-    samples: dict[str, list[float]]  # ms per interleaved round: "fp32", "autocast", "tuned", candidate labels
-    metric: dict[str, float]  # held-out metric: "fp32", "autocast", "tuned"
+    samples: dict[str, list[float]]  # ms per interleaved round (or training step): "fp32", "autocast", "tuned", labels
+    metric: dict[str, float]  # metric where the search never looked: "fp32", "autocast", "tuned"
     sqnr_db: dict[str, float]
     within_budget: dict[str, bool]  # "autocast", "tuned"
     autocast_precision: str
     predicted_ms: float | None
-    timing_batch: str
+    timed_on: str  # what each sample timed: one forward on a batch ("input_ids 8x64"), or "16 training steps"
     fidelity: bool = False  # no user metric: the metric is the output SQNR (dB) against fp32
     tuned_is_autocast: bool = False  # the chosen policy computes exactly what blanket autocast does
     estimated_for: str | None = None  # latencies from the cost model for this GPU, not measured
     notes: list[str] = field(default_factory=list)
     prediction_error_pct: dict[str, float] = field(default_factory=dict)  # label -> (predicted - measured) / measured
+    losses: dict[str, list[float]] = field(default_factory=dict)  # per training step (training only)
+    steps: int = 0  # steps of each verification training run (training only)
+    metric_kind: str = "metric"  # "output SQNR dB", "metric", "evaluate" or "final loss"
 
     @property
     def latency_ms(self) -> dict[str, float]:
@@ -110,102 +121,118 @@ def fastest_simplest(options: Sequence[Any], ms: Callable[[Any], float], rules: 
     return min(close, key=lambda o: (rules(o), ms(o)))
 
 
-def _is_blanket(policy: Policy, autocast: Precision) -> bool:
+def is_blanket(policy: Policy, autocast: Precision) -> bool:
+    """Whether ``policy`` computes what blanket ``torch.autocast(autocast)`` does."""
     return not policy.layers and policy.default is autocast
 
 
-def verify(model: nn.Module, candidates: Sequence[Candidate], holdout_batches: Sequence[Any],
-           evaluate: Callable[[nn.Module, list], float] | None, higher_is_better: bool, budget: Budget,
-           autocast_precision: Precision, device: str | torch.device = "cpu", repeats: int = 7,
-           timing_batch: Any = None, progress: Callable[[str], None] | None = None,
+def is_fp32(policy: Policy) -> bool:
+    """Whether ``policy`` computes what the plain fp32 model does (no rule lowers anything)."""
+    return policy.default is Precision.FP32 and all(p is Precision.FP32 for p in policy.layers.values())
+
+
+def _said(m: Measurement, reference: Objective) -> str:
+    sqnr = f", SQNR {m.sqnr_db:.1f} dB" if math.isfinite(m.sqnr_db) else ""
+    return f"metric {m.metric:.6g} against fp32's {reference.metric_fp32:.6g}{sqnr}"
+
+
+def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, autocast_precision: Precision,
+           device: str | torch.device = "cpu", *, seed: int = 0,
            estimated_ms: Callable[[Policy], float] | None = None, estimated_for: str | None = None) -> Verification:
-    """``candidates``: feasible ones, best first. ``timing_batch``: defaults to the first held-out batch.
+    """Measure ``candidates`` (feasible ones, best first), fp32 and blanket autocast where the search
+    never looked, as ``workload`` runs them; keep the fastest within budget there.
+
     ``estimated_ms``: latency of a policy from a cost model for the GPU ``estimated_for``, used instead
-    of timing here (the metric is still measured on the held-out batches)."""
+    of timing here (the metric is still measured).
+    """
     device = torch.device(device)
-    evaluator = Evaluator(model, holdout_batches, evaluate, higher_is_better, device)
+    autocast = autocast_precision
+    runners: dict[str, Policy | Precision | None] = {"fp32": None, "autocast": autocast}
+    label: dict[str, str] = {}  # candidate label -> the entry that runs it (fp32 and blanket autocast run once)
+    for c in candidates:
+        policy = c.policy()
+        label[c.label] = "autocast" if is_blanket(policy, autocast) else "fp32" if is_fp32(policy) else c.label
+        runners.setdefault(label[c.label], policy)
+    held = workload.held_out(runners, device, seed)
+    check = workload.verify_budget(budget)
+    within = {k: check.violation(m, held.reference) <= 0 for k, m in held.measured.items()}
+    within["fp32"] = True
     notes: list[str] = []
-    blanket = Policy(default=autocast_precision)  # what torch.autocast over the whole model computes
-    blanket_m = evaluator.measure(blanket)
-    metric = {"fp32": evaluator.metric_fp32, "autocast": blanket_m.metric}
-    sqnr = {"fp32": float("inf"), "autocast": blanket_m.sqnr_db}
-    within = {"autocast": budget.violation(blanket_m, evaluator) <= 0}
-    if progress:
-        progress("metric")
-
-    # Held-out metric of each candidate, best predicted first.
-    passing: list[tuple[Candidate, Policy, Any]] = []
-    for candidate in candidates:
-        policy = candidate.policy()
-        m = blanket_m if _is_blanket(policy, autocast_precision) else evaluator.measure(policy)
-        if budget.violation(m, evaluator) <= 0:
-            passing.append((candidate, policy, m))
-        else:
-            notes.append(f"{candidate.label} met the budget on the search batches but not on the held-out "
-                         f"batches (metric {m.metric:.6g}, SQNR {m.sqnr_db:.1f} dB); the next candidate was taken"
-                         if candidate.number >= 0 else
-                         f"blanket {autocast_precision.value} is over budget on the held-out batches "
-                         f"(metric {m.metric:.6g}, SQNR {m.sqnr_db:.1f} dB)")
-        if progress:
-            progress("metric")
+    passing = []
+    for c in candidates:
+        key = label[c.label]
+        if within[key]:
+            passing.append(c)
+        elif c.number >= 0:
+            notes.append(f"{c.label} met the budget on the search batches but not {held.where} "
+                         f"({_said(held.measured[key], held.reference)}); the next candidate was taken")
+    if not within["autocast"]:
+        notes.append(f"blanket {autocast.value} is over budget {held.where} "
+                     f"({_said(held.measured['autocast'], held.reference)})")
     if candidates and not passing:
-        notes.append("no candidate met the budget on the held-out batches: the policy stays fp32; "
-                     "give more or more representative batches, or a larger budget")
+        notes.append(f"no candidate met the budget {held.where}: the policy stays fp32; give more or more "
+                     "representative batches, a larger budget, or (training) more steps")
 
-    batch = to_device(timing_batch if timing_batch is not None else holdout_batches[0], device)
-    runners: dict[str, Policy | Precision | None] = {"fp32": None, "autocast": autocast_precision}
-    label = {}  # candidate label -> the runner that times it (blanket autocast is timed once, as itself)
-    for candidate, policy, _ in passing:
-        label[candidate.label] = "autocast" if _is_blanket(policy, autocast_precision) else candidate.label
-        if label[candidate.label] not in runners:
-            runners[candidate.label] = policy
-    if estimated_ms is not None:  # one estimate per runner stands in for the timed rounds
-        as_policy = {"fp32": Policy(), "autocast": blanket}
-        samples = {key: [estimated_ms(as_policy.get(key, runner))] for key, runner in runners.items()}
+    timed = {k: runners[k] for k in dict.fromkeys(["fp32", "autocast", *(label[c.label] for c in passing)])}
+    if estimated_ms is not None:  # one estimate per entry stands in for the timed rounds
+        as_policy = {"fp32": Policy(), "autocast": Policy(default=autocast)}
+        samples = {key: [estimated_ms(as_policy.get(key, how))] for key, how in timed.items()}
+        _, timed_on = workload.time({}, device)
         notes.append(f"latencies are estimated for {estimated_for} by the cost model, not measured; "
-                     "the metric was measured on the held-out batches")
+                     "the metric was measured where the search never looked")
     else:
-        samples = interleaved_samples(model, batch, runners, device, repeats=repeats)
-    latency = {k: statistics.median(v) for k, v in samples.items()}
-    if progress:
-        progress("latency")
+        samples, timed_on = workload.time(timed, device)
+    latency = {k: _median_finite(v) for k, v in samples.items()}
     # The latency model's error on each verified candidate (meaningful when the timing batch has the profile's shape).
-    errors = {} if estimated_ms is not None else {
-        c.label: 100.0 * (c.predicted_ms - latency[label[c.label]]) / latency[label[c.label]] for c, _, _ in passing}
+    errors = {} if estimated_ms is not None or workload.name != "inference" else {
+        c.label: 100.0 * (c.predicted_ms - latency[label[c.label]]) / latency[label[c.label]] for c in passing}
     if errors:
         notes.append("predicted vs measured latency: " + ", ".join(f"{k} {e:+.0f}%" for k, e in errors.items()))
 
-    chosen = None
-    tuned_is_autocast = False
-    if passing:
-        def ms(c: Candidate) -> float:
-            return latency[label[c.label]]
-
-        candidate, policy, m = fastest_simplest(passing, lambda cpm: ms(cpm[0]), lambda cpm: len(cpm[1].layers))
-        if ms(candidate) < latency["fp32"]:
-            chosen = candidate
-            samples["tuned"] = samples[label[candidate.label]]
-            metric["tuned"], sqnr["tuned"], within["tuned"] = m.metric, m.sqnr_db, True
-            tuned_is_autocast = label[candidate.label] == "autocast"
-            if tuned_is_autocast:
-                notes.append(f"the tuned policy is blanket autocast ({autocast_precision.value}) itself: within the "
+    metric = {k: m.metric for k, m in held.measured.items() if k in ("fp32", "autocast")}
+    sqnr = {"fp32": math.inf, "autocast": held.measured["autocast"].sqnr_db}
+    chosen, tuned = None, "fp32"
+    lowered = [c for c in passing if label[c.label] != "fp32"]  # a policy that is fp32 is not a candidate to time
+    if lowered:
+        best = fastest_simplest(lowered, lambda c: latency[label[c.label]], lambda c: len(c.policy().layers))
+        if latency[label[best.label]] < latency["fp32"]:
+            chosen, tuned = best, label[best.label]
+            if tuned == "autocast":
+                notes.append(f"the tuned policy is blanket autocast ({autocast.value}) itself: within the "
                              "budget, and no per-layer policy measured faster")
         else:
             notes.append(f"no candidate within budget was measured faster than fp32 here (the best, "
-                         f"{candidate.label}, took {ms(candidate):.3g} ms against fp32's "
+                         f"{best.label}, took {latency[label[best.label]]:.3g} ms against fp32's "
                          f"{latency['fp32']:.3g} ms): the policy stays fp32")
-    if chosen is None:  # nothing lowered: the policy is fp32, as fast and as good as fp32
-        samples["tuned"] = samples["fp32"]
-        metric["tuned"], sqnr["tuned"], within["tuned"] = metric["fp32"], float("inf"), True
-        if not candidates:
-            notes.append("nothing was lowered: no layer had a candidate precision worth searching here")
-    return Verification(chosen=chosen, policy=chosen.policy() if chosen else None, samples=samples,
-                        metric=metric, sqnr_db=sqnr, within_budget=within,
-                        autocast_precision=autocast_precision.value,
-                        predicted_ms=chosen.predicted_ms if chosen else None,
-                        timing_batch=describe_batch(batch), fidelity=evaluator.uses_fidelity,
-                        tuned_is_autocast=tuned_is_autocast, estimated_for=estimated_for, notes=notes,
-                        prediction_error_pct=errors)
+    elif not candidates:
+        notes.append("nothing was lowered: no layer had a candidate precision worth searching here")
+    samples["tuned"] = samples[tuned]
+    metric["tuned"] = held.measured[tuned].metric
+    sqnr["tuned"] = held.measured[tuned].sqnr_db if tuned != "fp32" else math.inf
+    within_budget = {"autocast": within["autocast"], "tuned": within[tuned]}
+    losses = dict(held.losses)
+    if losses:
+        losses["tuned"] = losses[tuned]
+    return Verification(chosen=chosen, policy=chosen.policy() if chosen else None, samples=samples, metric=metric,
+                        sqnr_db=sqnr, within_budget=within_budget, autocast_precision=autocast.value,
+                        predicted_ms=chosen.predicted_ms if chosen else None, timed_on=timed_on,
+                        fidelity=held.reference.uses_fidelity, tuned_is_autocast=tuned == "autocast",
+                        estimated_for=estimated_for, notes=notes, prediction_error_pct=errors, losses=losses,
+                        steps=getattr(workload, "steps", 0) if workload.name == "training" else 0,
+                        metric_kind=_metric_kind(workload, held.reference))
+
+
+def _metric_kind(workload: Workload, reference: Objective) -> str:
+    if reference.uses_fidelity:
+        return "output SQNR dB"
+    if workload.name == "training":
+        return "evaluate" if getattr(workload, "evaluate", None) is not None else "final loss"
+    return "metric"
+
+
+def _median_finite(samples: Sequence[float]) -> float:
+    finite = [x for x in samples if math.isfinite(x)]
+    return statistics.median(finite) if finite else math.inf
 
 
 def bench_policy(model: nn.Module, batches: Sequence[Any], policy: Policy, budget: Budget,
@@ -236,5 +263,6 @@ def bench_policy(model: nn.Module, batches: Sequence[Any], policy: Policy, budge
         sqnr_db={"fp32": float("inf"), "autocast": blanket.sqnr_db, "tuned": tuned.sqnr_db},
         within_budget={"autocast": budget.violation(blanket, evaluator) <= 0,
                        "tuned": budget.violation(tuned, evaluator) <= 0},
-        autocast_precision=autocast.value, predicted_ms=None, timing_batch=describe_batch(batch),
-        fidelity=evaluator.uses_fidelity, tuned_is_autocast=_is_blanket(policy, autocast))
+        autocast_precision=autocast.value, predicted_ms=None, timed_on=describe_batch(batch),
+        fidelity=evaluator.uses_fidelity, tuned_is_autocast=is_blanket(policy, autocast),
+        metric_kind="output SQNR dB" if evaluator.uses_fidelity else "metric")

@@ -30,8 +30,8 @@ MODEL_PY = ROOT / "examples" / "minilm_finetune" / "model.py"
 
 import autoprec  # noqa: E402
 from autoprec.formats import Precision  # noqa: E402
-from autoprec.train_verify import metric_after, train_runs  # noqa: E402
 from autoprec.trainspec import load_train_spec  # noqa: E402
+from autoprec.workloads.training import metric_after, train_runs  # noqa: E402
 
 
 def main() -> None:

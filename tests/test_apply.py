@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -434,3 +435,56 @@ def test_fp8_linear_keeps_train_eval_mode():
     model = nn.Sequential(nn.Linear(4, 4)).eval()
     apply_policy(model, Policy(default="fp8"))
     assert not model[0].training
+
+
+# ---- fp8 only where it runs (issue 15) -----------------------------------------------------------------
+def _convnet() -> nn.Module:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16))
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 16), block, nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("layers, default, named", [
+    ({"0": "fp8"}, "fp32", "'0' (Conv2d)"),  # an exact name on a conv
+    ({"re:.*": "fp8"}, "fp32", "'0' (Conv2d)"),  # a pattern that covers a conv (and containers: not named)
+    ({}, "fp8", "'0' (Conv2d)"),  # the default covers it
+    ({"3.1": "fp8"}, "fp32", "'3.1' (LayerNorm, no nn.Linear inside)"),  # lowers nothing at all
+])
+def test_fp8_on_a_layer_that_cannot_take_it_is_refused_by_name(layers, default, named):
+    model = _convnet()
+    with pytest.raises(PolicyError, match=re.escape(named) + ".*give it bf16, fp16 or fp32"):
+        apply_policy(model, Policy(layers=layers, default=default))
+    assert applied_policy(model) is None and type(model[2]) is nn.Linear  # refused before anything changed
+
+
+@pytest.mark.parametrize("layers", [{"2": "fp8", "4": "fp8"}, {"3": "fp8"}, {"re:[234]": "fp8", "0": "bf16"},
+                                    {"re:.*": "fp8", "0": "fp32"}])
+def test_fp8_on_linears_or_on_containers_of_linears_is_accepted(layers):
+    model = _convnet()
+    apply_policy(model, Policy(layers=layers))
+    assert any(isinstance(m, FP8Linear) for m in model.modules())
+    remove_policy(model)
+
+
+class _RNNNet(nn.Module):
+    def __init__(self, rnn: nn.Module) -> None:
+        super().__init__()
+        self.fc, self.rnn, self.head = nn.Linear(8, 8), rnn, nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.fc(x))[0])
+
+
+@pytest.mark.parametrize("rnn", [nn.LSTM(8, 8, batch_first=True), nn.GRU(8, 8, batch_first=True)])
+def test_an_rnn_in_an_fp32_region_is_handed_fp32(rnn):
+    """A lowered layer feeding an untuned LSTM: the LSTM's fp32 region upcasts (it refuses a bf16 input
+    itself, outside autocast), instead of the model raising under every policy that lowers ``fc``."""
+    model = _RNNNet(rnn).eval()
+    x = torch.randn(2, 3, 8)
+    with torch.no_grad():
+        reference = model(x)
+        apply_policy(model, Policy(layers={"fc": "bf16"}))
+        lowered = model(x)
+    remove_policy(model)
+    assert lowered.dtype == torch.float32 and torch.allclose(lowered, reference, atol=0.05)
+    assert "forward" not in vars(model.rnn)  # removed with the policy

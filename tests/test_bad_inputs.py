@@ -161,6 +161,39 @@ SOURCES = {
         def evaluate(model, batches):
             return float("nan")
     """,
+    "half_model.py": """
+        import torch
+        from torch import nn
+        def get_model():
+            return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).half()
+        def get_batches():
+            return [torch.randn(8, 16) for _ in range(4)]
+    """,
+    "float64_model.py": """
+        import torch
+        from torch import nn
+        def get_model():
+            return nn.Sequential(nn.Linear(16, 4)).double()
+        def get_batches():
+            return [torch.randn(8, 16, dtype=torch.float64) for _ in range(4)]
+    """,
+    "meta_model.py": """
+        import torch
+        from torch import nn
+        def get_model():
+            with torch.device("meta"):
+                return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+        def get_batches():
+            return [torch.randn(8, 16) for _ in range(4)]
+    """,
+    "convnet.py": """
+        import torch
+        from torch import nn
+        def get_model():
+            return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 4))
+        def get_batches():
+            return [torch.randn(2, 3, 8, 8) for _ in range(4)]
+    """,
 }
 
 SPACES = {
@@ -184,6 +217,17 @@ POLICIES = {
     "duplicate_key.json": '{"schema": "autoprec.policy", "version": 1, "layers": {"0": "bf16", "0": "fp32"}}',
     "good.json": '{"schema": "autoprec.policy", "version": 1, "default": "bf16"}',
     "mxfp8_default.json": '{"schema": "autoprec.policy", "version": 1, "default": "mxfp8"}',
+    "fp8_on_conv.json": '{"schema": "autoprec.policy", "version": 1, "layers": {"0": "fp8", "2": "fp8"}}',
+}
+
+# Files for `autoprec init --hf` and `autoprec dashboard` (paths inside this table's folder)
+INIT_FILES = {
+    "hf_model/config.json": '{"model_type": "bert"}',
+    "hf_model/model.safetensors": "",
+    "hf_no_weights/config.json": '{"model_type": "bert"}',
+    "hf_bad_config/config.json": "{not json",
+    "samples.txt": "one sample\nanother sample\n",
+    "blank.txt": "\n   \n\n",
 }
 
 
@@ -252,6 +296,14 @@ CASES = [
     Case("precision-unknown", ["tune", "{d}/tiny.py", "--precisions", "bf17"], 2, ["unknown precision", "fp32"]),
     Case("device-cuda-missing", ["tune", "{d}/tiny.py", "--device", "cuda"], 1, ["no CUDA device", "--device cpu"]),
     Case("device-nonsense", ["tune", "{d}/tiny.py", "--device", "abacus"], 1, ["bad --device", "abacus"]),
+    Case("device-meta", ["tune", "{d}/tiny.py", "--device", "meta"], 1, ["--device meta", "no data", "--device cpu"]),
+    Case("model-half", ["tune", "{d}/half_model.py"], 1, ["get_model()", "not fp32", "float16", "model.float()"]),
+    Case("model-float64", ["tune", "{d}/float64_model.py"], 1, ["get_model()", "float64", "model.float()"]),
+    Case("model-on-meta", ["tune", "{d}/meta_model.py"], 1, ["get_model()", "'meta' device", "no data", "to_empty"]),
+    Case("precisions-empty", ["tune", "{d}/tiny.py", "--precisions", ""], 2,
+         ["--precisions", "'' names no low precision", "bf16"]),
+    Case("precisions-only-fp32", ["tune", "{d}/tiny.py", "--precisions", "fp32"], 2,
+         ["--precisions", "'fp32' names no low precision"]),
     Case("unknown-flag", ["tune", "{d}/tiny.py", "--fast"], 2, ["unrecognized arguments: --fast"]),
     Case("no-command", [], 2, ["required: COMMAND"], command=""),
     Case("unknown-command", ["optimise"], 2, ["invalid choice"], command=""),
@@ -260,6 +312,7 @@ CASES = [
     Case("space-unknown-preset", ["tune", "{d}/tiny.py", "--search-space", "nosuch"], 1,
          ["unknown search space 'nosuch'", "presets", ".yaml"]),
     Case("space-missing-file", ["tune", "{d}/tiny.py", "--search-space", "{d}/missing.yaml"], 1, ["not found"]),
+    Case("space-is-a-folder", ["tune", "{d}/tiny.py", "--search-space", "{d}"], 1, ["is a folder", ".yaml file"]),
     Case("space-bad-yaml", ["tune", "{d}/tiny.py", "--search-space", "{d}/bad_yaml.yaml"], 1, ["not valid YAML"]),
     Case("space-unknown-key", ["tune", "{d}/tiny.py", "--search-space", "{d}/unknown_key.yaml"], 1,
          ["unknown key", "freeze"]),
@@ -273,6 +326,10 @@ CASES = [
     Case("out-is-a-file", ["tune", "{d}/tiny.py", "--out", "{d}/notes.txt"], 1, ["is a file", "--out"]),
     Case("out-under-a-file", ["tune", "{d}/tiny.py", "--out", "{d}/notes.txt/run"], 1,
          ["cannot write into output folder", "--out"]),
+    Case("out-holds-user-files", ["tune", "{d}/tiny.py", "--out", "{d}/mine"], 1,
+         ["mine' already holds files that autoprec did not write", "report.md", "new or empty folder"]),
+    Case("profile-out-holds-user-files", ["profile", "{d}/tiny.py", "--out", "{d}/mine"], 1,
+         ["did not write", "report.md"]),
     Case("out-in-use", ["tune", "{d}/tiny.py", "--out", "{d}/busy"], 1,  # the results fixture holds its lock
          ["in use by another autoprec run", "pid 4242"]),
     Case("profile-out-is-a-file", ["profile", "{d}/tiny.py", "--out", "{d}/notes.txt"], 1, ["is a file"]),
@@ -301,8 +358,38 @@ CASES = [
     Case("show-duplicate-key", ["show", "{d}/duplicate_key.json"], 1, ["appears twice"]),
     Case("bench-missing-layers", ["bench", "{mlp}", "--policy", "{d}/missing_layers.json"], 1,
          ["'encoder.q'", "'head'", "not in the model"]),
+    Case("bench-fp8-on-conv", ["bench", "{d}/convnet.py", "--policy", "{d}/fp8_on_conv.json"], 1,
+         ["fp8 runs nn.Linear layers only", "'0' (Conv2d)", "bf16, fp16 or fp32"]),
     Case("bench-no-policy-flag", ["bench", "{mlp}"], 2, ["--policy"]),
     Case("bench-bad-policy-first", ["bench", "{d}/nope.py", "--policy", "{d}/policy.pkl"], 1, ["not a policy file"]),
+    # ---- init ----------------------------------------------------------------------------------------------
+    Case("init-hf-missing", ["init", "--hf", "{d}/nope", "--text", "{d}/samples.txt", "--out", "{d}/i1.py"], 1,
+         ["--hf", "no such folder", "config.json"]),
+    Case("init-hf-is-a-file", ["init", "--hf", "{d}/notes.txt", "--text", "{d}/samples.txt", "--out", "{d}/i2.py"],
+         1, ["is a file, not a model folder"]),
+    Case("init-hf-not-a-model", ["init", "--hf", "{d}", "--text", "{d}/samples.txt", "--out", "{d}/i3.py"], 1,
+         ["not a Hugging Face model folder", "no config.json", "save_pretrained()"]),
+    Case("init-hf-no-weights", ["init", "--hf", "{d}/hf_no_weights", "--text", "{d}/samples.txt", "--out",
+                                "{d}/i4.py"], 1, ["no weights", "model.safetensors"]),
+    Case("init-hf-bad-config", ["init", "--hf", "{d}/hf_bad_config", "--text", "{d}/samples.txt", "--out",
+                                "{d}/i5.py"], 1, ["config.json", "not a model config"]),
+    Case("init-text-missing", ["init", "--hf", "{d}/hf_model", "--text", "{d}/nope.txt", "--out", "{d}/i6.py"], 1,
+         ["--text", "no such file", "one sample per line"]),
+    Case("init-text-blank", ["init", "--hf", "{d}/hf_model", "--text", "{d}/blank.txt", "--out", "{d}/i7.py"], 1,
+         ["blank.txt", "no samples", "one sample per line"]),
+    Case("init-text-without-hf", ["init", "--text", "{d}/samples.txt"], 1, ["--text goes with --hf"]),
+    Case("init-hf-without-text", ["init", "--hf", "{d}/hf_model"], 1, ["--hf needs --text"]),
+    Case("init-out-exists", ["init", "--out", "{d}/tiny.py"], 1, ["tiny.py", "exists", "--force"]),
+    # ---- dashboard -----------------------------------------------------------------------------------------
+    Case("dashboard-missing", ["dashboard", "{d}/no_run"], 1, ["no_run", "no such folder", "study.db"]),
+    Case("dashboard-no-study", ["dashboard", "{d}"], 1, ["no study.db", "autoprec tune"]),
+    Case("dashboard-not-sqlite", ["dashboard", "{d}/notes.txt"], 1, ["not an SQLite database"]),
+    Case("dashboard-bad-port", ["dashboard", "{d}", "--port", "http"], 2, ["--port", "whole number"]),
+    # ---- estimate ----------------------------------------------------------------------------------------
+    Case("estimate-gemm-negative", ["estimate", "--target", "h100", "--gemm", "-5x2x3"], 1,
+         ["bad GEMM shape '-5x2x3'", "MxKxN"]),
+    Case("estimate-gemm-too-big", ["estimate", "--target", "l4", "--gemm", "1000000x1000000x1000000"], 1,
+         ["GEMM 1000000x1000000x1000000 cannot fit", "24 GB", "4000 GB even in fp8"]),
 ]
 
 @pytest.fixture(scope="module")
@@ -310,11 +397,14 @@ def folder(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("bad_inputs")
     for name, source in SOURCES.items():
         (d / name).write_text(textwrap.dedent(source))
-    for name, text in {**SPACES, **POLICIES}.items():
+    for name, text in {**SPACES, **POLICIES, **INIT_FILES}.items():
+        (d / name).parent.mkdir(exist_ok=True)
         (d / name).write_text(text)
     (d / "notes.txt").write_text("not a model\n")
     (d / "policy.pkl").write_bytes(pickle.dumps({"default": "bf16"}))
     (d / "random.bin").write_bytes(os.urandom(256))
+    (d / "mine").mkdir()
+    (d / "mine" / "report.md").write_text("# my own notes\n")  # an --out folder of the user's: never replaced
     return d
 
 

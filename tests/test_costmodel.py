@@ -123,7 +123,7 @@ def test_estimate_cli_json_and_text_are_labelled_estimated():
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out == estimate("h100", [(1024, 2048, 1024), (4096, 8192, 16384)], "training")
-    assert list(out) == ["target", "estimated", "for", "gemms"] and out["for"] == "training"
+    assert list(out) == ["target", "estimated", "for", "memory_gb", "gemms"] and out["for"] == "training"
     text = run_cli("--target", "h100", "--gemm", "4096x8192x16384")
     assert text.returncode == 0 and text.stdout.startswith("estimated for h100")
     assert "vs bf16: fp32 0.07x  fp16 1.00x  fp8 1.59x" in text.stdout
@@ -259,3 +259,16 @@ def test_tune_cli_with_target_labels_every_latency_estimated(cli_models, autopre
     assert policy["result"]["estimated_for"] == "a100" and policy["tuned_on"]["device"] == "estimated for a100"
     assert "fp8" not in policy["layers"].values()  # no FP8 tensor cores on an A100: never chosen for speed
     assert "estimated for a100" in (out / "report.md").read_text()
+
+
+def test_estimate_leaves_out_precisions_whose_tensors_do_not_fit_and_refuses_a_gemm_that_never_fits():
+    from autoprec.costmodel import estimate, gemm_gb
+
+    assert gemm_gb(1000, 1000, 1000, "fp32") == pytest.approx(0.012)
+    assert gemm_gb(1000, 1000, 1000, "fp8", "training") == pytest.approx(2 * 0.004)
+    fits_in_bf16 = estimate("l4", [(100_000, 100_000, 10)])["gemms"][0]  # fp32: 40 GB, bf16: 20 GB
+    assert fits_in_bf16["too_big"] == ["fp32"] and fits_in_bf16["ms"]["fp32"] is None
+    assert fits_in_bf16["ms"]["bf16"] > 0 and fits_in_bf16["gb"]["fp32"] == pytest.approx(40.008)
+    with pytest.raises(ValueError, match=r"GEMM 1000000x1000000x1000000 cannot fit in the h100's 80 GB.*"
+                                         r"4000 GB even in fp8 \(1.2e\+04 GB in fp32\)"):
+        estimate("h100", [(10**6, 10**6, 10**6)])

@@ -1,6 +1,10 @@
 """The shipped examples load through the model.py contract exactly as `autoprec tune` loads them."""
 
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from autoprec.userspec import load_model_py
 
@@ -20,3 +24,13 @@ def test_digits_example_is_a_trained_classifier():
     assert spec.higher_is_better and len(spec.batches) == 4
     accuracy = spec.evaluate(spec.model, spec.holdout_batches)
     assert accuracy > 85.0  # trained on 1000 digits; these 192 held-out ones were never seen
+
+
+def test_framework_examples_start(tmp_path):
+    """The Lightning and HF Trainer fine-tunes import what they use and parse their options (training is not run)."""
+    pytest.importorskip("pytorch_lightning")
+    pytest.importorskip("accelerate")
+    for script in ("lightning_finetune.py", "hf_trainer_finetune.py"):
+        run = subprocess.run([sys.executable, str(EXAMPLES / script), "--help"], capture_output=True, text=True,
+                             timeout=120, check=False, cwd=tmp_path)
+        assert run.returncode == 0 and "--policy" in run.stdout, run.stderr[-2000:]

@@ -125,3 +125,51 @@ def test_the_small_model_tunes_twenty_times_in_a_row():
             continue
         assert set(result.profile.prediction_error_pct) == set(result.profile.end_to_end_ms)
     assert not failures, "; ".join(failures)
+
+
+# ---- untuned modules without a kernel in a precision (issue 15) --------------------------------------------
+class _NoFp16(nn.Module):
+    """An untuned module with no fp16 kernel, as oneDNN's LSTM with autograd on is on CPU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float16:
+            raise RuntimeError("no fp16 kernel for this op")
+        return x * 2
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc0, self.odd, self.fc1 = nn.Linear(8, 8), _NoFp16(), nn.Linear(8, 8)
+        self.rnn = nn.GRU(8, 8, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc1(self.rnn(self.odd(self.fc0(x)))[0])
+
+
+def test_an_untuned_module_that_cannot_run_a_precision_does_not_crash_the_stage():
+    torch.manual_seed(0)
+    model = _Net().eval()
+    result = measure_latency(model, torch.randn(2, 3, 8), ["fc0", "fc1"], ["fc0", "fc1"],
+                             [Precision.BF16, Precision.FP16], repeats=1)
+    failure = result.not_runnable["fp16"]
+    assert failure["kept_fp32"] == ["odd (_NoFp16)"] and "no fp16 kernel" in failure["error"]
+    # its layers are timed with the module kept fp32; fp16 is no region default, nor a blanket figure
+    assert all("fp16" in result.latency_ms[n] for n in ("fc0", "fc1"))
+    assert "fp16" not in result.remainder_ms and "fp16" not in result.end_to_end_ms
+    assert "bf16" in result.remainder_ms and set(result.not_runnable) == {"fp16"}
+    assert result.autocast_untuned == ["rnn (GRU)"]  # autocast lowers it, though nobody tuned it
+    assert applied_policy(model) is None and "forward" not in vars(model.odd)
+
+
+def test_a_tuned_layer_that_cannot_run_a_precision_leaves_that_precision_untimed():
+    class Layer(nn.Linear):
+        def forward(self, x):
+            if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16:
+                raise RuntimeError("no fp16 kernel for this layer")
+            return super().forward(x)
+
+    model = nn.Sequential(nn.Linear(8, 8), Layer(8, 8)).eval()
+    result = measure_latency(model, torch.randn(2, 8), ["0", "1"], [], [Precision.BF16, Precision.FP16], repeats=1)
+    assert result.not_runnable["fp16"]["kept_fp32"] == [] and "'1'" not in result.not_runnable["fp16"]["error"]
+    assert all("fp16" not in ms and "bf16" in ms for ms in result.latency_ms.values())

@@ -18,7 +18,7 @@ from autoprec.budget import Budget
 from autoprec.measure import Evaluator, Measurement
 from autoprec.policy import PolicyError
 from autoprec.profile import LayerProfile, Profile, Sensitivity
-from autoprec.search import Candidate, choose_default, pareto_front, plan_units, search
+from autoprec.search import Candidate, StudyMismatchError, choose_default, pareto_front, plan_units, search
 from autoprec.searchspace import SearchSpace
 
 
@@ -239,3 +239,25 @@ def test_an_internal_error_stops_the_search(storage):
     with pytest.raises(PolicyError, match="layer 'ghost' is in the policy but not in the model"):
         search(profile, Evaluator(nn.Sequential(nn.Linear(16, 16)).eval(), batches()), Budget.parse(None, 20),
                SearchSpace.load("default"), trials=3, storage=storage, progress=False)
+
+
+def test_trials_is_the_most_the_study_runs_seeds_included(storage):
+    result = search(chain_profile(), Evaluator(Chain().eval(), batches()), Budget.parse(None, 30),
+                    SearchSpace.load("default"), trials=1, storage=storage, progress=False)
+    assert len(result.trials) == 1
+
+
+def test_a_study_of_another_model_is_refused_in_one_line(storage):
+    model = Chain().eval()
+    search(chain_profile(), Evaluator(model, batches()), Budget.parse(None, 30), SearchSpace.load("default"),
+           trials=3, storage=storage, study_name="shared", progress=False)
+    other = chain_profile()
+    other.fingerprint = "another model"
+    with pytest.raises(StudyMismatchError, match="study 'shared' belongs to another tune .*model 'test' here "
+                                                 "'another model'"):
+        search(other, Evaluator(model, batches()), Budget.parse(None, 30), SearchSpace.load("default"),
+               trials=3, storage=storage, study_name="shared", progress=False)
+    # the same model, budget and space: a second worker (or a resumed run) joins the study
+    again = search(chain_profile(), Evaluator(model, batches()), Budget.parse(None, 30), SearchSpace.load("default"),
+                   trials=4, storage=storage, study_name="shared", progress=False)
+    assert len(again.trials) == 4

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 
 from autoprec.formats import Precision
-from autoprec.searchspace import SearchSpace, SearchSpaceError, choose_preset, preset_names
+from autoprec.searchspace import SearchSpace, SearchSpaceError, SearchSpaceWarning, choose_preset, preset_names
 
 LAYERS = [
     ("embeddings.proj", "linear"),
@@ -119,3 +120,19 @@ def test_structure_is_on_unless_a_space_turns_it_off(tmp_path):
     path = tmp_path / "flat.yaml"
     path.write_text("candidates: {linear: [bf16]}\nstructure: false\n")
     assert SearchSpace.load(path).structure is False
+
+
+def test_patterns_of_a_users_space_that_match_no_layer_warn(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("candidates: {linear: [bf16]}\npin: [last, 'head', 'nosuch']\ngroups: ['(blocks)\\.\\d+']\n")
+    space = SearchSpace.load(path)
+    with pytest.warns(SearchSpaceWarning, match=r"'mine': pin pattern 'nosuch', groups pattern .* match no layer"):
+        units, pinned = space.units([("fc", "linear"), ("head", "linear")], ["bf16"])
+    assert pinned == ["head"] and [u.key for u in units] == ["fc"]  # what does match still works
+
+
+def test_a_preset_whose_patterns_fit_other_models_stays_quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SearchSpace.load("transformer").units([("fc", "linear"), ("out", "linear")], ["bf16"])
+        SearchSpace.load("default").units([("fc", "linear")], ["bf16"])

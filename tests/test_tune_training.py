@@ -16,11 +16,12 @@ from autoprec import Policy, TrainStep, tune
 from autoprec.budget import Budget
 from autoprec.capture import capture
 from autoprec.formats import Precision
+from autoprec.gradients import GradientObjective
 from autoprec.profile import Profile
 from autoprec.profile.training import profile_training
 from autoprec.search import Candidate
-from autoprec.train_eval import TrainEvaluator
-from autoprec.train_verify import verify_training
+from autoprec.verify import verify
+from autoprec.workloads.training import TrainingWorkload
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_models import PlantedTrainNet, TinyGradNet, mse_loss, tiny_loss  # noqa: E402
@@ -125,14 +126,15 @@ def test_a_candidate_that_passes_the_search_batches_but_fails_training_is_reject
     # see nothing wrong; once training moves w1 and w2 apart, bf16 rounds their difference to noise.
     model = PlantedTrainNet(width=128, depth=2, identical=True)
     batches = model.batches(3, size=32)
-    evaluator = TrainEvaluator(model, batches[:2], mse_loss)
+    evaluator = GradientObjective(model, batches[:2], mse_loss)
     bf16 = Policy(default="bf16")
     budget = Budget.parse("2%", 10.0)
     assert budget.violation(evaluator.measure(bf16), evaluator) <= 0  # passes the search batches
     names = ["blocks.0", "blocks.1", "cancel", "head"]
     candidate = Candidate(number=3, assignment={n: "bf16" for n in names}, default="fp32", predicted_ms=1.0,
                           metric=0.0, sqnr_db=40.0, violation=-1.0)
-    v = verify_training(model, [candidate], batches, mse_loss, adamw(1e-2), budget, Precision.BF16, steps=12)
+    workload = TrainingWorkload(model, batches, mse_loss, optimizer=adamw(1e-2), steps=12)
+    v = verify(workload, [candidate], budget, Precision.BF16)
     assert v.chosen is None and v.policy is None
     assert any(n.startswith("trial #3 met the budget on the search batches but not in the 12-step training run")
                for n in v.notes), v.notes
@@ -144,6 +146,8 @@ def test_a_candidate_that_passes_the_search_batches_but_fails_training_is_reject
     ("loss_not_scalar.py", "loss(): returned a tensor of shape (4, 2), not a scalar; fix: reduce it to one number"),
     ("loss_not_tensor.py", "loss(): returned a float, not a tensor; fix: return the loss as a scalar tensor"),
     ("loss_raises.py", "loss(): raised ValueError: too many values to unpack"),
+    ("frozen.py", "get_model(): no parameter of the model requires a gradient (every one is frozen)"),
+    ("nan_later_batch.py", "loss(): returned nan on training batch 2 for the unchanged fp32 model"),
 ])
 def test_for_training_with_a_bad_loss_is_one_line(tmp_path, name, expected):
     path = Path(shutil.copy(MODELS / name, tmp_path / name))
@@ -197,6 +201,56 @@ def test_fp16_that_overflows_even_with_loss_scaling_is_marked_and_infeasible():
     assert overflow["nonfinite"] and overflow["nonfinite_unscaled"]  # its activations pass 65504: scaling can't help
     assert profile.layer("overflow").sensitivity["fp16"].nonfinite
     assert not profile.layer("fc1").sensitivity["fp16"].nonfinite
-    evaluator = TrainEvaluator(model, batches, loss)
+    evaluator = GradientObjective(model, batches, loss)
     assert evaluator.measure(Policy.from_assignment({"overflow": "fp16"})).nonfinite
     assert not evaluator.measure(Policy.from_assignment({"fc1": "fp16"})).nonfinite
+
+
+def test_a_loss_that_runs_only_in_train_mode_tunes_and_dropout_is_no_noise(tmp_path):
+    # Training runs the model in train mode, so the profile and the search do too; the same dropout masks
+    # in every run keep a policy's only difference from fp32 its precision.
+    path = Path(shutil.copy(MODELS / "train_mode_loss.py", tmp_path / "train_mode_loss.py"))
+    run = subprocess.run([sys.executable, "-m", "autoprec", "tune", str(path), "--for", "training", "--steps", "4",
+                          "--trials", "3", "--precisions", "bf16", "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    from autoprec.trainspec import load_train_spec
+
+    train = load_train_spec(path)
+    model = train.spec.model.eval()
+    objective = GradientObjective(model, train.train_batches[:2], train.loss, path)
+    same = objective.measure(Policy())
+    assert same.sqnr_db == math.inf and same.metric == objective.metric_fp32
+    assert not model.training  # measuring leaves the model's mode as it was
+
+
+class _LSTMFirst(torch.nn.Module):
+    """An untuned LSTM reading the fp32 input: under fp16 autocast with autograd on, oneDNN (CPU) has
+    no kernel for it (issue 15's traceback); elsewhere it may run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = torch.nn.LSTM(16, 16, batch_first=True)
+        self.fc, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc(self.rnn(x)[0]))
+
+
+def test_an_untuned_lstm_does_not_crash_the_training_step_time_and_is_reported():
+    torch.manual_seed(0)
+    model = _LSTMFirst()
+    batches = [torch.randn(4, 6, 16) for _ in range(2)]
+
+    def loss(m, batch):
+        return m(batch).pow(2).mean()
+
+    profile = profile_training(model, capture(model, batches[0]), batches, loss, precisions=["bf16", "fp16"],
+                               repeats=1, progress=False)
+    assert profile.autocast_untuned == ["rnn (LSTM)"]
+    assert "bf16" in profile.remainder_ms
+    if "fp16" in profile.not_runnable:  # this CPU: timed with the LSTM kept fp32, and no fp16 region default
+        assert profile.not_runnable["fp16"]["kept_fp32"] == ["rnn (LSTM)"]
+        assert "fp16" not in profile.remainder_ms and "fp16" in profile.layer("fc").latency_ms
+    else:
+        assert "fp16" in profile.remainder_ms

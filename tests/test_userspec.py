@@ -13,7 +13,16 @@ import pytest
 import torch
 from torch import nn
 
-from autoprec.userspec import UserCodeError, UserSpec, call_model, load_model_py, run_evaluate, to_device
+from autoprec.userspec import (
+    ModelDataError,
+    UserCodeError,
+    UserSpec,
+    call_model,
+    check_fp32_model,
+    load_model_py,
+    run_evaluate,
+    to_device,
+)
 
 BAD = Path(__file__).parent / "bad_model_py"
 
@@ -335,3 +344,37 @@ def test_evaluate_errors_later_in_the_pipeline_name_the_file(tmp_path: Path) -> 
     with pytest.raises(UserCodeError, match=r"evaluate\(\): raised KeyError: 'accuracy' \(line \d+\); fix: ") as info:
         spec.evaluate(spec.model, spec.search_batches)
     assert str(info.value).startswith(f"{path.resolve()}: evaluate(): ")
+
+
+# ---- the model must be fp32 with data (issue 15) ---------------------------------------------------------
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize("convert, dtype", [(nn.Module.half, "float16"), (nn.Module.bfloat16, "bfloat16"),
+                                            (nn.Module.double, "float64")])
+def test_check_fp32_model_names_the_dtype_and_the_fix(convert, dtype: str) -> None:
+    with pytest.raises(ModelDataError, match=rf"not fp32: its weights are {dtype} \(\d+ of \d+ floating tensors"
+                                             r".*return model\.float\(\)"):
+        check_fp32_model(convert(_mlp()))
+
+
+def test_check_fp32_model_looks_at_floating_buffers_and_passes_fp32() -> None:
+    model = _mlp()
+    check_fp32_model(model)  # fp32, with an int64 buffer (num_batches_tracked): fine
+    model.register_buffer("table", torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(ModelDataError, match=r"float64 \(1 of \d+ floating tensors, e.g. 'table'\)"):
+        check_fp32_model(model)
+
+
+def test_a_meta_model_is_said_to_have_no_data(tmp_path: Path) -> None:
+    with torch.device("meta"):
+        model = _mlp()
+    with pytest.raises(ModelDataError, match="'meta' device, so they hold no data.*to_empty"):
+        check_fp32_model(model)
+    path = tmp_path / "model.py"
+    path.write_text("import torch\nfrom torch import nn\n"
+                    "def get_model():\n    return nn.Linear(4, 2).half()\n"
+                    "def get_batches():\n    return [torch.randn(2, 4) for _ in range(3)]\n")
+    with pytest.raises(UserCodeError, match=r"model\.py: get_model\(\): the model is not fp32.*float16"):
+        load_model_py(path)  # named before the batches are blamed for a dtype mismatch

@@ -18,6 +18,7 @@ from autoprec.formats import Capability, Precision
 from autoprec.report import results_table
 from autoprec.search import Candidate
 from autoprec.verify import Speedup, autocast_baseline, verify
+from autoprec.workloads.inference import InferenceWorkload
 
 
 def model_and_batches():
@@ -43,7 +44,7 @@ def timings(monkeypatch):
         assert not missing, f"the test set no time for {missing}"
         return {key: [table[key]] * repeats for key in runners}
 
-    monkeypatch.setattr("autoprec.verify.interleaved_samples", fake)
+    monkeypatch.setattr("autoprec.workloads.inference.interleaved_samples", fake)
     return table.update
 
 
@@ -52,7 +53,7 @@ FLOOR = Budget(min_sqnr=20.0)
 
 def run(candidates, budget=FLOOR):
     model, batches = model_and_batches()
-    return verify(model, candidates, batches, None, True, budget, Precision.BF16)
+    return verify(InferenceWorkload(model, batches, holdout_batches=batches), candidates, budget, Precision.BF16)
 
 
 def test_within_noise_the_policy_with_fewer_rules_wins(timings):
@@ -89,8 +90,10 @@ def test_blanket_autocast_as_the_winner_is_reported_as_itself(timings):
 
 def test_a_candidate_over_budget_on_held_out_batches_is_passed_over_with_a_note(timings):
     timings(fp32=10.0, autocast=6.0, **{"trial #2": 9.0})
-    # bf16 everywhere keeps ~40 dB on this model; a 60 dB floor rules it out on the held-out batches
-    v = run([candidate(1, {"0": "bf16", "2": "bf16", "4": "bf16"}), candidate(2, {})], Budget(min_sqnr=60.0))
+    # bf16 everywhere keeps ~40 dB on this model; a 60 dB floor rules it out on the held-out batches, and
+    # one fp16 layer (~68 dB) is within it
+    v = run([candidate(1, {"0": "bf16", "2": "bf16", "4": "bf16"}), candidate(2, {"4": "fp16"})],
+            Budget(min_sqnr=60.0))
     assert v.chosen is not None and v.chosen.number == 2
     assert any("trial #1 met the budget on the search batches but not on the held-out" in n for n in v.notes)
 
@@ -109,3 +112,12 @@ def test_the_autocast_baseline_is_the_fastest_native_dtype():
     fp16_emulated = {Precision.BF16: Capability.NATIVE, Precision.FP16: Capability.EMULATED}
     assert autocast_baseline(fp16_emulated, {"bf16": 9.0, "fp16": 5.0}) is Precision.BF16  # never for speed
     assert autocast_baseline(native, {}) is Precision.BF16
+
+
+def test_a_policy_that_is_fp32_is_reported_as_fp32_never_as_faster(timings):
+    # the all-fp32 trial is the fp32 computation: it is measured as fp32 (one runner), never "1.1x faster"
+    timings(fp32=10.0, autocast=6.0)
+    v = run([candidate(1, {}), candidate(2, {"0": "fp32"})], Budget(min_sqnr=60.0))
+    assert v.chosen is None and v.policy is None
+    assert v.speedup == 1.0
+    assert "fp32 = autoprec policy" in results_table(v)

@@ -12,11 +12,10 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from .. import __version__
-from ..apply import takes_precision
 from ..capture import LayerTable
 from ..formats import DEFAULT_PRECISIONS, Capability, Precision, device_capabilities
 from ..measure import Evaluator, to_device
+from .frame import assemble, device_label, layer_candidates, low_precisions
 from .latency import measure_latency, predict_ms
 from .result import LayerProfile, Profile, ProfileError, Sensitivity, device_name, fingerprint
 from .sensitivity import measure_sensitivity
@@ -36,17 +35,14 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
     :mod:`autoprec.costmodel`) latency is estimated for that GPU instead of measured here.
     """
     device = torch.device(device)
-    low = [Precision.parse(p) for p in precisions if Precision.parse(p).is_low]
-    if not low:
-        raise ValueError("profile needs at least one low precision (bf16, fp16 or fp8)")
+    low = low_precisions(precisions)
     if not batches:
         raise ValueError("profile needs at least one batch")
     model = model.to(device).eval()
-    modules = dict(model.named_modules())
     names = [layer.name for layer in table]
     # A layer only held-out batches run cannot be measured on the search batches: no candidates.
     searched = {layer.name for layer in table if not layer.batches or min(layer.batches) < len(batches)}
-    candidates = {n: [p.value for p in low if n in searched and takes_precision(modules[n], p)] for n in names}
+    candidates = layer_candidates(model, table, low, searched)
     # The linears that fp8, mxfp8 and nvfp4 rules swap (every nn.Linear takes all three).
     fp8_layers = [n for n in names if any(Precision(p).swaps_linear for p in candidates[n])]
     seconds: dict[str, float] = {"capture": capture_seconds}
@@ -80,24 +76,10 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
                                       repeats=repeats, emulated=emulated, progress=lambda _p: bar.update())
     seconds["latency"] = time.perf_counter() - start
 
-    layers = [LayerProfile(name=layer.name, kind=layer.kind, type=layer.type, flops=int(layer.flops),
-                           latency_ms=latency.latency_ms[layer.name], cast_ms=latency.cast_ms[layer.name],
-                           sensitivity=sensitivity[layer.name]) for layer in table]
-    return Profile(
-        fingerprint=fingerprint(model, batches),
-        device=f"estimated for {target}" if target is not None else device_name(device),
-        torch=torch.__version__,
-        precisions=[p.value for p in low],
-        capabilities={p.value: caps[p].value for p in Precision},
-        capture_method=table.method,
-        not_exercised=list(table.not_exercised),
-        layers=layers,
-        end_to_end_ms=latency.end_to_end_ms,
-        remainder_ms=latency.remainder_ms,
-        prediction_error_pct=latency.prediction_error_pct,
-        metric={"kind": "fidelity" if evaluator.uses_fidelity else "user", "fp32": evaluator.metric_fp32,
-                "higher_is_better": evaluator.higher_is_better, "batches": len(sens_batches)},
-        cost={"evaluations": evaluator.evaluations, "seconds": seconds, "autoprec": __version__},
-        model_type=table.model_type,
-    )
-
+    return assemble(model, table, batches, device_label(device, target), low, caps, latency.latency_ms,
+                    latency.cast_ms, sensitivity, latency.end_to_end_ms, latency.remainder_ms,
+                    latency.prediction_error_pct,
+                    metric={"kind": "fidelity" if evaluator.uses_fidelity else "user", "fp32": evaluator.metric_fp32,
+                            "higher_is_better": evaluator.higher_is_better, "batches": len(sens_batches)},
+                    cost={"evaluations": evaluator.evaluations, "seconds": seconds},
+                    autocast_untuned=latency.autocast_untuned, not_runnable=latency.not_runnable)

@@ -10,24 +10,31 @@ is timed separately on tensors of the recorded output shapes.
 The additive model the search uses, ``sum(layer ms) + casts at boundaries + remainder``,
 is checked against whole-model runs without hooks: fp32, blanket low precision, and a mixed
 policy with every other layer lowered.
+
+A module that is not tuned but that autocast lowers all the same (an LSTM, a GRU) may have no
+kernel in a precision (oneDNN has no fp16 LSTM with autograd on). :func:`runnable_policy` finds it:
+the layers are then timed with that module kept in fp32, and the precision is no region default
+(``not_runnable`` says why); :func:`autocast_untuned` lists such modules for the report.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 
 from ..apply import apply_policy, remove_policy
+from ..batches import call_model
 from ..formats import Precision
-from ..measure import call_model, median_ms, output_tensors, settle
+from ..measure import median_ms, settle
 from ..policy import Policy
+from .clock import LayerClock, cast_ms
+from .runnable import autocast_untuned, runnable_policy
 
-__all__ = ["LatencyResult", "measure_latency", "predict_ms", "blanket_policy"]
+__all__ = ["LatencyResult", "blanket_policy", "measure_latency", "predict_ms"]
 
 
 @dataclass
@@ -38,6 +45,10 @@ class LatencyResult:
     end_to_end_ms: dict[str, float]  # "fp32", "<p>" (blanket) and "mixed", without hooks
     prediction_error_pct: dict[str, float]  # same keys: (predicted - measured) / measured
     mixed: dict[str, str]  # the assignment of the mixed check
+    # precision (or "mixed") -> {"error": one line, "kept_fp32": ["name (Type)", ...]}: the whole model
+    # could not run in it; its layers were timed with kept_fp32 in fp32 (none timed when that is empty)
+    not_runnable: dict[str, dict] = field(default_factory=dict)
+    autocast_untuned: list[str] = field(default_factory=list)  # see autocast_untuned()
 
 
 def blanket_policy(precision: Precision, fp8_layers: Sequence[str]) -> Policy:
@@ -60,55 +71,16 @@ def predict_ms(assignment: Mapping[str, str], default: str, latency_ms: Mapping[
     return total
 
 
-class _LayerClock:
-    """Hooks timing each named module's forward, exclusive of named modules inside it."""
-
-    def __init__(self, modules: Mapping[str, nn.Module], device: torch.device) -> None:
-        self.device = device
-        self.stack: list[list] = []  # [name, start, child_ms]
-        self.times: dict[str, float] = {}
-        self.outputs: dict[str, list[tuple[tuple[int, ...], torch.dtype]]] = {}
-        self.handles = []
-        for name, module in modules.items():
-            self.handles.append(module.register_forward_pre_hook(self._pre(name)))
-            self.handles.append(module.register_forward_hook(self._post(name)))
-
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def _pre(self, name: str) -> Callable:
-        def hook(_m: nn.Module, _args: Any) -> None:
-            self.stack.append([name, self._now(), 0.0])
-        return hook
-
-    def _post(self, name: str) -> Callable:
-        def hook(_m: nn.Module, _args: Any, output: Any) -> None:
-            end = self._now()
-            _, start, child_ms = self.stack.pop()
-            inclusive = (end - start) * 1e3
-            self.times[name] = self.times.get(name, 0.0) + inclusive - child_ms
-            if self.stack:
-                self.stack[-1][2] += inclusive
-            self.outputs.setdefault(name, [(tuple(t.shape), t.dtype) for t in output_tensors(output)])
-        return hook
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
 def _clocked_run(model: nn.Module, batch: Any, names: Sequence[str], device: torch.device
                  ) -> tuple[dict[str, float], float, dict]:
     """One forward (policy already applied): exclusive ms per layer, total ms, and output shapes."""
     modules = dict(model.named_modules())
-    clock = _LayerClock({n: modules[n] for n in names}, device)
+    clock = LayerClock({n: modules[n] for n in names}, device)
     try:
         with torch.no_grad():
-            start = clock._now()
+            start = clock.now()
             call_model(model, batch)
-            total = (clock._now() - start) * 1e3
+            total = (clock.now() - start) * 1e3
     finally:
         clock.remove()
     return clock.times, total, clock.outputs
@@ -128,13 +100,6 @@ def _steady_ms(model: nn.Module, batch: Any, policy: Policy | None, device: torc
     finally:
         if policy is not None:
             remove_policy(model)
-
-
-def _cast_ms(shapes: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> float:
-    tensors = [torch.randn(shape, device=device).to(dtype) for shape, dtype in shapes if dtype != torch.float32]
-    if not tensors:
-        return 0.0
-    return median_ms(lambda: [t.float() for t in tensors], device, warmup=1, repeats=5)
 
 
 @dataclass
@@ -173,7 +138,7 @@ def _time_block(model: nn.Module, batch: Any, policy: Policy, layers: Sequence[s
         remove_policy(model)
     # A layer the batch does not reach costs nothing on it: 0 ms in every precision alike.
     layer_ms = {name: statistics.median(times.get(name, 0.0) for times, _ in runs) for name in layers}
-    casts = {name: _cast_ms(outputs.get(name, []), device) for name in cast_layers}
+    casts = {name: cast_ms(outputs.get(name, []), device) for name in cast_layers}
     return _Block(layer_ms=layer_ms, cast_ms=casts,
                   remainder_ms=statistics.median(total - sum(times.values()) for times, total in runs),
                   hooked_ms=statistics.median(total for _, total in runs), plain_ms=statistics.median(plain))
@@ -190,7 +155,10 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
     What the result holds, by construction: every precision timed has a time for each layer
     that can take it (fp8: ``fp8_layers``; the others: all of ``layers``), a cast time for each
     of those layers when it is low, a blanket end-to-end time and its prediction error; and a
-    remainder when it can be a region default (fp8 never is, so it has none).
+    remainder when it can be a region default (fp8 never is, so it has none). A precision the whole
+    model cannot run in (see :func:`runnable_policy`) is in ``not_runnable`` instead and has neither
+    remainder nor end-to-end time; its layers are timed only when keeping the failing untuned
+    modules in fp32 let it run.
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a whole number >= 1, got {repeats!r}")
@@ -202,22 +170,32 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
     end_to_end: dict[str, float] = {}
     checks: dict[str, tuple[dict[str, str], str]] = {}  # key -> (assignment, region default) it predicts
     blocks: dict[Precision, _Block] = {}
+    not_runnable: dict[str, dict] = {}
+
+    def plain_run() -> None:
+        with torch.no_grad():
+            call_model(model, batch)
 
     def time_block(p: Precision) -> None:
         timed = list(fp8_layers) if p.swaps_linear else list(layers)
-        block = _time_block(model, batch, blanket_policy(p, fp8_layers), layers, timed if p.is_low else [],
-                            device, repeats, blocks.get(Precision.FP32))
-        blocks[p] = block
-        for name in timed:
-            latency[name][p.value] = block.layer_ms[name]
-            if p.is_low:
-                casts[name][p.value] = block.cast_ms[name]
-        if p.swaps_linear:  # never a region default: blanket fp8 is fp8 layers in an fp32 region
-            checks[p.value] = ({n: (p.value if n in fp8_layers else "fp32") for n in layers}, "fp32")
-        else:
-            remainder[p.value] = block.remainder_ms
-            checks[p.value] = ({n: p.value for n in layers}, p.value)
-        end_to_end[p.value] = block.plain_ms
+        policy, failure = runnable_policy(model, blanket_policy(p, fp8_layers), plain_run, layers)
+        if failure:
+            not_runnable[p.value] = failure
+        if policy is not None:
+            block = _time_block(model, batch, policy, layers, timed if p.is_low else [], device, repeats,
+                                blocks.get(Precision.FP32))
+            blocks[p] = block
+            for name in timed:
+                latency[name][p.value] = block.layer_ms[name]
+                if p.is_low:
+                    casts[name][p.value] = block.cast_ms[name]
+        if policy is not None and not failure:  # the whole model ran in p: check it end to end
+            if p.swaps_linear:  # never a region default: blanket fp8 is fp8 layers in an fp32 region
+                checks[p.value] = ({n: (p.value if n in fp8_layers else "fp32") for n in layers}, "fp32")
+            else:
+                remainder[p.value] = block.remainder_ms
+                checks[p.value] = ({n: p.value for n in layers}, p.value)
+            end_to_end[p.value] = block.plain_ms
         if progress:
             progress(p.value)
 
@@ -227,13 +205,17 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
 
     # The blanket runs check the additive model with every layer alike; a mixed policy (every
     # other layer lowered to the fastest native region precision) checks it across boundaries.
-    fastest = min((p for p in native if not p.swaps_linear),
+    fastest = min((p for p in native if not p.swaps_linear and p in blocks),
                   key=lambda p: sum(latency[n][p.value] for n in layers), default=None)
     mixed = {n: "fp32" for n in layers}
     if fastest is not None:
         mixed = {n: (fastest.value if i % 2 else "fp32") for i, n in enumerate(layers)}
-        checks["mixed"] = (mixed, "fp32")
-        end_to_end["mixed"] = _steady_ms(model, batch, Policy.from_assignment(mixed), device, repeats)
+        policy, failure = runnable_policy(model, Policy.from_assignment(mixed), plain_run, layers, tries=0)
+        if failure:
+            not_runnable["mixed"] = failure
+        else:
+            checks["mixed"] = (mixed, "fp32")
+            end_to_end["mixed"] = _steady_ms(model, batch, policy, device, repeats)
     if progress:
         progress("end to end")
 
@@ -244,4 +226,5 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
     for key, (assignment, default) in checks.items():
         predicted = predict_ms(assignment, default, latency, casts, remainder)
         error[key] = 100.0 * (predicted - end_to_end[key]) / end_to_end[key]
-    return LatencyResult(latency, casts, remainder, end_to_end, error, mixed)
+    return LatencyResult(latency, casts, remainder, end_to_end, error, mixed, not_runnable,
+                         autocast_untuned(model, plain_run, layers))

@@ -50,7 +50,7 @@ class LayerProfile:
     kind: str
     type: str
     flops: int
-    latency_ms: dict[str, float]  # precision -> ms, measured in context on the device
+    latency_ms: dict[str, float]  # precision -> ms in context on the device, of what Profile.timed says
     cast_ms: dict[str, float] = field(default_factory=dict)  # precision -> ms to cast its output to fp32
     sensitivity: dict[str, Sensitivity] = field(default_factory=dict)  # precision -> sensitivity
 
@@ -82,6 +82,15 @@ class Profile:
     # None for an inference profile. For training (profile/training.py): how the step was timed and
     # attributed, and each layer's gradient sensitivity; latency_ms then holds forward + backward.
     training: dict[str, Any] | None = None
+    # Untuned modules that blanket autocast (or a region default) lowers all the same, as "name (Type)",
+    # e.g. an LSTM; and precision -> {"error", "kept_fp32"} for a precision the whole model could not
+    # run in (no region default; layers timed with kept_fp32 in fp32, none when it is empty). Older
+    # profiles lack both: read as empty.
+    autocast_untuned: list[str] = field(default_factory=list)
+    not_runnable: dict[str, dict] = field(default_factory=dict)
+    # What every latency above times: "forward" (inference), or "training step" (forward + backward of
+    # each layer; the remainder and end-to-end figures are whole steps, optimizer excluded).
+    timed: str = "forward"
 
     def layer(self, name: str) -> LayerProfile:
         for layer in self.layers:

@@ -12,9 +12,9 @@ not allow full backward hooks (an in-place op on a hooked output), backward is a
 twice each layer's forward time (the two GEMMs of a linear's backward) and the profile says so.
 ``latency_ms`` holds forward + backward, so the search, unchanged, optimises step time; the
 remainder is the measured step minus the layers; a cast at a precision boundary is paid twice
-(the activation forward, its gradient backward). Steps run in ``eval()`` mode, as the sensitivity
-runs do: dropout's masks (a small, precision-independent share of the step) are left out, and
-BatchNorm statistics are not moved by profiling.
+(the activation forward, its gradient backward). Steps run in ``train()`` mode with the same
+dropout masks every time, as the sensitivity runs do (:func:`autoprec.gradients.as_in_training`),
+and BatchNorm statistics are not moved by profiling.
 
 **Sensitivity.** From the same weights and batch as the fp32 run, each layer alone in each
 precision: the SQNR of its weight gradient and of the input gradient it passes back, the loss
@@ -35,74 +35,38 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from .. import __version__
-from ..apply import apply_policy, remove_policy, takes_precision
+from ..apply import apply_policy, remove_policy
 from ..capture import LayerTable
 from ..formats import DEFAULT_PRECISIONS, Capability, Precision, device_capabilities
-from ..measure import settle
-from ..policy import Policy
-from ..train_eval import (
+from ..gradients import (
     FP16_FLUSH,
     GradRun,
+    as_in_training,
     gradient_run,
     loss_scale_for,
     noise_ratio,
     requires_grad_inputs,
     sqnr_of_noise,
 )
+from ..measure import settle
+from ..policy import Policy
 from ..trainspec import run_loss
 from ..userspec import UserCodeError, to_device
-from .latency import _cast_ms, _LayerClock, blanket_policy, predict_ms
-from .result import LayerProfile, Profile, Sensitivity, device_name, fingerprint
+from .clock import LayerClock, cast_ms
+from .frame import assemble, layer_candidates, low_precisions
+from .latency import blanket_policy, predict_ms
+from .result import Profile, Sensitivity, device_name
+from .runnable import autocast_untuned, runnable_policy
 
 __all__ = ["profile_training", "UNDERFLOW_FLAG"]
 
 UNDERFLOW_FLAG = 0.01  # a layer losing this share of its non-zero gradient values to fp16 is flagged
 
 
-class _BackwardClock:
-    """Full backward hooks timing each named module's backward, exclusive of named modules inside it."""
-
-    def __init__(self, modules: dict[str, nn.Module], device: torch.device) -> None:
-        self.device = device
-        self.stack: list[list] = []  # [name, start, child_ms]
-        self.times: dict[str, float] = {}
-        self.handles = []
-        for name, module in modules.items():
-            self.handles.append(module.register_full_backward_pre_hook(self._pre(name)))
-            self.handles.append(module.register_full_backward_hook(self._post(name)))
-
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def _pre(self, name: str) -> Callable:
-        def hook(_m: nn.Module, _grad_out: Any) -> None:
-            self.stack.append([name, self._now(), 0.0])
-        return hook
-
-    def _post(self, name: str) -> Callable:
-        def hook(_m: nn.Module, _grad_in: Any, _grad_out: Any) -> None:
-            end = self._now()
-            at = max((i for i, entry in enumerate(self.stack) if entry[0] == name), default=None)
-            if at is None:
-                return
-            _, start, child_ms = self.stack.pop(at)
-            inclusive = (end - start) * 1e3
-            self.times[name] = self.times.get(name, 0.0) + inclusive - child_ms
-            if at > 0:
-                self.stack[at - 1][2] += inclusive
-        return hook
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
 def _step(model: nn.Module, batch: Any, loss: Callable, path: Path) -> None:
-    value = run_loss(path, loss, model, requires_grad_inputs(batch))  # as in the sensitivity runs
-    value.backward()
+    with as_in_training(model):  # as in the sensitivity runs: train mode, fixed dropout masks, buffers kept
+        value = run_loss(path, loss, model, requires_grad_inputs(batch))
+        value.backward()
     model.zero_grad(set_to_none=True)
 
 
@@ -116,12 +80,12 @@ def _time_precision(model: nn.Module, batch: Any, loss: Callable, path: Path, po
         fwd_runs, bwd_runs, totals, plain = [], [], [], []
         outputs: dict = {}
         for _ in range(repeats):
-            forward = _LayerClock({n: modules[n] for n in layers}, device)
-            backward = _BackwardClock({n: modules[n] for n in layers}, device) if backward_hooks else None
+            forward = LayerClock({n: modules[n] for n in layers}, device)
+            backward = LayerClock({n: modules[n] for n in layers}, device, backward=True) if backward_hooks else None
             try:
-                start = forward._now()
+                start = forward.now()
                 _step(model, batch, loss, path)
-                totals.append((forward._now() - start) * 1e3)
+                totals.append((forward.now() - start) * 1e3)
             finally:
                 forward.remove()
                 if backward is not None:
@@ -206,13 +170,10 @@ def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any]
     timed: they are never a speed-up here, so the search never gets them for speed.
     """
     device, path = torch.device(device), Path(path)
-    low = [Precision.parse(p) for p in precisions if Precision.parse(p).is_low]
-    if not low:
-        raise ValueError("profile needs at least one low precision (bf16, fp16 or fp8)")
+    low = low_precisions(precisions)
     model = model.to(device).eval()
-    modules = dict(model.named_modules())
     names = [layer.name for layer in table]
-    candidates = {n: [p.value for p in low if takes_precision(modules[n], p)] for n in names}
+    candidates = layer_candidates(model, table, low)
     batch = to_device(batches[0], device)
     seconds: dict[str, float] = {"capture": capture_seconds}
 
@@ -244,8 +205,12 @@ def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any]
     fp8_layers = [n for n in names if any(Precision(p).swaps_linear for p in candidates[n])]
     attribution = "full backward hooks"
     blocks: dict[str, dict[str, Any]] = {}
+    not_runnable: dict[str, dict] = {}  # see latency.runnable_policy: e.g. oneDNN has no fp16 LSTM with autograd
     for p in tqdm(timed, desc="step time", unit="precision", disable=not progress, leave=False):
-        policy = blanket_policy(p, fp8_layers)
+        policy, not_runnable[p.value] = runnable_policy(model, blanket_policy(p, fp8_layers),
+                                                        lambda: _step(model, batch, loss, path), names)
+        if policy is None:
+            continue
         try:
             blocks[p.value] = _time_precision(model, batch, loss, path, policy, names, device, repeats,
                                               backward_hooks=attribution == "full backward hooks")
@@ -261,10 +226,11 @@ def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any]
         if p != "fp32":
             for n in names:
                 if p in candidates[n]:
-                    casts[n][p] = 2.0 * _cast_ms(b["outputs"].get(n, []), device)  # activation fwd, gradient bwd
+                    casts[n][p] = 2.0 * cast_ms(b["outputs"].get(n, []), device)  # activation fwd, gradient bwd
+    not_runnable = {p: failure for p, failure in not_runnable.items() if failure}
     remainder = {p: b["step_ms"] - sum(b["forward_ms"].values()) - sum(b["backward_ms"].values())
-                 for p, b in blocks.items() if not Precision(p).swaps_linear}
-    end_to_end = {p: b["plain_ms"] for p, b in blocks.items()}
+                 for p, b in blocks.items() if not Precision(p).swaps_linear and p not in not_runnable}
+    end_to_end = {p: b["plain_ms"] for p, b in blocks.items() if p not in not_runnable}
     error = {}
     for p in remainder:
         assignment = {n: p for n in names}
@@ -273,9 +239,6 @@ def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any]
 
     flagged = sorted(n for n in names if details[n]["fp16_flush_share_fp32"] >= UNDERFLOW_FLAG or
                      details[n]["precisions"].get("fp16", {}).get("underflow_unscaled", 0.0) >= UNDERFLOW_FLAG)
-    layers = [LayerProfile(name=layer.name, kind=layer.kind, type=layer.type, flops=3 * int(layer.flops),
-                           latency_ms=latency[layer.name], cast_ms=casts[layer.name],
-                           sensitivity=sensitivity[layer.name]) for layer in table]
     training = {
         "for": "training",
         "step": "forward + loss + backward, optimizer excluded; latency_ms = forward + backward per layer",
@@ -288,19 +251,10 @@ def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any]
         "backward_ms": {n: {p: b["backward_ms"][n] for p, b in blocks.items()} for n in names},
         "layers": details,
     }
-    return Profile(
-        fingerprint=fingerprint(model, batches[:1]),
-        device=device_name(device),
-        torch=torch.__version__,
-        precisions=[p.value for p in low],
-        capabilities={p.value: caps[p].value for p in Precision},
-        capture_method=table.method,
-        layers=layers,
-        end_to_end_ms=end_to_end,
-        remainder_ms=remainder,
-        prediction_error_pct=error,
-        metric={"kind": "loss", "fp32": reference.loss, "higher_is_better": False, "batches": 1},
-        cost={"evaluations": sum(map(len, candidates.values())), "seconds": seconds, "autoprec": __version__},
-        model_type=table.model_type,
-        training=training,
-    )
+    return assemble(model, table, batches[:1], device_name(device), low, caps, latency, casts, sensitivity, end_to_end,
+                    remainder, error, metric={"kind": "loss", "fp32": reference.loss, "higher_is_better": False,
+                                              "batches": 1},
+                    cost={"evaluations": sum(map(len, candidates.values())), "seconds": seconds},
+                    flops_per_layer=3, training=training,
+                    autocast_untuned=autocast_untuned(model, lambda: run_loss(path, loss, model, batch), names),
+                    not_runnable=not_runnable)

@@ -1,37 +1,42 @@
-"""Measuring one training step under a policy: the loss, the gradients, and how far both are from fp32.
+"""Gradients under a policy: one training step's loss and gradients, and how far both are from fp32.
 
-Shared by the training profile and the training search, as :mod:`autoprec.measure` is for
-inference. A *gradient run* is one forward, ``loss(model, batch)`` and one backward from the
-model's current weights, optimizer excluded, with the policy applied in training mode. fp16
-runs assume loss scaling, as :class:`~autoprec.training.TrainStep` applies it: the loss is
+Shared by the training profile and the training objective (:class:`GradientObjective`), as
+:mod:`autoprec.measure` is for inference. A *gradient run* is one forward, ``loss(model, batch)``
+and one backward from the model's current weights, optimizer excluded, with the policy applied in
+training mode. fp16 runs assume loss scaling, as :class:`~autoprec.training.TrainStep` applies it: the loss is
 multiplied by a static scale (the one a ``GradScaler`` would settle near, from the fp32
 gradients) and the gradients divided back; only when even scale 1 gives inf/NaN is the
 candidate non-finite ("overflows even so").
 
-Runs are in ``eval()`` mode, so dropout draws no random masks and every difference from fp32
-comes from the precision alone.
+Runs are in ``train()`` mode, as training runs the model (dropout on, BatchNorm on batch
+statistics, and a ``loss()`` that reads ``model.training`` sees what it expects), inside
+:func:`as_in_training`: the random state is the same at the start of every run, so dropout draws the
+same masks and every difference from fp32 comes from the precision alone; and every buffer
+(BatchNorm's running statistics) is put back afterwards, so measuring moves nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .apply import apply_policy, remove_policy
-from .measure import Measurement
+from .objective import Measurement, Objective
 from .policy import Policy
-from .trainspec import run_loss
+from .trainspec import require_trainable, run_loss
 from .userspec import UserCodeError, to_device
 
-__all__ = ["DEFAULT_MIN_GRAD_SQNR", "FP16_FLUSH", "GradRun", "TrainEvaluator", "gradient_run", "gradient_sqnr",
-           "loss_scale_for", "noise_ratio", "requires_grad_inputs", "scaled_run", "sqnr_of_noise"]
+__all__ = ["DEFAULT_MIN_GRAD_SQNR", "FP16_FLUSH", "GradRun", "GradientObjective", "as_in_training", "check_losses",
+           "gradient_run", "gradient_sqnr", "loss_scale_for", "noise_ratio", "requires_grad_inputs", "scaled_run",
+           "sqnr_of_noise"]
 
 # The gradient-fidelity floor of the training search (dB): the mean, over modules, of each module's
 # gradient error power relative to its own gradient power must stay below 10% (about 32% RMS error).
@@ -78,6 +83,26 @@ def _input_catcher(name: str, caught: dict[str, list[torch.Tensor]]) -> Callable
     return hook
 
 
+@contextlib.contextmanager
+def as_in_training(model: nn.Module, seed: int = 0) -> Iterator[None]:
+    """``model`` in train mode with the random state fixed to ``seed`` (the same dropout masks in every
+    run); its modes, its buffers and the caller's random state are as they were afterwards."""
+    modes = {m: m.training for m in model.modules()}
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    cuda = sorted({b.device.index or 0 for b in model.parameters() if b.is_cuda})
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        model.train()
+        try:
+            yield
+        finally:
+            for module, mode in modes.items():
+                module.training = mode
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+
+
 def gradient_run(model: nn.Module, batch: Any, loss: Callable, path: str | Path, policy: Policy | None = None,
                  scale: float = 1.0, watch: Sequence[str] = (), only: Sequence[str] | None = None) -> GradRun:
     """Loss and gradients of ``model`` on ``batch`` under ``policy`` (training mode); the model is left as it was.
@@ -94,36 +119,58 @@ def gradient_run(model: nn.Module, batch: Any, loss: Callable, path: str | Path,
         if policy is not None:
             apply_policy(model, policy, mode="training")
             applied = True
-        modules = dict(model.named_modules())  # after applying: an fp8 rule swaps the module itself
-        hooks = [modules[n].register_forward_pre_hook(_input_catcher(n, caught), with_kwargs=True) for n in watch]
-        value = run_loss(path, loss, model, requires_grad_inputs(batch))
-        scaled = value * scale if scale != 1.0 else value
-        if only is None:
-            scaled.backward()
-            grads = {n: p.grad.detach().float() / scale for n, p in model.named_parameters() if p.grad is not None}
-            inputs = {n: torch.cat([t.grad.detach().float().flatten() / scale for t in ts if t.grad is not None])
-                      for n, ts in caught.items() if any(t.grad is not None for t in ts)}
-        else:
-            params = dict(model.named_parameters())
-            wanted = [(n, params[n]) for n in only if params[n].requires_grad]
-            watched = [(n, t) for n, ts in caught.items() for t in ts]
-            found = torch.autograd.grad(scaled, [t for _, t in wanted] + [t for _, t in watched], allow_unused=True)
-            grads = {n: g.detach().float() / scale for (n, _), g in zip(wanted, found) if g is not None}
-            inputs = {}
-            for (n, _), g in zip(watched, found[len(wanted):]):
-                if g is not None:
-                    inputs[n] = torch.cat([inputs[n], g.float().flatten() / scale]) if n in inputs \
-                        else g.float().flatten() / scale
+        with as_in_training(model):
+            return _gradients(model, batch, loss, path, scale, watch, only, caught, hooks)
     finally:
         for h in hooks:
             h.remove()
         if applied:
             remove_policy(model)
         model.zero_grad(set_to_none=True)
+
+
+def _gradients(model: nn.Module, batch: Any, loss: Callable, path: str | Path, scale: float, watch: Sequence[str],
+               only: Sequence[str] | None, caught: dict[str, list[torch.Tensor]], hooks: list) -> GradRun:
+    """The body of :func:`gradient_run`, which owns the policy and the cleanup (of ``hooks`` too)."""
+    modules = dict(model.named_modules())  # after applying: an fp8 rule swaps the module itself
+    hooks += [modules[n].register_forward_pre_hook(_input_catcher(n, caught), with_kwargs=True) for n in watch]
+    value = run_loss(path, loss, model, requires_grad_inputs(batch))
+    scaled = value * scale if scale != 1.0 else value
+    if only is None:
+        scaled.backward()
+        grads = {n: p.grad.detach().float() / scale for n, p in model.named_parameters() if p.grad is not None}
+        inputs = {n: torch.cat([t.grad.detach().float().flatten() / scale for t in ts if t.grad is not None])
+                  for n, ts in caught.items() if any(t.grad is not None for t in ts)}
+    else:
+        params = dict(model.named_parameters())
+        wanted = [(n, params[n]) for n in only if params[n].requires_grad]
+        watched = [(n, t) for n, ts in caught.items() for t in ts]
+        found = torch.autograd.grad(scaled, [t for _, t in wanted] + [t for _, t in watched], allow_unused=True)
+        grads = {n: g.detach().float() / scale for (n, _), g in zip(wanted, found) if g is not None}
+        inputs = {}
+        for (n, _), g in zip(watched, found[len(wanted):]):
+            if g is not None:
+                inputs[n] = torch.cat([inputs[n], g.float().flatten() / scale]) if n in inputs \
+                    else g.float().flatten() / scale
     loss_value = float(value.detach())
     nonfinite = not math.isfinite(loss_value) or any(not torch.isfinite(g).all()
                                                      for g in [*grads.values(), *inputs.values()])
     return GradRun(loss_value, grads, inputs, scale, nonfinite)
+
+
+def check_losses(model: nn.Module, batches: Sequence[Any], loss: Callable, path: str | Path) -> None:
+    """Before any work: something to train, and a finite fp32 loss on every training batch (forward only,
+    in train mode as training runs it), each problem one UserCodeError line naming the batch."""
+    path = Path(path)
+    require_trainable(model, path)
+    with torch.no_grad():
+        for i, batch in enumerate(batches):
+            with as_in_training(model):
+                value = run_loss(path, loss, model, batch)
+            if not torch.isfinite(value):
+                raise UserCodeError(path, "loss()", f"returned {value.item()} on training batch {i} for the unchanged "
+                                    "fp32 model", "return a finite loss on every training batch (check that batch's "
+                                    "inputs and targets)")
 
 
 def loss_scale_for(reference: GradRun) -> float:
@@ -188,8 +235,8 @@ def gradient_sqnr(reference: dict[str, torch.Tensor], actual: dict[str, torch.Te
     return sqnr_of_noise(sum(ratios) / len(ratios)) if ratios else math.inf
 
 
-class TrainEvaluator:
-    """:class:`autoprec.measure.Evaluator` for training: one gradient run per batch under each policy.
+class GradientObjective(Objective):
+    """The training objective: one gradient run per batch under each policy, against fp32's.
 
     ``metric``: the mean loss over the batches (lower is better); ``sqnr_db``: the worst gradient
     fidelity over the batches (:func:`gradient_sqnr`); ``nonfinite``: inf/NaN in the loss or any
@@ -198,28 +245,18 @@ class TrainEvaluator:
 
     def __init__(self, model: nn.Module, batches: Sequence[Any], loss: Callable, path: str | Path = "model.py",
                  device: str | torch.device = "cpu") -> None:
-        self.model = model.eval()
+        self.model = model
         self.device = torch.device(device)
         self.batches = [to_device(b, self.device) for b in batches]
         self.loss, self.path = loss, Path(path)
-        self.higher_is_better = False
-        self.evaluations = 0
         start = time.perf_counter()
         self.reference = [gradient_run(model, b, loss, path) for b in self.batches]
         if any(r.nonfinite for r in self.reference):
             raise UserCodeError(self.path, "loss()", "gave inf/NaN (loss or gradients) for the unchanged fp32 model",
                                 "return a finite loss with finite gradients for the model as get_model() builds it")
-        self.metric_fp32 = sum(r.loss for r in self.reference) / len(self.reference)
+        super().__init__(sum(r.loss for r in self.reference) / len(self.reference), higher_is_better=False)
         self.scale = min(loss_scale_for(r) for r in self.reference)
         self.fp32_seconds = time.perf_counter() - start
-
-    @property
-    def uses_fidelity(self) -> bool:
-        return False
-
-    def drop(self, metric: float) -> float:
-        """How much higher ``metric`` (a loss) is than fp32's (positive = worse; inf for NaN)."""
-        return math.inf if math.isnan(metric) else metric - self.metric_fp32
 
     def measure(self, policy: Policy | None, watch: Sequence[str] = ()) -> Measurement:
         self.evaluations += 1

@@ -1,0 +1,107 @@
+"""Batches and outputs: how a batch calls the model, and which outputs fidelity compares.
+
+A leaf module (it imports nothing of autoprec), so the loader of model.py, the measuring code and
+the capture stage all read batches and outputs the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+__all__ = ["BATCH_FORMS", "OutputError", "batch_args", "call_model", "describe_batch", "fidelity_outputs",
+           "output_tensors", "to_device"]
+
+BATCH_FORMS = "a tensor (model(x)), a tuple/list of tensors (model(*x)) or a dict (model(**x))"
+
+
+def batch_args(batch: Any) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` a batch is called with: tensor -> (x,), tuple/list -> args, dict -> kwargs."""
+    if isinstance(batch, torch.Tensor):
+        return (batch,), {}
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch), {}
+    if isinstance(batch, dict):
+        return (), dict(batch)
+    raise TypeError(f"a batch must be {BATCH_FORMS}, got {type(batch).__name__}")
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """Run ``model`` on one batch as the model.py contract says it is called."""
+    args, kwargs = batch_args(batch)
+    return model(*args, **kwargs)
+
+
+def to_device(batch: Any, device: torch.device | str) -> Any:
+    """The batch with every tensor in it moved to ``device`` (containers keep their type)."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
+
+
+def describe_batch(batch: Any) -> str:
+    """A batch in a few words: its inputs by name (or position) and shape, e.g.
+    ``input_ids 16x128, attention_mask 16x128``; a single tensor is just its shape."""
+
+    def shape(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return "x".join(map(str, value.shape)) if value.dim() else "scalar"
+        return type(value).__name__
+
+    if isinstance(batch, dict):
+        return ", ".join(f"{name} {shape(value)}" for name, value in batch.items()) or "empty dict"
+    if isinstance(batch, (tuple, list)):
+        return ", ".join(f"[{i}] {shape(value)}" for i, value in enumerate(batch)) or "empty tuple"
+    return shape(batch)
+
+
+_FIDELITY_FIX = "define evaluate(model, batches) to score the outputs yourself, or return float tensors"
+
+
+class OutputError(ValueError):
+    """An fp32 output that fidelity (the metric without evaluate()) cannot judge a precision by."""
+
+    def __init__(self, problem: str, fix: str = _FIDELITY_FIX):
+        self.problem, self.fix = problem, fix
+        super().__init__(f"{problem}; fix: {fix}")
+
+
+def output_tensors(output: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of a model's output, in a stable order."""
+    return [t.detach() for t in pytree.tree_leaves(output)
+            if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _is_cache(value: Any) -> bool:
+    """A transformers ``Cache`` (e.g. GPT-2's ``past_key_values``): state for the next decoding
+    step, computed by the same layers whose fidelity the logits already show."""
+    return type(value).__module__.startswith("transformers") and type(value).__name__.endswith("Cache")
+
+
+def fidelity_outputs(output: Any, batch_index: int | None = None) -> list[torch.Tensor]:
+    """The float tensors fidelity compares, after checking that they can judge a precision.
+
+    A non-float tensor (token ids, a mask) or a non-numeric object among the outputs would be
+    silently left out of the comparison, and an output that is already inf/NaN in fp32 makes
+    every precision look equally good or bad: each is an :class:`OutputError` naming the output.
+    """
+    batch = f" on batch {batch_index}" if batch_index is not None else ""
+    floats = []
+    for path, leaf in pytree.tree_flatten_with_path(output)[0]:
+        name = f"output{pytree.keystr(path)}"
+        if isinstance(leaf, torch.Tensor):
+            if not leaf.is_floating_point():
+                dtype = str(leaf.dtype).removeprefix("torch.")
+                raise OutputError(f"{name} is {'an' if dtype[0] in 'aeiou' else 'a'} {dtype} tensor; fidelity "
+                                  "(the metric without evaluate()) compares float outputs only")
+            if not torch.isfinite(leaf).all():
+                raise OutputError(f"{name} holds inf/NaN in fp32{batch}, so no precision can be judged against it",
+                                  "make the fp32 model's outputs finite, or define evaluate(model, batches)")
+            floats.append(leaf.detach())
+        elif not (leaf is None or isinstance(leaf, (bool, int, float)) or _is_cache(leaf)):
+            raise OutputError(f"{name} is {type(leaf).__name__} {leaf!r:.40}; fidelity (the metric without "
+                              "evaluate()) compares float tensors only")
+    if not floats:
+        raise OutputError(f"the model's output{batch} holds no float tensor to compare")
+    return floats

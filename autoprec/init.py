@@ -1,0 +1,265 @@
+"""``autoprec init``: write a model.py to start from.
+
+    autoprec init                                        # a commented template for any nn.Module
+    autoprec init --hf MODEL_DIR --text FILE [--out model.py]   # a Hugging Face model on your text
+
+The written file is ordinary Python for the user to read and change: constants at the top with
+what each is for, ``get_model`` / ``get_batches``, and commented places for ``evaluate`` and
+``loss``. For ``--hf`` the sequence length and batch size are chosen here, from the text file
+run through the model's own tokenizer, and written as constants with the reason beside them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+__all__ = ["InitError", "write_hf_model_py", "write_template"]
+
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+BATCH_SIZE = 16  # samples per batch at most
+MAX_BATCHES = 8  # batches the written model.py reads at most (the last quarter is held out)
+MIN_SEQ_LEN, MAX_SEQ_LEN = 8, 512
+
+
+class InitError(ValueError):
+    """A bad path or file given to ``autoprec init``; the message says which and the fix."""
+
+
+# ---- the template for any nn.Module -----------------------------------------------------------------
+TEMPLATE = '''"""A model for autoprec: fill in get_model() and get_batches(), then run
+
+    autoprec tune {name}                    # per-layer precision for inference (output fidelity >= 30 dB)
+    autoprec tune {name} --for training     # ... for training (needs loss() below)
+
+As written it tunes a small stand-in network on random inputs, so the command runs as it is.
+"""
+
+import torch
+from torch import nn
+
+
+def get_model() -> nn.Module:
+    """The model to tune, in fp32 with its trained weights (autoprec never changes them)."""
+    # TODO: return your model, e.g. `model = MyNet(); model.load_state_dict(torch.load("weights.pt")); return model`
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10))
+
+
+def get_batches() -> list:
+    """Inputs as the model takes them: tensors (model(x)), tuples (model(*x)) or dicts (model(**x)).
+
+    Use real data: sensitivity depends on it. The last quarter is held out to verify the result.
+    """
+    # TODO: return batches of your data, e.g. `[next(iter(loader)) for _ in range(8)]` (inputs only, or dicts)
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(32, 64, generator=generator) for _ in range(8)]
+
+
+# Optional: your quality metric, higher is better (set HIGHER_IS_BETTER = False otherwise); tune --budget
+# then bounds its drop. Without it, autoprec keeps every output's SQNR against fp32 above --min-sqnr.
+#
+# def evaluate(model, batches) -> float:
+#     correct = total = 0
+#     with torch.no_grad():
+#         for x, y in batches:
+#             correct += int((model(x).argmax(-1) == y).sum())
+#             total += len(y)
+#     return 100.0 * correct / total
+
+
+# For `autoprec tune {name} --for training`: the training loss of one batch, a scalar tensor.
+#
+# def loss(model, batch) -> torch.Tensor:
+#     x, y = batch
+#     return nn.functional.cross_entropy(model(x).float(), y)
+#
+# Optional for training: get_train_batches() (default: get_batches()) and get_optimizer(model)
+# (default: AdamW, lr 1e-4).
+'''
+
+# ---- a Hugging Face model on the user's text -------------------------------------------------------------
+HF_TEMPLATE = '''"""A Hugging Face model ({model_type}) on your text: a model.py for autoprec.
+
+    autoprec tune {name}                    # per-layer precision for inference (output fidelity >= 30 dB)
+    autoprec tune {name} --for training     # ... for training (define loss() below first)
+
+Written by `autoprec init --hf`; change anything. Each line of TEXT_FILE is one sample. Nothing
+is downloaded: the model and its tokenizer load from MODEL_DIR.
+"""
+
+from pathlib import Path
+
+import torch
+
+MODEL_DIR = {model_dir!r}
+TEXT_FILE = {text_file!r}
+SEQ_LEN = {seq_len}  # tokens per sample, padded or cut: {seq_len_why}
+BATCH_SIZE = {batch_size}  # samples per batch
+N_BATCHES = {n_batches}  # batches read from the file ({n_samples} samples); the last {n_holdout} held out to verify
+
+
+def get_model() -> torch.nn.Module:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    # AutoModel: the base model, whose hidden states autoprec compares against fp32.{head_hint}
+    return transformers.AutoModel.from_pretrained(MODEL_DIR, local_files_only=True).eval()
+
+
+def samples() -> list[str]:
+    lines = Path(TEXT_FILE).read_text(encoding="utf-8").splitlines()
+    return [line.strip() for line in lines if line.strip()]
+
+
+def get_batches() -> list:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR, local_files_only=True){pad_fix}
+    texts = samples()
+    batches = []
+    for i in range(N_BATCHES):
+        encoded = tokenizer(texts[i * BATCH_SIZE:(i + 1) * BATCH_SIZE], padding="max_length", truncation=True,
+                            max_length=SEQ_LEN, return_tensors="pt")
+        batches.append({{"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}})
+    return batches
+
+
+# The default metric is fidelity: every output tensor's SQNR against fp32 (worst batch) stays above
+# --min-sqnr (30 dB). To tune for your task's metric instead (then --budget bounds its drop), define
+# evaluate(), higher is better (or set HIGHER_IS_BETTER = False):
+#
+# def evaluate(model, batches) -> float:
+#     with torch.no_grad():
+#         ...  # e.g. accuracy of a classification head on labelled batches
+#     return score
+
+
+# For `autoprec tune {name} --for training`: the loss of one batch, a scalar tensor. Batches may carry
+# labels for it (add them in get_batches(); only loss() reads them). For example, with a
+# masked-LM head (AutoModelForMaskedLM in get_model) and labels in the batch:
+#
+# def loss(model, batch):
+#     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+#     return out.loss
+'''
+
+
+def write_template(out: str | Path = "model.py", force: bool = False) -> Path:
+    """Write the commented template for any ``nn.Module``; return its path."""
+    path = _out_path(out, force)
+    path.write_text(TEMPLATE.format(name=path.name))
+    return path
+
+
+def write_hf_model_py(model_dir: str | Path, text_file: str | Path, out: str | Path = "model.py",
+                      force: bool = False) -> Path:
+    """Write a model.py for the Hugging Face model in ``model_dir`` on the samples in ``text_file``."""
+    model_dir, text_file = Path(model_dir).resolve(), Path(text_file).resolve()
+    config = _model_config(model_dir)
+    texts = _samples(text_file)
+    path = _out_path(out, force)  # checked before the tokenizer loads: a refusal costs nothing
+    tokenizer = _tokenizer(model_dir)
+    seq_len, why = _seq_len(tokenizer, texts, config)
+    batch_size = min(BATCH_SIZE, len(texts) // 2)
+    n_batches = min(MAX_BATCHES, len(texts) // batch_size)
+    architectures = [a for a in config.get("architectures") or [] if isinstance(a, str)]
+    head = next((a for a in architectures if "For" in a), None)
+    head_hint = (f"\n    # The folder's config names {head}; load it with transformers.{_auto_class(head)} to tune "
+                 "the head too." if head else "")
+    pad_fix = ("\n    tokenizer.pad_token = tokenizer.eos_token  # this tokenizer has no padding token of its own"
+               if tokenizer.pad_token is None and tokenizer.eos_token is not None else "")
+    path.write_text(HF_TEMPLATE.format(
+        model_type=config.get("model_type", "a model"), model_dir=str(model_dir), text_file=str(text_file),
+        name=path.name, seq_len=seq_len, seq_len_why=why, batch_size=batch_size, n_batches=n_batches,
+        n_samples=len(texts), n_holdout=max(1, math.ceil(n_batches / 4)), head_hint=head_hint, pad_fix=pad_fix))
+    return path
+
+
+def _out_path(out: str | Path, force: bool) -> Path:
+    path = Path(out)
+    if path.is_dir():
+        path = path / "model.py"
+    if path.exists() and not force:
+        raise InitError(f"--out {path}: the file exists; pass --force to overwrite it, or another --out")
+    if path.suffix != ".py":
+        raise InitError(f"--out {path}: a model.py must end in .py; pass e.g. --out model.py")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _model_config(model_dir: Path) -> dict:
+    where = f"--hf {model_dir}"
+    if not model_dir.exists():
+        raise InitError(f"{where}: no such folder; pass the folder of a Hugging Face model (the one with config.json)")
+    if not model_dir.is_dir():
+        raise InitError(f"{where}: is a file, not a model folder; pass the folder that holds config.json")
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise InitError(f"{where}: not a Hugging Face model folder (no config.json); pass the folder that "
+                        "save_pretrained() wrote")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InitError(f"{config_file}: not a model config ({type(e).__name__}: {e}); pass a folder that "
+                        "save_pretrained() wrote") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise InitError(f"{config_file}: not a model config (no model_type); pass a folder that save_pretrained() "
+                        "wrote")
+    if not any((model_dir / name).is_file() for name in _WEIGHTS):
+        raise InitError(f"{where}: no weights in the folder ({' or '.join(_WEIGHTS[::2])}); save the model there "
+                        "with save_pretrained()")
+    return config
+
+
+def _samples(text_file: Path) -> list[str]:
+    where = f"--text {text_file}"
+    if text_file.is_dir():
+        raise InitError(f"{where}: is a folder; pass a text file with one sample per line")
+    if not text_file.is_file():
+        raise InitError(f"{where}: no such file; pass a text file with one sample per line")
+    try:
+        lines = text_file.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise InitError(f"{where}: not UTF-8 text (byte {e.object[e.start]:#x} at offset {e.start}); save it as "
+                        "UTF-8, one sample per line") from None
+    texts = [line.strip() for line in lines if line.strip()]
+    if len(texts) < 2:
+        got = "no samples (it is empty or blank)" if not texts else "only 1 sample"
+        raise InitError(f"{where}: {got}; autoprec needs at least 2 lines, one sample per line (some to tune on, "
+                        "some held out)")
+    return texts
+
+
+def _tokenizer(model_dir: Path):
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise InitError("autoprec init --hf needs transformers: pip install \"autoprec[hf]\"") from None
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:  # transformers raises many kinds for a folder without a usable tokenizer
+        message = " ".join(str(e).split())[:200]
+        raise InitError(f"--hf {model_dir}: cannot load its tokenizer ({type(e).__name__}: {message}); save the "
+                        "tokenizer into the folder with tokenizer.save_pretrained()") from None
+
+
+def _seq_len(tokenizer, texts: list[str], config: dict) -> tuple[int, str]:
+    """Long enough for 95% of the samples (a multiple of 8), never past what the model takes."""
+    lengths = sorted(len(ids) for ids in tokenizer(texts[:2000], truncation=False)["input_ids"])
+    p95 = lengths[min(len(lengths) - 1, math.ceil(0.95 * len(lengths)) - 1)]
+    limits = [MAX_SEQ_LEN, config.get("max_position_embeddings"), config.get("n_positions"),
+              getattr(tokenizer, "model_max_length", None)]
+    limit = min(x for x in limits if isinstance(x, int) and x > 0)
+    seq_len = max(MIN_SEQ_LEN, min(limit, 8 * math.ceil(p95 / 8)))
+    why = f"95% of the samples fit (longest {lengths[-1]} tokens)"
+    if seq_len == limit and lengths[-1] > limit:
+        why = f"the most this model takes here (longest sample {lengths[-1]} tokens)"
+    return seq_len, why
+
+
+def _auto_class(architecture: str) -> str:
+    """AutoModelForXxx for an architecture name like BertForMaskedLM (a guess the comment offers, not code)."""
+    return "AutoModel" + architecture[architecture.index("For"):]

@@ -1,0 +1,123 @@
+"""Hugging Face Trainer: train with a policy through a callback.
+
+    from autoprec.integrations.hf import AutoprecCallback
+
+    trainer = Trainer(model=model, args=args, train_dataset=..., callbacks=[AutoprecCallback("policy.json")])
+
+The callback installs the policy with ``apply_policy(mode="training")`` at ``on_init_end``, the end
+of ``Trainer.__init__``: before the Trainer builds the optimizer and before Accelerate prepares
+the model, both of which happen in ``train()``. It goes on the submodule the policy was tuned on
+(see :mod:`autoprec.integrations.install`), e.g. the encoder inside a classification model.
+The wrapped ``forward`` keeps the module's signature, so the Trainer still keeps the dataset
+columns that ``forward`` names.
+
+``TrainingArguments(fp16=True)`` or ``bf16=True`` would run the whole model under one autocast
+(Accelerate wraps ``forward`` in it) and ``fp16_full_eval``/``bf16_full_eval`` cast the whole
+model for evaluation: with a policy these are one-line errors. When the policy has an fp16 layer,
+losses are scaled with a ``torch.amp.GradScaler`` through Accelerate's own hooks (the Trainer's
+backward, gradient clipping, optimizer step, and ``scaler.pt`` in checkpoints). A callback is not
+handed the Trainer, so this one finds it as the ``Trainer.__init__`` that calls ``on_init_end``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..policy import Policy
+from .install import FirstRunCheck, install_for_training
+
+try:
+    from accelerate.optimizer import AcceleratedOptimizer
+    from transformers import Trainer, TrainerCallback
+except ImportError:
+    raise ImportError("autoprec.integrations.hf needs transformers and accelerate: "
+                      "pip install \"autoprec[hf]\"") from None
+
+__all__ = ["AutoprecCallback"]
+
+# TrainingArguments that put the whole model in one precision, and what each does.
+_CONFLICTS = {"fp16": "runs the whole model under fp16 autocast", "bf16": "runs the whole model under bf16 autocast",
+              "fp16_full_eval": "casts the whole model to fp16 for evaluation",
+              "bf16_full_eval": "casts the whole model to bf16 for evaluation"}
+
+
+class AutoprecCallback(TrainerCallback):
+    """Train each layer of the Trainer's model in the precision a policy gives it.
+
+    ``policy``: a policy file or :class:`autoprec.Policy`. ``module``: the path of the submodule the
+    policy is for inside the Trainer's model; by default the one whose structure the policy
+    records, or the model itself for a policy without a record.
+    """
+
+    def __init__(self, policy: Policy | str | Path, module: str | None = None) -> None:
+        self.policy = policy if isinstance(policy, Policy) else Policy.load(policy)
+        self.module = module
+        self.installed_on: str | None = None
+        self.scaler: torch.amp.GradScaler | None = None
+        self._first_run: FirstRunCheck | None = None
+
+    def on_init_end(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None,
+                    **kwargs: Any) -> None:
+        set_flags = [name for name in _CONFLICTS if getattr(args, name, False)]
+        if set_flags:
+            what = "; ".join(f"{name}=True {_CONFLICTS[name]}" for name in set_flags)
+            raise ValueError(f"AutoprecCallback: TrainingArguments({what}), over the policy's per-layer precisions; "
+                             f"drop {' and '.join(f'{n}=True' for n in set_flags)} (the policy's fp16 layers get "
+                             "loss scaling from autoprec)")
+        if model is None:
+            raise ValueError("AutoprecCallback: the Trainer has no model yet (model_init?); pass model= to the Trainer")
+        name, target = install_for_training(model, self.policy, self.module, owner="AutoprecCallback")
+        self.installed_on = name
+        if target is not model:
+            self._first_run = FirstRunCheck(target, name, "AutoprecCallback")
+        if self.policy.needs_grad_scaler:
+            self.scaler = self.policy.grad_scaler(args.device)
+            _scale_losses(_calling_trainer(), self.scaler)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        if self.scaler is not None and getattr(optimizer, "scaler", None) is not self.scaler:
+            raise RuntimeError("AutoprecCallback: the prepared optimizer does not use the policy's loss scaler; "
+                               "this version of transformers/accelerate prepares optimizers differently")
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._first_run is not None:
+            self._first_run.done()
+            self._first_run = None
+
+
+def _calling_trainer() -> Trainer:
+    """The Trainer whose ``__init__`` is running: ``on_init_end`` is called from it."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    raise RuntimeError("AutoprecCallback: an fp16 policy needs loss scaling from the Trainer, and no Trainer is "
+                       "calling; pass the callback to Trainer(callbacks=[...])")
+
+
+def _scale_losses(trainer: Trainer, scaler: torch.amp.GradScaler) -> None:
+    """Give the Trainer's Accelerator a loss scaler without its blanket fp16 autocast.
+
+    Accelerate scales in ``backward`` and steps through the scaler (skipping a step whose
+    gradients overflowed) whenever ``accelerator.scaler`` is set, and the Trainer saves and loads
+    it in checkpoints; only ``unscale_gradients`` (called before clipping) is gated on Accelerate's
+    own fp16 mode, so it is replaced by one that unscales with this scaler.
+    """
+    accelerator = trainer.accelerator
+    accelerator.scaler = scaler
+
+    def unscale_gradients(optimizer: Any = None) -> None:
+        optimizers = accelerator._optimizers if optimizer is None else (
+            optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])
+        for opt in optimizers:
+            while isinstance(opt, AcceleratedOptimizer):
+                opt = opt.optimizer
+            scaler.unscale_(opt)
+
+    accelerator.unscale_gradients = unscale_gradients

@@ -1,0 +1,59 @@
+"""What every profile shares, inference or training: the precisions it covers, each layer's
+candidates, and the :class:`Profile` it assembles from what was measured."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..apply import takes_precision
+from ..capture import LayerTable
+from ..formats import Capability, Precision
+from ..version import __version__
+from .result import LayerProfile, Profile, Sensitivity, device_name, fingerprint
+
+__all__ = ["assemble", "layer_candidates", "low_precisions"]
+
+
+def low_precisions(precisions: Sequence[str | Precision]) -> list[Precision]:
+    """The low precisions asked for, or a ValueError when there is none."""
+    low = list(dict.fromkeys(p for p in map(Precision.parse, precisions) if p.is_low))
+    if not low:
+        raise ValueError("profile needs at least one low precision (bf16, fp16 or fp8)")
+    return low
+
+
+def layer_candidates(model: nn.Module, table: LayerTable, low: Sequence[Precision],
+                     searched: set[str] | None = None) -> dict[str, list[str]]:
+    """layer -> the low precisions it can take (fp8: nn.Linear only); none for a layer outside ``searched``."""
+    modules = dict(model.named_modules())
+    return {layer.name: [p.value for p in low if (searched is None or layer.name in searched)
+                         and takes_precision(modules[layer.name], p)] for layer in table}
+
+
+def assemble(model: nn.Module, table: LayerTable, batches: Sequence[Any], where: str, low: Sequence[Precision],
+             caps: Mapping[Precision, Capability], latency_ms: Mapping[str, dict[str, float]],
+             cast_ms: Mapping[str, dict[str, float]], sensitivity: Mapping[str, dict[str, Sensitivity]],
+             end_to_end_ms: dict[str, float], remainder_ms: dict[str, float], prediction_error_pct: dict[str, float],
+             metric: dict[str, Any], cost: dict[str, Any], flops_per_layer: int = 1,
+             training: dict[str, Any] | None = None, autocast_untuned: Sequence[str] = (),
+             not_runnable: Mapping[str, dict] | None = None) -> Profile:
+    """The profile of ``model`` over ``table``; ``batches``: what it was profiled on (its fingerprint),
+    ``where``: the device it holds for (or "estimated for <GPU>")."""
+    layers = [LayerProfile(name=layer.name, kind=layer.kind, type=layer.type, flops=flops_per_layer * int(layer.flops),
+                           latency_ms=dict(latency_ms[layer.name]), cast_ms=dict(cast_ms[layer.name]),
+                           sensitivity=dict(sensitivity[layer.name])) for layer in table]
+    return Profile(
+        fingerprint=fingerprint(model, batches), device=where, torch=torch.__version__,
+        precisions=[p.value for p in low], capabilities={p.value: caps[p].value for p in Precision},
+        capture_method=table.method, not_exercised=list(table.not_exercised), layers=layers,
+        end_to_end_ms=end_to_end_ms, remainder_ms=remainder_ms, prediction_error_pct=prediction_error_pct,
+        metric=metric, cost={**cost, "autoprec": __version__}, model_type=table.model_type, training=training,
+        timed="forward" if training is None else "training step", autocast_untuned=list(autocast_untuned),
+        not_runnable=dict(not_runnable or {}))
+
+
+def device_label(device: torch.device, target: str | None = None) -> str:
+    return f"estimated for {target}" if target is not None else device_name(device)

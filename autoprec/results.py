@@ -1,0 +1,160 @@
+"""What a tune returns (:class:`TuneResult`) and how its results read: the one formatter of a
+verification's results (:func:`results_table`: the CLI's ``tune`` and ``bench`` print it, report.md
+holds it) and the one-paragraph decision."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .budget import Budget
+    from .policy import Policy
+    from .profile import Profile
+    from .search import SearchResult
+    from .verify import Verification
+
+__all__ = ["TuneResult", "decision", "markdown_table", "results_rows", "results_table", "text_table"]
+
+
+@dataclass
+class TuneResult:
+    policy: Policy
+    profile: Profile
+    search: SearchResult
+    verification: Verification
+    budget: Budget
+    out_dir: Path | None
+    seconds: dict[str, float] = field(default_factory=dict)
+    workload: str = "inference"  # what it was tuned for: "inference" or "training"
+
+    @property
+    def front(self):
+        return self.search.front
+
+
+def _fmt(x: Any, spec: str = ".3g") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, str):
+        return x
+    if isinstance(x, float) and math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    if isinstance(x, float) and math.isnan(x):
+        return "nan"
+    return format(x, spec)
+
+
+def _ms(x: float) -> str:
+    """A latency as people write it: 1151, 97.1, 0.482 (never 1.15e+03)."""
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def text_table(header: list[str], rows: list[list[Any]], indent: str = "") -> str:
+    """Columns padded for a terminal: the first left-aligned, the rest right-aligned."""
+    cells = [header] + [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = [indent + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in cells]
+    lines.insert(1, indent + "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# ---- results of a verification (tune) or a bench ------------------------------------------------------------
+def _labels(v: Verification) -> list[tuple[str, str]]:
+    """(key, label) rows: a policy that computes what fp32 or blanket autocast computes shares its row."""
+    autocast = f"blanket autocast ({v.autocast_precision})"
+    if v.tuned_is_autocast:
+        return [("fp32", "fp32"), ("autocast", f"{autocast} = autoprec policy")]
+    if v.policy is None:  # nothing chosen: the policy is fp32
+        return [("fp32", "fp32 = autoprec policy"), ("autocast", autocast)]
+    return [("fp32", "fp32"), ("autocast", autocast), ("tuned", "autoprec policy")]
+
+
+def results_rows(v: Verification) -> tuple[list[str], list[list[Any]]]:
+    estimated = v.estimated_for is not None
+    what = "step ms" if v.steps else "latency ms"
+    header = ["", f"{what} (estimated for {v.estimated_for})" if estimated else what,
+              "speed-up vs fp32" if estimated else "speed-up vs fp32 (range)",
+              *(["final loss"] if v.steps else []), v.metric_kind, "within budget"]
+    rows = []
+    for key, label in _labels(v):
+        speedup = ("1.00x" if key == "fp32" else
+                   f"{v.speedup_of(key).ratio:.2f}x" if estimated else str(v.speedup_of(key)))
+        ok = "yes" if key == "fp32" or v.within_budget.get(key) else "no"
+        value = "exact" if v.fidelity and key == "fp32" else v.metric.get(key)
+        final = [_final_loss(v.losses[key], v.steps)] if v.steps else []
+        rows.append([label, _ms(v.latency_ms[key]), speedup, *final, value, ok])
+    return header, rows
+
+
+def _final_loss(losses: list[float], steps: int) -> float:
+    tail = losses[-max(1, steps // 4):]
+    return sum(tail) / len(tail) if all(math.isfinite(x) for x in tail) else math.nan
+
+
+def _versus_autocast(v: Verification) -> str | None:
+    """One line on the policy against blanket autocast, or None where they are one row."""
+    if v.tuned_is_autocast or v.policy is None:
+        return None
+    s = v.speedup_of("tuned", "autocast")
+    if v.estimated_for is not None:
+        return f"autoprec policy vs blanket autocast ({v.autocast_precision}): {s.ratio:.2f}x, estimated for " \
+               f"{v.estimated_for} by the cost model"
+    verdict = ("a tie: the difference is inside the measured spread" if s.tie else
+               "faster" if s.ratio > 1 else "slower")
+    return (f"autoprec policy vs blanket autocast ({v.autocast_precision}): {s} over {s.rounds} interleaved rounds, "
+            f"{verdict}")
+
+
+def results_table(v: Verification, markdown: bool = False) -> str:
+    """The results of a verification or a bench, as the CLI prints them (or as Markdown for report.md)."""
+    header, rows = results_rows(v)
+    rounds = len(v.samples["fp32"])
+    title = (f"held-out batches; latency on {v.timed_on}: median of {rounds} interleaved rounds, "
+             "speed-up range over the rounds")
+    if v.steps:
+        title = (f"training runs of {v.steps} steps from the same weights; step time (forward, backward, "
+                 f"optimizer): median of the last {rounds} steps, interleaved; final loss: mean of the last "
+                 f"{max(1, v.steps // 4)}")
+    if v.estimated_for is not None:
+        title = (f"held-out batches (metric measured here); latency at the shapes of {v.timed_on}: "
+                 f"estimated for {v.estimated_for} by the cost model, not measured")
+    table = markdown_table(header, rows) if markdown else text_table(header, rows, indent="  ")
+    lines = [title, "", table] if markdown else [title, table]
+    versus = _versus_autocast(v)
+    if versus:
+        lines += (["", versus] if markdown else [f"  {versus}"])
+    return "\n".join(lines)
+
+
+def decision(v: Verification, budget: Any) -> str:
+    """What was chosen, how fast against fp32 and blanket autocast, how accurate, and why: one paragraph."""
+    autocast = f"blanket autocast ({v.autocast_precision})"
+    metric = f"held-out metric {_fmt(v.metric['tuned'], '.4g')}"
+    if v.policy is None:
+        why = (f"{autocast} is within the budget but measured no faster than fp32 here "
+               f"({v.speedup_of('autocast')}), and no per-layer candidate measured faster either"
+               if v.within_budget.get("autocast") else
+               f"{autocast} is over budget on the held-out batches, and no candidate within budget measured "
+               "faster than fp32")
+        return f"**The policy stays fp32.** {why[0].upper()}{why[1:]} (budget: {budget})."
+    speed = v.speedup_of("tuned")
+    if v.estimated_for is not None:
+        speed = f"{speed.ratio:.2f}x (estimated for {v.estimated_for})"  # type: ignore[assignment]
+    if v.tuned_is_autocast:
+        return (f"**The policy is {autocast} itself**: {speed} faster than fp32, {metric}, within the budget "
+                f"({budget}); no per-layer policy measured faster.")
+    rules = len(v.policy.layers)
+    why = (f"{autocast} is over budget on the held-out batches" if not v.within_budget.get("autocast")
+           else f"it measured against {autocast} at {v.speedup_of('tuned', 'autocast')}")
+    return (f"**autoprec policy: default {v.policy.default.value} with {rules} rule(s)**: {speed} faster than fp32, "
+            f"{metric}, within the budget ({budget}); chosen because {why}.")

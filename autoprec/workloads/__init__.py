@@ -1,0 +1,23 @@
+"""What is tuned for. :class:`Workload` (in :mod:`.base`) is what the one pipeline asks; the two that
+ship are :class:`InferenceWorkload` (:mod:`.inference`) and :class:`TrainingWorkload` (:mod:`.training`),
+imported when first asked for, so that ``import autoprec`` stays light."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import HeldOut, Workload
+
+__all__ = ["HeldOut", "InferenceWorkload", "TrainingWorkload", "Workload"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "InferenceWorkload":
+        from .inference import InferenceWorkload
+
+        return InferenceWorkload
+    if name == "TrainingWorkload":
+        from .training import TrainingWorkload
+
+        return TrainingWorkload
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,110 @@
+"""What is tuned for: a workload tells the one pipeline (:func:`autoprec.tune`) what differs.
+
+The pipeline (checks -> capture -> profile -> search -> verify -> outputs) is written once, in
+:mod:`autoprec.tune`. A :class:`Workload` answers its questions for one use of the model:
+
+- which budget applies by default, and which settings make no sense for it (:meth:`budget`, :meth:`check`);
+- the objective the search constrains and its fp32 reference (:meth:`objective`);
+- which batches show every layer, and how the profile measures latency (:meth:`capture_batches`,
+  :meth:`profile`): a forward, or a training step;
+- how verification runs a candidate on data the search never saw, and how it times it
+  (:meth:`held_out`, :meth:`time`): held-out batches, or short interleaved training runs;
+- what the outputs add (:meth:`write_extras`, :meth:`report_sections`): e.g. ``loss.png``.
+
+Two workloads ship: :class:`~autoprec.workloads.inference.InferenceWorkload` and
+:class:`~autoprec.workloads.training.TrainingWorkload`. A third (say, generation with a KV cache) is
+one new module with one new subclass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
+
+    from ..budget import Budget
+    from ..capture import LayerTable
+    from ..config import TuneConfig
+    from ..formats import Precision
+    from ..objective import Measurement, Objective
+    from ..policy import Policy
+    from ..profile import Profile
+
+__all__ = ["HeldOut", "Workload"]
+
+
+@dataclass
+class HeldOut:
+    """Each verification entry measured on data the search never saw, against fp32's own run there."""
+
+    reference: Objective  # fp32's metric there, and which way is better
+    measured: dict[str, Measurement]  # entry -> its measurement (fp32 included)
+    where: str  # "on the held-out batches", "in the 16-step training run": said in notes
+    losses: dict[str, list[float]] = field(default_factory=dict)  # per step, training only
+
+
+class Workload:
+    """The base every workload extends; see the module docstring for what the pipeline asks of it.
+
+    Verification entries (``runners``) are None (plain fp32), a Precision (blanket torch.autocast) or
+    a Policy.
+    """
+
+    name = "workload"  # "inference", "training": in the profile, the policy and the study name
+    verify_best = 3  # how many of the search's best candidates verification measures
+    latency_key = "latency_ms"  # policy.json's result key for the measured times
+
+    model: nn.Module
+    path: Path  # the model.py (for messages about the user's code)
+
+    def check(self, config: TuneConfig) -> None:
+        """Refuse settings that make no sense for this workload (before any work)."""
+
+    def budget(self, config: TuneConfig, has_metric: bool) -> Budget:
+        raise NotImplementedError
+
+    def objective(self, device: torch.device) -> Objective:
+        """The search's objective, measured on the search batches; builds fp32's reference (which runs
+        fp32 on every one of them, so a batch the model fails on is named before any work)."""
+        raise NotImplementedError
+
+    def fingerprint(self) -> str:
+        """What a saved profile must have been taken on to be reused."""
+        raise NotImplementedError
+
+    def capture_batches(self) -> list:
+        """Every batch whose layers count."""
+        raise NotImplementedError
+
+    def profile(self, table: LayerTable, device: torch.device, config: TuneConfig, capture_seconds: float) -> Profile:
+        raise NotImplementedError
+
+    def verify_budget(self, budget: Budget) -> Budget:
+        """The part of the budget verification checks (the whole budget unless said otherwise)."""
+        return budget
+
+    def held_out(self, runners: Mapping[str, Policy | Precision | None], device: torch.device, seed: int = 0
+                 ) -> HeldOut:
+        """Each entry measured where the search never looked."""
+        raise NotImplementedError
+
+    def time(self, runners: Mapping[str, Policy | Precision | None], device: torch.device
+             ) -> tuple[dict[str, list[float]], str]:
+        """ms per interleaved round for each entry, and what was timed (for the results table)."""
+        raise NotImplementedError
+
+    def policy_result(self, result: dict[str, Any], verification: Any) -> dict[str, Any]:
+        """policy.json's ``result`` block, as this workload reports it."""
+        return result
+
+    def write_extras(self, tuned: Any) -> dict[str, Path]:
+        """Plots this workload adds to the run folder (name -> path)."""
+        return {}
+
+    def report_sections(self, tuned: Any) -> list[str]:
+        """Markdown lines this workload adds to report.md, after the results."""
+        return []

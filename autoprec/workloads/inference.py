@@ -1,0 +1,92 @@
+"""Tuning for inference: forward latency as the objective, the user's metric (or output fidelity) as
+the constraint, held-out batches as the proof."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.nn as nn
+
+from ..batches import describe_batch, to_device
+from ..budget import Budget, choose_budget
+from ..capture import LayerTable
+from ..config import TuneConfig
+from ..formats import Precision
+from ..measure import Evaluator, interleaved_samples
+from ..objective import Measurement
+from ..policy import Policy
+from ..profile import Profile, fingerprint, profile_model
+from ..userspec import split_holdout
+from .base import HeldOut, Workload
+
+__all__ = ["InferenceWorkload"]
+
+
+@dataclass
+class InferenceWorkload(Workload):
+    """``batches`` are searched on, ``holdout_batches`` (default: the last quarter of ``batches``)
+    verify; ``evaluate(model, batches)`` is the metric (default: output fidelity, SQNR dB against fp32).
+    ``timing_batch``: the batch verification times (default: the first held-out one)."""
+
+    model: nn.Module
+    batches: list
+    evaluate: Callable[[nn.Module, list], float] | None = None
+    higher_is_better: bool = True
+    holdout_batches: list | None = None
+    timing_batch: Any = None
+    path: Path = Path("model.py")
+
+    name = "inference"
+
+    def __post_init__(self) -> None:
+        self.batches = list(self.batches)
+        if self.holdout_batches is None:
+            self.batches, self.holdout_batches = split_holdout(self.batches)
+        self.holdout_batches = list(self.holdout_batches)
+        if not self.batches or not self.holdout_batches:
+            raise ValueError("tune needs search batches and held-out batches")
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> InferenceWorkload:
+        """From a loaded model.py (:func:`autoprec.userspec.load_model_py`)."""
+        return cls(spec.model, spec.search_batches, spec.evaluate, spec.higher_is_better, spec.holdout_batches,
+                   path=spec.path)
+
+    def budget(self, config: TuneConfig, has_metric: bool) -> Budget:
+        return choose_budget(has_metric, config.budget, config.min_sqnr)
+
+    def objective(self, device: torch.device) -> Evaluator:
+        return Evaluator(self.model, self.batches, self.evaluate, self.higher_is_better, device)
+
+    def fingerprint(self) -> str:
+        return fingerprint(self.model, self.batches)
+
+    def capture_batches(self) -> list:
+        return [*self.batches, *self.holdout_batches]
+
+    def profile(self, table: LayerTable, device: torch.device, config: TuneConfig, capture_seconds: float) -> Profile:
+        return profile_model(self.model, table, self.batches, self.evaluate, self.higher_is_better, device,
+                             config.precisions, sensitivity_batches=config.sensitivity_batches,
+                             progress=config.progress, capture_seconds=capture_seconds, target=config.target)
+
+    def held_out(self, runners: Mapping[str, Policy | Precision | None], device: torch.device, seed: int = 0
+                 ) -> HeldOut:
+        evaluator = Evaluator(self.model, self.holdout_batches, self.evaluate, self.higher_is_better, device)
+        measured = {}
+        for key, how in runners.items():
+            if how is None:
+                measured[key] = Measurement(evaluator.metric_fp32, float("inf"), False, 0.0)
+            else:
+                measured[key] = evaluator.measure(how if isinstance(how, Policy) else Policy(default=how))
+        return HeldOut(evaluator, measured, "on the held-out batches")
+
+    def time(self, runners: Mapping[str, Policy | Precision | None], device: torch.device
+             ) -> tuple[dict[str, list[float]], str]:
+        batch = to_device(self.timing_batch if self.timing_batch is not None else self.holdout_batches[0], device)
+        return interleaved_samples(self.model, batch, runners, device), describe_batch(batch)
+
+    def policy_result(self, result: dict[str, Any], verification: Any) -> dict[str, Any]:
+        return {**result, "timing_batch": verification.timed_on}

@@ -1,0 +1,289 @@
+"""Tuning for training: step time as the objective, the loss and gradient fidelity on the search
+batches as the constraint, short interleaved training runs as the proof.
+
+Verification trains fp32, blanket ``torch.autocast`` (with a ``GradScaler`` when it is fp16) and the
+search's best candidates, each a deep copy of the model from the same weights, for ``steps`` steps
+on the training batches in the same order, with a fresh optimizer from the same factory and the same
+random seed per step (so dropout draws the same masks). The runs advance one step each in turn,
+rotating the order, so machine noise hits all alike; each step (forward, loss, backward, optimizer,
+as :class:`~autoprec.training.TrainStep` runs it) is timed, and a run's step time is the median over
+its steady-state steps (the first quarter, at least two, are warm-up). Within budget: with
+``evaluate``, the metric of the trained copy on the evaluation batches; without, the mean loss over
+the last quarter of the steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..apply import apply_policy
+from ..batches import to_device
+from ..budget import Budget, BudgetError
+from ..capture import LayerTable
+from ..config import TuneConfig
+from ..formats import Precision
+from ..gradients import DEFAULT_MIN_GRAD_SQNR, GradientObjective, check_losses
+from ..measure import rotations
+from ..objective import Measurement, Objective
+from ..policy import Policy
+from ..profile import Profile, fingerprint
+from ..profile.training import profile_training
+from ..report import markdown_table, plot_library, save_figure
+from ..training import TrainStep
+from ..trainspec import default_optimizer, run_loss
+from .base import HeldOut, Workload
+
+__all__ = ["DEFAULT_STEPS", "DEFAULT_TRAIN_BUDGET", "SEARCH_BATCHES", "TrainingWorkload", "loss_plot", "metric_after",
+           "train_runs"]
+
+DEFAULT_TRAIN_BUDGET = "2%"  # of fp32's final loss (or of its evaluate() metric after the run)
+SEARCH_BATCHES = 2  # training batches the search measures each candidate's loss and gradients on
+# 16 steps: the loss of a pretrained model fine-tuned with AdamW moves clearly in that many (MiniLM +
+# head, blanket bf16 and fp32 at the same loss after 16 steps). At most four runs (fp32, autocast, two
+# candidates) of 16 steps of MiniLM at 16 x 64 tokens is about 64 steps of well under 2 s each on 2
+# cores: under 2 minutes. (An estimate; benchmarks/tune_train_minilm.py measures it.)
+DEFAULT_STEPS = 16
+
+
+@dataclass
+class TrainingWorkload(Workload):
+    """``loss(model, batch)`` is required; ``train_batches`` default to ``batches`` (the model's own
+    input batches, which capture reads); ``optimizer(model)`` defaults to AdamW; ``evaluate`` on
+    ``eval_batches`` (default: ``batches``) judges a trained copy when given, else its final loss."""
+
+    model: nn.Module
+    batches: list  # model inputs, as get_batches() gives them
+    loss: Callable[[nn.Module, Any], torch.Tensor]
+    train_batches: list | None = None
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None
+    evaluate: Callable[[nn.Module, list], float] | None = None
+    eval_batches: list | None = None
+    higher_is_better: bool = True
+    steps: int = DEFAULT_STEPS
+    path: Path = Path("model.py")
+    _runs: dict = field(default_factory=dict, repr=False)  # the last verification's training runs
+
+    name = "training"
+    verify_best = 2
+    latency_key = "step_ms"
+
+    def __post_init__(self) -> None:
+        if self.loss is None:
+            raise ValueError("tuning for training needs loss(model, batch) -> scalar tensor")
+        self.batches = list(self.batches)
+        self.train_batches = list(self.train_batches) if self.train_batches is not None else self.batches
+        if not self.train_batches or not self.batches:
+            raise ValueError("tuning for training needs training batches and at least one model input batch")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 4:
+            raise ValueError(f"steps must be a whole number >= 4 (a quarter of the run is the final loss), "
+                             f"got {self.steps!r}")
+        self.eval_batches = list(self.eval_batches) if self.eval_batches is not None else self.batches
+        self.path = Path(self.path)
+
+    @classmethod
+    def from_spec(cls, train: Any, steps: int | None = None) -> TrainingWorkload:
+        """From a model.py loaded for training (:func:`autoprec.trainspec.load_train_spec`)."""
+        spec = train.spec
+        return cls(spec.model, spec.batches, train.loss, train.train_batches, train.make_optimizer, spec.evaluate,
+                   spec.batches, spec.higher_is_better, DEFAULT_STEPS if steps is None else steps, train.path)
+
+    def check(self, config: TuneConfig) -> None:
+        if config.target is not None:
+            raise ValueError("target plans inference latency only for now; tune for training without a target")
+
+    def budget(self, config: TuneConfig, has_metric: bool) -> Budget:
+        """The loss (or metric) budget, 2% by default, with the gradient floor (10 dB by default) as its floor."""
+        budget = Budget.parse(DEFAULT_TRAIN_BUDGET if config.budget is None else config.budget,
+                              DEFAULT_MIN_GRAD_SQNR if config.min_sqnr is None else config.min_sqnr)
+        if budget.drop is None:
+            raise BudgetError("a training budget needs a largest loss increase, e.g. 2%")
+        return budget
+
+    def objective(self, device: torch.device) -> GradientObjective:
+        check_losses(self.model, [to_device(b, device) for b in self.train_batches], self.loss, self.path)
+        return GradientObjective(self.model, self.train_batches[:SEARCH_BATCHES], self.loss, self.path, device)
+
+    def fingerprint(self) -> str:
+        return fingerprint(self.model, self.train_batches[:1])
+
+    def capture_batches(self) -> list:
+        return self.batches[:1]
+
+    def profile(self, table: LayerTable, device: torch.device, config: TuneConfig, capture_seconds: float) -> Profile:
+        return profile_training(self.model, table, self.train_batches, self.loss, self.path, device,
+                                config.precisions, progress=config.progress, capture_seconds=capture_seconds)
+
+    def verify_budget(self, budget: Budget) -> Budget:
+        """The metric drop only: the gradient floor belongs to the search; training runs show the outcome."""
+        return Budget(drop=budget.drop, relative=budget.relative) if budget.drop is not None else Budget(drop=0.0)
+
+    def held_out(self, runners: Mapping[str, Policy | Precision | None], device: torch.device, seed: int = 0
+                 ) -> HeldOut:
+        make_optimizer = self.optimizer or default_optimizer
+        runs = {k: _make_run(self.model, how, self.loss, self.path, make_optimizer, device)
+                for k, how in runners.items()}
+        train_interleaved(runs, [to_device(b, device) for b in self.train_batches], self.steps, device, seed)
+        eval_batches = [to_device(b, device) for b in self.eval_batches]
+        metric = {k: metric_after(r, self.evaluate, eval_batches, self.steps) for k, r in runs.items()}
+        if math.isnan(metric["fp32"]):
+            raise ValueError("the fp32 training run itself broke down (inf/NaN loss): check loss() and the optimizer")
+        self._runs = runs
+        reference = Objective(metric["fp32"], self.higher_is_better if self.evaluate is not None else False)
+        measured = {k: Measurement(m, math.inf, math.isnan(m), 0.0) for k, m in metric.items()}
+        return HeldOut(reference, measured, f"in the {self.steps}-step training run",
+                       losses={k: r.losses for k, r in runs.items()})
+
+    def time(self, runners: Mapping[str, Policy | Precision | None], device: torch.device
+             ) -> tuple[dict[str, list[float]], str]:
+        warmup = max(2, self.steps // 4)
+        return {k: self._runs[k].ms[warmup:] for k in runners}, f"{self.steps} training steps"
+
+    def policy_result(self, result: dict[str, Any], verification: Any) -> dict[str, Any]:
+        return {"for": "training", "steps": self.steps,
+                "metric_kind": "evaluate" if self.evaluate is not None else "final loss",
+                **{k: v for k, v in result.items() if k != "metric_kind"}}
+
+    def write_extras(self, tuned: Any) -> dict[str, Path]:
+        path = loss_plot(tuned.verification, tuned.out_dir / "loss.png")
+        return {"loss": path} if path is not None else {}
+
+    def report_sections(self, tuned: Any) -> list[str]:
+        p = tuned.profile
+        t = p.training or {}
+        lines = ["![loss curves](loss.png)", ""]
+        rows = [[layer.name, t.get("layers", {}).get(layer.name, {}).get("precisions", {}).get("fp16", {})
+                 .get("underflow_unscaled")] for layer in p.layers]
+        if any(r[1] is not None for r in rows):
+            lines += ["fp16 gradient underflow without loss scaling (share of non-zero values flushed), per layer:",
+                      "", markdown_table(["layer", "fp16 underflow (no scaling)"], rows), ""]
+        if t.get("fp16_underflow_without_scaling"):
+            lines += ["Gradients that fp16 flushes to zero without loss scaling: "
+                      + ", ".join(f"`{n}`" for n in t["fp16_underflow_without_scaling"])
+                      + " (a policy with fp16 trains with a GradScaler: TrainStep adds one).", ""]
+        lines += [f"Backward time per layer: {t.get('backward_attribution', '-')}. "
+                  f"Not timed (emulated here): {', '.join(t.get('not_timed', [])) or 'none'}.", ""]
+        return lines
+
+
+@dataclass
+class _Run:
+    """One training run in progress: a copy of the model, its optimizer and how it steps."""
+
+    model: nn.Module
+    step: Callable[[Any], float]
+    losses: list[float] = field(default_factory=list)
+    ms: list[float] = field(default_factory=list)
+    autocast: Precision | None = None
+
+
+def _make_run(model: nn.Module, how: Policy | Precision | None, loss: Callable, path: Path,
+              make_optimizer: Callable, device: torch.device) -> _Run:
+    trained = copy.deepcopy(model).train()
+    optimizer = make_optimizer(trained)
+    if isinstance(how, Precision):  # blanket autocast, as a user writes it
+        scaler = torch.amp.GradScaler(device.type, enabled=how is Precision.FP16)
+
+        def autocast_step(batch: Any) -> float:
+            with torch.autocast(device.type, dtype=how.autocast_dtype):
+                value = run_loss(path, loss, trained, batch)
+            scaler.scale(value).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            return float(value.detach())
+
+        return _Run(trained, autocast_step, autocast=how)
+    policy = how if how is not None else Policy()
+    if how is not None:
+        apply_policy(trained, policy, mode="training")
+    train_step = TrainStep(policy, optimizer, device)
+
+    def policy_step(batch: Any) -> float:
+        value = run_loss(path, loss, trained, batch)
+        train_step(value)
+        return float(value.detach())
+
+    return _Run(trained, policy_step)
+
+
+def metric_after(run: _Run, evaluate: Callable | None, eval_batches: Sequence[Any], steps: int) -> float:
+    """``evaluate`` of the trained copy (under its autocast, if it trained under one), else its final loss."""
+    if evaluate is None:
+        tail = run.losses[-max(1, steps // 4):]
+        return statistics.fmean(tail) if all(math.isfinite(x) for x in tail) else math.nan
+    run.model.eval()
+    with torch.no_grad():
+        if run.autocast is not None:
+            with torch.autocast(next(run.model.parameters()).device.type, dtype=run.autocast.autocast_dtype):
+                value = evaluate(run.model, list(eval_batches))
+        else:
+            value = evaluate(run.model, list(eval_batches))
+    value = float(value)
+    return value if math.isfinite(value) else math.nan
+
+
+def train_interleaved(runs: dict[str, _Run], batches: Sequence[Any], steps: int, device: torch.device,
+                      seed: int = 0) -> None:
+    """Advance every run one step in turn (the order rotating), ``steps`` times, timing each step."""
+    for i, key in rotations(list(runs), steps):
+        run = runs[key]
+        torch.manual_seed(seed + i)  # the same dropout masks in every run
+        if run.losses and not math.isfinite(run.losses[-1]):
+            run.losses.append(math.nan)  # a run that broke down stays broken; it is not timed further
+            run.ms.append(math.nan)
+            continue
+        start = time.perf_counter()
+        try:
+            value = run.step(batches[i % len(batches)])
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except RuntimeError:
+            value = math.nan
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        run.ms.append((time.perf_counter() - start) * 1e3)
+        run.losses.append(value)
+
+
+def train_runs(model: nn.Module, runners: dict[str, Policy | Precision | None], train_batches: Sequence[Any],
+               loss: Callable, make_optimizer: Callable, steps: int = DEFAULT_STEPS, path: str | Path = "model.py",
+               device: str | torch.device = "cpu", seed: int = 0) -> dict[str, _Run]:
+    """Train a copy of ``model`` per runner (None: fp32, a Precision: blanket autocast, a Policy) for ``steps``
+    steps, interleaved; each run has ``.model``, ``.losses`` and ``.ms`` (per step)."""
+    device = torch.device(device)
+    runs = {k: _make_run(model, how, loss, Path(path), make_optimizer, device) for k, how in runners.items()}
+    train_interleaved(runs, [to_device(b, device) for b in train_batches], steps, device, seed)
+    return runs
+
+
+def loss_plot(v: Any, path: str | Path) -> Path | None:
+    """The loss curves of fp32, blanket autocast and the tuned policy side by side; None without matplotlib."""
+    plt = plot_library()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    # a tuned policy that is fp32 or blanket autocast itself shares that curve, and its label says so
+    same = " = autoprec policy"
+    shown = [("fp32", "fp32" + (same if v.policy is None else ""), "-"),
+             ("autocast", f"blanket autocast ({v.autocast_precision})" + (same if v.tuned_is_autocast else ""), "--")]
+    if not v.tuned_is_autocast and v.policy is not None:
+        shown.append(("tuned", "autoprec policy", ":"))
+    for key, label, style in shown:
+        ax.plot(range(1, len(v.losses[key]) + 1), v.losses[key], style, marker=".", label=label)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("loss")
+    ax.set_title("training loss from the same weights and data order")
+    ax.legend()
+    fig.tight_layout()
+    path = save_figure(fig, path, dpi=110)
+    plt.close(fig)
+    return path
