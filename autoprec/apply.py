@@ -14,9 +14,11 @@ boundaries cost anything. Regions follow autocast's model of where casts happen:
 - the model hands its caller fp32 outputs.
 
 So any mix just works, and a policy with a rule on every layer costs about what blanket
-autocast costs. FP8 rules replace each ``nn.Linear`` below them with an
-:class:`~autoprec.formats.FP8Linear` sharing the same parameters, so ``state_dict`` keys,
-optimizers and checkpoints are unchanged. A module shared under several names is one object and
+autocast costs. FP8, MXFP8 and NVFP4 rules replace each ``nn.Linear`` below them with a
+module computing in that format and sharing the same parameters (torchao's where it has the
+kernels, see :mod:`autoprec.torchao_linear`; else :class:`~autoprec.formats.FP8Linear` or
+:class:`~autoprec.mx.BlockScaledLinear`), so ``state_dict`` keys, optimizers and checkpoints are
+unchanged. A module shared under several names is one object and
 runs in one precision: a policy that gives its names different precisions is refused.
 """
 
@@ -26,7 +28,6 @@ import contextlib
 import difflib
 import hashlib
 import inspect
-import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,8 +40,11 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from . import torchao_linear
 from .formats import FP8Linear, Precision
+from .mx import BlockScaledLinear
 from .policy import Policy, PolicyError
+from .regionstate import in_fp32_region
 
 __all__ = ["applied_policy", "apply_policy", "effective_precisions", "remove_policy", "structure_fingerprint",
            "takes_precision"]
@@ -88,7 +92,6 @@ _FP32_COMPUTE = frozenset({
     F.rms_norm, F.normalize, F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.binary_cross_entropy_with_logits,
     F.kl_div, torch.norm, torch.Tensor.norm, torch.cumsum, torch.Tensor.cumsum, torch.prod, torch.Tensor.prod,
 })
-_in_fp32_region = threading.local()
 
 
 class _Fp32Compute(TorchFunctionMode):
@@ -96,7 +99,7 @@ class _Fp32Compute(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        if func in _FP32_COMPUTE and getattr(_in_fp32_region, "value", False):
+        if func in _FP32_COMPUTE and getattr(in_fp32_region, "value", False):
             args, kwargs = _cast_floats((args, kwargs), torch.float32, _LOW)
         return func(*args, **kwargs)
 
@@ -126,8 +129,8 @@ class _Region:
         forward = self.inner_forward or type(module).forward.__get__(module)
         device_type = _device_type(args, kwargs, module)
         dtype = self.precision.autocast_dtype
-        outer = getattr(_in_fp32_region, "value", False)
-        _in_fp32_region.value = dtype is None
+        outer = getattr(in_fp32_region, "value", False)
+        in_fp32_region.value = dtype is None
         try:
             if dtype is None:  # fp32 island (or the fp32 shell of an FP8 region)
                 args, kwargs = _cast_floats((args, kwargs), torch.float32, _LOW)
@@ -141,7 +144,7 @@ class _Region:
                 out = forward(*args, **kwargs)
             return _cast_floats(out, torch.float32, _LOW)
         finally:
-            _in_fp32_region.value = outer
+            in_fp32_region.value = outer
 
 
 def _install_region(module: nn.Module, precision: Precision, is_root: bool, fp32_compute: bool) -> None:
@@ -241,25 +244,28 @@ _FP32_INPUTS = (nn.RNNBase, nn.RNNCellBase)
 
 
 def _check_fp8(model: nn.Module, policy: Policy, precisions: dict[str, Precision]) -> None:
-    """fp8 must lower what it covers: refuse (naming each, with its type) a compute layer that a rule,
-    a pattern or the default puts in fp8 but that cannot take it (a Conv2d), and an exact fp8 rule on
-    a module with no nn.Linear in it (a LayerNorm). A container under fp8 is fine: its linears run in
-    fp8 and its glue (norms, activations) in fp32, as any fp8 region does."""
-    if Precision.FP8 not in (policy.default, *policy.layers.values()):
-        return
+    """fp8 (and mxfp8, nvfp4) must lower what it covers: refuse (naming each, with its type) a compute layer
+    that a rule, a pattern or the default puts in such a format but that cannot take it (a Conv2d), and an
+    exact rule on a module with no nn.Linear in it (a LayerNorm). A container under fp8 is fine: its linears
+    run in fp8 and its glue (norms, activations) in fp32, as any fp8 region does."""
+    for fmt in dict.fromkeys(p for p in (policy.default, *policy.layers.values()) if p.swaps_linear):
+        _check_linear_only(model, policy, precisions, fmt)
+
+
+def _check_linear_only(model: nn.Module, policy: Policy, precisions: dict[str, Precision], fmt: Precision) -> None:
     modules = dict(model.named_modules(remove_duplicate=False))
     wrong = {name: type(module).__name__ for name, module in modules.items()
-             if precisions[name] is Precision.FP8 and isinstance(module, AUTOCAST_LOWERED)
-             and not takes_precision(module, Precision.FP8)}
+             if precisions[name] is fmt and isinstance(module, AUTOCAST_LOWERED)
+             and not takes_precision(module, fmt)}
     for name in policy.exact_names:
-        if name not in wrong and policy.layers[name] is Precision.FP8 and not any(
-                takes_precision(m, Precision.FP8) for m in modules[name].modules()):
+        if name not in wrong and policy.layers[name] is fmt and not any(
+                takes_precision(m, fmt) for m in modules[name].modules()):
             wrong[name] = f"{type(modules[name]).__name__}, no nn.Linear inside"
     wrong = [f"{name!r} ({what})" for name, what in wrong.items()]
     if wrong:
         listed = ", ".join(wrong[:6]) + (f" and {len(wrong) - 6} more" if len(wrong) > 6 else "")
-        raise PolicyError(f"fp8 runs nn.Linear layers only, and the policy puts {'these' if len(wrong) > 1 else 'a'} "
-                          f"layer{'s' if len(wrong) > 1 else ''} that cannot take it in fp8: {listed}; give "
+        raise PolicyError(f"{fmt} runs nn.Linear layers only, and the policy puts {'these' if len(wrong) > 1 else 'a'} "
+                          f"layer{'s' if len(wrong) > 1 else ''} that cannot take it in {fmt}: {listed}; give "
                           f"{'them' if len(wrong) > 1 else 'it'} bf16, fp16 or fp32, or narrow the rule to the linears")
 
 
@@ -275,14 +281,15 @@ def _check_shared(aliases: list[tuple[nn.Module, list[str]]], precisions: dict[s
     for module, names in aliases:
         asked = {precisions[n] for n in names}
         needs_region = any(precisions[n] is not _parent_precision(n, precisions) for n in names)
-        fp8_linear = type(module) is nn.Linear and Precision.FP8 in asked
-        if len(asked) > 1 and (needs_region or fp8_linear):
+        swapped = type(module) is nn.Linear and any(p.swaps_linear for p in asked)
+        if len(asked) > 1 and (needs_region or swapped):
             got = ", ".join(f"{n!r}: {precisions[n].value}" for n in names)
             raise PolicyError(f"one module is shared under several names that the policy gives different "
                               f"precisions ({got}); give each of its names the same rule")
-        if fp8_linear and "" in names:
-            raise PolicyError("fp8 replaces each nn.Linear inside the model, and the model itself is one; "
-                              "wrap it in a container (e.g. nn.Sequential(linear)) to run it in fp8")
+        if swapped and "" in names:
+            p = next(p for p in asked if p.swaps_linear)
+            raise PolicyError(f"{p} replaces each nn.Linear inside the model, and the model itself is one; "
+                              f"wrap it in a container (e.g. nn.Sequential(linear)) to run it in {p}")
 
 
 def applied_policy(model: nn.Module) -> Policy | None:
@@ -292,7 +299,7 @@ def applied_policy(model: nn.Module) -> Policy | None:
 
 
 def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inference",
-                 strict: bool = False) -> nn.Module:
+                 strict: bool = False, kernels: str = "auto") -> nn.Module:
     """Install ``policy`` into ``model`` in place and return the model.
 
     ``mode="inference"`` or ``"training"``: both keep the fp32 master weights and leave
@@ -303,9 +310,16 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     A layer the policy names but the model lacks is an error (every such layer is named); a
     ``re:`` pattern that matches no module warns, or is an error with ``strict=True``. A policy
     recorded for another model type or structure (``policy.model``) warns.
+
+    ``kernels``: who computes FP8, MXFP8 and NVFP4 linears. ``"auto"``: torchao's modules where
+    torchao is installed and the device has the tensor cores, autoprec's own elsewhere;
+    ``"autoprec"``: always autoprec's own; ``"torchao"``: torchao's wherever it takes the layer
+    (on a CPU its emulation, for tests).
     """
     if mode not in _MODES:
         raise ValueError(f"mode must be 'inference' or 'training', got {mode!r}")
+    if kernels not in torchao_linear.KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(map(repr, torchao_linear.KERNELS))}, got {kernels!r}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_policy needs a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(policy, Policy):
@@ -319,17 +333,12 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     _check_shared(_aliases(model), precisions)  # before anything changes: a refused policy leaves no trace
 
     state = _Installed(policy=policy, mode=mode)
-    # FP8: every nn.Linear that runs in fp8 becomes an FP8Linear sharing its parameters, under each of
-    # its names (a shared linear stays shared).
-    for module, names in _aliases(model):
-        if type(module) is not nn.Linear or precisions[names[0]] is not Precision.FP8:
-            continue
-        fp8 = FP8Linear.from_linear(module, policy.fp8, cache_weight=mode == "inference")
-        for name in names:
-            parent_name, _, attr = name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            setattr(parent, attr, fp8)
-            state.swapped.append((parent, attr, module))
+    try:
+        own_dtype = _swap_linears(model, precisions, state, kernels)
+    except Exception:  # e.g. a kernel torchao refuses on this device: a refused policy leaves no trace
+        for parent, attr, original in reversed(state.swapped):
+            setattr(parent, attr, original)
+        raise
 
     # A region wherever a module's precision differs from its parent's; elsewhere modules run in
     # their parent's region, so only boundaries cost anything.
@@ -346,11 +355,43 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
         if not (is_root and any_low) and not upcast and all(
                 precisions[n] is _parent_precision(n, precisions) for n in names):
             continue
+        if id(module) in own_dtype:  # torchao's MX linears set their own (bf16) compute dtype
+            continue
         _install_region(module, precisions[names[0]], is_root, fp32_compute and is_root)
         state.wrapped.append(module)
 
     object.__setattr__(model, _STATE_ATTR, state)
     return model
+
+
+def _swap_linears(model: nn.Module, precisions: dict[str, Precision], state: _Installed, kernels: str) -> set[int]:
+    """Every nn.Linear that runs in fp8, mxfp8 or nvfp4 becomes a module computing in it that shares its
+    parameters, under each of its names (a shared linear stays shared). Returns the ids of the modules
+    that set their own compute dtype (torchao's MX linears): they get no region."""
+    torchao_fp8, own_dtype = [], set()
+    for module, names in _aliases(model):
+        precision = precisions[names[0]]
+        if type(module) is not nn.Linear or not precision.swaps_linear:
+            continue
+        if len(names) == 1 and torchao_linear.torchao_takes(module, precision, state.mode, kernels):
+            if precision is Precision.FP8:
+                torchao_fp8.append(names[0])
+            else:
+                state.swapped.append(torchao_linear.install_mx(model, names[0], precision))
+                own_dtype.add(id(model.get_submodule(names[0])))
+            continue
+        cache = state.mode == "inference"
+        swap = (FP8Linear.from_linear(module, state.policy.fp8, cache_weight=cache) if precision is Precision.FP8
+                else BlockScaledLinear.from_linear(module, precision.value, cache_weight=cache))
+        for name in names:
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            setattr(parent, attr, swap)
+            state.swapped.append((parent, attr, module))
+    if torchao_fp8:
+        emulate = next(model.get_submodule(n) for n in torchao_fp8).weight.device.type != "cuda"
+        state.swapped.extend(torchao_linear.install_fp8(model, torchao_fp8, emulate))
+    return own_dtype
 
 
 def remove_policy(model: nn.Module) -> nn.Module:
@@ -367,7 +408,8 @@ def remove_policy(model: nn.Module) -> nn.Module:
 
 
 def takes_precision(module: nn.Module, precision: Precision | str) -> bool:
-    """Whether a rule can run ``module`` itself in ``precision``: FP8 exists for ``nn.Linear`` only."""
-    if Precision.parse(precision) is Precision.FP8:
-        return type(module) in (nn.Linear, FP8Linear)
+    """Whether a rule can run ``module`` itself in ``precision``: FP8, MXFP8 and NVFP4 exist for
+    ``nn.Linear`` only."""
+    if Precision.parse(precision).swaps_linear:
+        return type(module) in (nn.Linear, FP8Linear, BlockScaledLinear)
     return True

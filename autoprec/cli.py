@@ -173,7 +173,7 @@ def _tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sensitivity-batches", type=_positive_int, default=1,
                         help="search batches used per sensitivity evaluation (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
-    parser.add_argument("--target", help="plan for a GPU that is not here (h100, h200, a100, l4): latency "
+    parser.add_argument("--target", help="plan for a GPU that is not here (h100, h200, a100, l4, b200, gb200): latency "
                                          "estimated by a cost model, accuracy measured here")
     parser.add_argument("--for", dest="for_", choices=("inference", "training"), default="inference",
                         help="what to tune for: inference (forward latency, output fidelity) or training (step "
@@ -307,7 +307,7 @@ def bench(args: argparse.Namespace) -> int:
 
 # ---- estimate ------------------------------------------------------------------------------------------
 def _estimate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="GPU to estimate for: h100, h200, a100 or l4")
+    parser.add_argument("--target", required=True, help="GPU to estimate for: h100, h200, a100, l4, b200 or gb200")
     parser.add_argument("--gemm", action="append", required=True, metavar="MxKxN",
                         help="a linear's GEMM: (M, K) input times (K, N) weight, e.g. 4096x4096x4096; repeatable")
     parser.add_argument("--for", dest="mode", choices=("inference", "training"), default="inference",

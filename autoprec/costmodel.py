@@ -6,8 +6,10 @@ the GPU, so the compute term is divided by the share of the streaming multiproce
 GEMM's output tiles keep busy (wave quantization). FP8 adds the work that scaling costs outside
 the GEMM, each a bandwidth-bound pass: the amax reduction and the cast of the activation, of the
 weight (once in inference, every step in training) and of the E5M2 gradient in the backward pass,
-plus the transposed copies the backward GEMMs need. Inference is one GEMM per linear, training
-three (forward, input gradient, weight gradient).
+plus the transposed copies the backward GEMMs need. MXFP8 and NVFP4 (Blackwell) add their block
+casts, each a bandwidth-bound pass at the throughput torchao publishes for its MX cast kernels
+(NVFP4 also an amax pass for its per-tensor scale); their block scales are computed inside the cast.
+Inference is one GEMM per linear, training three (forward, input gradient, weight gradient).
 
 Every figure this module returns is an *estimate*; callers label it "estimated for <target>".
 The efficiency factors below say where they come from; ``benchmarks/cost_model_vs_published.py``
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 from .formats import Capability, Precision
@@ -27,7 +29,36 @@ __all__ = ["MODES", "TARGETS", "Target", "UnknownTargetError", "elementwise_ms",
            "gemm_gb", "gemm_ms", "get_target", "layer_ms", "linear_ms", "parse_gemm", "policy_ms"]
 
 MODES = ("inference", "training")
-BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4")  # what `estimate` reports
+BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "mxfp8": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
+
+# ---- achievable efficiency ---------------------------------------------------------------------------
+# Share of the datasheet peak a large, well-shaped GEMM reaches, with the GEMM's fixed cost and the output
+# tile used for wave quantization; fitted per GPU generation to published measurements, the rest held out
+# (benchmarks/cost_model_vs_published.py reports both; benchmarks/published_gemm_speedups.csv is the data).
+# Hopper (used for Ampere and Ada too). bf16 (and fp16, fp32 by analogy), GEMM_LAUNCH_US and TILE:
+# grid-fitted to the even-numbered b=1 rows of XLA's published H100 (sm_90) cuBLAS throughput table
+# (matmul_interpolator_data.h). tf32: fitted the same way to that table's F32 column. fp8: fitted to
+# torchao's float8 README example 2 (4096x8192x16384 forward+backward on H100, 1.39x over bf16).
+GEMM_EFFICIENCY = {"fp32": 0.85, "tf32": 0.65, "bf16": 0.85, "fp16": 0.85, "fp8": 0.74}
+GEMM_LAUNCH_US = 5.0  # fixed cost of one GEMM: launch, prologue, epilogue (fitted, see above)
+TILE = (64, 128)  # output tile per thread block that best fits the XLA rows (cuBLAS picks per shape)
+# Blackwell (B200, GB200). fp8 (per-tensor), launch and tile: fitted to the fp8 times of the even rows of
+# XLA's sm_100 table; MXFP8 GEMMs run on the same tensor cores at the FP8 rate and take fp8's efficiency;
+# bf16 and the MXFP8 cast cost: fitted to the even rows of torchao's B200 MXFP8 inference microbenchmarks
+# (ReLU -> Linear); nvfp4 and its cast cost: to the even rows of the NVFP4 ones. XLA's sm_100 bf16 times
+# (at most 0.8 of the 2.25 PFLOP/s peak) disagree with torchao's, so they are held out, and torchao's
+# "2x to 3x" of MXFP8 over bf16 GEMMs is not reproduced (1.8x): see the calibration script.
+BLACKWELL_EFFICIENCY = {"fp32": 0.85, "tf32": 0.62, "bf16": 0.62, "fp16": 0.62, "fp8": 0.56, "mxfp8": 0.56,
+                        "nvfp4": 0.46}
+BLACKWELL_LAUNCH_US = 5.0
+BLACKWELL_TILE = (64, 128)
+# torchao's MX cast kernels on B200 (mx_formats README): up to 5.5 TB/s along dim0 (rows, with
+# torch.compile) and 3.9 TB/s along dim1 (the transposed layout the backward GEMMs need), of 8 TB/s.
+MX_CAST_EFFICIENCY = {"dim0": 5.5 / 8.0, "dim1": 3.9 / 8.0}
+# Fixed cost of one MX cast (its kernels and the scale layout swizzle the GEMM needs), fitted with the
+# efficiencies above to torchao's B200 inference microbenchmarks.
+MX_CAST_US = {"mxfp8": 10.5, "nvfp4": 11.0}
 
 
 @dataclass(frozen=True)
@@ -42,14 +73,24 @@ class Target:
     sms: int  # streaming multiprocessors: how many GEMM output tiles run at once
     source: str
     memory_gb: float  # device memory, GB as the datasheet prints it: what one GEMM's tensors must fit in
+    efficiency: Mapping[str, float] = field(default_factory=lambda: GEMM_EFFICIENCY)
+    gemm_launch_us: float = GEMM_LAUNCH_US
+    tile: tuple[int, int] = TILE
 
     def capabilities(self) -> dict[Precision, Capability]:
-        """bf16/fp16 run on tensor cores from Ampere (8.0) on; FP8 from Ada/Hopper (8.9) on."""
+        """bf16/fp16 run on tensor cores from Ampere (8.0) on; FP8 from Ada/Hopper (8.9) on; MXFP8 and
+        NVFP4 on Blackwell (10.x)."""
         native, emulated = Capability.NATIVE, Capability.EMULATED
+
+        def has(p: str, cc: tuple[int, int]) -> Capability:
+            return native if p in self.tflops and self.compute_capability >= cc else emulated
+
         return {Precision.FP32: native,
                 Precision.BF16: native if self.compute_capability >= (8, 0) else emulated,
                 Precision.FP16: native,
-                Precision.FP8: native if "fp8" in self.tflops and self.compute_capability >= (8, 9) else emulated}
+                Precision.FP8: has("fp8", (8, 9)),
+                Precision.MXFP8: has("mxfp8", (10, 0)),
+                Precision.NVFP4: has("nvfp4", (10, 0))}
 
 
 # Datasheet figures, dense (the datasheets print sparse figures as twice these).
@@ -74,20 +115,21 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("l4", "NVIDIA L4 24GB", (8, 9),
            {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0, "fp8": 242.5}, 300.0, 58,
            "NVIDIA L4 datasheet", 24.0),
+    # NVIDIA HGX B200 datasheet, per GPU (nvidia.com/en-us/data-center/hgx): FP4 18, FP8/FP6 9, BF16/FP16
+    # 4.5, TF32 2.2 PFLOPS with sparsity (dense: half), FP32 75 TFLOPS; 180 GB HBM3e at 8 TB/s; 148 SMs. MXFP8 runs
+    # at the FP8 rate, NVFP4 at the FP4 rate.
+    Target("b200", "NVIDIA B200 (HGX, 1000 W)", (10, 0),
+           {"fp32": 75.0, "tf32": 1100.0, "bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "mxfp8": 4500.0,
+            "nvfp4": 9000.0}, 8000.0, 148, "NVIDIA HGX B200 datasheet", 180.0, BLACKWELL_EFFICIENCY,
+           BLACKWELL_LAUNCH_US, BLACKWELL_TILE),
+    # NVIDIA GB200 NVL72 datasheet, per GPU (nvidia.com/en-us/data-center/gb200-nvl72): FP4 20, FP8/FP6 10,
+    # BF16/FP16 5, TF32 2.5 PFLOPS with sparsity (dense: half), FP32 80 TFLOPS; 186 GB HBM3e at 8 TB/s; 148 SMs.
+    Target("gb200", "NVIDIA GB200 (one Blackwell GPU of an NVL72)", (10, 0),
+           {"fp32": 80.0, "tf32": 1250.0, "bf16": 2500.0, "fp16": 2500.0, "fp8": 5000.0, "mxfp8": 5000.0,
+            "nvfp4": 10000.0}, 8000.0, 148, "NVIDIA GB200 NVL72 datasheet", 186.0, BLACKWELL_EFFICIENCY,
+           BLACKWELL_LAUNCH_US, BLACKWELL_TILE),
 )}
 
-# ---- achievable efficiency ---------------------------------------------------------------------------
-# Share of the datasheet peak a large, well-shaped cuBLAS GEMM reaches, with the GEMM's fixed cost and
-# the output tile used for wave quantization. bf16 (and fp16, fp32 by analogy), GEMM_LAUNCH_US and
-# TILE: grid-fitted to the even-numbered b=1 rows of XLA's published H100 (sm_90) cuBLAS throughput
-# table (matmul_interpolator_data.h); the odd rows are held out (benchmarks/cost_model_vs_published.py
-# reports both). tf32: fitted the same way to that table's F32 column (XLA runs f32 dots on TF32).
-# fp8: fitted to torchao's float8 README example 2 (4096x8192x16384 forward+backward on H100, 1.39x
-# over bf16); its example 1 (1024x2048x1024, 0.80x) is held out. FP8 GEMMs reach a smaller share of
-# their peak than bf16 ones (the same memory pipeline has to feed twice the math).
-GEMM_EFFICIENCY = {"fp32": 0.85, "tf32": 0.65, "bf16": 0.85, "fp16": 0.85, "fp8": 0.74}
-GEMM_LAUNCH_US = 5.0  # fixed cost of one GEMM: launch, prologue, epilogue (fitted, see above)
-TILE = (64, 128)  # output tile per thread block that best fits the XLA rows (cuBLAS picks per shape)
 # Not fitted: a streaming kernel reaches about 3/4 of datasheet bandwidth (STREAM-like copies on HBM),
 # and back-to-back small kernels cost about 1 us each on the GPU (their CPU launch overlaps the
 # previous kernel, so only the GPU-side start-up remains).
@@ -117,24 +159,27 @@ def parse_gemm(text: str) -> tuple[int, int, int]:
     return m, k, n
 
 
-def _tile_utilization(target: Target, m: int, n: int) -> float:
+def _tile_utilization(target: Target, m: int, n: int, batch: int = 1) -> float:
     """Share of the SMs an (m, n) output keeps busy across its waves of tiles."""
-    tiles = math.ceil(m / TILE[0]) * math.ceil(n / TILE[1])
+    tiles = batch * math.ceil(m / target.tile[0]) * math.ceil(n / target.tile[1])
     waves = math.ceil(tiles / target.sms)
     return tiles / (waves * target.sms)
 
 
-def gemm_ms(target: str | Target, m: int, k: int, n: int, precision: str, out_bytes: int | None = None) -> float:
-    """One (m, k) x (k, n) GEMM with both operands in ``precision`` (fp8: bf16 output)."""
+def gemm_ms(target: str | Target, m: int, k: int, n: int, precision: str, out_bytes: int | None = None,
+            batch: int = 1) -> float:
+    """One (m, k) x (k, n) GEMM with both operands in ``precision`` (the 8- and 4-bit formats: bf16
+    output); ``batch`` such GEMMs in one launch."""
     target = get_target(target)
     peak = target.tflops.get(precision)
     if peak is None:
         raise ValueError(f"{target.name} has no {precision} tensor cores; it runs: {', '.join(target.tflops)}")
     size = BYTES[precision]
-    out_bytes = out_bytes if out_bytes is not None else (2 if precision == "fp8" else size)
-    compute_s = 2.0 * m * k * n / (peak * 1e12 * GEMM_EFFICIENCY[precision] * _tile_utilization(target, m, n))
-    memory_s = ((m * k + k * n) * size + m * n * out_bytes) / (target.bandwidth_gbs * 1e9 * MEMORY_EFFICIENCY)
-    return (max(compute_s, memory_s) + GEMM_LAUNCH_US * 1e-6) * 1e3
+    out_bytes = out_bytes if out_bytes is not None else (size if size >= 2 else 2)
+    utilization = _tile_utilization(target, m, n, batch)
+    compute_s = 2.0 * batch * m * k * n / (peak * 1e12 * target.efficiency[precision] * utilization)
+    memory_s = batch * ((m * k + k * n) * size + m * n * out_bytes) / (target.bandwidth_gbs * 1e9 * MEMORY_EFFICIENCY)
+    return (max(compute_s, memory_s) + target.gemm_launch_us * 1e-6) * 1e3
 
 
 def elementwise_ms(target: str | Target, read_bytes: float, write_bytes: float = 0.0) -> float:
@@ -152,6 +197,28 @@ def _fp8_scaling_ms(target: Target, numel: int, source_bytes: int, both_layouts:
     return elementwise_ms(target, numel * source_bytes) + elementwise_ms(target, numel * source_bytes, written)
 
 
+def mx_cast_ms(target: str | Target, numel: int, precision: str, source_bytes: int = 2, dim1: bool = False) -> float:
+    """Casting one tensor to MXFP8 or NVFP4 (elements and block scales in one pass; NVFP4 first reads the
+    tensor once more for its per-tensor amax), at the throughput of torchao's cast kernels."""
+    target = get_target(target)
+    moved = numel * (source_bytes + BYTES[precision])
+    cast_s = moved / (target.bandwidth_gbs * 1e9 * MX_CAST_EFFICIENCY["dim1" if dim1 else "dim0"])
+    ms = (cast_s + MX_CAST_US[precision] * 1e-6) * 1e3
+    return ms + (elementwise_ms(target, numel * source_bytes) if precision == "nvfp4" else 0.0)
+
+
+def _mx_linear_ms(target: Target, m: int, k: int, n: int, precision: str, training: bool,
+                  activation_bytes: int, weight_bytes: int) -> float:
+    """An MXFP8/NVFP4 linear: inference casts the input (rows) and reuses the cast weight; training casts
+    input, weight and output gradient along both dims (each feeds one GEMM along each), as torchao does."""
+    if not training:
+        return gemm_ms(target, m, k, n, precision) + mx_cast_ms(target, m * k, precision, activation_bytes)
+    ms = 3 * gemm_ms(target, m, k, n, precision)
+    for numel, source in ((m * k, activation_bytes), (k * n, weight_bytes), (m * n, 2)):
+        ms += mx_cast_ms(target, numel, precision, source) + mx_cast_ms(target, numel, precision, source, dim1=True)
+    return ms
+
+
 def linear_ms(target: str | Target, m: int, k: int, n: int, precision: str, mode: str = "inference",
               activation_bytes: int = 2, weight_bytes: int = 2, weight_cached: bool = True) -> float:
     """A linear layer (input (m, k), weight (k, n)) in ``precision``: 1 GEMM for inference, 3 for
@@ -162,6 +229,8 @@ def linear_ms(target: str | Target, m: int, k: int, n: int, precision: str, mode
         raise ValueError(f"unknown mode {mode!r}; use one of: {', '.join(MODES)}")
     training = mode == "training"
     gemms = 3 if training else 1
+    if precision in ("mxfp8", "nvfp4"):
+        return _mx_linear_ms(target, m, k, n, precision, training, activation_bytes, weight_bytes)
     if precision != "fp8":
         return gemms * gemm_ms(target, m, k, n, precision)
     # FP8 GEMMs: forward E4M3 x E4M3; backward E5M2 gradient x E4M3 weight / input (as torchao does).
@@ -176,9 +245,9 @@ def linear_ms(target: str | Target, m: int, k: int, n: int, precision: str, mode
 
 def gemm_gb(m: int, k: int, n: int, precision: str, mode: str = "inference") -> float:
     """The least memory, in GB, a linear's GEMM needs at once: its input, weight and output in
-    ``precision`` (fp8: bf16 output), and in training their gradients too."""
+    ``precision`` (the 8- and 4-bit formats: bf16 output), and in training their gradients too."""
     size = BYTES[precision]
-    out_bytes = 2 if precision == "fp8" else size
+    out_bytes = size if size >= 2 else 2
     forward = (m * k + k * n) * size + m * n * out_bytes
     return forward * (2 if mode == "training" else 1) / 1e9
 
@@ -194,9 +263,9 @@ def estimate(target: str | Target, shapes: Iterable[Sequence[int]], mode: str = 
         raise ValueError(f"unknown mode {mode!r}; use one of: {', '.join(MODES)}")
     gemms = []
     for m, k, n in shapes:
-        # A precision without tensor cores on the target (FP8 before compute capability 8.9) is null:
-        # emulated there, it never runs faster.
-        priced = [p for p in ("fp32", "bf16", "fp16", "fp8") if p in target.tflops]
+        # A precision without tensor cores on the target (FP8 before compute capability 8.9, MXFP8 and
+        # NVFP4 before Blackwell) is null: emulated there, it never runs faster.
+        priced = [p for p in PRECISIONS if p in target.tflops]
         need = {p: gemm_gb(m, k, n, p, mode) for p in priced}
         too_big = [p for p in priced if need[p] > target.memory_gb]
         if len(too_big) == len(priced):
@@ -206,7 +275,7 @@ def estimate(target: str | Target, shapes: Iterable[Sequence[int]], mode: str = 
                              f"need {need[least]:.4g} GB even in {least} ({need['fp32']:.4g} GB in fp32); "
                              "give a shape that fits (split M into batches)")
         ms = {p: round(linear_ms(target, m, k, n, p, mode), 6) if p in priced and p not in too_big else None
-              for p in ("fp32", "bf16", "fp16", "fp8")}
+              for p in PRECISIONS}
         gemms.append({"shape": [m, k, n], "ms": ms, "gb": {p: round(need[p], 6) for p in priced},
                       "too_big": too_big})
     return {"target": target.name, "estimated": True, "for": mode, "memory_gb": target.memory_gb, "gemms": gemms}
@@ -223,19 +292,20 @@ def layer_ms(target: Target, layer, precision: str, mode: str = "inference") -> 
     if layer.kind == "linear" and layer.input_shapes and layer.output_shapes:
         k, n = layer.input_shapes[0][-1], layer.output_shapes[0][-1]
         m = max(1, _numel(layer.input_shapes[0]) // max(1, k))
-        if precision == "fp8" and "fp8" not in target.tflops:
-            # No FP8 tensor cores: the emulation, an fp32 GEMM plus quantize-dequantize passes over
+        if Precision(precision).swaps_linear and precision not in target.tflops:
+            # No tensor cores for the format: the emulation, an fp32 GEMM plus quantize-dequantize passes over
             # its operands (accuracy only; the search drops it as emulated).
             passes = 2 * elementwise_ms(target, 4 * (m * k + k * n), 4 * (m * k + k * n))
             return linear_ms(target, m, k, n, "fp32", mode) + (3 if mode == "training" else 1) * passes
         # Inference keeps the FP8 weight cached; the input arrives in fp32 (an fp32 region) at worst.
         return linear_ms(target, m, k, n, precision, mode, activation_bytes=4)
-    compute_precision = "fp32" if precision == "fp8" else precision  # FP8 exists for nn.Linear only
+    # FP8, MXFP8 and NVFP4 exist for nn.Linear only: other layers with such a rule run in fp32
+    compute_precision = "fp32" if Precision(precision).swaps_linear else precision
     size = BYTES[compute_precision] / 4  # capture ran in fp32: its byte counts are fp32 bytes
     gemms = 3 if mode == "training" else 1
-    compute_s = layer.flops / (target.tflops[compute_precision] * 1e12 * GEMM_EFFICIENCY[compute_precision])
+    compute_s = layer.flops / (target.tflops[compute_precision] * 1e12 * target.efficiency[compute_precision])
     memory_s = (layer.activation_bytes + layer.weight_bytes) * size / (target.bandwidth_gbs * 1e9 * MEMORY_EFFICIENCY)
-    return gemms * (max(compute_s, memory_s) + GEMM_LAUNCH_US * 1e-6) * 1e3
+    return gemms * (max(compute_s, memory_s) + target.gemm_launch_us * 1e-6) * 1e3
 
 
 def _output_numel(layer) -> int:
@@ -259,12 +329,12 @@ def estimated_latency(target: str | Target, table, precisions: Sequence[str], fp
     latency: dict[str, dict[str, float]] = {}
     casts: dict[str, dict[str, float]] = {}
     for layer in table:
-        options = ["fp32", *(p for p in low if p != "fp8" or layer.name in fp8_layers)]
+        options = ["fp32", *(p for p in low if not Precision(p).swaps_linear or layer.name in fp8_layers)]
         latency[layer.name] = {p: layer_ms(target, layer, p, mode) for p in options}
         out = _output_numel(layer)
-        casts[layer.name] = {p: (0.0 if p == "fp8" else elementwise_ms(target, out * BYTES[p], out * 4))
+        casts[layer.name] = {p: (0.0 if Precision(p).swaps_linear else elementwise_ms(target, out * BYTES[p], out * 4))
                              for p in options if p != "fp32"}
-    regions = ["fp32", *(p for p in low if p != "fp8")]
+    regions = ["fp32", *(p for p in low if not Precision(p).swaps_linear)]
     remainder = {p: sum(elementwise_ms(target, _output_numel(layer) * BYTES[p], _output_numel(layer) * BYTES[p])
                         for layer in table) for p in regions}
     end_to_end = {p: predict_ms({n: p for n in names}, p, latency, casts, remainder) for p in regions}

@@ -1,5 +1,7 @@
 """Precisions, what each device can run natively, and FP8 scaling and emulation.
 
+The block-scaled formats of Blackwell GPUs (MXFP8, NVFP4) are in :mod:`autoprec.mx`.
+
 FP8 follows the per-tensor ("tensorwise") recipes of Transformer Engine and torchao:
 E4M3 for weights and activations in the forward pass, E5M2 for gradients in the
 backward pass, each tensor scaled by ``fp8_max / amax`` before the cast. Activations can
@@ -52,6 +54,8 @@ class Precision(str, enum.Enum):
     BF16 = "bf16"
     FP16 = "fp16"
     FP8 = "fp8"
+    MXFP8 = "mxfp8"  # OCP MX: E4M3 in blocks of 32, E8M0 scales (Blackwell tensor cores)
+    NVFP4 = "nvfp4"  # E2M1 in blocks of 16, E4M3 scales, one fp32 scale per tensor (Blackwell)
 
     def __str__(self) -> str:
         return self.value
@@ -75,6 +79,16 @@ class Precision(str, enum.Enum):
     def is_low(self) -> bool:
         return self is not Precision.FP32
 
+    @property
+    def swaps_linear(self) -> bool:
+        """FP8 and the block-scaled formats exist for ``nn.Linear`` only: a rule swaps each linear's
+        module for one that computes in the format; they are never a region's autocast dtype."""
+        return self in (Precision.FP8, Precision.MXFP8, Precision.NVFP4)
+
+    @property
+    def block_scaled(self) -> bool:
+        return self in (Precision.MXFP8, Precision.NVFP4)
+
 
 class Capability(str, enum.Enum):
     NATIVE = "native"  # a fast kernel exists on this device
@@ -95,6 +109,10 @@ def _capabilities(device_type: str, index: int | None) -> dict[Precision, Capabi
             Precision.BF16: native if major >= 8 else emulated,
             Precision.FP16: native,
             Precision.FP8: native if (major, minor) >= (8, 9) else emulated,
+            # MX tensor cores are Blackwell's (10.x); autoprec's own MX linear only emulates, so a
+            # fast kernel exists only where torchao provides one.
+            Precision.MXFP8: native if major == 10 and torchao_installed() else emulated,
+            Precision.NVFP4: native if major == 10 and torchao_installed() else emulated,
         }
     # CPU: oneDNN reports whether the hardware has bf16 / fp16 instructions (AMX, AVX512-BF16,
     # AVX512-FP16); without them the op upcasts internally. FP8 has no CPU kernel.
@@ -104,7 +122,15 @@ def _capabilities(device_type: str, index: int | None) -> dict[Precision, Capabi
         Precision.BF16: native if mkldnn._is_mkldnn_bf16_supported() else emulated,
         Precision.FP16: native if mkldnn._is_mkldnn_fp16_supported() else emulated,
         Precision.FP8: emulated,
+        Precision.MXFP8: emulated,
+        Precision.NVFP4: emulated,
     }
+
+
+def torchao_installed() -> bool:
+    from importlib.util import find_spec
+
+    return find_spec("torchao") is not None
 
 
 def device_capabilities(device: str | torch.device = "cpu") -> dict[Precision, Capability]:

@@ -73,6 +73,10 @@ def plan_units(profile: Profile, space: SearchSpace, precisions: Sequence[str]) 
         fp32_ms = sum(layers[n].latency_ms["fp32"] for n in unit.layers)
         for p in unit.candidates[1:]:
             if any(p not in layers[n].latency_ms for n in unit.layers):
+                if profile.capabilities.get(p) == "emulated":  # profiled for accuracy, never timed here
+                    dropped.setdefault(unit.key, []).append(
+                        f"{p}: emulated on this device (accuracy only, not timed; plan for a GPU that has it "
+                        f"with --target)")
                 continue
             # Casts are left out here: inside a region of its own precision a layer pays none.
             ms = sum(layers[n].latency_ms[p] for n in unit.layers)

@@ -25,6 +25,9 @@ Sections, each recorded in the JSON:
 3. ``latency``: per-layer fp32/bf16/fp16/FP8 (FP8Linear, native) forward and forward+backward times
    with CUDA events (synchronised, warmed, median), with autoprec.costmodel's estimate beside each,
    for GPT-2-medium's linears and an MLP-heavy stack at a few batch sizes.
+5. ``blackwell`` (compute capability 10.x only; elsewhere skipped with the reason): MXFP8 and NVFP4 on
+   torchao's kernels, as ``apply_policy`` installs them, against autoprec's exact emulation (SQNR) and
+   their inference time beside bf16 and the b200 cost model; FP8 on torchao's Float8Linear likewise.
 4. ``tune``: ``autoprec.tune`` with FP8 enabled on a GPT-2-medium-sized model (random weights), its
    policy and its measured speed-up over bf16 autocast; beside it the same tune with ``target=``
    (the cost model's plan) for comparison.
@@ -243,6 +246,47 @@ def layer_latency(device: str, target: str, shapes: dict[str, list[tuple[int, in
                     "fp32 master weight, E4M3 weight cached in inference), dynamic input scaling", "rows": rows}
 
 
+# ---- 5. Blackwell: MXFP8 and NVFP4 on torchao's kernels ------------------------------------------------------
+def blackwell(device: str, shapes: list[tuple[int, int, int]], warmup: int, repeats: int) -> dict:
+    import torch
+
+    if device != "cuda":
+        return {"skipped": "needs a Blackwell GPU (compute capability 10.x); no CUDA device here"}
+    major, minor = torch.cuda.get_device_capability()
+    if major != 10:
+        return {"skipped": f"needs a Blackwell GPU (compute capability 10.x); {torch.cuda.get_device_name()} "
+                           f"is {major}.{minor}"}
+    if importlib.util.find_spec("torchao") is None:
+        return {"skipped": "torchao is not installed (bring its wheel in .whl/)"}
+    from autoprec import Policy, apply_policy
+    from autoprec.costmodel import linear_ms
+    from autoprec.formats import sqnr_db
+
+    rows = []
+    for m, k, n in shapes:
+        torch.manual_seed(0)
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        row: dict[str, Any] = {"shape": [m, k, n], "measured_ms": {}, "estimated_ms": {}, "vs_emulation_sqnr_db": {}}
+        base = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False)).to(device, torch.bfloat16)
+        with torch.no_grad():
+            row["measured_ms"]["bf16"] = _median_ms(lambda base=base, x=x: base(x), device, warmup, repeats)
+            for p in ("fp8", "mxfp8", "nvfp4"):
+                try:
+                    fast = apply_policy(torch.nn.Sequential(base[0]), Policy.from_assignment({"0": p}))
+                    emulated = apply_policy(torch.nn.Sequential(base[0]), Policy.from_assignment({"0": p}),
+                                            kernels="autoprec")
+                    row["kernel"] = {**row.get("kernel", {}), p: type(fast[0]).__name__}
+                    row["vs_emulation_sqnr_db"][p] = round(sqnr_db(emulated(x).float(), fast(x).float()), 2)
+                    row["measured_ms"][p] = _median_ms(lambda fast=fast, x=x: fast(x), device, warmup, repeats)
+                except Exception as e:  # a refused shape or kernel is a finding
+                    row["measured_ms"][p] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        row["estimated_ms"] = {p: round(linear_ms("b200", m, k, n, p), 5) for p in ("bf16", "fp8", "mxfp8", "nvfp4")}
+        rows.append(row)
+    return {"device": torch.cuda.get_device_name(), "rows": rows,
+            "note": "inference, one bias-free linear, bf16 input; fp8/mxfp8/nvfp4 as apply_policy installs them "
+                    "(kernels='auto': torchao's where it takes the shape), SQNR against autoprec's emulation"}
+
+
 # ---- 4. tune ---------------------------------------------------------------------------------------------
 def gpt2(n_embd: int, n_layer: int, n_head: int, vocab: int, positions: int):
     """GPT-2 with random weights from transformers' GPT2Config (no download); None without transformers."""
@@ -347,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     section(results, "native_fp8", clock, 20 if not dry else 0, lambda: native_fp8(device, fp8_shapes))
     section(results, "latency", clock, 60 if not dry else 0,
             lambda: layer_latency(device, args.target, shapes, warmup, repeats, clock))
+    section(results, "blackwell", clock, 30 if not dry else 0,
+            lambda: blackwell(device, [(1024, 1024, 1024), (4096, 4096, 4096), (8192, 8192, 8192), (8192, 4096, 14336)]
+                              if not dry else [(32, 64, 64)], warmup, repeats))
     section(results, "tune", clock, 90 if not dry else 0,
             lambda: run_tune(device, args.target, gpt2_size, batch, seq, trials,
                              timeout_s=max(30.0, clock.left() - 20)))

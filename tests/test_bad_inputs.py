@@ -47,6 +47,14 @@ SOURCES = {
         def evaluate(model, batches):
             return 0.0
     """,
+    "bare_linear.py": """
+        import torch
+        from torch import nn
+        def get_model():
+            return nn.Linear(16, 4)
+        def get_batches():
+            return [torch.randn(8, 16) for _ in range(4)]
+    """,
     "later_batch_wrong_shape.py": """
         import torch
         from torch import nn
@@ -208,6 +216,7 @@ POLICIES = {
     "list.json": "[1, 2, 3]",
     "duplicate_key.json": '{"schema": "autoprec.policy", "version": 1, "layers": {"0": "bf16", "0": "fp32"}}',
     "good.json": '{"schema": "autoprec.policy", "version": 1, "default": "bf16"}',
+    "mxfp8_default.json": '{"schema": "autoprec.policy", "version": 1, "default": "mxfp8"}',
     "fp8_on_conv.json": '{"schema": "autoprec.policy", "version": 1, "layers": {"0": "fp8", "2": "fp8"}}',
 }
 
@@ -334,6 +343,9 @@ CASES = [
          ["not a database URL", "sqlite:///"]),
     # ---- policy files ------------------------------------------------------------------------------------
     Case("show-missing", ["show", "{d}/nope.json"], 1, ["cannot read policy file", "nope.json"]),
+    Case("mxfp8-on-a-bare-linear-model", ["bench", "{d}/bare_linear.py", "--policy",
+                                          "{d}/mxfp8_default.json"], 1,
+         ["mxfp8 replaces each nn.Linear", "the model itself is one", "nn.Sequential(linear)"]),
     Case("show-pickle", ["show", "{d}/policy.pkl"], 1, ["not a policy file", "pickle"]),
     Case("show-binary", ["show", "{d}/random.bin"], 1, ["not a policy file"]),
     Case("show-empty", ["show", "{d}/empty.json"], 1, ["empty"]),

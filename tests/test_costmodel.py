@@ -19,7 +19,7 @@ SIZES = (16, 64, 256, 1024, 4096, 16384)
 
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_a_bigger_gemm_is_never_predicted_faster(target):
-    precisions = [p for p in ("fp32", "bf16", "fp16", "fp8") if p in TARGETS[target].tflops]
+    precisions = [p for p in ("fp32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4") if p in TARGETS[target].tflops]
     for precision, mode in itertools.product(precisions, ("inference", "training")):
         for m, k, n in itertools.product(SIZES, repeat=3):
             ms = linear_ms(target, m, k, n, precision, mode)
@@ -36,6 +36,34 @@ def test_fp8_is_slower_than_bf16_for_small_gemms_and_faster_for_large_ones_on_h1
     # and never better than the ratio of the datasheet peaks
     assert linear_ms("h100", 16384, 16384, 16384, "bf16", mode) / linear_ms(
         "h100", 16384, 16384, 16384, "fp8", mode) < 2.0
+
+
+@pytest.mark.parametrize("target", ["b200", "gb200"])
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_blackwell_block_scaled_formats_pay_off_only_for_large_linears(target, mode):
+    for p in ("mxfp8", "nvfp4"):
+        # small: the MX casts (fixed cost per cast kernel) outweigh the faster GEMM
+        assert linear_ms(target, 256, 384, 384, p, mode) > linear_ms(target, 256, 384, 384, "bf16", mode), p
+        big = (8192, 8192, 8192)
+        assert linear_ms(target, *big, p, mode) < linear_ms(target, *big, "bf16", mode), p
+    # NVFP4's GEMM runs at twice MXFP8's peak; casts and a lower share of the peak keep it under 2x
+    gemm = [gemm_ms(target, 8192, 8192, 8192, p) for p in ("bf16", "mxfp8", "nvfp4")]
+    assert gemm[0] > gemm[1] > gemm[2] > gemm[1] / 2
+
+
+def test_b200_estimate_reports_every_format_and_labels_it_estimated():
+    done = subprocess.run([sys.executable, "-m", "autoprec", "estimate", "--target", "b200", "--gemm",
+                           "8192x4096x14336", "--for", "training", "--json"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["target"] == "b200" and out["estimated"] is True and out["for"] == "training"
+    ms = out["gemms"][0]["ms"]
+    assert {"bf16", "fp8", "mxfp8", "nvfp4"} <= set(ms) and all(ms[p] > 0 for p in ("bf16", "fp8", "mxfp8", "nvfp4"))
+    assert ms["mxfp8"] < ms["bf16"]
+    caps = get_target("gb200").capabilities()
+    assert caps[Precision.MXFP8] is Capability.NATIVE and caps[Precision.NVFP4] is Capability.NATIVE
+    assert get_target("h100").capabilities()[Precision.MXFP8] is Capability.EMULATED
 
 
 def test_training_costs_more_than_inference():
@@ -63,12 +91,14 @@ def test_estimate_json_shape_and_null_for_a_precision_the_target_lacks():
     assert out["target"] == "a100" and out["estimated"] is True and out["for"] == "training"
     (gemm,) = out["gemms"]
     assert gemm["shape"] == [1024, 2048, 1024]
-    assert set(gemm["ms"]) == {"fp32", "bf16", "fp16", "fp8"} and gemm["ms"]["fp8"] is None
+    assert set(gemm["ms"]) == {"fp32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4"} and gemm["ms"]["fp8"] is None
+    assert gemm["ms"]["mxfp8"] is None and gemm["ms"]["nvfp4"] is None
 
 
 def test_unknown_target_lists_the_known_ones():
-    with pytest.raises(UnknownTargetError, match="unknown target 'b200'; known targets: h100, h200, a100, l4"):
-        get_target("b200")
+    known = "h100, h200, a100, l4, b200, gb200"
+    with pytest.raises(UnknownTargetError, match=f"unknown target 'b300'; known targets: {known}"):
+        get_target("b300")
 
 
 @pytest.mark.parametrize("text", ["4096x4096", "0x16x16", "axbxc", "", "16x16x16x16", "-4x4x4"])
@@ -100,8 +130,8 @@ def test_estimate_cli_json_and_text_are_labelled_estimated():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--target", "b200", "--gemm", "16x16x16"],
-     "autoprec estimate: error: unknown target 'b200'; known targets: h100, h200, a100, l4\n"),
+    (["--target", "b300", "--gemm", "16x16x16"],
+     "autoprec estimate: error: unknown target 'b300'; known targets: h100, h200, a100, l4, b200, gb200\n"),
     (["--target", "h100", "--gemm", "16x16"],
      "autoprec estimate: error: bad GEMM shape '16x16'; expected MxKxN with three whole numbers >= 1, "
      "e.g. 4096x4096x4096\n"),
@@ -187,7 +217,8 @@ def test_tune_cli_unknown_target_is_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "autoprec", "tune", "no_such_model.py", "--target", "h900"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
-    assert done.stderr == "autoprec tune: error: unknown target 'h900'; known targets: h100, h200, a100, l4\n"
+    assert done.stderr == ("autoprec tune: error: unknown target 'h900'; known targets: "
+                           "h100, h200, a100, l4, b200, gb200\n")
 
 
 # ---- benchmarks/gpu_check.py -----------------------------------------------------------------------------
@@ -210,6 +241,7 @@ def test_gpu_check_dry_run_exercises_every_section_on_cpu(tmp_path):
     for row in result["latency"]["rows"]:
         for mode in ("inference", "training"):
             assert set(row["measured_ms"][mode]) == set(row["estimated_ms"][mode]) == {"fp32", "bf16", "fp16", "fp8"}
+    assert "compute capability 10.x" in result["blackwell"]["skipped"]  # runs only on a Blackwell GPU
     tune = result["tune"]
     assert tune["estimated"]["policy"]["result"]["estimated_for"] == "h200"
     assert "estimated_for" not in tune["measured"]["policy"]["result"]

@@ -57,8 +57,8 @@ class LatencyResult:
 
 def blanket_policy(precision: Precision, fp8_layers: Sequence[str]) -> Policy:
     """Every layer that can take ``precision`` in it: as a region default where it is one."""
-    if precision is Precision.FP8:
-        return Policy.from_assignment({name: Precision.FP8 for name in fp8_layers})
+    if precision.swaps_linear:  # fp8, mxfp8, nvfp4: the linears that take it, in an fp32 region
+        return Policy.from_assignment({name: precision for name in fp8_layers})
     return Policy(default=precision)
 
 
@@ -203,15 +203,15 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
 
     def record(p: Precision, policy: Policy, failure: dict, layer_ms: Mapping[str, float], rest_ms: float,
                cast_of: Callable[[str], float]) -> None:
-        timed = list(fp8_layers) if p is Precision.FP8 else list(layers)
+        timed = list(fp8_layers) if p.swaps_linear else list(layers)
         for name in timed:
             latency[name][p.value] = layer_ms[name]
             if p.is_low:
                 casts[name][p.value] = cast_of(name)
         if failure:
             return
-        if p is Precision.FP8:  # never a region default: blanket fp8 is fp8 layers in an fp32 region
-            checks["fp8"] = ({n: ("fp8" if n in fp8_layers else "fp32") for n in layers}, "fp32")
+        if p.swaps_linear:  # never a region default: blanket fp8 is fp8 layers in an fp32 region
+            checks[p.value] = ({n: (p.value if n in fp8_layers else "fp32") for n in layers}, "fp32")
         else:
             remainder[p.value] = rest_ms
             checks[p.value] = ({n: p.value for n in layers}, p.value)
@@ -234,7 +234,7 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
                statistics.median(total - sum(times.values()) for times, total in rounds),
                lambda name, shapes=outputs[p]: cast_ms(shapes.get(name, []), device))
         if p is not Precision.FP32 and Precision.FP32 in runs:
-            for n in (fp8_layers if p is Precision.FP8 else layers):
+            for n in (fp8_layers if p.swaps_linear else layers):
                 pairs = [(times.get(n, 0.0), ref.get(n, 0.0))
                          for (times, _), (ref, _) in zip(rounds, runs[Precision.FP32])]
                 if all(b > 0 for _, b in pairs):
@@ -244,7 +244,7 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
 
     # The blanket runs check the additive model with every layer alike; a mixed policy (every
     # other layer lowered to the fastest native region precision) checks it across boundaries.
-    fastest = min((p for p in native if p is not Precision.FP8 and p.value in remainder),
+    fastest = min((p for p in native if not p.swaps_linear and p.value in remainder),
                   key=lambda p: sum(latency[n][p.value] for n in layers), default=None)
     mixed = {n: "fp32" for n in layers}
     if fastest is not None:
@@ -273,7 +273,7 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
             if failure:
                 not_runnable[p.value] = failure
             if policy is not None:
-                timed = list(fp8_layers) if p is Precision.FP8 else list(layers)
+                timed = list(fp8_layers) if p.swaps_linear else list(layers)
                 block = _time_block(model, batch, policy, layers, timed, device, repeats, fp32_block)
                 record(p, policy, failure, block.layer_ms, block.remainder_ms, block.cast_ms.__getitem__)
                 if not failure:

@@ -208,7 +208,7 @@ def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any]
     start = time.perf_counter()
     caps = device_capabilities(device)
     timed = [Precision.FP32, *(p for p in low if caps[p] is Capability.NATIVE)]
-    fp8_layers = [n for n in names if "fp8" in candidates[n]]
+    fp8_layers = [n for n in names if any(Precision(p).swaps_linear for p in candidates[n])]
     attribution = "full backward hooks"
     blocks: dict[str, dict[str, Any]] = {}
     not_runnable: dict[str, dict] = {}  # see latency.runnable_policy: e.g. oneDNN has no fp16 LSTM with autograd
@@ -235,7 +235,7 @@ def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any]
                     casts[n][p] = 2.0 * cast_ms(b["outputs"].get(n, []), device)  # activation fwd, gradient bwd
     not_runnable = {p: failure for p, failure in not_runnable.items() if failure}
     remainder = {p: b["step_ms"] - sum(b["forward_ms"].values()) - sum(b["backward_ms"].values())
-                 for p, b in blocks.items() if p != "fp8" and p not in not_runnable}
+                 for p, b in blocks.items() if not Precision(p).swaps_linear and p not in not_runnable}
     end_to_end = {p: b["plain_ms"] for p, b in blocks.items() if p not in not_runnable}
     error = {}
     for p in remainder:
