@@ -83,10 +83,14 @@ def postgres_url():
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def log_file(out: Path, stream: str) -> Path:
+    return out.with_name(f"{out.name}-{stream}.txt")
+
+
 def tune_worker(cli_models: Path, out: Path, *options: str) -> subprocess.Popen:
-    """Start one `autoprec tune` of slow_cancel.py writing into ``out``; its stdout and stderr go to files there."""
-    out.mkdir(exist_ok=True)
-    with (out / "stdout.txt").open("w") as stdout, (out / "stderr.txt").open("w") as stderr:
+    """Start one `autoprec tune` of slow_cancel.py writing into ``out``; its stdout and stderr go to files beside
+    it (``out`` holds only autoprec's own outputs: it refuses a folder with files of anyone else's)."""
+    with log_file(out, "stdout").open("w") as stdout, log_file(out, "stderr").open("w") as stderr:
         return subprocess.Popen([*AUTOPREC, "tune", str(cli_models / "slow_cancel.py"), "--out", str(out),
                                  "--precisions", "bf16", *options], stdout=stdout, stderr=stderr)
 
@@ -102,7 +106,7 @@ def two_workers(postgres_url, cli_models, tmp_path_factory, autoprec, study_tria
     workers = [tune_worker(cli_models, out, *options) for out in folders]
     for worker, out in zip(workers, folders, strict=True):
         status = worker.wait(timeout=240)
-        stderr = (out / "stderr.txt").read_text()
+        stderr = log_file(out, "stderr").read_text()
         assert status == 0, stderr[-3000:]
         assert "Traceback" not in stderr
     return folders, study_trials(postgres_url)
