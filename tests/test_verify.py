@@ -149,3 +149,25 @@ def test_a_candidate_decided_faster_round_by_round_is_chosen(monkeypatch):
 
     monkeypatch.setattr(InferenceWorkload, "time", time)
     assert run([candidate(1, {"0": "bf16"})]).chosen.number == 1
+
+
+def test_after_the_round_cap_a_clear_gain_is_kept_and_a_marginal_one_is_not(monkeypatch):
+    # A noisy machine ran the rounds to the cap (8 here) without the sequential test (99%) deciding; over
+    # all of them the candidate's 95% interval is below 1 (0.89x [0.81, 0.99]): kept. With the same noise
+    # and no real gain (the interval straddles 1): fp32.
+    import random
+
+    from autoprec.compare import Ratio
+
+    rng = random.Random(0)
+    fp32 = [10.0 * rng.uniform(0.7, 1.6) for _ in range(8)]
+    noise = [rng.uniform(0.75, 1.3) for _ in range(8)]
+    for factor, kept in ((0.85, True), (1.0, False)):
+        trial = [f * factor * n for f, n in zip(fp32, noise)]
+        assert Ratio.of(trial, fp32).decision == "undecided"  # what the sequential test said
+
+        def time(self, runners, device, trial=trial):
+            return {k: {"fp32": fp32, "autocast": [x * 1.5 for x in fp32]}.get(k, trial) for k in runners}, "", None
+
+        monkeypatch.setattr(InferenceWorkload, "time", time)
+        assert (run([candidate(1, {"0": "bf16"})]).chosen is not None) is kept, factor
