@@ -213,9 +213,13 @@ def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, 
     chosen, tuned = None, "fp32"
     lowered = [c for c in passing if label[c.label] != "fp32"]  # a policy that is fp32 is not a candidate to time
     def decided_slower(a: Candidate, b: Candidate) -> bool:
+        """Not a tie with ``b``: decided slower, or (undecided) an estimate more than TIE_TOLERANCE slower.
+        The rounds ran until each entry was decided against fp32, not against each other: an undecided
+        pair is a tie only when its estimate says they are this close."""
         ratio = paired_ratio(samples, label[a.label], label[b.label])
-        return ratio.slower if ratio is not None else latency[label[a.label]] > latency[label[b.label]] * (
-            1 + TIE_TOLERANCE)
+        if ratio is None:
+            return latency[label[a.label]] > latency[label[b.label]] * (1 + TIE_TOLERANCE)
+        return ratio.slower or ratio.estimate > 1 + TIE_TOLERANCE
 
     def beats_fp32(c: Candidate) -> bool:
         """Faster than fp32 in the paired rounds: decided so while the rounds ran, or, where a noisy machine

@@ -171,3 +171,22 @@ def test_after_the_round_cap_a_clear_gain_is_kept_and_a_marginal_one_is_not(monk
 
         monkeypatch.setattr(InferenceWorkload, "time", time)
         assert (run([candidate(1, {"0": "bf16"})]).chosen is not None) is kept, factor
+
+
+def test_a_candidate_far_slower_than_the_fastest_is_no_tie_even_when_undecided(monkeypatch):
+    # Few noisy rounds: each candidate decided against fp32, not against each other. The one-rule policy is
+    # 1.25x slower than the three-rule one by its estimate: not a tie, so the faster one is kept.
+    import random
+
+    rng = random.Random(1)
+    fp32 = [10.0 * rng.uniform(0.7, 1.6) for _ in range(6)]
+    fast = [f * 0.5 * rng.uniform(0.7, 1.4) for f in fp32]
+    slow = [f * 0.625 * rng.uniform(0.7, 1.4) for f in fp32]
+
+    def time(self, runners, device):
+        table = {"fp32": fp32, "autocast": [x * 0.4 for x in fp32], "trial #1": slow, "trial #2": fast}
+        return {k: table[k] for k in runners}, "", None
+
+    monkeypatch.setattr(InferenceWorkload, "time", time)
+    v = run([candidate(1, {"0": "bf16"}), candidate(2, {"0": "bf16", "2": "bf16", "4": "bf16"})])
+    assert v.chosen.number == 2
