@@ -32,9 +32,10 @@ import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
-__all__ = ["Comparison", "Interval", "Ratio", "compare", "median_interval", "round_orders", "shift_interval"]
+__all__ = ["Comparison", "Interval", "Ratio", "compare", "median_interval", "rotations", "round_orders",
+           "shift_interval"]
 
 _MAD_TO_SIGMA = 1.4826  # median absolute deviation of a normal sample, in standard deviations
 
@@ -287,6 +288,16 @@ def round_orders(keys: Sequence[str], rounds: int) -> list[list[str]]:
     """The order of each round: odd rounds reverse the previous one, even rounds rotate the
     base order by one more step (A B C, C B A, B C A, A C B, C A B, B A C, ...)."""
     return [_order(keys, r) for r in range(rounds)]
+
+
+def rotations(keys: Sequence[str], rounds: int) -> Iterator[tuple[int, str]]:
+    """``(round, key)`` for every key in every round, in :func:`round_orders`' order: for loops that time
+    each entry themselves (hooked runs, training steps) rather than through :func:`compare`."""
+    if not keys:
+        return
+    for r in range(rounds):
+        for key in _order(keys, r):
+            yield r, key
 
 
 def _order(keys: Sequence[str], r: int) -> list[str]:

@@ -13,20 +13,21 @@ import math
 import statistics
 import sys
 import time
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 
 from .apply import apply_policy, remove_policy
 from .batches import OutputError, call_model, describe_batch, fidelity_outputs, output_tensors, to_device
+from .compare import rotations
 from .formats import Precision, sqnr_db
 from .objective import Measurement, Objective
 from .policy import Policy
 from .userspec import UserCodeError, as_metric, one_line, user_function
 
 __all__ = ["BatchError", "Evaluator", "Measurement", "OutputError", "call_model", "fidelity_outputs",
-           "interleaved_ms", "interleaved_samples", "median_ms", "output_tensors", "policy_runs", "rotations", "settle",
+           "interleaved_ms", "interleaved_samples", "median_ms", "output_tensors", "policy_runs", "settle",
            "time_ms", "to_device"]
 
 class BatchError(ValueError):
@@ -74,15 +75,6 @@ def time_ms(fn: Callable[[], Any], device: str | torch.device = "cpu", warmup: i
 
 def median_ms(fn: Callable[[], Any], device: str | torch.device = "cpu", warmup: int = 1, repeats: int = 5) -> float:
     return statistics.median(time_ms(fn, device, warmup, repeats))
-
-
-def rotations(keys: Sequence[str], rounds: int) -> Iterator[tuple[int, str]]:
-    """``(round, key)`` for every key in every round, the order rotated each round so that no entry always
-    follows the same one: a burst of machine noise or a drift hits every entry alike."""
-    for turn in range(rounds):
-        shift = turn % len(keys) if keys else 0
-        for key in [*keys[shift:], *keys[:shift]]:
-            yield turn, key
 
 
 def policy_runs(model: nn.Module, batch: Any, runners: Mapping[str, Policy | Precision | None],

@@ -114,15 +114,11 @@ class Verification:
 
 
 def fastest_simplest(options: Sequence[Any], ms: Callable[[Any], float], rules: Callable[[Any], int],
-                     slower: Callable[[Any, Any], bool] | None = None) -> Any:
-    """The option to keep: of those not measurably slower than the fastest, the one with the fewest
-    rules. A simpler policy that measures the same is the better one to keep (and to trust on other
-    batches). ``slower(a, b)``: whether ``a`` is decided slower than ``b`` (default: more than
-    :data:`TIE_TOLERANCE` slower). Whether it beats fp32 is the caller's check."""
+                     slower: Callable[[Any, Any], bool]) -> Any:
+    """The option to keep: of those not measurably slower than the fastest (``slower(a, b)``: whether
+    ``a`` is no tie with ``b``), the one with the fewest rules. A simpler policy that measures the same is
+    the better one to keep (and to trust on other batches). Whether it beats fp32 is the caller's check."""
     fastest = min(options, key=ms)
-    if slower is None:
-        def slower(a: Any, b: Any) -> bool:
-            return ms(a) > ms(b) * (1 + TIE_TOLERANCE)
     close = [o for o in options if o is fastest or not slower(o, fastest)]
     return min(close, key=lambda o: (rules(o), ms(o)))
 

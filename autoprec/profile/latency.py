@@ -28,9 +28,9 @@ import torch.nn as nn
 
 from ..apply import apply_policy, remove_policy
 from ..batches import call_model
-from ..compare import compare, median_interval
+from ..compare import compare, median_interval, rotations
 from ..formats import Precision
-from ..measure import median_ms, policy_runs, rotations, settle
+from ..measure import median_ms, policy_runs, settle
 from ..policy import Policy
 from .clock import LayerClock, cast_ms
 from .runnable import autocast_untuned, runnable_policy

@@ -29,10 +29,10 @@ from ..apply import apply_policy
 from ..batches import to_device
 from ..budget import Budget, BudgetError
 from ..capture import LayerTable
+from ..compare import rotations
 from ..config import TuneConfig
 from ..formats import Precision
 from ..gradients import DEFAULT_MIN_GRAD_SQNR, GradientObjective, check_losses
-from ..measure import rotations
 from ..objective import Measurement, Objective
 from ..policy import Policy
 from ..profile import Profile, fingerprint
