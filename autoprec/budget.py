@@ -16,21 +16,96 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .objective import Measurement, Objective
 
-__all__ = ["Budget", "BudgetError", "DEFAULT_BUDGET", "DEFAULT_MIN_SQNR", "choose_budget"]
+__all__ = ["Budget", "BudgetError", "DEFAULT_BUDGET", "DEFAULT_MIN_SQNR", "Margin", "Spread", "choose_budget",
+           "search_margin"]
 
 DEFAULT_MIN_SQNR = 30.0  # dB: fidelity floor without a user metric (about 3% relative RMS error)
 DEFAULT_BUDGET = "1%"  # with a user metric: at most 1% of the fp32 metric lost
 # The search works to a budget a little inside the user's: a policy found right at the edge on a few
 # search batches misses it on batches it never saw (measured: 45.0 dB on the search batches, 44.97 dB on
-# unseen text at a 45 dB floor). Verification then checks the user's own budget on held-out batches.
+# unseen text at a 45 dB floor). How far inside comes from the metric's measured spread across the search
+# batches (:func:`search_margin`); these defaults apply where there is too little to measure a spread on.
+# Verification then checks the user's own budget on held-out batches.
 SEARCH_MARGIN_DB = 0.5  # an SQNR floor is searched this many dB higher
 SEARCH_MARGIN_SHARE = 0.1  # and this share of a metric-drop budget is left unused
+MARGIN_DB_RANGE = (0.1, 3.0)  # a margin from the spread stays inside these (dB)
+MARGIN_SHARE_RANGE = (0.05, 0.5)  # and at most half of a drop budget goes to it
+MARGIN_Z = 1.645  # one-sided 95%: a policy at the searched edge holds on held-out batches of the same spread
+MIN_SPREAD_UNITS = 3  # batches (or rows) needed to measure a spread at all
 _NO_METRIC = ("a metric-drop budget limits your evaluate() metric, and this model has none: give an SQNR floor "
               "instead (min_sqnr, e.g. 30 dB) or define evaluate(model, batches)")
 
 
 class BudgetError(ValueError):
     """A budget that cannot be used; the message says why and what to give instead."""
+
+
+@dataclass(frozen=True)
+class Spread:
+    """How much the metric varies from batch to batch under one policy, measured on the search batches.
+
+    ``values``: one per unit, the SQNR in dB (``fidelity``) or the drop of the user's metric against fp32;
+    a unit is a batch, or a row of one (``rows_per_batch`` > 1: the rows of equal-sized batches, for
+    fidelity with too few batches to measure a spread on). ``under``: the policy, in words.
+    """
+
+    values: tuple[float, ...]
+    fidelity: bool
+    under: str
+    rows_per_batch: int = 1
+
+    @property
+    def batch_std(self) -> float | None:
+        """The standard deviation of one batch's value (rows: their std / sqrt(rows per batch)); None
+        with fewer than :data:`MIN_SPREAD_UNITS` finite values."""
+        finite = [v for v in self.values if math.isfinite(v)]
+        if len(finite) < MIN_SPREAD_UNITS:
+            return None
+        mean = sum(finite) / len(finite)
+        std = math.sqrt(sum((v - mean) ** 2 for v in finite) / (len(finite) - 1))
+        return std / math.sqrt(self.rows_per_batch)
+
+
+@dataclass(frozen=True)
+class Margin:
+    """How far inside the user's budget the search works: ``db`` above an SQNR floor, ``share`` of a
+    metric-drop budget left unused; ``why`` says where the figures come from (for the report)."""
+
+    db: float = SEARCH_MARGIN_DB
+    share: float = SEARCH_MARGIN_SHARE
+    why: str = (f"the default margin ({SEARCH_MARGIN_DB:g} dB, {SEARCH_MARGIN_SHARE:.0%} of a drop budget): "
+                "too few search batches to measure the metric's spread")
+
+
+def _clamp(x: float, bounds: tuple[float, float]) -> float:
+    return min(max(x, bounds[0]), bounds[1])
+
+
+def search_margin(spread: Spread | None, search_batches: int, holdout_batches: int,
+                  allowed_drop: float | None = None) -> Margin:
+    """The margin from the metric's spread across the search batches.
+
+    A policy the search finds right at its edge has, on the held-out batches, a value that differs from
+    the one searched on by a difference of two batch means; ``MARGIN_Z`` standard deviations of that
+    difference (``batch_std * sqrt(1/search + 1/held-out)``) keep it inside the user's budget 19 times
+    in 20 when the held-out batches vary as the search batches do. Bounded by ``MARGIN_DB_RANGE`` and
+    ``MARGIN_SHARE_RANGE``; without a measurable spread, the defaults.
+    """
+    std = spread.batch_std if spread is not None else None
+    if std is None or search_batches < 1 or holdout_batches < 1:
+        return Margin()
+    wide = MARGIN_Z * std * math.sqrt(1 / search_batches + 1 / holdout_batches)
+    per = (f"{len(spread.values)} rows of {search_batches} search batches" if spread.rows_per_batch > 1
+           else f"{search_batches} search batches")
+    if spread.fidelity:
+        db = _clamp(wide, MARGIN_DB_RANGE)
+        return Margin(db=db, why=f"{db:.2g} dB from the spread of the output SQNR under {spread.under} "
+                                 f"(a batch's std {std:.2g} dB over {per})")
+    if allowed_drop is None or allowed_drop <= 0:
+        return Margin(why=f"the default margin: a budget of no drop leaves none to share ({per})")
+    share = _clamp(wide / allowed_drop, MARGIN_SHARE_RANGE)
+    return Margin(share=share, why=f"{share:.0%} of the drop budget from the spread of the metric's drop under "
+                                   f"{spread.under} (a batch's std {std:.3g} over {per})")
 
 
 @dataclass(frozen=True)
@@ -71,11 +146,11 @@ class Budget:
         return cls(drop=value / 100 if relative else value, relative=relative,
                    min_sqnr=None if min_sqnr is None else float(min_sqnr))
 
-    def for_search(self) -> Budget:
-        """The budget the search works to: :data:`SEARCH_MARGIN_DB` / :data:`SEARCH_MARGIN_SHARE` inside this one."""
-        return Budget(drop=None if self.drop is None else self.drop * (1 - SEARCH_MARGIN_SHARE),
-                      relative=self.relative,
-                      min_sqnr=None if self.min_sqnr is None else self.min_sqnr + SEARCH_MARGIN_DB)
+    def for_search(self, margin: Margin | None = None) -> Budget:
+        """The budget the search works to: ``margin`` (default :class:`Margin`) inside this one."""
+        margin = margin or Margin()
+        return Budget(drop=None if self.drop is None else self.drop * (1 - margin.share), relative=self.relative,
+                      min_sqnr=None if self.min_sqnr is None else round(self.min_sqnr + margin.db, 2))
 
     def allowed_drop(self, metric_fp32: float) -> float | None:
         if self.drop is None:

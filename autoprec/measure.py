@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from .apply import apply_policy, remove_policy
 from .batches import OutputError, call_model, describe_batch, fidelity_outputs, output_tensors, to_device
+from .budget import MIN_SPREAD_UNITS, Spread
 from .compare import rotations
 from .formats import Precision, sqnr_db
 from .objective import Measurement, Objective
@@ -272,6 +273,39 @@ class Evaluator(Objective):
             metric = sqnr
         return Measurement(float(metric), sqnr, nonfinite, time.perf_counter() - start,
                            nonfinite_layers=sorted(set(bad_layers)))
+
+    def spread(self, policy: Policy, under: str) -> Spread | None:
+        """The metric's spread across the search batches under ``policy`` (``under``: it in words), for
+        :func:`autoprec.budget.search_margin`: per batch, or per row of each batch where fidelity has fewer
+        than ``MIN_SPREAD_UNITS`` batches. None where it cannot be measured: a user metric on fewer batches,
+        or a model or ``evaluate()`` that fails under the policy or on one batch alone."""
+        try:
+            if self.evaluate is not None:
+                if len(self.batches) < MIN_SPREAD_UNITS:
+                    return None
+                drops = [self._drop_on(batch, policy) for batch in self.batches]
+                return Spread(tuple(drops), fidelity=False, under=under)
+            with torch.no_grad():
+                outputs = _applied(self.model, policy,
+                                   lambda: [output_tensors(call_model(self.model, b)) for b in self.batches])
+        except Exception:  # the margin falls back to its default; the search measures this policy again
+            return None
+        pairs = [list(zip(ref, out)) for ref, out in zip(self.reference, outputs)]
+        if len(self.batches) >= MIN_SPREAD_UNITS:
+            return Spread(tuple(min(sqnr_db(r, a.to(r.dtype)) for r, a in batch) for batch in pairs), True, under)
+        rows = {t.shape[0] if t.ndim else 0 for ref in self.reference for t in ref}
+        if len(rows) != 1 or min(rows) < 2:  # rows only where every output of every batch has the same number
+            return None
+        (k,) = rows
+        values = [min(sqnr_db(r[i], a[i].to(r.dtype)) for r, a in batch) for batch in pairs for i in range(k)]
+        return Spread(tuple(values), True, under, rows_per_batch=k)
+
+    def _drop_on(self, batch: Any, policy: Policy) -> float:
+        """How much worse ``evaluate(model, [batch])`` is under ``policy`` than in fp32."""
+        with torch.no_grad():
+            fp32 = as_metric(self.evaluate(self.model, [batch]), "evaluate")
+            low = _applied(self.model, policy, lambda: as_metric(self.evaluate(self.model, [batch]), "evaluate"))
+        return self.drop(low) - self.drop(fp32)
 
     def _note_error(self, _module: nn.Module, _inputs: Any, _output: Any) -> None:
         """Called after each forward of the model, also one that raised (always_call): then the

@@ -233,12 +233,13 @@ def report_markdown(result: TuneResult, workload: Any = None) -> str:
     lines += [results_table(v, markdown=True), ""]
     for note in v.notes + s.notes:
         lines.append(f"- {note}")
-    searched_to = result.budget if training else result.budget.for_search()
+    searched_to = result.searched_to or result.budget
+    margin = (f", a margin so that what it finds holds on batches it never saw: {result.margin.why}"
+              if result.margin is not None else "")
     lines += ["", f"Device: `{p.device}`; precisions: "
               + ", ".join(f"{k} ({c})" for k, c in p.capabilities.items())
               + f". Metric: {_metric_words(p.metric['kind'])}"
-              + f". Budget: {result.budget} (the search works to {searched_to}"
-              + ("" if training else ", a margin so that what it finds holds on batches it never saw")
+              + f". Budget: {result.budget} (the search works to {searched_to}{margin}"
               + "; verification checks the budget itself).", ""]
     if workload is not None:
         lines += workload.report_sections(result)

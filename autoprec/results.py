@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .budget import Budget
+    from .budget import Budget, Margin
     from .policy import Policy
     from .profile import Profile
     from .search import SearchResult
@@ -29,6 +29,8 @@ class TuneResult:
     out_dir: Path | None
     seconds: dict[str, float] = field(default_factory=dict)
     workload: str = "inference"  # what it was tuned for: "inference" or "training"
+    searched_to: Budget | None = None  # the budget the search worked to (None: ``budget`` itself)
+    margin: Margin | None = None  # what put it inside ``budget``, and why
 
     @property
     def front(self):

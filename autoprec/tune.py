@@ -173,7 +173,14 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None]) -> 
             start = time.perf_counter()
             space = space or SearchSpace.load(choose_preset([layer.kind for layer in profile.layers]))
             prefix = "autoprec" if workload.name == "inference" else f"autoprec-{workload.name}"
-            search_budget = the_budget.for_search() if workload.name == "inference" else the_budget
+            if config.target is not None:
+                from .costmodel import get_target, policy_ms
+
+                caps = get_target(config.target).capabilities()
+            else:
+                caps = device_capabilities(device)
+            autocast = autocast_baseline(caps, profile.end_to_end_ms)
+            search_budget, margin = workload.search_budget(the_budget, objective, autocast)
             result = search(profile, objective, search_budget, space, config.precisions, trials=config.trials,
                             timeout=config.timeout, patience=config.patience, storage=storage,
                             study_name=config.study_name or
@@ -185,13 +192,7 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None]) -> 
             start = time.perf_counter()
             estimated_ms = None
             if config.target is not None:
-                from .costmodel import get_target, policy_ms
-
-                caps = get_target(config.target).capabilities()
                 estimated_ms = lambda policy: policy_ms(profile, policy)  # noqa: E731
-            else:
-                caps = device_capabilities(device)
-            autocast = autocast_baseline(caps, profile.end_to_end_ms)
             blanket_allowed = allows_everywhere(space, [(layer.name, layer.kind) for layer in profile.layers],
                                                 autocast.value)
             def within_user_budget(c: Candidate) -> bool:
@@ -206,7 +207,8 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None]) -> 
             phase = "outputs"
             policy = _tuned_policy(verification, profile, the_budget, model, workload)
             tuned = TuneResult(policy=policy, profile=profile, search=result, verification=verification,
-                               budget=the_budget, out_dir=out_dir, seconds=seconds, workload=workload.name)
+                               budget=the_budget, out_dir=out_dir, seconds=seconds, workload=workload.name,
+                               searched_to=search_budget, margin=margin)
             if out_dir is not None:
                 from .report import write_outputs
 

@@ -6,7 +6,16 @@ import math
 
 import pytest
 
-from autoprec.budget import DEFAULT_MIN_SQNR, Budget, BudgetError, choose_budget
+from autoprec.budget import (
+    DEFAULT_MIN_SQNR,
+    MARGIN_Z,
+    Budget,
+    BudgetError,
+    Margin,
+    Spread,
+    choose_budget,
+    search_margin,
+)
 
 
 def test_defaults_follow_the_kind_of_metric():
@@ -68,3 +77,42 @@ def test_the_search_works_inside_the_budget_it_is_given():
     drop = Budget.parse("2%").for_search()
     assert drop.relative and drop.drop == pytest.approx(0.018)
     assert Budget.parse("0").for_search().drop == 0.0  # no drop allowed stays no drop
+
+
+def test_the_margin_comes_from_the_spread_of_the_search_batches():
+    values = (44.0, 45.0, 46.0, 45.0)  # per-batch SQNR: std 0.816 dB
+    std = math.sqrt(sum((v - 45.0) ** 2 for v in values) / 3)
+    margin = search_margin(Spread(values, fidelity=True, under="blanket bf16"), search_batches=4, holdout_batches=2)
+    assert margin.db == pytest.approx(MARGIN_Z * std * math.sqrt(1 / 4 + 1 / 2))
+    assert "blanket bf16" in margin.why and "4 search batches" in margin.why
+    assert Budget(min_sqnr=30.0).for_search(margin).min_sqnr == pytest.approx(30 + margin.db, abs=0.01)
+    # the same spread measured on rows of 16 per batch: a batch's std is the rows' / 4
+    rows = search_margin(Spread(values, True, "x", rows_per_batch=16), search_batches=2, holdout_batches=1)
+    assert rows.db == pytest.approx(max(0.1, MARGIN_Z * std / 4 * math.sqrt(1 / 2 + 1)))
+    assert "rows of 2 search batches" in rows.why
+
+
+def test_a_wider_spread_means_a_wider_margin_within_its_bounds():
+    def db(values):
+        return search_margin(Spread(values, True, "x"), 3, 1).db
+
+    assert db((45.0, 45.1, 44.9)) < db((44.0, 46.0, 45.0)) < db((40.0, 50.0, 45.0))
+    assert db((45.0, 45.0, 45.0)) == 0.1  # batches that agree still leave the smallest margin
+    assert db((10.0, 80.0, 45.0)) == 3.0  # and wildly different ones no more than the largest
+
+
+def test_too_little_to_measure_a_spread_on_keeps_the_default_margin_and_says_why():
+    assert search_margin(None, 3, 1) == Margin()
+    two = search_margin(Spread((44.0, 46.0), True, "x"), 2, 1)  # two values: no spread to speak of
+    assert two == Margin() and "too few search batches" in two.why
+    assert search_margin(Spread((44.0, math.inf, math.inf, 46.0), True, "x"), 4, 1) == Margin()
+
+
+def test_a_drop_budget_leaves_a_share_of_itself_from_the_spread_of_the_drops():
+    drops = (0.01, 0.02, 0.03)  # the metric's drop per batch under blanket low precision: std 0.01
+    margin = search_margin(Spread(drops, fidelity=False, under="blanket bf16"), 3, 1, allowed_drop=0.1)
+    assert margin.share == pytest.approx(MARGIN_Z * 0.01 * math.sqrt(1 / 3 + 1) / 0.1)
+    assert Budget.parse("0.1").for_search(margin).drop == pytest.approx(0.1 * (1 - margin.share))
+    assert search_margin(Spread((0.0, 0.5, 1.0), False, "x"), 3, 1, allowed_drop=0.1).share == 0.5  # at most half
+    none = search_margin(Spread(drops, False, "x"), 3, 1, allowed_drop=0.0)  # no drop allowed: nothing to share
+    assert (none.db, none.share) == (Margin().db, Margin().share)

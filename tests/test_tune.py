@@ -121,6 +121,10 @@ def test_outputs_are_written(trap_run):
     assert policy.result["budget"] == f"SQNR >= {FLOOR_DB:g} dB"
     report = (out / "report.md").read_text()
     assert "autoprec policy" in report and "cancel" in report
+    # the search worked inside the floor by a margin from the spread of blanket bf16 over the 3 search batches
+    assert result.margin is not None and "blanket bf16" in result.margin.why, result.margin
+    assert result.searched_to.min_sqnr == pytest.approx(FLOOR_DB + result.margin.db, abs=0.01)
+    assert result.margin.why in report
     profile = json.loads((out / "profile.json").read_text())
     assert profile["version"] == PROFILE_VERSION and len(profile["layers"]) == 13
     assert set(profile["layers"][0]) >= {"name", "kind", "flops", "latency_ms", "sensitivity"}

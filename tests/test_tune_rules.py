@@ -95,3 +95,32 @@ def test_a_lower_is_better_metric_keeps_its_budget_the_right_way_round(tmp_path)
     assert v.metric["tuned"] <= v.metric["fp32"] + allowed  # lower is better: it may rise by the budget, no more
     bf16_bad = [c for c in result.search.trials if c.assignment["bad"] == "bf16"]
     assert all(not c.feasible for c in bf16_bad)  # bf16 ruins the cancellation: the MSE rises far past the budget
+
+
+def test_the_spread_of_the_metric_is_measured_per_batch_or_per_row():
+    from models import TinyMLP
+
+    model = TinyMLP().eval()
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(8, 16, generator=g) * scale for scale in (1.0, 3.0, 0.3, 1.0)]
+    bf16 = autoprec.Policy(default="bf16")
+    per_batch = Evaluator(model, xs[:3]).spread(bf16, "blanket bf16")
+    assert per_batch.fidelity and per_batch.rows_per_batch == 1 and len(per_batch.values) == 3
+    assert all(20 < v < 80 for v in per_batch.values) and per_batch.batch_std > 0
+    # two batches are too few to spread over: their rows are used, and a batch's std is theirs / sqrt(8)
+    rows = Evaluator(model, xs[:2]).spread(bf16, "blanket bf16")
+    assert rows.rows_per_batch == 8 and len(rows.values) == 16
+    # a user metric is per batch only: on two batches there is nothing to measure
+    metric = lambda m, b: -float(sum(m(x).pow(2).mean() for x in b))  # noqa: E731
+    assert Evaluator(model, xs[:2], evaluate=metric).spread(bf16, "x") is None
+    drops = Evaluator(model, xs, evaluate=metric).spread(bf16, "x")
+    assert not drops.fidelity and len(drops.values) == 4 and any(d != 0 for d in drops.values)
+
+
+def test_a_policy_the_model_fails_under_leaves_the_default_margin(monkeypatch):
+    from models import TinyMLP
+
+    model = TinyMLP().eval()
+    ev = Evaluator(model, [torch.randn(8, 16) for _ in range(3)])
+    monkeypatch.setattr(model[0], "forward", lambda x: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert ev.spread(autoprec.Policy(default="bf16"), "x") is None

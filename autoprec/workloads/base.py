@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import torch
     import torch.nn as nn
 
-    from ..budget import Budget
+    from ..budget import Budget, Margin
     from ..capture import LayerTable
     from ..config import TuneConfig
     from ..formats import Precision
@@ -83,6 +83,11 @@ class Workload:
 
     def profile(self, table: LayerTable, device: torch.device, config: TuneConfig, capture_seconds: float) -> Profile:
         raise NotImplementedError
+
+    def search_budget(self, budget: Budget, objective: Objective, low: Precision) -> tuple[Budget, Margin | None]:
+        """The budget the search works to, and the margin that puts it inside ``budget`` (None: the
+        search works to the budget itself). ``low``: the blanket low precision, as a worst case."""
+        return budget, None
 
     def verify_budget(self, budget: Budget) -> Budget:
         """The part of the budget verification checks (the whole budget unless said otherwise)."""

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from ..batches import describe_batch, to_device
-from ..budget import Budget, choose_budget
+from ..budget import Budget, Margin, choose_budget, search_margin
 from ..capture import LayerTable
 from ..compare import compare
 from ..config import TuneConfig
@@ -65,6 +65,14 @@ class InferenceWorkload(Workload):
 
     def objective(self, device: torch.device) -> Evaluator:
         return Evaluator(self.model, self.batches, self.evaluate, self.higher_is_better, device)
+
+    def search_budget(self, budget: Budget, objective: Evaluator, low: Precision) -> tuple[Budget, Margin]:
+        """A margin inside the budget from the metric's spread across the search batches under blanket
+        ``low`` (:func:`autoprec.budget.search_margin`), so what the search finds holds on the held-out batches."""
+        spread = objective.spread(Policy(default=low), f"blanket {low.value}")
+        allowed = budget.allowed_drop(objective.metric_fp32)
+        margin = search_margin(spread, len(self.batches), len(self.holdout_batches), allowed)
+        return budget.for_search(margin), margin
 
     def fingerprint(self) -> str:
         return fingerprint(self.model, self.batches)
