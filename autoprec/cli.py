@@ -288,7 +288,9 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     _model_arguments(parser)
     parser.add_argument("--policy", required=True, help="the policy.json to re-measure")
     _budget_arguments(parser)
-    parser.add_argument("--repeats", type=_positive_int, default=7, help="timed rounds of each (default 7)")
+    parser.add_argument("--repeats", type=_positive_int, default=7,
+                        help="timed rounds of each at least (default 7); more until every ratio is within "
+                             "+-3%% or a minute has passed")
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -302,6 +304,8 @@ def bench(args: argparse.Namespace) -> int:
     result = bench_policy(spec.model, spec.holdout_batches, policy, budget, spec.evaluate, spec.higher_is_better,
                           device=args.device, repeats=args.repeats)
     print(results_table(result))
+    for note in result.notes:
+        print(f"- {note}")
     return 0
 
 

@@ -25,9 +25,9 @@ import torch.nn as nn
 
 from .batches import describe_batch, to_device
 from .budget import Budget
-from .compare import Ratio
+from .compare import Ratio, compare
 from .formats import Capability, Precision, device_capabilities
-from .measure import Evaluator, interleaved_samples
+from .measure import Evaluator, policy_runs
 from .objective import Measurement, Objective
 from .policy import Policy
 from .search import Candidate
@@ -273,11 +273,15 @@ def _median_finite(samples: Sequence[float]) -> float:
 
 def bench_policy(model: nn.Module, batches: Sequence[Any], policy: Policy, budget: Budget,
                  evaluate: Callable[[nn.Module, list], float] | None = None, higher_is_better: bool = True,
-                 device: str | torch.device = "cpu", repeats: int = 7) -> Verification:
+                 device: str | torch.device = "cpu", repeats: int = 7, max_seconds: float = 60.0) -> Verification:
     """Time ``policy`` against fp32 and blanket autocast on ``batches[0]`` and score all three.
 
-    The autocast baseline is chosen as :func:`tune` chooses it: each natively supported autocast
-    dtype is timed in the same interleaved run, and the fastest is the one compared against.
+    Timed as verification times: paired interleaved rounds (:func:`autoprec.compare.compare`), each
+    policy on its own copy of the model, at least ``repeats`` rounds and on until every ratio to fp32
+    is within ±3% or ``max_seconds`` ran; the notes give each ratio with its interval, and say so
+    when the machine was too noisy to measure that precisely. The autocast baseline is chosen as
+    :func:`tune` chooses it: each natively supported autocast dtype is timed in the same rounds, and
+    the fastest is the one compared against.
     """
     device = torch.device(device)
     model = model.to(device).eval()
@@ -289,10 +293,17 @@ def bench_policy(model: nn.Module, batches: Sequence[Any], policy: Policy, budge
     caps = device_capabilities(device)
     options = [p for p in AUTOCAST_CHOICES if caps[p] is Capability.NATIVE] or [Precision.BF16]
     runners: dict[str, Policy | Precision | None] = {"fp32": None, **{p.value: p for p in options}, "tuned": policy}
-    samples = interleaved_samples(model, batch, runners, device, repeats=repeats)
+    timing = compare(policy_runs(model, batch, runners, device), reference="fp32", device=str(device),
+                     min_rounds=repeats, max_rounds=max(repeats, 60), max_seconds=max_seconds, until="precise")
+    samples = timing.samples
     autocast = autocast_baseline(caps, {p.value: statistics.median(samples[p.value]) for p in options})
     blanket = evaluator.measure(Policy(default=autocast))
     samples = {"fp32": samples["fp32"], "autocast": samples[autocast.value], "tuned": samples["tuned"]}
+    notes = [f"tuned vs fp32: {timing.ratios['tuned']}; blanket {autocast.value} vs fp32: "
+             f"{timing.ratios[autocast.value]}; tuned vs blanket {autocast.value}: "
+             f"{timing.ratio('tuned', autocast.value)} (paired rounds, 95% intervals)"]
+    if timing.verdict:
+        notes.append(timing.verdict)
     return Verification(
         chosen=None, policy=policy, samples=samples,
         metric={"fp32": evaluator.metric_fp32, "autocast": blanket.metric, "tuned": tuned.metric},
@@ -301,4 +312,4 @@ def bench_policy(model: nn.Module, batches: Sequence[Any], policy: Policy, budge
                        "tuned": budget.violation(tuned, evaluator) <= 0},
         autocast_precision=autocast.value, predicted_ms=None, timed_on=describe_batch(batch),
         fidelity=evaluator.uses_fidelity, tuned_is_autocast=is_blanket(policy, autocast),
-        metric_kind="output SQNR dB" if evaluator.uses_fidelity else "metric")
+        metric_kind="output SQNR dB" if evaluator.uses_fidelity else "metric", notes=notes)

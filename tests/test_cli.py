@@ -114,8 +114,13 @@ def test_bench_remeasures_the_policy_against_fp32_and_autocast(tuned, autoprec, 
     run = autoprec("bench", cli_models / "mlp.py", "--policy", out / "policy.json", "--repeats", "3")
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
-    assert lines[0].startswith("held-out batches; latency on 256x512: median of 3 interleaved rounds")
+    # at least 3 paired rounds, more until every ratio is within +-3% or the cap
+    rounds = re.match(r"held-out batches; latency on 256x512: median of (\d+) interleaved rounds", lines[0])
+    assert rounds and int(rounds.group(1)) >= 3, lines[0]
     assert "output SQNR dB" in lines[1] and "within budget" in lines[1]
+    notes = [line for line in lines if line.startswith("- ")]
+    assert re.match(r"- tuned vs fp32: \d\.\d\dx \[\d\.\d\d, \d\.\d\d\] over \d+ rounds; blanket ", notes[0]), notes
+    assert notes[1].startswith("- timing noise"), notes
     rows = [line.strip().split("  ") for line in table_rows(lines)]
     labels = [row[0] for row in rows]
     # the baseline is the native autocast dtype measured fastest here: bf16 on this CPU, unless noise says fp16
