@@ -21,14 +21,13 @@ import torch.nn as nn
 from .apply import apply_policy, remove_policy
 from .batches import OutputError, call_model, describe_batch, fidelity_outputs, output_tensors, to_device
 from .budget import MIN_SPREAD_UNITS, Spread
-from .compare import rotations
 from .formats import Precision, sqnr_db
 from .objective import Measurement, Objective
 from .policy import Policy
 from .userspec import UserCodeError, as_metric, one_line, user_function
 
 __all__ = ["BatchError", "Evaluator", "Measurement", "OutputError", "call_model", "fidelity_outputs",
-           "interleaved_ms", "interleaved_samples", "median_ms", "output_tensors", "policy_runs", "settle",
+           "median_ms", "output_tensors", "policy_runs", "settle",
            "time_ms", "to_device"]
 
 class BatchError(ValueError):
@@ -119,62 +118,6 @@ def _applied(model: nn.Module, policy: Policy, fn: Callable[[], Any]) -> Any:
         return fn()
     finally:
         remove_policy(model)
-
-
-def interleaved_ms(model: nn.Module, batch: Any, runners: Mapping[str, Policy | Precision | None],
-                   device: str | torch.device = "cpu", repeats: int = 7, rewarm: int = 1) -> dict[str, float]:
-    """Median ms of one forward per entry, timed as :func:`interleaved_samples` times them."""
-    samples = interleaved_samples(model, batch, runners, device, repeats, rewarm)
-    return {k: statistics.median(v) for k, v in samples.items()}
-
-
-def interleaved_samples(model: nn.Module, batch: Any, runners: Mapping[str, Policy | Precision | None],
-                        device: str | torch.device = "cpu", repeats: int = 7, rewarm: int = 1
-                        ) -> dict[str, list[float]]:
-    """ms of one forward per entry and round: each settled first, then timed round-robin in one run.
-
-    Sample ``i`` of every entry comes from round ``i``, so ratios of two entries can be taken
-    round by round (their spread is the measured noise of the comparison).
-
-    An entry is a Policy (applied for its runs), a Precision (blanket ``torch.autocast``) or
-    None (plain fp32). Round-robin makes a burst of machine noise hit every entry alike; in each
-    turn ``rewarm`` untimed forwards come first, so an entry is timed in its steady state (the
-    allocator's memory laid out for its own tensors, as in a serving loop), not right after
-    another entry's.
-    """
-    device = torch.device(device)
-
-    def forward(how: Policy | Precision | None) -> Callable[[], Any]:
-        if isinstance(how, Precision):
-            def run() -> Any:
-                with torch.autocast(device.type, dtype=how.autocast_dtype):
-                    return call_model(model, batch)
-            return run
-        return lambda: call_model(model, batch)
-
-    def timed(how: Policy | Precision | None, fn: Callable[[], float]) -> float:
-        if not isinstance(how, Policy):
-            return fn()
-        apply_policy(model, how)
-        try:
-            return fn()
-        finally:
-            remove_policy(model)
-
-    def burst(how: Policy | Precision | None) -> float:
-        fn = forward(how)
-        for _ in range(rewarm):
-            fn()
-        return _once_ms(fn, device)
-
-    samples: dict[str, list[float]] = {k: [] for k in runners}
-    with torch.no_grad():
-        for how in runners.values():
-            timed(how, lambda how=how: settle(forward(how), device))
-        for _, key in rotations(list(runners), repeats):
-            how = runners[key]
-            samples[key].append(timed(how, lambda how=how: burst(how)))
-    return samples
 
 
 class Evaluator(Objective):

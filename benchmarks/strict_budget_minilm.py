@@ -1,18 +1,21 @@
 """Strict fidelity floors on the pretrained MiniLM: the tuner against structured hand policies.
 
-    python benchmarks/strict_budget_minilm.py [--floors 45 50] [--repeats 9] [--json PATH]
+    python benchmarks/strict_budget_minilm.py [--floors 45 50] [--seconds 240] [--json PATH]
 
 At 45 and 50 dB blanket bf16 autocast (about 43 dB) breaks the floor, so the answer is a mixed
 policy. For each floor:
 
 1. ``autoprec tune examples/minilm/model.py --min-sqnr FLOOR`` in a fresh folder, timed end to end
    (goal: under 5 minutes on 2 cores).
-2. One interleaved run on a 64 x 128 token batch of text the tune never saw: fp32, blanket
+2. One paired interleaved run (:func:`autoprec.compare.compare`, until every ratio to fp32 is within
+   +-2% or ``--seconds``) on a 64 x 128 token batch of text the tune never saw: fp32, blanket
    autocast, every structured heuristic (first/last blocks fp32, attention fp32, MLP fp32,
    embeddings and pooler fp32, ...; the hand policy of issue 8 among them) and the tuned
    policies; latency as a ratio of fp32, output SQNR against fp32 on that batch.
-   Goals: tuned <= 0.95x the fastest heuristic that meets the same floor there; the floor met.
-3. The latency model checked: a second interleaved run at the profiling batch shape (16 x 128)
+   Goals: tuned <= 0.95x the fastest heuristic that meets the same floor there (judged by the paired
+   ratio's interval: "met" when its upper end is at most 0.95, "??" when the interval straddles it);
+   the floor met.
+3. The latency model checked: a second paired run at the profiling batch shape (16 x 128)
    of fp32, a fragmented policy (every other layer fp32 in a bf16 model), the best heuristic and
    the tuned policies, predicted (the search's model, region costs included) vs measured.
    Goal for the fragmented policy: within 15%.
@@ -33,8 +36,9 @@ sys.path.insert(0, str(ROOT / "examples" / "minilm"))
 import model as minilm  # noqa: E402  (examples/minilm/model.py)
 
 import autoprec  # noqa: E402
+from autoprec.compare import compare  # noqa: E402
 from autoprec.formats import Precision  # noqa: E402
-from autoprec.measure import Evaluator, interleaved_ms  # noqa: E402
+from autoprec.measure import Evaluator, policy_runs  # noqa: E402
 from autoprec.search import choose_default  # noqa: E402
 from autoprec.searchspace import SearchSpace  # noqa: E402
 from autoprec.structure import Structure, predict_policy_ms, region_cost_ms  # noqa: E402
@@ -63,7 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--floors", type=float, nargs="+", default=[45.0, 50.0])
     parser.add_argument("--out", default="autoprec-runs/minilm-strict")
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--seconds", type=float, default=240.0, help="cap of each timing run (default 240)")
     parser.add_argument("--trials", type=int, default=60)
     parser.add_argument("--reuse-profile", action="store_true",
                         help="keep each floor's folder, so a profile.json there is reused (tune time then excludes it)")
@@ -97,26 +101,30 @@ def main() -> None:
     big = minilm.get_batches(batch_size=64, n_batches=2)[1]  # 64 x 128 tokens after the tune's 3 x 16
     runners = {"fp32": None, "autocast bf16": Precision.BF16, **{f"heuristic {k}": p for k, p in heuristics.items()},
                **{f"tuned {f:g} dB": p for f, p in tuned.items()}}
-    ms = interleaved_ms(model, big, runners, repeats=args.repeats)
+    timing = compare(policy_runs(model, big, runners), reference="fp32", until="precise", rel_precision=0.02,
+                     max_rounds=200, max_seconds=args.seconds)
+    ms = {k: timing.ms(k).estimate for k in runners}
     evaluator = Evaluator(model, [big])
     sqnr = {k: (float("inf") if p is None else evaluator.measure(
         autoprec.Policy(default=p) if isinstance(p, Precision) else p).sqnr_db) for k, p in runners.items()}
-    print("\n64 x 128 tokens (unseen), median of interleaved runs:")
-    print(f"{'':40s} {'ms':>9s} {'/ fp32':>7s} {'SQNR dB':>8s} {'rules':>5s}")
+    print(f"\n64 x 128 tokens (unseen), {timing.verdict}:")
+    print(f"{'':40s} {'ms':>9s} {'/ fp32 [95% interval]':>32s} {'SQNR dB':>8s} {'rules':>5s}")
     for k, p in runners.items():
         rules = len(p.layers) if isinstance(p, autoprec.Policy) else 0
-        print(f"{k:40s} {ms[k]:9.1f} {ms[k] / ms['fp32']:7.3f} {sqnr[k]:8.1f} {rules:5d}")
+        ratio = str(timing.ratios[k]) if k in timing.ratios else "1"
+        print(f"{k:40s} {ms[k]:9.1f} {ratio:>32s} {sqnr[k]:8.1f} {rules:5d}")
 
     goals = {}
     for floor in args.floors:
         meeting = {k: ms[k] for k in runners if k.startswith("heuristic") and sqnr[k] >= floor}
         best = min(meeting, key=meeting.get) if meeting else None
         key = f"tuned {floor:g} dB"
-        ratio = ms[key] / meeting[best] if best else None
-        goals[floor] = {"fastest_heuristic": best, "tuned_over_heuristic": ratio, "floor_met": sqnr[key] >= floor,
-                        "tune_s": tune_s[floor]}
+        ratio = timing.ratio(key, best) if best else None
+        met = None if ratio is None else (True if ratio.high <= 0.95 else False if ratio.low > 0.95 else "??")
+        goals[floor] = {"fastest_heuristic": best, "tuned_over_heuristic": vars(ratio) if ratio else None,
+                        "goal_met": met, "floor_met": sqnr[key] >= floor, "tune_s": tune_s[floor]}
         print(f"floor {floor:g} dB: tuned / fastest heuristic meeting it ({best}): "
-              + (f"{ratio:.3f} (goal <= 0.95)" if ratio else "no heuristic meets it")
+              + (f"{ratio} (goal <= 0.95: {met})" if ratio else "no heuristic meets it")
               + f"; floor met on unseen batch: {sqnr[key] >= floor}; tune {tune_s[floor]:.0f} s (goal <= 300 s)")
 
     # The latency model against measurement, at the batch shape it was profiled on.
@@ -127,7 +135,9 @@ def main() -> None:
     check = {"fp32": autoprec.Policy(), "fragmented (every other layer fp32)": fragmented,
              **({best_heuristic: runners[best_heuristic]} if best_heuristic else {}),
              **{f"tuned {f:g} dB": p for f, p in tuned.items()}}
-    small = interleaved_ms(model, batches[0], check, repeats=args.repeats)
+    small_timing = compare(policy_runs(model, batches[0], check), reference="fp32", until="precise",
+                           rel_precision=0.02, max_rounds=200, max_seconds=args.seconds)
+    small = {k: small_timing.ms(k).estimate for k in check}
     errors = {}
     print("\nlatency model at the profiling shape (16 x 128): predicted vs measured")
     for k, p in check.items():
@@ -138,7 +148,8 @@ def main() -> None:
 
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({
-        "latency_ms_64x128": ms, "ratio_to_fp32": {k: ms[k] / ms["fp32"] for k in ms},
+        "latency_ms_64x128": ms, "ratio_to_fp32": {k: vars(r) for k, r in timing.ratios.items()},
+        "timing": timing.verdict, "timing_16x128": small_timing.verdict,
         "sqnr_db_unseen": {k: (v if v != float("inf") else "inf") for k, v in sqnr.items()},
         "goals": {f"{f:g}": g for f, g in goals.items()}, "tune_s": {f"{f:g}": s for f, s in tune_s.items()},
         "policies": {f"{f:g}": p.to_dict() for f, p in tuned.items()},

@@ -6,9 +6,10 @@
    against fp32, 60 trials at most, bf16/fp16/fp8 candidates), timed end to end (goal: under 5
    minutes on 2 cores). A fresh output folder each run, so nothing is reused.
 2. On 64 x 128 token batches of real text (not seen by the tune): fp32, blanket
-   torch.autocast(bfloat16) and the tuned policy, timed interleaved in one run (each settled
-   first, then round-robin repeats; medians), and the tuned policy's output SQNR against fp32.
-   Goal: tuned speed-up over fp32 at least blanket autocast's; fidelity within the budget.
+   torch.autocast(bfloat16) and the tuned policy, timed side by side in paired interleaved rounds
+   (:func:`autoprec.compare.compare`, until every ratio is within +-2% or 4 minutes), each ratio
+   with its 95% interval, and the tuned policy's output SQNR against fp32.
+   Goal: tuned at least as fast as blanket autocast (a tie counts); fidelity within the budget.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,15 +27,15 @@ sys.path.insert(0, str(ROOT / "examples" / "minilm"))
 import model as minilm  # noqa: E402  (examples/minilm/model.py)
 
 import autoprec  # noqa: E402
+from autoprec.compare import compare  # noqa: E402
 from autoprec.formats import Precision  # noqa: E402
-from autoprec.measure import Evaluator, interleaved_samples  # noqa: E402
-from autoprec.verify import Speedup  # noqa: E402
+from autoprec.measure import Evaluator, policy_runs  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="autoprec-runs/minilm-bench")
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--seconds", type=float, default=240.0, help="timing cap (default 240)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
 
@@ -52,25 +52,24 @@ def main() -> None:
     # Batch 64 x 128 of text the tune never saw (after the tune's 3 x 16 paragraphs).
     big = minilm.get_batches(batch_size=64, n_batches=2)[1]
     model = minilm.get_model()
-    samples = interleaved_samples(model, big, {"fp32": None, "autocast": Precision.BF16, "tuned": policy},
-                                  repeats=args.repeats)
-    ms = {k: statistics.median(v) for k, v in samples.items()}
-    speedup = {k: Speedup.of(samples["fp32"], samples[k]) for k in ("autocast", "tuned")}
-    versus = Speedup.of(samples["autocast"], samples["tuned"])
+    timing = compare(policy_runs(model, big, {"fp32": None, "autocast": Precision.BF16, "tuned": policy}),
+                     reference="fp32", until="precise", rel_precision=0.02, max_rounds=200, max_seconds=args.seconds)
+    ms = {k: timing.ms(k).estimate for k in timing.samples}
+    versus = timing.ratio("tuned", "autocast")
     fidelity = Evaluator(model, [big]).measure(policy).sqnr_db
     blanket = Evaluator(model, [big]).measure(autoprec.Policy(default="bf16")).sqnr_db
-    print(f"\nbatch 64 x 128, median of {args.repeats} interleaved rounds (speed-up range over the rounds):")
-    print(f"  fp32                    {ms['fp32']:8.1f} ms  1.00x")
-    print(f"  blanket autocast bf16   {ms['autocast']:8.1f} ms  {speedup['autocast']}  SQNR {blanket:.1f} dB")
-    print(f"  autoprec policy         {ms['tuned']:8.1f} ms  {speedup['tuned']}  SQNR {fidelity:.1f} dB")
-    print(f"  tuned vs autocast: {versus}" + (" - a tie (inside the measured spread)" if versus.tie else ""))
+    print(f"\nbatch 64 x 128, {timing.verdict} (latency / fp32, 95% interval):")
+    print(f"  fp32                    {ms['fp32']:8.1f} ms")
+    print(f"  blanket autocast bf16   {ms['autocast']:8.1f} ms  {timing.ratios['autocast']}  SQNR {blanket:.1f} dB")
+    print(f"  autoprec policy         {ms['tuned']:8.1f} ms  {timing.ratios['tuned']}  SQNR {fidelity:.1f} dB")
+    print(f"  tuned / autocast: {versus} ({versus.decision})")
     print(f"  budget: {result.budget}; met: {fidelity >= (result.budget.min_sqnr or 0)}")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "tune_s": tune_s, "seconds": result.seconds, "trials": len(result.search.trials),
-            "latency_ms_64x128": ms, "samples_ms_64x128": samples,
-            "speedup_tuned": vars(speedup["tuned"]), "speedup_autocast": vars(speedup["autocast"]),
-            "tuned_vs_autocast": vars(versus), "tie_with_autocast": versus.tie, "sqnr_db_tuned": fidelity,
+            "latency_ms_64x128": ms, "samples_ms_64x128": timing.samples, "verdict": timing.verdict,
+            "ratio_to_fp32": {k: vars(r) for k, r in timing.ratios.items()}, "tuned_over_autocast": vars(versus),
+            "goal_met": not versus.slower and fidelity >= (result.budget.min_sqnr or 0), "sqnr_db_tuned": fidelity,
             "sqnr_db_autocast": blanket, "budget": str(result.budget), "policy": policy.to_dict(),
         }, indent=2))
 
