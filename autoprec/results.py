@@ -138,7 +138,7 @@ def results_table(v: Verification, markdown: bool = False) -> str:
                  f"optimizer): median of the last {rounds} steps, interleaved; final loss: mean of the last "
                  f"{max(1, v.steps // 4)}")
     if v.compiled_samples:
-        title += f"; compiled: {v.compiled_on}, interleaved as eager, and the choice follows it"
+        title += f"; compiled: {v.compiled_on}, in interleaved rounds of their own (the choice follows them)"
     if v.estimated_for is not None:
         title = (f"held-out batches (metric measured here); latency at the shapes of {v.timed_on}: "
                  f"estimated for {v.estimated_for} by the cost model, not measured")
