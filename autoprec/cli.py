@@ -181,6 +181,9 @@ def _tune_arguments(parser: argparse.ArgumentParser) -> None:
                              "default 2%%; --min-sqnr is the gradient floor, default 10 dB)")
     parser.add_argument("--steps", type=_positive_int, default=None,
                         help="--for training: steps of each verification training run (default 16)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time verification with the model compiled (torch.compile, regional: each repeated "
+                             "block), choose by those times, and report eager and compiled speed-ups side by side")
 
 
 def tune(args: argparse.Namespace) -> int:
@@ -188,14 +191,17 @@ def tune(args: argparse.Namespace) -> int:
     from .tune import TuneInterrupted
     from .tune import tune as run_tune
 
-    config = _config(args, out=Path(args.out) if args.out else _default_out(args.model_py))  # before loading
+    config = _config(args, out=Path(args.out) if args.out else _default_out(args.model_py),  # before loading
+                     compile=args.compile)
     if args.for_ == "training":
         from .trainspec import load_train_spec
-        from .workloads.training import TrainingWorkload
+        from .workloads.training import COMPILE_REFUSED, TrainingWorkload
 
         if args.target is not None:
             raise CommandError("--target plans inference latency only for now; drop --target to tune for "
                                "training on this device")
+        if args.compile:
+            raise CommandError(COMPILE_REFUSED)
         _check_device(args.device)
         print(f"loading {args.model_py} for training", file=sys.stderr)
         workload: Any = TrainingWorkload.from_spec(load_train_spec(args.model_py), args.steps)

@@ -25,7 +25,8 @@ class TuneConfig:
     workload's defaults apply (1% of the user's metric or 30 dB for inference; 2% of the loss and
     10 dB of gradient fidelity for training). ``target``: plan for that GPU with its cost model
     instead of measuring here. ``out``: the run folder (None: nothing is written, the study lives in
-    ``./study.db`` unless ``storage`` says otherwise).
+    ``./study.db`` unless ``storage`` says otherwise). ``compile``: verification times every entry both eager
+    and compiled with torch.compile (regionally: :mod:`autoprec.compiled`), and chooses by the compiled times.
     """
 
     budget: str | float | None = None
@@ -43,8 +44,13 @@ class TuneConfig:
     seed: int = 0
     progress: bool = True
     target: str | None = None
+    compile: bool = False  # verification also times every entry compiled (torch.compile, regional), and chooses by it
 
     def __post_init__(self) -> None:
+        if not isinstance(self.compile, bool):
+            raise TypeError(f"compile must be True or False, got {self.compile!r}")
+        if self.compile and self.target is not None:
+            raise ValueError("compile times on this machine and target estimates for another GPU: give one of them")
         if self.timeout is not None and not (self.timeout > 0 and math.isfinite(self.timeout)):
             raise ValueError(f"the search timeout must be a number of seconds above 0, got {self.timeout}")
         if isinstance(self.trials, bool) or not isinstance(self.trials, int) or self.trials < 1:

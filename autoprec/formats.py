@@ -298,7 +298,9 @@ class FP8Linear(nn.Linear):
         return new
 
     def _cached(self, kind: str, make) -> tuple[torch.Tensor, ...]:
-        if not self.cache_weight:
+        # Under torch.compile the quantization is part of the graph: the cache's key (the weight's data
+        # pointer) is a value dynamo cannot trace, and would break the graph at every FP8 linear.
+        if not self.cache_weight or torch.compiler.is_compiling():
             return make()
         key = (self.weight.data_ptr(), self.weight._version, self.weight.device)
         hit = self._weight_cache.get(kind)

@@ -21,6 +21,7 @@ import torch.nn as nn
 from .apply import apply_policy, remove_policy
 from .batches import OutputError, call_model, describe_batch, fidelity_outputs, output_tensors, to_device
 from .budget import MIN_SPREAD_UNITS, Spread
+from .compiled import CompileError, compile_regions, warm_up
 from .formats import Precision, sqnr_db
 from .objective import Measurement, Objective
 from .policy import Policy
@@ -78,31 +79,48 @@ def median_ms(fn: Callable[[], Any], device: str | torch.device = "cpu", warmup:
 
 
 def policy_runs(model: nn.Module, batch: Any, runners: Mapping[str, Policy | Precision | None],
-                device: str | torch.device = "cpu") -> dict[str, Callable[[], Any]]:
+                device: str | torch.device = "cpu", compile_backend: str | None = None) -> dict[str, Callable[[], Any]]:
     """One forward per entry as a callable, for :func:`autoprec.compare.compare`: a Policy runs on its own
     copy of the model with the policy applied once (as a user runs it: no apply in the timed call), a
-    Precision under blanket ``torch.autocast``, None the plain fp32 model. All without gradients."""
+    Precision under blanket ``torch.autocast``, None the plain fp32 model. All without gradients.
+
+    ``compile_backend``: every entry runs on its own copy, compiled as :func:`autoprec.compiled.compile_regions`
+    compiles it, and is warmed up here, so no compile time lands in a timed call (a failure is a
+    :class:`~autoprec.compiled.CompileError` naming the entry)."""
     device = torch.device(device)
     runs: dict[str, Callable[[], Any]] = {}
     for key, how in runners.items():
-        if isinstance(how, Policy):
+        target = model
+        if isinstance(how, Policy) or compile_backend is not None:
             try:
-                copy_of = copy.deepcopy(model)
-            except Exception:  # a model that cannot be copied: apply and remove around each call instead
-                copy_of = None
-            if copy_of is not None:
-                apply_policy(copy_of, how)
-                runs[key] = _no_grad(lambda m=copy_of: call_model(m, batch))
-            else:
+                target = copy.deepcopy(model)
+            except Exception as e:  # a model that cannot be copied: apply and remove around each call instead
+                if compile_backend is not None:
+                    raise CompileError(f"the model cannot be copied ({one_line(e)}), and each entry is compiled "
+                                       "on its own copy: tune without --compile") from e
                 runs[key] = _no_grad(lambda how=how: _applied(model, how, lambda: call_model(model, batch)))
-        elif isinstance(how, Precision):
-            def autocast(how: Precision = how) -> Any:
-                with torch.autocast(device.type, dtype=how.autocast_dtype):
-                    return call_model(model, batch)
-            runs[key] = _no_grad(autocast)
-        else:
-            runs[key] = _no_grad(lambda: call_model(model, batch))
+                continue
+            if isinstance(how, Policy):
+                apply_policy(target, how)
+            if compile_backend is not None:
+                compile_regions(target, compile_backend)
+        runs[key] = _no_grad(_forward(target, batch, how, device))
+    if compile_backend is not None:
+        for key, run in runs.items():
+            warm_up(run, key)
     return runs
+
+
+def _forward(model: nn.Module, batch: Any, how: Policy | Precision | None, device: torch.device
+             ) -> Callable[[], Any]:
+    """One forward of ``model`` on ``batch``: under blanket autocast for a Precision, else as it is."""
+    if not isinstance(how, Precision):
+        return lambda: call_model(model, batch)
+
+    def autocast() -> Any:
+        with torch.autocast(device.type, dtype=how.autocast_dtype):
+            return call_model(model, batch)
+    return autocast
 
 
 def _no_grad(fn: Callable[[], Any]) -> Callable[[], Any]:

@@ -194,7 +194,7 @@ class BlockScaledLinear(nn.Linear):
 
     def quantized_weight(self) -> torch.Tensor:
         """The weight as the forward GEMM sees it (blocks along K), dequantized to fp32."""
-        if not self.cache_weight:
+        if not self.cache_weight or torch.compiler.is_compiling():  # no data pointer keys in a graph
             return block_fake_quantize(self.weight.detach(), self.precision, dim=-1)
         key = (self.weight.data_ptr(), self.weight._version, self.weight.device)
         if self._weight_cache is None or self._weight_cache[0] != key:

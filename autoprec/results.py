@@ -5,6 +5,7 @@ holds it) and the one-paragraph decision."""
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -84,17 +85,21 @@ def _labels(v: Verification) -> list[tuple[str, str]]:
 def results_rows(v: Verification) -> tuple[list[str], list[list[Any]]]:
     estimated = v.estimated_for is not None
     what = "step ms" if v.steps else "latency ms"
-    header = ["", f"{what} (estimated for {v.estimated_for})" if estimated else what,
+    compiled = bool(v.compiled_samples)
+    header = ["", f"{what} (estimated for {v.estimated_for})" if estimated else f"eager {what}" if compiled else what,
               "speed-up vs fp32" if estimated else "speed-up vs fp32 (range)",
+              *([f"compiled {what}", "compiled speed-up vs fp32 (range)"] if compiled else []),
               *(["final loss"] if v.steps else []), v.metric_kind, "within budget"]
     rows = []
     for key, label in _labels(v):
         speedup = ("1.00x" if key == "fp32" else
                    f"{v.speedup_of(key).ratio:.2f}x" if estimated else str(v.speedup_of(key)))
+        side = [_ms(statistics.median(v.compiled_samples[key])),
+                "1.00x" if key == "fp32" else str(v.speedup_of(key, compiled=True))] if compiled else []
         ok = "yes" if key == "fp32" or v.within_budget.get(key) else "no"
         value = "exact" if v.fidelity and key == "fp32" else v.metric.get(key)
         final = [_final_loss(v.losses[key], v.steps)] if v.steps else []
-        rows.append([label, _ms(v.latency_ms[key]), speedup, *final, value, ok])
+        rows.append([label, _ms(v.latency_ms[key]), speedup, *side, *final, value, ok])
     return header, rows
 
 
@@ -111,10 +116,17 @@ def _versus_autocast(v: Verification) -> str | None:
     if v.estimated_for is not None:
         return f"autoprec policy vs blanket autocast ({v.autocast_precision}): {s.ratio:.2f}x, estimated for " \
                f"{v.estimated_for} by the cost model"
+    line = f"autoprec policy vs blanket autocast ({v.autocast_precision}): {_said(s)}"
+    if v.compiled_samples:
+        line += f"; compiled: {_said(v.speedup_of('tuned', 'autocast', compiled=True))}"
+    return line
+
+
+def _said(s: Any) -> str:
+    """A speed-up over its rounds, and whether it is one."""
     verdict = ("a tie: the difference is inside the measured spread" if s.tie else
                "faster" if s.ratio > 1 else "slower")
-    return (f"autoprec policy vs blanket autocast ({v.autocast_precision}): {s} over {s.rounds} interleaved rounds, "
-            f"{verdict}")
+    return f"{s} over {s.rounds} interleaved rounds, {verdict}"
 
 
 def results_table(v: Verification, markdown: bool = False) -> str:
@@ -127,6 +139,8 @@ def results_table(v: Verification, markdown: bool = False) -> str:
         title = (f"training runs of {v.steps} steps from the same weights; step time (forward, backward, "
                  f"optimizer): median of the last {rounds} steps, interleaved; final loss: mean of the last "
                  f"{max(1, v.steps // 4)}")
+    if v.compiled_samples:
+        title += f"; compiled: {v.compiled_on}, in interleaved rounds of their own (the choice follows them)"
     if v.estimated_for is not None:
         title = (f"held-out batches (metric measured here); latency at the shapes of {v.timed_on}: "
                  f"estimated for {v.estimated_for} by the cost model, not measured")
@@ -152,6 +166,8 @@ def decision(v: Verification, budget: Any) -> str:
     speed = v.speedup_of("tuned")
     if v.estimated_for is not None:
         speed = f"{speed.ratio:.2f}x (estimated for {v.estimated_for})"  # type: ignore[assignment]
+    if v.compiled_samples:
+        speed = f"{speed} eager, {v.speedup_of('tuned', compiled=True)} compiled,"  # type: ignore[assignment]
     if v.tuned_is_autocast:
         return (f"**The policy is {autocast} itself**: {speed} faster than fp32, {metric}, within the budget "
                 f"({budget}); no per-layer policy measured faster.")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -201,7 +202,7 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None]) -> 
             candidates = _verify_candidates(result, profile, autocast, best=workload.verify_best,
                                             blanket=blanket_allowed, within=within_user_budget)
             verification = verify(workload, candidates, the_budget, autocast, device, seed=config.seed,
-                                  estimated_ms=estimated_ms, estimated_for=config.target)
+                                  estimated_ms=estimated_ms, estimated_for=config.target, compiled=config.compile)
             seconds["verify"] = time.perf_counter() - start
 
             phase = "outputs"
@@ -231,6 +232,13 @@ def _tuned_policy(v: Verification, profile: Profile, budget: Budget, model: nn.M
         "metric": _round(v.metric["tuned"]), "metric_fp32": _round(v.metric["fp32"]),
         "metric_kind": profile.metric["kind"], "budget": str(budget),
     }
+    if v.compiled_samples:  # the same entries compiled (tune --compile), beside the eager figures above
+        policy.result["compiled"] = {
+            "speedup": _round(v.speedup_of("tuned", compiled=True).ratio),
+            "speedup_vs_autocast": _round(v.speedup_of("tuned", "autocast", compiled=True).ratio),
+            workload.latency_key: {k: _round(statistics.median(v.compiled_samples[k]))
+                                   for k in ("fp32", "autocast", "tuned")},
+            "timed_on": v.compiled_on}
     policy.result = workload.policy_result(policy.result, v)
     if v.estimated_for is not None:  # every latency and speed-up above is the cost model's, for that GPU
         policy.result["estimated_for"] = v.estimated_for

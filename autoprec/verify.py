@@ -26,6 +26,7 @@ import torch.nn as nn
 from .batches import describe_batch, to_device
 from .budget import Budget
 from .compare import Ratio, compare
+from .compiled import CompileError
 from .formats import Capability, Precision, device_capabilities
 from .measure import Evaluator, policy_runs
 from .objective import Measurement, Objective
@@ -96,13 +97,16 @@ class Verification:
     losses: dict[str, list[float]] = field(default_factory=dict)  # per training step (training only)
     steps: int = 0  # steps of each verification training run (training only)
     metric_kind: str = "metric"  # "output SQNR dB", "metric", "evaluate" or "final loss"
+    compiled_samples: dict[str, list[float]] = field(default_factory=dict)  # as samples, every entry compiled
+    compiled_on: str = ""  # what the compiled samples timed, and how it was compiled
 
     @property
     def latency_ms(self) -> dict[str, float]:
         return {k: statistics.median(v) for k, v in self.samples.items()}
 
-    def speedup_of(self, key: str, over: str = "fp32") -> Speedup:
-        return Speedup.of(self.samples[over], self.samples[key])
+    def speedup_of(self, key: str, over: str = "fp32", compiled: bool = False) -> Speedup:
+        samples = self.compiled_samples if compiled else self.samples
+        return Speedup.of(samples[over], samples[key])
 
     @property
     def speedup(self) -> float | None:
@@ -149,12 +153,15 @@ def _said(m: Measurement, reference: Objective) -> str:
 
 def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, autocast_precision: Precision,
            device: str | torch.device = "cpu", *, seed: int = 0,
-           estimated_ms: Callable[[Policy], float] | None = None, estimated_for: str | None = None) -> Verification:
+           estimated_ms: Callable[[Policy], float] | None = None, estimated_for: str | None = None,
+           compiled: bool = False) -> Verification:
     """Measure ``candidates`` (feasible ones, best first), fp32 and blanket autocast where the search
     never looked, as ``workload`` runs them; keep the fastest within budget there.
 
     ``estimated_ms``: latency of a policy from a cost model for the GPU ``estimated_for``, used instead
-    of timing here (the metric is still measured).
+    of timing here (the metric is still measured). ``compiled``: every timed entry is also timed compiled
+    (:mod:`autoprec.compiled`), and the choice follows those times; where compiling fails, a note says so
+    and the eager times decide.
     """
     device = torch.device(device)
     autocast = autocast_precision
@@ -169,6 +176,8 @@ def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, 
     within = {k: check.violation(m, held.reference) <= 0 for k, m in held.measured.items()}
     within["fp32"] = True
     notes: list[str] = []
+    compiled_samples: dict[str, list[float]] = {}
+    compiled_on = ""
     passing = []
     for c in candidates:
         key = label[c.label]
@@ -197,10 +206,15 @@ def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, 
         samples, timed_on, verdict = workload.time(timed, device)
         if verdict:
             notes.append(verdict)
-    latency = {k: _median_finite(v) for k, v in samples.items()}
+        if compiled:
+            compiled_samples, compiled_on = _time_compiled(workload, timed, device, notes)
+    eager_latency = {k: _median_finite(v) for k, v in samples.items()}
+    decide = compiled_samples or samples  # the choice follows the compiled times: that is how the model will run
+    latency = {k: _median_finite(v) for k, v in decide.items()}
     # The latency model's error on each verified candidate (meaningful when the timing batch has the profile's shape).
     errors = {} if estimated_ms is not None or workload.name != "inference" else {
-        c.label: 100.0 * (c.predicted_ms - latency[label[c.label]]) / latency[label[c.label]] for c in passing}
+        c.label: 100.0 * (c.predicted_ms - eager_latency[label[c.label]]) / eager_latency[label[c.label]]
+        for c in passing}
     if errors:
         notes.append("predicted vs measured latency: " + ", ".join(f"{k} {e:+.0f}%" for k, e in errors.items()))
 
@@ -212,7 +226,7 @@ def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, 
         """Not a tie with ``b``: decided slower, or (undecided) an estimate more than TIE_TOLERANCE slower.
         The rounds ran until each entry was decided against fp32, not against each other: an undecided
         pair is a tie only when its estimate says they are this close."""
-        ratio = paired_ratio(samples, label[a.label], label[b.label])
+        ratio = paired_ratio(decide, label[a.label], label[b.label])
         if ratio is None:
             return latency[label[a.label]] > latency[label[b.label]] * (1 + TIE_TOLERANCE)
         return ratio.slower or ratio.estimate > 1 + TIE_TOLERANCE
@@ -221,7 +235,7 @@ def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, 
         """Faster than fp32 in the paired rounds: decided so while the rounds ran, or, where a noisy machine
         ran them to the cap, by all the rounds at once: the whole 95% interval below 1 and the estimate
         more than :data:`TIE_TOLERANCE` below it. A tie with fp32 never becomes a lowered policy."""
-        ratio = paired_ratio(samples, label[c.label], "fp32")
+        ratio = paired_ratio(decide, label[c.label], "fp32")
         if ratio is None:
             return latency[label[c.label]] < latency["fp32"]
         return ratio.faster or (ratio.high < 1 and ratio.estimate < 1 - TIE_TOLERANCE)
@@ -235,14 +249,16 @@ def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, 
                 notes.append(f"the tuned policy is blanket autocast ({autocast.value}) itself: within the "
                              "budget, and no per-layer policy measured faster")
         else:
-            ratio = paired_ratio(samples, label[best.label], "fp32")
-            notes.append(f"no candidate within budget was measured faster than fp32 here (the best, "
+            ratio = paired_ratio(decide, label[best.label], "fp32")
+            notes.append(f"no candidate within budget was measured faster than fp32 here"
+                         f"{' compiled' if compiled_samples else ''} (the best, "
                          f"{best.label}, took {latency[label[best.label]]:.3g} ms against fp32's "
                          f"{latency['fp32']:.3g} ms{f'; {ratio} of fp32, not decided faster' if ratio else ''}): "
                          "the policy stays fp32")
     elif not candidates:
         notes.append("nothing was lowered: no layer had a candidate precision worth searching here")
-    samples["tuned"] = samples[tuned]
+    for timings in (samples, compiled_samples) if compiled_samples else (samples,):
+        timings["tuned"] = timings[tuned]
     metric["tuned"] = held.measured[tuned].metric
     sqnr["tuned"] = held.measured[tuned].sqnr_db if tuned != "fp32" else math.inf
     within_budget = {"autocast": within["autocast"], "tuned": within[tuned]}
@@ -255,7 +271,21 @@ def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, 
                         fidelity=held.reference.uses_fidelity, tuned_is_autocast=tuned == "autocast",
                         estimated_for=estimated_for, notes=notes, prediction_error_pct=errors, losses=losses,
                         steps=getattr(workload, "steps", 0) if workload.name == "training" else 0,
-                        metric_kind=_metric_kind(workload, held.reference))
+                        metric_kind=_metric_kind(workload, held.reference), compiled_samples=compiled_samples,
+                        compiled_on=compiled_on)
+
+
+def _time_compiled(workload: Workload, timed: Mapping[str, Policy | Precision | None], device: torch.device,
+                   notes: list[str]) -> tuple[dict[str, list[float]], str]:
+    """The timed entries, each compiled; a model that does not compile is a note, and the eager times decide."""
+    try:
+        samples, timed_on, verdict = workload.time(timed, device, compiled=True)
+    except CompileError as e:
+        notes.append(f"{e}; the policy was chosen by the eager times only")
+        return {}, ""
+    notes.append(f"compiled: {verdict}; the choice follows the compiled times. The profile's timings (per layer "
+                 "and whole model) are eager")
+    return samples, timed_on
 
 
 def _metric_kind(workload: Workload, reference: Objective) -> str:

@@ -333,6 +333,10 @@ CASES = [
     Case("out-in-use", ["tune", "{d}/tiny.py", "--out", "{d}/busy"], 1,  # the results fixture holds its lock
          ["in use by another autoprec run", "pid 4242"]),
     Case("profile-out-is-a-file", ["profile", "{d}/tiny.py", "--out", "{d}/notes.txt"], 1, ["is a file"]),
+    Case("tune-compile-for-training", ["tune", "{d}/tiny.py", "--for", "training", "--compile"], 1,
+         ["--compile times inference only", "tune for training without it"]),
+    Case("tune-compile-with-target", ["tune", "{d}/tiny.py", "--compile", "--target", "h100"], 1,
+         ["compile times on this machine", "give one of them"]),
     Case("storage-missing-driver", ["tune", "{d}/tiny.py", "--out", "{d}/out-s1", "--storage",
                                     "mysql://user@127.0.0.1:1/db"], 1,
          ["driver is not installed", "MySQLdb", "install the driver"]),

@@ -98,10 +98,12 @@ class Workload:
         """Each entry measured where the search never looked."""
         raise NotImplementedError
 
-    def time(self, runners: Mapping[str, Policy | Precision | None], device: torch.device
+    def time(self, runners: Mapping[str, Policy | Precision | None], device: torch.device, compiled: bool = False
              ) -> tuple[dict[str, list[float]], str, str | None]:
         """ms per interleaved round for each entry (the same rounds for all: samples pair up), what was
-        timed (for the results table), and a one-line verdict where timing noise left a comparison undecided."""
+        timed (for the results table), and a one-line verdict where timing noise left a comparison undecided.
+        ``compiled`` (``tune --compile``): each entry compiled with torch.compile; a workload that cannot time
+        compiled refuses the setting in :meth:`check`."""
         raise NotImplementedError
 
     def policy_result(self, result: dict[str, Any], verification: Any) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn as nn
 
+from .. import compiled as compiled_module
 from ..batches import describe_batch, to_device
 from ..budget import Budget, Margin, choose_budget, search_margin
 from ..capture import LayerTable
@@ -96,16 +97,23 @@ class InferenceWorkload(Workload):
                 measured[key] = evaluator.measure(how if isinstance(how, Policy) else Policy(default=how))
         return HeldOut(evaluator, measured, "on the held-out batches")
 
-    def time(self, runners: Mapping[str, Policy | Precision | None], device: torch.device
+    def time(self, runners: Mapping[str, Policy | Precision | None], device: torch.device, compiled: bool = False
              ) -> tuple[dict[str, list[float]], str, str | None]:
         """Paired interleaved rounds (:func:`autoprec.compare.compare`) until every entry's ratio to fp32 is
-        decided or a cap is hit; the verdict says so when the machine was too noisy to decide."""
+        decided or a cap is hit; the verdict says so when the machine was too noisy to decide.
+
+        ``compiled``: every entry on its own copy of the model, compiled (:mod:`autoprec.compiled`) and warmed
+        up before the rounds start, so compile time is neither in a sample nor in the time cap."""
         batch = to_device(self.timing_batch if self.timing_batch is not None else self.holdout_batches[0], device)
+        timed_on = describe_batch(batch)
         if not runners:
-            return {}, describe_batch(batch), None
-        comparison = compare(policy_runs(self.model, batch, runners, device), reference="fp32", device=str(device),
-                             max_seconds=VERIFY_SECONDS)
-        return comparison.samples, describe_batch(batch), comparison.verdict
+            return {}, timed_on, None
+        runs = policy_runs(self.model, batch, runners, device, compile_backend=compiled_module.BACKEND if compiled
+                           else None)
+        comparison = compare(runs, reference="fp32", device=str(device), max_seconds=VERIFY_SECONDS)
+        if compiled:
+            timed_on += f", compiled ({compiled_module.BACKEND}; {compiled_module.describe_regions(self.model)})"
+        return comparison.samples, timed_on, comparison.verdict
 
     def policy_result(self, result: dict[str, Any], verification: Any) -> dict[str, Any]:
         return {**result, "timing_batch": verification.timed_on}

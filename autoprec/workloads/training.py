@@ -42,8 +42,8 @@ from ..training import TrainStep
 from ..trainspec import default_optimizer, run_loss
 from .base import HeldOut, Workload
 
-__all__ = ["DEFAULT_STEPS", "DEFAULT_TRAIN_BUDGET", "SEARCH_BATCHES", "TrainingWorkload", "loss_plot", "metric_after",
-           "train_runs"]
+__all__ = ["COMPILE_REFUSED", "DEFAULT_STEPS", "DEFAULT_TRAIN_BUDGET", "SEARCH_BATCHES", "TrainingWorkload",
+           "loss_plot", "metric_after", "train_runs"]
 
 DEFAULT_TRAIN_BUDGET = "2%"  # of fp32's final loss (or of its evaluate() metric after the run)
 SEARCH_BATCHES = 2  # training batches the search measures each candidate's loss and gradients on
@@ -52,6 +52,8 @@ SEARCH_BATCHES = 2  # training batches the search measures each candidate's loss
 # candidates) of 16 steps of MiniLM at 16 x 64 tokens is about 64 steps of well under 2 s each on 2
 # cores: under 2 minutes. (An estimate; benchmarks/tune_train_minilm.py measures it.)
 DEFAULT_STEPS = 16
+COMPILE_REFUSED = ("--compile times inference only for now; tune for training without it (an applied policy "
+                   "compiles for training with no graph breaks of its own: compile the tuned model as you deploy it)")
 
 
 @dataclass
@@ -100,6 +102,8 @@ class TrainingWorkload(Workload):
     def check(self, config: TuneConfig) -> None:
         if config.target is not None:
             raise ValueError("target plans inference latency only for now; tune for training without a target")
+        if config.compile:
+            raise ValueError(COMPILE_REFUSED)
 
     def budget(self, config: TuneConfig, has_metric: bool) -> Budget:
         """The loss (or metric) budget, 2% by default, with the gradient floor (10 dB by default) as its floor."""
@@ -143,7 +147,7 @@ class TrainingWorkload(Workload):
         return HeldOut(reference, measured, f"in the {self.steps}-step training run",
                        losses={k: r.losses for k, r in runs.items()})
 
-    def time(self, runners: Mapping[str, Policy | Precision | None], device: torch.device
+    def time(self, runners: Mapping[str, Policy | Precision | None], device: torch.device, compiled: bool = False
              ) -> tuple[dict[str, list[float]], str, str | None]:
         """The steady-state step times of the training runs (they ran interleaved, step by step)."""
         warmup = max(2, self.steps // 4)

@@ -1,0 +1,262 @@
+"""torch.compile with a policy applied: no graph break of its own, the same outputs as eager, and
+``tune(compile=True)`` timing compiled entries without their compile time.
+
+Graph breaks are counted with ``torch._dynamo.explain`` on tiny MiniLM-like BERT, GPT-2 and ViT
+configs, for inference (eval, no grad) and training (train mode, forward and loss), after one eager
+call (FP8 linears fill their inference weight cache then, which is what once broke their graphs).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoprec
+from autoprec import Policy, apply_policy
+from autoprec import compiled as compiling
+from autoprec.formats import Precision
+from autoprec.workloads import inference as inference_workload
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+
+def bert(dropout: float = 0.1):
+    """MiniLM's shape (BERT, GELU MLP, post-norm), shrunk."""
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=dropout,
+                                     attention_probs_dropout_prob=dropout)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    return transformers.BertModel(config), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, "encoder.layer"
+
+
+def gpt2(dropout: float = 0.1):
+    config = transformers.GPT2Config(vocab_size=100, n_positions=32, n_layer=2, n_embd=64, n_head=2,
+                                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    return transformers.GPT2LMHeadModel(config), {"input_ids": ids}, "transformer.h"
+
+
+def vit(dropout: float = 0.1):
+    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                    image_size=32, patch_size=8, hidden_dropout_prob=dropout,
+                                    attention_probs_dropout_prob=dropout)
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    model = transformers.ViTModel(config)
+    return model, {"pixel_values": pixels}, next(n for n in compiling.repeated_blocks(model))
+
+
+MODELS = {"bert": bert, "gpt2": gpt2, "vit": vit}
+LINEARS = r"(query|key|value|dense|q_proj|k_proj|v_proj|o_proj|fc1|fc2|c_attn|c_proj|c_fc)"
+
+
+def policies(blocks: str) -> dict[str, Policy]:
+    """Blanket bf16; bf16 with an fp32 block (an island with the fp32-compute mode on); fp32 with fp16 linears in
+    the first block and a bf16 second block; bf16 with FP8 (or MXFP8) linears in the first block."""
+    first_linears = f"re:{blocks}\\.0\\..*{LINEARS}"
+    return {"bf16": Policy(default="bf16"),
+            "mixed": Policy(default="bf16", layers={f"{blocks}.1": "fp32"}),
+            "fp16-few": Policy(default="fp32", layers={first_linears: "fp16", f"{blocks}.1": "bf16"}),
+            "fp8": Policy(default="bf16", layers={first_linears: "fp8"}),
+            "mxfp8": Policy(default="bf16", layers={first_linears: "mxfp8"})}
+
+
+def first_tensor(out):
+    return out if isinstance(out, torch.Tensor) else out[0]
+
+
+def step(model: nn.Module, inputs: dict, mode: str) -> torch.Tensor:
+    """What is compiled: the forward (inference) or the forward and a loss (training)."""
+    if mode == "inference":
+        return first_tensor(model(**inputs))
+    return first_tensor(model(**inputs)).float().pow(2).mean()
+
+
+def count_breaks(model: nn.Module, inputs: dict, mode: str) -> tuple[int, list[str]]:
+    model.train(mode == "training")
+    with torch.set_grad_enabled(mode == "training"):
+        step(model, inputs, mode)  # eager first: caches fill as a deployed model's would
+        return compiling.graph_breaks(lambda **kw: step(model, kw, mode), **inputs)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["inference", "training"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_policy_adds_no_graph_break(name, mode):
+    model, inputs, blocks = MODELS[name]()
+    plain, _ = count_breaks(copy.deepcopy(model), inputs, mode)
+    for label, policy in policies(blocks).items():
+        applied = apply_policy(copy.deepcopy(model), policy, mode=mode)
+        breaks, reasons = count_breaks(applied, inputs, mode)
+        assert breaks <= plain, f"{name} {mode} {label}: {breaks} graph breaks against {plain} plain: {reasons}"
+
+
+@pytest.mark.parametrize("label", ["mixed", "fp8", "mxfp8"])
+def test_each_block_compiles_as_one_graph_under_a_policy(label):
+    """Regional compilation: every repeated block (with its own region, or inside an fp32 island's mode) is one
+    graph; fullgraph=True raises on any break."""
+    model, inputs, blocks = bert()
+    apply_policy(model, policies(blocks)[label]).eval()
+    with torch.no_grad():
+        eager = model(**inputs).last_hidden_state
+        for block in model.get_submodule(blocks):
+            block.compile(backend="eager", fullgraph=True)
+        compiled = model(**inputs).last_hidden_state
+    torch.testing.assert_close(compiled, eager)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+def test_compiled_policy_computes_what_eager_does(name):
+    """aot_eager runs the traced graph through autograd as the compiler sees it: outputs and gradients match."""
+    model, inputs, blocks = MODELS[name](dropout=0.0)
+    for label in ("mixed", "fp16-few"):
+        eager = apply_policy(copy.deepcopy(model), policies(blocks)[label], mode="training").train()
+        compiled = copy.deepcopy(eager)
+        compiling.compile_regions(compiled, backend="aot_eager")
+        losses = [step(m, inputs, "training") for m in (eager, compiled)]
+        for loss in losses:
+            loss.backward()
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-3, atol=1e-4)
+        for (pname, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters()):
+            if a.grad is not None:
+                torch.testing.assert_close(b.grad, a.grad, rtol=1e-2, atol=1e-3, msg=f"{name} {label} {pname}")
+
+
+@pytest.mark.slow
+def test_inductor_runs_a_mixed_policy_as_eager_does():
+    model, inputs, blocks = bert(dropout=0.0)
+    eager = apply_policy(model, policies(blocks)["mixed"]).eval()
+    compiled = copy.deepcopy(eager)
+    assert compiling.compile_regions(compiled) == "regional: 3 blocks of `encoder.layer`"
+    with torch.no_grad():
+        want, got = eager(**inputs).last_hidden_state, compiled(**inputs).last_hidden_state
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # bf16 regions: inductor fuses and rounds differently
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 64, depth: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 8)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_regions_are_the_repeated_blocks_or_the_whole_model():
+    assert compiling.repeated_blocks(Net()) == ["blocks"]
+    assert compiling.describe_regions(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) == "the whole model"
+    mixed = nn.Module()
+    mixed.parts = nn.ModuleList([nn.Linear(2, 2), nn.ReLU()])  # not repeated blocks
+    assert compiling.repeated_blocks(mixed) == []
+
+
+def failing_backend(gm, example_inputs):
+    raise RuntimeError("no kernel for this op\n(and a second line)")
+
+
+def test_a_compile_failure_is_one_line_naming_the_entry():
+    model = Net()
+    model.compile(backend=failing_backend)
+    with pytest.raises(compiling.CompileError) as error:
+        compiling.warm_up(lambda: model(torch.randn(4, 64)), "trial #3")
+    assert str(error.value).startswith("torch.compile failed on trial #3: ")
+    assert "no kernel for this op" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_compiled_timing_compiles_before_the_rounds(monkeypatch):
+    """Every entry compiles in its warm-up: no compile happens while compare() times the rounds."""
+    compiles = []
+
+    def counting(gm, example_inputs):
+        compiles.append(1)
+        return gm.forward
+
+    seen = {}
+
+    def compare(runs, **kwargs):
+        seen["before"] = len(compiles)
+        result = real_compare(runs, **{**kwargs, "max_seconds": 2.0})
+        seen["after"] = len(compiles)
+        return result
+
+    real_compare = inference_workload.compare
+    monkeypatch.setattr(compiling, "BACKEND", counting)
+    monkeypatch.setattr(inference_workload, "compare", compare)
+    model = Net()
+    batches = [torch.randn(32, 64) for _ in range(4)]
+    workload = autoprec.InferenceWorkload(model, batches)
+    runners = {"fp32": None, "autocast": Precision.BF16, "island": Policy(default="bf16", layers={"blocks.1": "fp32"})}
+    samples, timed_on, _ = workload.time(runners, torch.device("cpu"), compiled=True)
+    assert seen["before"] >= 3 and seen["after"] == seen["before"]
+    assert set(samples) == set(runners) and "compiled" in timed_on and "3 blocks of `blocks`" in timed_on
+    assert model.blocks[0]._compiled_call_impl is None  # each entry compiled a copy: the user's model stays eager
+
+
+def quick_tune(tmp_path, monkeypatch, **settings):
+    monkeypatch.setattr(inference_workload, "VERIFY_SECONDS", 6.0)
+    model = Net(width=128)
+    batches = [torch.randn(128, 128, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    return autoprec.tune(model, batches, min_sqnr=20, trials=6, out=tmp_path, progress=False, log=lambda _: None,
+                         **settings)
+
+
+@pytest.mark.slow
+def test_tune_compile_reports_eager_and_compiled_side_by_side(tmp_path, monkeypatch):
+    result = quick_tune(tmp_path, monkeypatch, compile=True)
+    v = result.verification
+    assert {"fp32", "autocast", "tuned"} <= set(v.compiled_samples) and set(v.compiled_samples) == set(v.samples)
+    compiled = json.loads((tmp_path / "policy.json").read_text())["result"]["compiled"]
+    assert set(compiled) == {"speedup", "speedup_vs_autocast", "latency_ms", "timed_on"}
+    assert compiled["speedup"] == pytest.approx(v.speedup_of("tuned", compiled=True).ratio, rel=1e-3)
+    assert "regional: 3 blocks of `blocks`" in compiled["timed_on"]
+    assert autoprec.Policy.load(tmp_path / "policy.json").result["compiled"] == compiled
+    report = (tmp_path / "report.md").read_text()
+    assert "| eager latency ms | speed-up vs fp32 (range) | compiled latency ms | compiled speed-up vs fp32" in report
+    assert "the choice follows the compiled times" in report
+    assert "timings (per layer and whole model) are eager" in report
+
+
+@pytest.mark.slow
+def test_a_model_that_does_not_compile_is_chosen_by_eager_times(tmp_path, monkeypatch):
+    monkeypatch.setattr(compiling, "BACKEND", failing_backend)
+    result = quick_tune(tmp_path, monkeypatch, compile=True)
+    notes = result.verification.notes
+    assert any(n.startswith("torch.compile failed on fp32: ") and "chosen by the eager times" in n for n in notes)
+    assert "compiled" not in result.policy.result and not result.verification.compiled_samples
+
+
+def test_compile_is_refused_where_it_cannot_be_timed():
+    with pytest.raises(ValueError, match="give one of them"):
+        autoprec.TuneConfig(compile=True, target="h100")
+    with pytest.raises(TypeError, match="True or False"):
+        autoprec.TuneConfig(compile="yes")
+    workload = autoprec.TrainingWorkload(Net(), [torch.randn(4, 64)], loss=lambda m, b: m(b).pow(2).mean())
+    with pytest.raises(ValueError, match="--compile times inference only"):
+        workload.check(autoprec.TuneConfig(compile=True))
