@@ -75,6 +75,16 @@ class Margin:
     share: float = SEARCH_MARGIN_SHARE
     why: str = (f"the default margin ({SEARCH_MARGIN_DB:g} dB, {SEARCH_MARGIN_SHARE:.0%} of a drop budget): "
                 "too few search batches to measure the metric's spread")
+    batch_std: float | None = None  # one batch's standard deviation it came from (dB, or metric units)
+
+    def thin(self, slack: float, holdout_batches: int) -> float | None:
+        """The slack a policy needs on the held-out batches to keep the budget on more data like them
+        (``MARGIN_Z`` standard deviations of their mean), when its own ``slack`` there (dB above the floor,
+        or metric units under the drop budget) is less; None when it is enough or no spread was measured."""
+        if self.batch_std is None or holdout_batches < 1 or not math.isfinite(slack):
+            return None
+        needed = MARGIN_Z * self.batch_std / math.sqrt(holdout_batches)
+        return needed if slack < needed else None
 
 
 def _clamp(x: float, bounds: tuple[float, float]) -> float:
@@ -99,13 +109,14 @@ def search_margin(spread: Spread | None, search_batches: int, holdout_batches: i
            else f"{search_batches} search batches")
     if spread.fidelity:
         db = _clamp(wide, MARGIN_DB_RANGE)
-        return Margin(db=db, why=f"{db:.2g} dB from the spread of the output SQNR under {spread.under} "
+        return Margin(db=db, batch_std=std, why=f"{db:.2g} dB from the spread of the output SQNR under {spread.under} "
                                  f"(a batch's std {std:.2g} dB over {per})")
     if allowed_drop is None or allowed_drop <= 0:
         return Margin(why=f"the default margin: a budget of no drop leaves none to share ({per})")
     share = _clamp(wide / allowed_drop, MARGIN_SHARE_RANGE)
-    return Margin(share=share, why=f"{share:.0%} of the drop budget from the spread of the metric's drop under "
-                                   f"{spread.under} (a batch's std {std:.3g} over {per})")
+    return Margin(share=share, batch_std=std,
+                  why=f"{share:.0%} of the drop budget from the spread of the metric's drop under {spread.under} "
+                      f"(a batch's std {std:.3g} over {per})")
 
 
 @dataclass(frozen=True)

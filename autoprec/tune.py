@@ -204,6 +204,9 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None]) -> 
             verification = verify(workload, candidates, the_budget, autocast, device, seed=config.seed,
                                   estimated_ms=estimated_ms, estimated_for=config.target, compiled=config.compile)
             seconds["verify"] = time.perf_counter() - start
+            slack = workload.slack_note(verification, the_budget, margin)
+            if slack is not None:
+                verification.notes.append(slack)
 
             phase = "outputs"
             policy = _tuned_policy(verification, profile, the_budget, model, workload)

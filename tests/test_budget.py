@@ -116,3 +116,11 @@ def test_a_drop_budget_leaves_a_share_of_itself_from_the_spread_of_the_drops():
     assert search_margin(Spread((0.0, 0.5, 1.0), False, "x"), 3, 1, allowed_drop=0.1).share == 0.5  # at most half
     none = search_margin(Spread(drops, False, "x"), 3, 1, allowed_drop=0.0)  # no drop allowed: nothing to share
     assert (none.db, none.share) == (Margin().db, Margin().share)
+
+
+def test_a_policy_at_the_edge_of_the_held_out_spread_is_said_to_be_thin():
+    margin = search_margin(Spread((44.0, 45.0, 46.0, 45.0), True, "blanket bf16"), 4, 4)
+    needed = MARGIN_Z * margin.batch_std / 2  # the mean of 4 held-out batches
+    assert margin.thin(needed / 2, holdout_batches=4) == pytest.approx(needed)
+    assert margin.thin(needed * 2, holdout_batches=4) is None
+    assert Margin().thin(0.0, 4) is None  # no spread measured: nothing to say

@@ -3,6 +3,7 @@ is for the same model and data, and a lower-is-better metric is kept within budg
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -124,3 +125,26 @@ def test_a_policy_the_model_fails_under_leaves_the_default_margin(monkeypatch):
     ev = Evaluator(model, [torch.randn(8, 16) for _ in range(3)])
     monkeypatch.setattr(model[0], "forward", lambda x: (_ for _ in ()).throw(RuntimeError("boom")))
     assert ev.spread(autoprec.Policy(default="bf16"), "x") is None
+
+
+def test_a_tuned_policy_at_the_edge_of_the_floor_gets_a_note_that_says_so():
+    from types import SimpleNamespace
+
+    from models import TinyMLP
+
+    from autoprec.budget import Margin
+    from autoprec.workloads import InferenceWorkload
+
+    workload = InferenceWorkload(TinyMLP(), [torch.randn(4, 16) for _ in range(3)])
+    margin = Margin(db=0.3, batch_std=0.2)
+    tuned = SimpleNamespace(policy=autoprec.Policy(default="bf16"), fidelity=True,
+                            metric={"fp32": math.inf, "tuned": 45.01}, sqnr_db={"tuned": 45.01})
+    note = workload.slack_note(tuned, Budget(min_sqnr=45.0), margin)
+    assert note and "by 0.01 dB, less than the 0.33 dB" in note, note
+    assert workload.slack_note(tuned, Budget(min_sqnr=44.0), margin) is None  # a full dB to spare
+    assert workload.slack_note(SimpleNamespace(**{**vars(tuned), "policy": None}), Budget(min_sqnr=45.0),
+                               margin) is None  # fp32 keeps any floor
+    # a drop budget: lost 0.009 of 0.01 allowed, one batch varies by 0.002
+    dropped = SimpleNamespace(policy=autoprec.Policy(default="bf16"), fidelity=False,
+                              metric={"fp32": 0.90, "tuned": 0.891}, sqnr_db={"tuned": 40.0})
+    assert "by 0.001," in workload.slack_note(dropped, Budget.parse("0.01"), Margin(share=0.1, batch_std=0.002))

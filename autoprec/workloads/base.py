@@ -89,6 +89,11 @@ class Workload:
         search works to the budget itself). ``low``: the blanket low precision, as a worst case."""
         return budget, None
 
+    def slack_note(self, verification: Any, budget: Budget, margin: Margin | None) -> str | None:
+        """A note when the chosen policy keeps the budget on the held-out data by less than their measured
+        spread (so on other data it may not): None where there is nothing to say."""
+        return None
+
     def verify_budget(self, budget: Budget) -> Budget:
         """The part of the budget verification checks (the whole budget unless said otherwise)."""
         return budget

@@ -75,6 +75,27 @@ class InferenceWorkload(Workload):
         margin = search_margin(spread, len(self.batches), len(self.holdout_batches), allowed)
         return budget.for_search(margin), margin
 
+    def slack_note(self, verification: Any, budget: Budget, margin: Margin | None) -> str | None:
+        v = verification
+        if margin is None or margin.batch_std is None or v.policy is None or "tuned" not in v.metric:
+            return None
+        if v.fidelity:
+            if budget.min_sqnr is None:
+                return None
+            slack, unit = v.sqnr_db["tuned"] - budget.min_sqnr, " dB"
+        else:
+            allowed = budget.allowed_drop(v.metric["fp32"])
+            if allowed is None:
+                return None
+            drop = v.metric["fp32"] - v.metric["tuned"]
+            slack, unit = allowed - (drop if self.higher_is_better else -drop), ""
+        needed = margin.thin(slack, len(self.holdout_batches))
+        if needed is None:
+            return None
+        return (f"the tuned policy keeps the budget on the held-out batches by {slack:.2g}{unit}, less than the "
+                f"{needed:.2g}{unit} their spread asks for (one batch varies by {margin.batch_std:.2g}{unit}): on "
+                "other data it may fall outside; to be sure, give more held-out batches or a budget that much stricter")
+
     def fingerprint(self) -> str:
         return fingerprint(self.model, self.batches)
 
