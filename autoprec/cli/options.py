@@ -1,0 +1,101 @@
+"""What several subcommands share: the model and budget options, argument types, the device check,
+loading a model.py, and :class:`CommandError` (a user error, reported as one line)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..formats import Precision
+
+__all__ = ["CommandError", "budget_arguments", "check_device", "default_out", "load_model_py", "model_arguments",
+           "number", "positive_int", "positive_number", "precisions"]
+
+
+class CommandError(Exception):
+    """A user error a subcommand reports as one line (exit status 1)."""
+
+
+def model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_py", metavar="MODEL_PY",
+                        help="a Python file with get_model(), get_batches() and optionally evaluate(model, batches)")
+    parser.add_argument("--device", default="cpu", help="device to tune for: cpu, cuda or cuda:N (default: cpu)")
+
+
+def precisions(text: str) -> list[str]:
+    try:
+        precisions = [Precision.parse(p).value for p in text.split(",") if p.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not any(Precision.parse(p).is_low for p in precisions):  # fp32 is always the reference, never a candidate
+        raise argparse.ArgumentTypeError(f"{text!r} names no low precision to try; give one or more of "
+                                         "bf16, fp16, fp8 (comma-separated), e.g. --precisions bf16,fp16")
+    return precisions
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def positive_number(text: str) -> float:
+    value = number(text)
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
+    return value
+
+
+def default_out(model_py: str) -> Path:
+    """``autoprec-runs/<name>``: the example's folder name for a model.py, else the file's stem."""
+    path = Path(model_py)
+    name = path.parent.name if path.stem == "model" and path.parent.name else path.stem
+    return Path("autoprec-runs") / (name or "model")
+
+
+def load_model_py(args: argparse.Namespace):
+    """The model.py named on the command line, after the device check."""
+    from ..userspec import load_model_py as load
+
+    check_device(args.device)
+    print(f"loading {args.model_py}", file=sys.stderr)
+    return load(args.model_py)
+
+
+def check_device(device: str) -> None:
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise CommandError(f"bad --device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CommandError(f"--device {device}: no CUDA device is available here; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise CommandError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                           f"cuda:0 to cuda:{torch.cuda.device_count() - 1}; give one of them")
+    if dev.type not in ("cpu", "cuda"):
+        why = " (meta tensors hold no data)" if dev.type == "meta" else ""
+        raise CommandError(f"--device {device}: autoprec cannot run a model on {dev.type!r}{why}; "
+                           "use --device cpu or cuda")
+
+
+def budget_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--budget", help="largest allowed drop of your metric vs fp32: 0.5 (absolute) or 1%% "
+                                         "(relative); default 1%% when model.py has evaluate()")
+    parser.add_argument("--min-sqnr", type=number, metavar="DB",
+                        help="floor on output SQNR vs fp32 in dB (default 30 without evaluate())")
+
+

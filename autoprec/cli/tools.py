@@ -1,0 +1,123 @@
+"""The subcommands that need no model.py: ``show``, ``estimate``, ``init`` and ``dashboard``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ..policy import Policy
+from .options import CommandError, positive_int
+
+__all__ = ["dashboard", "dashboard_arguments", "estimate", "estimate_arguments", "init", "init_arguments", "show",
+           "show_arguments"]
+
+
+# ---- show ------------------------------------------------------------------------------------------
+def show_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("policy", metavar="POLICY_JSON", help="a policy file written by `autoprec tune`")
+
+
+def show(args: argparse.Namespace) -> int:
+    policy = Policy.load(args.policy)
+    print(f"policy: {args.policy}")
+    print(policy)
+    for title, block in (("model", policy.model), ("tuned on", policy.tuned_on), ("result", policy.result)):
+        if block:
+            print(f"\n{title}:")
+            print(_key_values(block))
+    return 0
+
+
+def _key_values(block: dict[str, Any]) -> str:
+    width = max(len(k) for k in block)
+    return "\n".join(f"  {k.ljust(width)}  {v if isinstance(v, str) else json.dumps(v)}" for k, v in block.items())
+
+
+# ---- estimate ------------------------------------------------------------------------------------------
+def estimate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="GPU to estimate for: h100, h200, a100, l4, b200 or gb200")
+    parser.add_argument("--gemm", action="append", required=True, metavar="MxKxN",
+                        help="a linear's GEMM: (M, K) input times (K, N) weight, e.g. 4096x4096x4096; repeatable")
+    parser.add_argument("--for", dest="mode", choices=("inference", "training"), default="inference",
+                        help="one GEMM per linear (inference) or three (training); default inference")
+    parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
+
+
+def estimate(args: argparse.Namespace) -> int:
+    from ..costmodel import estimate as cost_estimate
+    from ..costmodel import get_target, parse_gemm
+
+    try:
+        target = get_target(args.target)
+        result = cost_estimate(target, [parse_gemm(g) for g in args.gemm], args.mode)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"estimated for {target.name} ({target.description}), {args.mode}, from datasheet figures and a "
+          f"cost model (not measured):")
+    for gemm in result["gemms"]:
+        ms = gemm["ms"]
+
+        def cell(p: str, v: float | None, gemm: dict = gemm) -> str:
+            if p in gemm["too_big"]:
+                return f"{p} too big ({gemm['gb'][p]:.4g} GB > {result['memory_gb']:g} GB)"
+            return f"{p} {'n/a' if v is None else f'{v:.4g} ms'}"
+
+        cells = "  ".join(cell(p, v) for p, v in ms.items())
+        speedups = "  ".join(f"{p} {ms['bf16'] / v:.2f}x" for p, v in ms.items()
+                             if v is not None and ms["bf16"] is not None and p != "bf16")
+        print(f"  {'x'.join(map(str, gemm['shape']))}: {cells}" + (f"  | vs bf16: {speedups}" if speedups else ""))
+    return 0
+
+
+# ---- init ----------------------------------------------------------------------------------------------
+def init_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hf", metavar="MODEL_DIR", help="a Hugging Face model folder (config.json, weights, "
+                                                          "tokenizer): write a model.py for it")
+    parser.add_argument("--text", metavar="FILE", help="with --hf: a text file of samples, one per line")
+    parser.add_argument("--out", default="model.py", help="the file to write (default: model.py)")
+    parser.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+
+
+def init(args: argparse.Namespace) -> int:
+    from ..init import write_hf_model_py, write_template
+
+    if args.text is not None and args.hf is None:
+        raise CommandError("--text goes with --hf MODEL_DIR (the model the samples are for)")
+    if args.hf is not None and args.text is None:
+        raise CommandError("--hf needs --text FILE: a text file of samples, one per line, to tune on")
+    if args.hf is None:
+        path = write_template(args.out, args.force)
+        print(f"wrote {path}: a commented template; fill in get_model() and get_batches(), then "
+              f"`autoprec tune {path}`")
+        return 0
+    path = write_hf_model_py(args.hf, args.text, args.out, args.force)
+    print(f"wrote {path}; run `autoprec tune {path}` (read it first: the sequence length, batch size and "
+          f"metric are at the top)")
+    return 0
+
+
+# ---- dashboard -----------------------------------------------------------------------------------------
+def dashboard_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the folder a tune wrote (it holds study.db)")
+    parser.add_argument("--port", type=positive_int, default=8080, help="port to serve on (default 8080)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this "
+                                                           "machine only)")
+
+
+def dashboard(args: argparse.Namespace) -> int:
+    from ..dashboard import serve, study_storage
+
+    url = study_storage(args.run_dir)
+    print(f"serving {url.removeprefix('sqlite:///')} at http://{args.host}:{args.port}/ (Ctrl-C stops)", flush=True)
+    try:
+        serve(url, args.host, args.port)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+    return 0
+
+

@@ -1,0 +1,185 @@
+"""The subcommands that run a model: ``tune``, ``profile`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..formats import DEFAULT_PRECISIONS
+from ..policy import Policy
+from .options import (
+    CommandError,
+    budget_arguments,
+    check_device,
+    default_out,
+    load_model_py,
+    model_arguments,
+    positive_int,
+    positive_number,
+    precisions,
+)
+
+__all__ = ["bench", "bench_arguments", "profile", "profile_arguments", "tune", "tune_arguments"]
+
+
+# ---- tune ----------------------------------------------------------------------------------------------
+def tune_arguments(parser: argparse.ArgumentParser) -> None:
+    model_arguments(parser)
+    budget_arguments(parser)
+    parser.add_argument("--trials", type=positive_int, default=60, help="most trials in the study (default 60)")
+    parser.add_argument("--timeout", type=positive_number, metavar="S", help="stop searching after S seconds")
+    parser.add_argument("--out", help="output folder (default: autoprec-runs/<model name>)")
+    parser.add_argument("--precisions", type=precisions, default=list(DEFAULT_PRECISIONS),
+                        help="candidate low precisions, comma-separated (default bf16,fp16,fp8)")
+    parser.add_argument("--search-space", default="auto",
+                        help="preset name (default, transformer, transformer-blocks, cnn) or a YAML file; "
+                             "default: auto (by the layers found)")
+    parser.add_argument("--storage", help="Optuna storage URL shared by workers (default: SQLite in the out folder)")
+    parser.add_argument("--study-name", help="study name within --storage (workers of one study share it)")
+    parser.add_argument("--sensitivity-batches", type=positive_int, default=1,
+                        help="search batches used per sensitivity evaluation (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    parser.add_argument("--target", help="plan for a GPU that is not here (h100, h200, a100, l4, b200, gb200): latency "
+                                         "estimated by a cost model, accuracy measured here")
+    parser.add_argument("--for", dest="for_", choices=("inference", "training"), default="inference",
+                        help="what to tune for: inference (forward latency, output fidelity) or training (step "
+                             "time, training loss; needs loss(model, batch) in model.py; --budget on the loss, "
+                             "default 2%%; --min-sqnr is the gradient floor, default 10 dB)")
+    parser.add_argument("--steps", type=positive_int, default=None,
+                        help="--for training: steps of each verification training run (default 16)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time verification with the model compiled (torch.compile, regional: each repeated "
+                             "block), choose by those times, and report eager and compiled speed-ups side by side")
+
+
+def tune(args: argparse.Namespace) -> int:
+    from ..results import results_table
+    from ..tune import TuneInterrupted
+    from ..tune import tune as run_tune
+
+    config = _config(args, out=Path(args.out) if args.out else default_out(args.model_py),  # before loading
+                     compile=args.compile)
+    if args.for_ == "training":
+        from ..trainspec import load_train_spec
+        from ..workloads.training import COMPILE_REFUSED, TrainingWorkload
+
+        if args.target is not None:
+            raise CommandError("--target plans inference latency only for now; drop --target to tune for "
+                               "training on this device")
+        if args.compile:
+            raise CommandError(COMPILE_REFUSED)
+        check_device(args.device)
+        print(f"loading {args.model_py} for training", file=sys.stderr)
+        workload: Any = TrainingWorkload.from_spec(load_train_spec(args.model_py), args.steps)
+    else:
+        from ..workloads.inference import InferenceWorkload
+
+        workload = InferenceWorkload.from_spec(load_model_py(args))
+    try:
+        result = run_tune(workload, config, log=lambda msg: print(msg, file=sys.stderr))
+    except TuneInterrupted as stop:
+        return _interrupted(stop, config.out)
+    return _print_tuned(results_table(result.verification), result, config.out)
+
+
+def _config(args: argparse.Namespace, **fields: Any) -> Any:
+    """The TuneConfig of a tune's arguments: every setting checked before the model is loaded."""
+    from ..config import TuneConfig
+
+    try:
+        return TuneConfig(budget=args.budget, min_sqnr=args.min_sqnr, device=args.device,
+                          precisions=tuple(args.precisions), search_space=args.search_space, trials=args.trials,
+                          timeout=args.timeout, storage=args.storage, study_name=args.study_name,
+                          sensitivity_batches=args.sensitivity_batches, seed=args.seed, target=args.target, **fields)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+
+
+def _print_tuned(table: str, result: Any, out: Path) -> int:
+    """What a finished tune prints: the results, the notes, the policy, and the outputs it wrote."""
+    print(table)
+    for note in result.verification.notes:
+        print(f"  note: {note}")
+    print(result.policy)
+    names = ("policy.json", "report.md", "pareto.png", "loss.png", "sensitivity.png", "profile.json", "study.db")
+    print(f"outputs: {out}/ ({', '.join(n for n in names if (out / n).exists())})")
+    return 0
+
+
+def _interrupted(stop: Any, out: Path) -> int:
+    """Ctrl-C: say what was kept and how to go on (exit 130)."""
+    kept = {"checking": "nothing was started",
+            "profile": "nothing is saved yet (the profile is written when it is complete)",
+            "search": "the profile and every finished trial are saved",
+            "verify": "the profile and the search are saved; only the verification runs again",
+            "outputs": "the search is saved; the outputs are written again"}[stop.phase]
+    print(f"\ninterrupted during {stop.phase}: {kept}; run the same command to go on ({out})", file=sys.stderr)
+    return 130
+
+
+# ---- profile -------------------------------------------------------------------------------------------
+def profile_arguments(parser: argparse.ArgumentParser) -> None:
+    model_arguments(parser)
+    parser.add_argument("--out", help="output folder (default: autoprec-runs/<model name>)")
+    parser.add_argument("--precisions", type=precisions, default=list(DEFAULT_PRECISIONS),
+                        help="low precisions to profile, comma-separated (default bf16,fp16,fp8)")
+    parser.add_argument("--sensitivity-batches", type=positive_int, default=1,
+                        help="search batches used per sensitivity evaluation (default 1)")
+
+
+def profile(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..config import TuneConfig
+    from ..outdir import claim_out_dir
+    from ..report import profile_summary, profile_table, sensitivity_heatmap
+    from ..tune import load_or_profile
+    from ..workloads.inference import InferenceWorkload
+
+    out = Path(args.out) if args.out else default_out(args.model_py)
+    try:
+        config = TuneConfig(device=args.device, precisions=tuple(args.precisions), out=out,
+                            sensitivity_batches=args.sensitivity_batches)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    workload = InferenceWorkload.from_spec(load_model_py(args))
+    with claim_out_dir(out):
+        workload.model = workload.model.to(args.device).eval()
+        prof = load_or_profile(workload, config, torch.device(args.device), out,
+                               log=lambda msg: print(msg, file=sys.stderr))
+        print(profile_table(prof))
+        print()
+        print(profile_summary(prof))
+        heatmap = sensitivity_heatmap(prof, out / "sensitivity.png")
+    print(f"outputs: {out}/ (profile.json{', sensitivity.png' if heatmap else ''})")
+    return 0
+
+
+# ---- bench ---------------------------------------------------------------------------------------------
+def bench_arguments(parser: argparse.ArgumentParser) -> None:
+    model_arguments(parser)
+    parser.add_argument("--policy", required=True, help="the policy.json to re-measure")
+    budget_arguments(parser)
+    parser.add_argument("--repeats", type=positive_int, default=7,
+                        help="timed rounds of each at least (default 7); more until every ratio is within "
+                             "+-3%% or a minute has passed")
+
+
+def bench(args: argparse.Namespace) -> int:
+    from ..budget import choose_budget
+    from ..results import results_table
+    from ..verify import bench_policy
+
+    policy = Policy.load(args.policy)
+    spec = load_model_py(args)
+    budget = choose_budget(spec.evaluate is not None, args.budget, args.min_sqnr)
+    result = bench_policy(spec.model, spec.holdout_batches, policy, budget, spec.evaluate, spec.higher_is_better,
+                          device=args.device, repeats=args.repeats)
+    print(results_table(result))
+    for note in result.notes:
+        print(f"- {note}")
+    return 0
+
+
