@@ -54,8 +54,15 @@ def describe_regions(model: nn.Module) -> str:
 
 def compile_regions(model: nn.Module, backend: str | None = None, **options: Any) -> str:
     """Compile ``model`` in place, regionally where it has repeated blocks (see the module docstring);
-    returns what was compiled, in words. Nothing compiles until the first call (:func:`warm_up`)."""
+    returns what was compiled, in words. Nothing compiles until the first call (:func:`warm_up`).
+
+    Blocks whose rules differ need a graph each, and past ``torch._dynamo.config.recompile_limit``
+    (8 by default) dynamo runs the rest eager with only a warning: the limit is raised to the number
+    of blocks here (never lowered), so every block of a 12-block model with 12 different rules runs compiled."""
     lists = repeated_blocks(model)
+    blocks = sum(len(model.get_submodule(name)) for name in lists)
+    if blocks > torch._dynamo.config.recompile_limit:
+        torch._dynamo.config.recompile_limit = blocks
     for name in lists:
         for block in model.get_submodule(name):
             block.compile(backend=backend or BACKEND, **options)

@@ -177,6 +177,28 @@ def test_regions_are_the_repeated_blocks_or_the_whole_model():
     assert compiling.repeated_blocks(mixed) == []
 
 
+def test_every_block_runs_compiled_when_each_block_has_its_own_rules(monkeypatch):
+    """12 blocks with 12 different rule sets need 12 graphs of one block's code: past dynamo's default
+    recompile limit (8) the rest would run eager with only a warning."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=12, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=32)
+    model = transformers.BertModel(config).eval()
+    parts = ["attention.self", "attention.output", "intermediate", "output"]
+    apply_policy(model, Policy(default="bf16", layers={f"encoder.layer.{i}.{part}": "fp32" for i in range(12)
+                                                       for bit, part in enumerate(parts) if (i >> bit) & 1}))
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiling.compile_regions(model, counting)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 100, (2, 8)))
+    assert len(graphs) == 12 and torch._dynamo.config.recompile_limit == 12
+
+
 def failing_backend(gm, example_inputs):
     raise RuntimeError("no kernel for this op\n(and a second line)")
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 AUTOPREC = [sys.executable, "-m", "autoprec"]
-TRIALS = 12  # --trials of each worker: the most trials in the shared study
+TRIALS = 24  # --trials of each worker: the most trials in the shared study (a search long enough that both
+# workers are searching at once, though their profiles, timed until decided, end seconds apart)
 
 
 def _postgres_bin() -> Path | None:
