@@ -177,10 +177,9 @@ def test_regions_are_the_repeated_blocks_or_the_whole_model():
     assert compiling.repeated_blocks(mixed) == []
 
 
-def test_every_block_runs_compiled_when_each_block_has_its_own_rules(monkeypatch):
+def test_every_block_runs_compiled_when_each_block_has_its_own_rules():
     """12 blocks with 12 different rule sets need 12 graphs of one block's code: past dynamo's default
     recompile limit (8) the rest would run eager with only a warning."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
     config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=12, num_attention_heads=2,
                                      intermediate_size=64, max_position_embeddings=32)
     model = transformers.BertModel(config).eval()
@@ -193,10 +192,11 @@ def test_every_block_runs_compiled_when_each_block_has_its_own_rules(monkeypatch
         graphs.append(gm)
         return gm.forward
 
-    compiling.compile_regions(model, counting)
-    with torch.no_grad():
-        model(input_ids=torch.randint(0, 100, (2, 8)))
-    assert len(graphs) == 12 and torch._dynamo.config.recompile_limit == 12
+    with torch._dynamo.config.patch(recompile_limit=8):  # the default, restored afterwards whatever it was
+        compiling.compile_regions(model, counting)
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, 100, (2, 8)))
+        assert len(graphs) == 12 and torch._dynamo.config.recompile_limit == 12
 
 
 def failing_backend(gm, example_inputs):
