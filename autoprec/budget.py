@@ -74,7 +74,7 @@ class Margin:
     db: float = SEARCH_MARGIN_DB
     share: float = SEARCH_MARGIN_SHARE
     why: str = (f"the default margin ({SEARCH_MARGIN_DB:g} dB, {SEARCH_MARGIN_SHARE:.0%} of a drop budget): "
-                "too few search batches to measure the metric's spread")
+                "too few search batches to measure the metric's spread, or a policy that failed on one of them")
     batch_std: float | None = None  # one batch's standard deviation it came from (dB, or metric units)
 
     def thin(self, slack: float, holdout_batches: int) -> float | None:
@@ -109,8 +109,9 @@ def search_margin(spread: Spread | None, search_batches: int, holdout_batches: i
            else f"{search_batches} search batches")
     if spread.fidelity:
         db = _clamp(wide, MARGIN_DB_RANGE)
-        return Margin(db=db, batch_std=std, why=f"{db:.2g} dB from the spread of the output SQNR under {spread.under} "
-                                 f"(a batch's std {std:.2g} dB over {per})")
+        return Margin(db=db, batch_std=std,
+                      why=f"{db:.2g} dB from the spread of the output SQNR under {spread.under} "
+                          f"(a batch's std {std:.2g} dB over {per})")
     if allowed_drop is None or allowed_drop <= 0:
         return Margin(why=f"the default margin: a budget of no drop leaves none to share ({per})")
     share = _clamp(wide / allowed_drop, MARGIN_SHARE_RANGE)

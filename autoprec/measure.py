@@ -251,14 +251,14 @@ class Evaluator(Objective):
                                    lambda: [output_tensors(call_model(self.model, b)) for b in self.batches])
         except Exception:  # the margin falls back to its default; the search measures this policy again
             return None
-        pairs = [list(zip(ref, out)) for ref, out in zip(self.reference, outputs)]
+        batches = list(zip(self.reference, outputs))
         if len(self.batches) >= MIN_SPREAD_UNITS:
-            return Spread(tuple(min(sqnr_db(r, a.to(r.dtype)) for r, a in batch) for batch in pairs), True, under)
+            return Spread(tuple(_worst_sqnr(ref, out) for ref, out in batches), True, under)
         rows = {t.shape[0] if t.ndim else 0 for ref in self.reference for t in ref}
         if len(rows) != 1 or min(rows) < 2:  # rows only where every output of every batch has the same number
             return None
         (k,) = rows
-        values = [min(sqnr_db(r[i], a[i].to(r.dtype)) for r, a in batch) for batch in pairs for i in range(k)]
+        values = [_worst_sqnr(ref, out, row) for ref, out in batches for row in range(k)]
         return Spread(tuple(values), True, under, rows_per_batch=k)
 
     def _drop_on(self, batch: Any, policy: Policy) -> float:
@@ -294,11 +294,15 @@ class Evaluator(Objective):
         return as_metric(value, getattr(self.evaluate, "path", "<unknown file>"))
 
     def _sqnr(self, outputs: list[list[torch.Tensor]]) -> float:
-        worst = math.inf
-        for ref_out, out in zip(self.reference, outputs):
-            for ref, actual in zip(ref_out, out):
-                worst = min(worst, sqnr_db(ref, actual.to(ref.dtype)))
-        return worst
+        return min((_worst_sqnr(ref_out, out) for ref_out, out in zip(self.reference, outputs)), default=math.inf)
+
+
+def _worst_sqnr(reference: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], row: int | None = None) -> float:
+    """The lowest SQNR of ``outputs`` against ``reference`` (one batch's output tensors), or of their
+    ``row``; +inf for no tensors."""
+    pick = (lambda t: t) if row is None else (lambda t: t[row])
+    return min((sqnr_db(pick(ref), pick(actual).to(ref.dtype)) for ref, actual in zip(reference, outputs)),
+               default=math.inf)
 
 
 def _nonfinite_hook(name: str, bad_layers: list[str]) -> Callable:

@@ -18,7 +18,7 @@ from ..compare import compare
 from ..config import TuneConfig
 from ..formats import Precision
 from ..measure import Evaluator, policy_runs
-from ..objective import Measurement
+from ..objective import Measurement, Objective
 from ..policy import Policy
 from ..profile import Profile, fingerprint, profile_model
 from ..userspec import split_holdout
@@ -79,16 +79,13 @@ class InferenceWorkload(Workload):
         v = verification
         if margin is None or margin.batch_std is None or v.policy is None or "tuned" not in v.metric:
             return None
-        if v.fidelity:
-            if budget.min_sqnr is None:
-                return None
-            slack, unit = v.sqnr_db["tuned"] - budget.min_sqnr, " dB"
-        else:
-            allowed = budget.allowed_drop(v.metric["fp32"])
-            if allowed is None:
-                return None
-            drop = v.metric["fp32"] - v.metric["tuned"]
-            slack, unit = allowed - (drop if self.higher_is_better else -drop), ""
+        # the part of the budget the margin's spread was measured in: the SQNR floor, or the metric's drop
+        if (budget.min_sqnr if v.fidelity else budget.drop) is None:
+            return None
+        part = Budget(min_sqnr=budget.min_sqnr) if v.fidelity else Budget(drop=budget.drop, relative=budget.relative)
+        tuned = Measurement(v.metric["tuned"], v.sqnr_db["tuned"], False, 0.0)
+        slack = -part.violation(tuned, Objective(v.metric["fp32"], self.higher_is_better))
+        unit = " dB" if v.fidelity else ""
         needed = margin.thin(slack, len(self.holdout_batches))
         if needed is None:
             return None
