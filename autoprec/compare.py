@@ -201,6 +201,13 @@ class Ratio:
             decision = "tie" if precise else "undecided"
         return cls(math.exp(centre), math.exp(low), math.exp(high), len(logs), decision)
 
+    def at_most(self, limit: float) -> bool | None:
+        """A goal "this ratio <= ``limit``" judged by the interval: True when all of it is at or below the
+        limit, False when all of it is above, None (undecided at this noise) when it straddles the limit."""
+        if self.high <= limit:
+            return True
+        return False if self.low > limit else None
+
     def within(self, rel_precision: float) -> bool:
         """Whether the interval is within ±``rel_precision`` of the estimate."""
         return self.low > 0 and math.sqrt(self.high / self.low) <= 1 + rel_precision

@@ -131,7 +131,8 @@ def main() -> None:
     for name, median in medians.items():
         print(f"{name:<24}{median:>10.1f}  {timing.ratios[name] if name in timing.ratios else 1}")
     layers = timing.ratios["policy-layers"]
-    met = True if layers.high <= GOAL else False if layers.low > GOAL else "??"
+    met = layers.at_most(GOAL)
+    met = "??" if met is None else met
     print(f"\npolicy-layers enters {n_regions} regions per forward; entering one costs {entry_ms * 1e3:.1f} us "
           f"in Python, {n_regions * entry_ms:.2f} ms per forward")
     print(f"goal policy-layers / autocast <= {GOAL}: {met} ({layers})")

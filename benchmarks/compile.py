@@ -78,13 +78,6 @@ def output_sqnr(run: Any, reference: list[torch.Tensor]) -> float:
     return min(sqnr_db(r, o.to(r.dtype)) for r, o in zip(reference, outputs))
 
 
-def judge(ratio: Any) -> bool | None:
-    """The goal on a ratio, by its interval: met, missed, or None (undecided at this noise)."""
-    if ratio.high <= GOAL:
-        return True
-    return False if ratio.low > GOAL else None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: a 20 s timing cap")
@@ -130,14 +123,14 @@ def main() -> None:
                      for name in ("policy bf16", "policy mixed")} for kind in ("", "compiled ")}
     goal_ratio = versus["compiled "]["policy bf16"]
     goals = {"compiled_policy_bf16_vs_compiled_autocast": {"ratio": str(goal_ratio), "goal": GOAL,
-                                                           "met": judge(goal_ratio)},
+                                                           "met": goal_ratio.at_most(GOAL)},
              "no_graph_break_of_its_own": {"breaks": {k: n for k, (n, _) in breaks.items()},
                                            "met": all(n <= breaks["fp32"][0] for n, _ in breaks.values())}}
     print("\npolicy vs blanket autocast, eager: "
           + ", ".join(f"{k} {r}" for k, r in versus[""].items())
           + "; compiled: " + ", ".join(f"{k} {r}" for k, r in versus["compiled "].items()))
     said = {True: "met", False: "MISSED", None: "undecided (timing too noisy)"}
-    print(f"goal compiled policy bf16 <= {GOAL}x compiled autocast: {said[judge(goal_ratio)]} ({goal_ratio}); "
+    print(f"goal compiled policy bf16 <= {GOAL}x compiled autocast: {said[goal_ratio.at_most(GOAL)]} ({goal_ratio}); "
           f"no graph break of a policy's own: {said[goals['no_graph_break_of_its_own']['met']]}")
 
     report = {

@@ -206,8 +206,9 @@ def at_most(ratio: Ratio | None, limit: float) -> bool | None:
     below or above it, or is within ±5% of its estimate), None (undecided) where it is too wide."""
     if ratio is None:
         return False
-    if ratio.high <= limit or ratio.low > limit:
-        return ratio.high <= limit
+    decided = ratio.at_most(limit)
+    if decided is not None:
+        return decided
     return ratio.estimate <= limit if ratio.within(0.05) else None
 
 

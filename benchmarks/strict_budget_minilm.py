@@ -120,7 +120,8 @@ def main() -> None:
         best = min(meeting, key=meeting.get) if meeting else None
         key = f"tuned {floor:g} dB"
         ratio = timing.ratio(key, best) if best else None
-        met = None if ratio is None else (True if ratio.high <= 0.95 else False if ratio.low > 0.95 else "??")
+        met = None if ratio is None else ratio.at_most(0.95)
+        met = "??" if ratio is not None and met is None else met
         goals[floor] = {"fastest_heuristic": best, "tuned_over_heuristic": vars(ratio) if ratio else None,
                         "goal_met": met, "floor_met": sqnr[key] >= floor, "tune_s": tune_s[floor]}
         print(f"floor {floor:g} dB: tuned / fastest heuristic meeting it ({best}): "

@@ -204,3 +204,9 @@ def test_signed_rank_interval_is_exact_for_few_rounds_and_approximate_for_many()
     assert abs(exact(t) - normal(t)) < 0.01
     mid, low, high = shift_interval([0.01 * ((i * 37) % 200 - 100) for i in range(200)])
     assert low < mid < high and abs(mid) < 0.1
+
+
+def test_a_goal_on_a_ratio_is_judged_by_its_interval():
+    assert Ratio(0.98, 0.96, 1.01, 36, "tie").at_most(1.05) is True
+    assert Ratio(1.10, 1.07, 1.13, 36, "slower").at_most(1.05) is False
+    assert Ratio(1.03, 1.01, 1.06, 75, "undecided").at_most(1.05) is None  # straddles the goal

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..formats import Precision
 
-__all__ = ["CommandError", "budget_arguments", "check_device", "default_out", "load_model_py", "model_arguments",
+__all__ = ["CommandError", "budget_arguments", "check_device", "default_out", "load_spec", "model_arguments",
            "number", "positive_int", "positive_number", "precisions"]
 
 
@@ -65,13 +65,13 @@ def default_out(model_py: str) -> Path:
     return Path("autoprec-runs") / (name or "model")
 
 
-def load_model_py(args: argparse.Namespace):
+def load_spec(args: argparse.Namespace):
     """The model.py named on the command line, after the device check."""
-    from ..userspec import load_model_py as load
+    from ..userspec import load_model_py
 
     check_device(args.device)
     print(f"loading {args.model_py}", file=sys.stderr)
-    return load(args.model_py)
+    return load_model_py(args.model_py)
 
 
 def check_device(device: str) -> None:

@@ -14,7 +14,7 @@ from .options import (
     budget_arguments,
     check_device,
     default_out,
-    load_model_py,
+    load_spec,
     model_arguments,
     positive_int,
     positive_number,
@@ -76,7 +76,7 @@ def tune(args: argparse.Namespace) -> int:
     else:
         from ..workloads.inference import InferenceWorkload
 
-        workload = InferenceWorkload.from_spec(load_model_py(args))
+        workload = InferenceWorkload.from_spec(load_spec(args))
     try:
         result = run_tune(workload, config, log=lambda msg: print(msg, file=sys.stderr))
     except TuneInterrupted as stop:
@@ -144,7 +144,7 @@ def profile(args: argparse.Namespace) -> int:
                             sensitivity_batches=args.sensitivity_batches)
     except ValueError as e:
         raise CommandError(str(e)) from None
-    workload = InferenceWorkload.from_spec(load_model_py(args))
+    workload = InferenceWorkload.from_spec(load_spec(args))
     with claim_out_dir(out):
         workload.model = workload.model.to(args.device).eval()
         prof = load_or_profile(workload, config, torch.device(args.device), out,
@@ -173,7 +173,7 @@ def bench(args: argparse.Namespace) -> int:
     from ..verify import bench_policy
 
     policy = Policy.load(args.policy)
-    spec = load_model_py(args)
+    spec = load_spec(args)
     budget = choose_budget(spec.evaluate is not None, args.budget, args.min_sqnr)
     result = bench_policy(spec.model, spec.holdout_batches, policy, budget, spec.evaluate, spec.higher_is_better,
                           device=args.device, repeats=args.repeats)
