@@ -45,6 +45,7 @@ from .formats import FP8Linear, Precision
 from .mx import BlockScaledLinear
 from .policy import Policy, PolicyError
 from .regionstate import in_fp32_region
+from .rulecheck import check_master_weights, check_rules_reach, computes_without_autocast_types
 
 __all__ = ["applied_policy", "apply_policy", "effective_precisions", "remove_policy", "structure_fingerprint",
            "takes_precision"]
@@ -252,11 +253,14 @@ def _check_fp8(model: nn.Module, policy: Policy, precisions: dict[str, Precision
         _check_linear_only(model, policy, precisions, fmt)
 
 
+def _computes(module: nn.Module) -> bool:
+    return isinstance(module, AUTOCAST_LOWERED) or computes_without_autocast_types(module)
+
+
 def _check_linear_only(model: nn.Module, policy: Policy, precisions: dict[str, Precision], fmt: Precision) -> None:
     modules = dict(model.named_modules(remove_duplicate=False))
     wrong = {name: type(module).__name__ for name, module in modules.items()
-             if precisions[name] is fmt and isinstance(module, AUTOCAST_LOWERED)
-             and not takes_precision(module, fmt)}
+             if precisions[name] is fmt and _computes(module) and not takes_precision(module, fmt)}
     for name in policy.exact_names:
         if name not in wrong and policy.layers[name] is fmt and not any(
                 takes_precision(m, fmt) for m in modules[name].modules()):
@@ -328,7 +332,9 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
         raise RuntimeError("this model already has a policy applied; call autoprec.remove_policy(model) first")
     _check_names(model, policy, strict)
     _check_model(model, policy)
+    check_master_weights(model, mode)
     precisions = effective_precisions(model, policy)
+    check_rules_reach(model, policy, precisions)
     _check_fp8(model, policy, precisions)
     _check_shared(_aliases(model), precisions)  # before anything changes: a refused policy leaves no trace
 

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .weightcache import WeightCache
+
 __all__ = [
     "DEFAULT_PRECISIONS",
     "E4M3_MAX",
@@ -277,9 +279,9 @@ class FP8Linear(nn.Linear):
 
     def _init_fp8_state(self, recipe: FP8Recipe, cache_weight: bool) -> None:
         self.recipe = recipe
-        # Inference: quantize the weight once and reuse it until the weight changes (its version counter).
+        # Inference, emulated: quantize the weight once and reuse it until the weight changes (see WeightCache).
         self.cache_weight = cache_weight
-        self._weight_cache: dict[str, tuple[tuple, tuple[torch.Tensor, ...]]] = {}
+        self._weight_cache = WeightCache()
         self.register_buffer("input_amax_history", torch.zeros(recipe.amax_history, device=self.weight.device),
                              persistent=False)
         self.register_buffer("amax_steps", torch.zeros((), dtype=torch.long, device=self.weight.device),
@@ -297,30 +299,23 @@ class FP8Linear(nn.Linear):
         new.train(linear.training)  # a fresh Module starts in training mode
         return new
 
-    def _cached(self, kind: str, make) -> tuple[torch.Tensor, ...]:
-        # Under torch.compile the quantization is part of the graph: the cache's key (the weight's data
-        # pointer) is a value dynamo cannot trace, and would break the graph at every FP8 linear.
-        if not self.cache_weight or torch.compiler.is_compiling():
-            return make()
-        key = (self.weight.data_ptr(), self.weight._version, self.weight.device)
-        hit = self._weight_cache.get(kind)
-        if hit is None or hit[0] != key:
-            hit = (key, make())
-            self._weight_cache[kind] = hit
-        return hit[1]
-
     def quantized_weight(self) -> torch.Tensor:
         """The weight as FP8 (E4M3, current scaling) would hold it, dequantized to fp32."""
-        return self._cached("emulated", lambda: (fp8_fake_quantize(self.weight.detach()),))[0]
+        def make() -> tuple[torch.Tensor]:
+            return (fp8_fake_quantize(self.weight.detach()),)
+
+        # Under torch.compile the quantization is part of the graph: the cache's key (the weight's data
+        # pointer and values) is nothing dynamo can trace, and would break the graph at every FP8 linear.
+        if not self.cache_weight or torch.compiler.is_compiling():
+            return make()[0]
+        return self._weight_cache.get(self.weight, "emulated", make)[0]
 
     def fp8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weight in E4M3 and its scale (current scaling), for the native GEMMs."""
-        def make() -> tuple[torch.Tensor, torch.Tensor]:
-            w = self.weight.detach()
-            scale = fp8_scale(w.abs().amax())
-            return fp8_quantize(w, scale), scale
-        wq, scale = self._cached("native", make)
-        return wq, scale
+        """The weight in E4M3 and its scale (current scaling), for the native GEMMs: quantized on every
+        call, as torchao's Float8Linear does, since knowing that a weight is unchanged would read the host."""
+        w = self.weight.detach()
+        scale = fp8_scale(w.abs().amax())
+        return fp8_quantize(w, scale), scale
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", fp8={self.recipe.recipe}, amax_history={self.recipe.amax_history}"

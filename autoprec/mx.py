@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .weightcache import WeightCache
+
 __all__ = ["BLOCK_SIZE", "BlockScaledLinear", "E2M1_MAX", "block_fake_quantize", "e2m1_round",
            "mxfp8_fake_quantize", "mxfp8_quantize", "nvfp4_fake_quantize", "nvfp4_quantize",
            "nvfp4_tensor_scale"]
@@ -179,7 +181,7 @@ class BlockScaledLinear(nn.Linear):
             raise ValueError(f"{precision!r} is not a block-scaled format; use 'mxfp8' or 'nvfp4'")
         self.precision = precision
         self.cache_weight = cache_weight
-        self._weight_cache: tuple[tuple, torch.Tensor] | None = None
+        self._weight_cache = WeightCache()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, precision: str, cache_weight: bool = False) -> BlockScaledLinear:
@@ -194,12 +196,12 @@ class BlockScaledLinear(nn.Linear):
 
     def quantized_weight(self) -> torch.Tensor:
         """The weight as the forward GEMM sees it (blocks along K), dequantized to fp32."""
+        def make() -> tuple[torch.Tensor]:
+            return (block_fake_quantize(self.weight.detach(), self.precision, dim=-1),)
+
         if not self.cache_weight or torch.compiler.is_compiling():  # no data pointer keys in a graph
-            return block_fake_quantize(self.weight.detach(), self.precision, dim=-1)
-        key = (self.weight.data_ptr(), self.weight._version, self.weight.device)
-        if self._weight_cache is None or self._weight_cache[0] != key:
-            self._weight_cache = (key, block_fake_quantize(self.weight.detach(), self.precision, dim=-1))
-        return self._weight_cache[1]
+            return make()[0]
+        return self._weight_cache.get(self.weight, "emulated", make)[0]
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", precision={self.precision} (emulated)"

@@ -12,8 +12,9 @@ from the user's optimizer). torchao's Float8Linear scales every tensor by its cu
 
 Float8Linear shares the original ``weight`` and ``bias`` Parameters, so ``state_dict`` keys, optimizers
 and checkpoints are unchanged. An MX rule in inference runs a bf16 copy whose weight torchao quantized
-once, when the policy was applied (its ``state_dict`` entry is that quantized weight; the original linear
-is untouched). ``remove_policy`` puts the original linears back.
+when the policy was applied, and quantizes again when the original weight changes; its ``state_dict`` and
+``load_state_dict`` are the original linear's (fp32), which is otherwise untouched. ``remove_policy`` puts
+the original linears back.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import nn
 from .formats import Precision
 from .formats import torchao_installed as installed
 from .regionstate import in_fp32_region
+from .weightcache import WeightCache
 
 __all__ = ["KERNELS", "installed", "install_fp8", "install_mx", "torchao_takes"]
 
@@ -88,13 +90,31 @@ def install_fp8(model: nn.Module, names: Iterable[str], emulate: bool) -> list[t
 
 def install_mx(model: nn.Module, name: str, precision: Precision) -> tuple[nn.Module, str, nn.Module]:
     """Swap the linear at ``name`` for a bf16 copy that torchao's ``quantize_`` made MXFP8 or NVFP4
-    (inference: the weight is quantized once, here); the original linear and its Parameters are left as
-    they were. torchao's MX linears compute in bf16: the copy takes its input in bf16 and hands back the
-    input's dtype. On a CPU (kernels="torchao", for tests) torchao's emulated MXFP8 kernel runs."""
-    quant = _import("torchao.quantization")
-    mx = _import("torchao.prototype.mx_formats")
+    (inference: the weight is quantized once, and again whenever the original weight changes, see
+    :class:`~autoprec.weightcache.WeightCache`); the original linear and its Parameters are left as they were,
+    and the copy's ``state_dict`` and ``load_state_dict`` are the original's, so a checkpoint saved while the
+    policy is applied holds the user's fp32 weights and loads into the plain model. torchao's MX linears
+    compute in bf16: the copy takes its input in bf16 and hands back the input's dtype. On a CPU
+    (kernels="torchao", for tests) torchao's emulated MXFP8 kernel runs."""
     parent_name, _, attr = name.rpartition(".")
     parent, original = model.get_submodule(parent_name), model.get_submodule(name)
+    quantized = _quantized_copy(original, precision)
+    cache = WeightCache()
+    cache.get(original.weight, "torchao", lambda: (quantized.weight, quantized.bias))
+    # Not a submodule (object.__setattr__): the original's Parameters must not appear twice in the model.
+    object.__setattr__(quantized, "_autoprec_original", (original, precision, cache))
+    object.__setattr__(quantized, "_save_to_state_dict", original._save_to_state_dict)
+    object.__setattr__(quantized, "_load_from_state_dict", original._load_from_state_dict)
+    quantized.register_forward_pre_hook(_follow_original)
+    quantized.register_forward_pre_hook(_to_bf16)
+    quantized.register_forward_hook(_back_to_input_dtype)
+    setattr(parent, attr, quantized)
+    return parent, attr, original
+
+
+def _quantized_copy(original: nn.Module, precision: Precision) -> nn.Module:
+    quant = _import("torchao.quantization")
+    mx = _import("torchao.prototype.mx_formats")
     device = original.weight.device
     copy = nn.Linear(original.in_features, original.out_features, bias=original.bias is not None, device=device,
                      dtype=torch.bfloat16)
@@ -110,11 +130,22 @@ def install_mx(model: nn.Module, name: str, precision: Precision) -> tuple[nn.Mo
         config = mx.NVFP4DynamicActivationNVFP4WeightConfig()
     holder = nn.Sequential(copy)
     quant.quantize_(holder, config)
-    quantized = holder[0]
-    quantized.register_forward_pre_hook(_to_bf16)
-    quantized.register_forward_hook(_back_to_input_dtype)
-    setattr(parent, attr, quantized)
-    return parent, attr, original
+    return holder[0]
+
+
+def _follow_original(module: nn.Module, _args: tuple) -> None:
+    """Quantize again when the original weight changed (a loader's in-place refresh, load_state_dict)."""
+    if torch.compiler.is_compiling():  # a graph holds the quantized weight it was traced with
+        return
+    original, precision, cache = module._autoprec_original
+
+    def requantize() -> tuple[nn.Parameter, nn.Parameter | None]:
+        fresh = _quantized_copy(original, precision)
+        return fresh.weight, fresh.bias
+
+    weight, bias = cache.get(original.weight, "torchao", requantize)
+    if module.weight is not weight:
+        module.weight, module.bias = weight, bias
 
 
 def _to_bf16(module: nn.Module, args: tuple) -> tuple:
