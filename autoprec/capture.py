@@ -102,6 +102,9 @@ class LayerTable:
     added: list[str] = field(default_factory=list)  # layers only later batches ran, found with hooks
     not_exercised: list[str] = field(default_factory=list)  # modules with own weights no batch ran
     n_batches: int = 1
+    # Layers the model itself runs with autocast off (torch.autocast(enabled=False) in its forward): a region
+    # around them does not reach them, so they stay fp32 and out of the search.
+    fp32_by_model: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         """Which path found which layers, in one line."""
@@ -109,12 +112,19 @@ class LayerTable:
         text = f"captured {first} layers with {self.method} on batch 0"
         if self.n_batches > 1:
             text += f" ({self.n_batches} batches checked)"
-        if self.added:
-            on = sorted({min(self[name].batches) for name in self.added})
-            text += (f"; {len(self.added)} more with hooks on batch{'es' if len(on) > 1 else ''} "
-                     f"{', '.join(map(str, on))} (data-dependent branches): {', '.join(self.added)}")
+        missed = [name for name in self.added if 0 in self[name].batches]  # batch 0 ran them: the tracer missed them
+        later = [name for name in self.added if name not in missed]
+        if missed:
+            text += f"; {len(missed)} more with hooks that {self.method} did not see on batch 0: {', '.join(missed)}"
+        if later:
+            on = sorted({min(self[name].batches) for name in later})
+            text += (f"; {len(later)} more with hooks on batch{'es' if len(on) > 1 else ''} "
+                     f"{', '.join(map(str, on))} (data-dependent branches): {', '.join(later)}")
         if self.not_exercised:
             text += (f"; not exercised by any batch, kept fp32: {', '.join(self.not_exercised)}")
+        if self.fp32_by_model:
+            text += (f"; run with autocast off by the model itself (torch.autocast(enabled=False)), kept fp32: "
+                     f"{', '.join(self.fp32_by_model)}")
         return text
 
     @property
@@ -142,7 +152,7 @@ class LayerTable:
     def to_dict(self) -> dict:
         return {"schema": _SCHEMA, "version": _VERSION, "model_type": self.model_type, "method": self.method,
                 "layers": [dataclasses.asdict(layer) for layer in self.layers], "added": self.added,
-                "not_exercised": self.not_exercised, "n_batches": self.n_batches}
+                "not_exercised": self.not_exercised, "n_batches": self.n_batches, "fp32_by_model": self.fp32_by_model}
 
     @classmethod
     def from_dict(cls, data: dict) -> LayerTable:
@@ -150,7 +160,8 @@ class LayerTable:
             raise ValueError(f"not a version-{_VERSION} {_SCHEMA}: schema={data.get('schema')!r}, "
                              f"version={data.get('version')!r}")
         return cls([Layer(**layer) for layer in data["layers"]], data["method"], data["model_type"],
-                   data.get("added", []), data.get("not_exercised", []), data.get("n_batches", 1))
+                   data.get("added", []), data.get("not_exercised", []), data.get("n_batches", 1),
+                   data.get("fp32_by_model", []))
 
     def __str__(self) -> str:
         width = max([len(name) for name in self.names()] + [4])
@@ -208,6 +219,8 @@ def _add_later_layers(model: nn.Module, table: LayerTable, batches: list, reache
         if (own := list(module.parameters(recurse=False))) and name not in called
         and not any(p.untyped_storage().data_ptr() in read for p in own)]
     table.n_batches = len(batches)
+    by_model = set().union(*(r.fp32_by_model for r in reached))
+    table.fp32_by_model = [name for name in table.names() if name in by_model]
 
 
 # From the record to the table.

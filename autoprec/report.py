@@ -253,7 +253,9 @@ def report_markdown(result: TuneResult, workload: Any = None) -> str:
     ms, sqnr = ("fwd+bwd ms", "grad SQNR dB") if training else ("ms", "SQNR dB")
     header = ["layer", "kind", "chosen", f"fp32 {ms}"] + [f"{q} {ms}" for q in p.precisions] + \
              [f"{q} {sqnr}" for q in p.precisions]
-    rows = [[layer.name, layer.kind, chosen.get(layer.name, "fp32"), layer.latency_ms.get("fp32")]
+    by_model = set(p.fp32_by_model)  # fp32 whatever the policy says around them: what runs is what is shown
+    rows = [[layer.name, layer.kind, "fp32 (the model's autocast off)" if layer.name in by_model
+             else chosen.get(layer.name, "fp32"), layer.latency_ms.get("fp32")]
             + [layer.latency_ms.get(q) for q in p.precisions]
             + [layer.sensitivity[q].sqnr_db if q in layer.sensitivity else None for q in p.precisions]
             for layer in p.layers]

@@ -83,7 +83,9 @@ def plan_units(profile: Profile, space: SearchSpace, precisions: Sequence[str]) 
             why = None
             measured = [layers[n].sensitivity[p] for n in unit.layers if p in layers[n].sensitivity]
             error = next((s.error for s in measured if s.error), None)
-            if len(measured) < len(unit.layers):
+            if set(unit.layers) & set(profile.fp32_by_model):
+                why = "the model itself runs it with autocast off (torch.autocast(enabled=False)): kept fp32"
+            elif len(measured) < len(unit.layers):
                 why = "not measured: no search batch runs this layer (only held-out ones)"
             elif error:
                 why = f"raised {error}"

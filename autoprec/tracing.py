@@ -15,7 +15,7 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -304,6 +304,7 @@ class Reached:
     layers: list[str]  # modules that ran compute ops, in order of first compute op
     modules: set[str]  # modules called
     storages: set[int]  # parameter storages any op read
+    fp32_by_model: set[str] = field(default_factory=set)  # layers with a compute op under the model's autocast-off
 
 
 class _ReachRecorder(TorchDispatchMode):
@@ -315,6 +316,7 @@ class _ReachRecorder(TorchDispatchMode):
         self.parameter_storages = parameter_storages
         self.layers: dict[str, None] = {}
         self.storages: set[int] = set()
+        self.fp32_by_model: set[str] = set()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -330,7 +332,17 @@ class _ReachRecorder(TorchDispatchMode):
             out_metas = _metas(out)
             if _compute_flops(name, shapes, out_metas[0][0] if out_metas else []) is not None:
                 self.layers.setdefault(self.module_stack[-1])
+                device = next(t.device.type for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor))
+                # This fp32 pass opened no autocast region: one that is open and off is the model's own.
+                if _autocast_nesting() > 0 and not torch.is_autocast_enabled(device):
+                    self.fp32_by_model.add(self.module_stack[-1])
         return out
+
+
+def _autocast_nesting() -> int:
+    """How many ``torch.autocast`` regions (enabled or not) are open: torch has no plain getter."""
+    torch.autocast_increment_nesting()
+    return torch.autocast_decrement_nesting()
 
 
 def reach(model: nn.Module, batch: Any, index: int) -> Reached:
@@ -346,4 +358,4 @@ def reach(model: nn.Module, batch: Any, index: int) -> Reached:
             raise ValueError(f"capture: the fp32 model raised {one_line(error)} on batch {index} "
                              f"({describe_batch(batch)}); fix: give batches shaped as the model's forward "
                              "expects") from error
-    return Reached(list(recorder.layers), called, recorder.storages)
+    return Reached(list(recorder.layers), called, recorder.storages, recorder.fp32_by_model)

@@ -138,3 +138,32 @@ def test_a_checkpoint_saved_under_torchaos_mxfp8_holds_the_fp32_weights_and_load
         assert torch.equal(model(x), before)
     remove_policy(model)
     assert torch.equal(model[0].weight, plain[0].weight)
+
+
+# ---- layers the model itself runs with autocast off ------------------------------------------------------------
+class AutocastOff(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 32), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):  # the author keeps fc1 in fp32
+            x = torch.relu(self.fc1(x.float()))
+        return self.fc2(x)
+
+
+def test_a_layer_the_model_runs_with_autocast_off_is_planned_as_the_fp32_it_runs_in():
+    from autoprec.capture import capture
+    from autoprec.profile import profile_model
+
+    torch.manual_seed(0)
+    model, batches = AutocastOff().eval(), [torch.randn(16, 32) for _ in range(2)]
+    table = capture(model, batches)
+    assert table.fp32_by_model == ["fc1"]
+    assert "run with autocast off by the model itself (torch.autocast(enabled=False)), kept fp32: fc1" in table.summary()
+    assert "data-dependent" not in table.summary()  # batch 0 runs it: the tracer missed it, no branch did
+    profile = profile_model(model, table, batches, target="h100", progress=False)
+    fc1, fc2 = profile.layer("fc1"), profile.layer("fc2")
+    assert profile.fp32_by_model == ["fc1"] and fc1.sensitivity == {} and "bf16" in fc2.sensitivity
+    # under a bf16 region fc1 runs fp32 (the model's own autocast-off region), and so the plan prices it
+    assert fc1.latency_ms["bf16"] == fc1.latency_ms["fp32"] and fc2.latency_ms["bf16"] < fc2.latency_ms["fp32"]

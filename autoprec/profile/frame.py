@@ -27,10 +27,13 @@ def low_precisions(precisions: Sequence[str | Precision]) -> list[Precision]:
 
 def layer_candidates(model: nn.Module, table: LayerTable, low: Sequence[Precision],
                      searched: set[str] | None = None) -> dict[str, list[str]]:
-    """layer -> the low precisions it can take (fp8: nn.Linear only); none for a layer outside ``searched``."""
+    """layer -> the low precisions it can take (fp8: nn.Linear only); none for a layer outside ``searched`` or
+    one the model itself runs with autocast off (a layer's own region would turn it back on, which the region of
+    a block around it does not: the profile would measure what the policy does not install)."""
     modules = dict(model.named_modules())
+    fixed = set(table.fp32_by_model)
     return {layer.name: [p.value for p in low if (searched is None or layer.name in searched)
-                         and takes_precision(modules[layer.name], p)] for layer in table}
+                         and layer.name not in fixed and takes_precision(modules[layer.name], p)] for layer in table}
 
 
 def assemble(model: nn.Module, table: LayerTable, batches: Sequence[Any], where: str, low: Sequence[Precision],
@@ -44,8 +47,9 @@ def assemble(model: nn.Module, table: LayerTable, batches: Sequence[Any], where:
     """The profile of ``model`` over ``table``; ``batches``: what it was profiled on (its fingerprint),
     ``where``: the device it holds for (or "estimated for <GPU>")."""
     layers = [LayerProfile(name=layer.name, kind=layer.kind, type=layer.type, flops=flops_per_layer * int(layer.flops),
-                           latency_ms=dict(latency_ms[layer.name]), cast_ms=dict(cast_ms[layer.name]),
-                           sensitivity=dict(sensitivity[layer.name])) for layer in table]
+                           latency_ms=_as_run(latency_ms[layer.name], layer.name in table.fp32_by_model),
+                           cast_ms=dict(cast_ms[layer.name]), sensitivity=dict(sensitivity[layer.name]))
+              for layer in table]
     return Profile(
         fingerprint=fingerprint(model, batches), device=where, torch=torch.__version__,
         precisions=[p.value for p in low], capabilities={p.value: caps[p].value for p in Precision},
@@ -54,7 +58,13 @@ def assemble(model: nn.Module, table: LayerTable, batches: Sequence[Any], where:
         metric=metric, cost={**cost, "autoprec": __version__}, model_type=table.model_type, training=training,
         timed="forward" if training is None else "training step", autocast_untuned=list(autocast_untuned),
         not_runnable=dict(not_runnable or {}), latency_ratio=dict(latency_ratio or {}),
-        end_to_end_check=dict(end_to_end_check or {}))
+        end_to_end_check=dict(end_to_end_check or {}), fp32_by_model=list(table.fp32_by_model))
+
+
+def _as_run(latency_ms: Mapping[str, float], fp32_by_model: bool) -> dict[str, float]:
+    """A layer's time in each precision as a policy runs it: a layer the model itself runs with autocast off
+    stays fp32 in any region around it, whatever a region of its own (which no policy gives it) would take."""
+    return {p: latency_ms["fp32"] for p in latency_ms} if fp32_by_model and "fp32" in latency_ms else dict(latency_ms)
 
 
 def device_label(device: torch.device, target: str | None = None) -> str:

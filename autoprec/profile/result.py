@@ -97,6 +97,9 @@ class Profile:
     # and training profiles lack them: read as empty.
     latency_ratio: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     end_to_end_check: dict[str, Any] = field(default_factory=dict)
+    # Layers the model itself runs with autocast off (capture's LayerTable.fp32_by_model): fp32 under any
+    # region, timed as such, never candidates. Older profiles lack it: read as empty.
+    fp32_by_model: list[str] = field(default_factory=list)
 
     def layer(self, name: str) -> LayerProfile:
         for layer in self.layers:
