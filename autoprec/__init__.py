@@ -15,6 +15,7 @@ from .formats import Capability, FP8Linear, FP8Recipe, Precision, device_capabil
 # Policies
 from .policy import Policy, PolicyError
 from .apply import apply_policy, remove_policy
+from .runcheck import check_policy_runs
 
 # Training with a policy
 from .training import TrainStep
@@ -38,6 +39,7 @@ __all__ = [
     "PolicyError",
     "apply_policy",
     "remove_policy",
+    "check_policy_runs",
     # training
     "TrainStep",
     # tuning

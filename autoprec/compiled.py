@@ -21,7 +21,8 @@ from torch import nn
 
 from .userspec import one_line
 
-__all__ = ["BACKEND", "CompileError", "compile_regions", "graph_breaks", "repeated_blocks", "warm_up"]
+__all__ = ["BACKEND", "CompileError", "check_captures_graph", "compile_regions", "graph_breaks", "repeated_blocks",
+           "warm_up"]
 
 BACKEND = "inductor"  # what users deploy; tests and benchmarks may pass "aot_eager" for speed
 # Blocks whose policies differ (an fp32 island in block 4) each need their own graph of the one block
@@ -84,6 +85,17 @@ def warm_up(run: Callable[[], Any], entry: str, calls: int = 2) -> None:
             cause = inner
         what = one_line(e) if cause is e else f"{type(e).__name__}, {one_line(cause)}"
         raise CompileError(f"torch.compile failed on {entry}: {what}") from e
+
+
+def check_captures_graph(run: Callable[[], Any], what: str) -> None:
+    """A :class:`CompileError` when dynamo captures no op of ``run()`` into a graph (a forward under
+    ``torch.compiler.disable``, say): torch.compile would run it all eager, and its times are no compiled times.
+    Resets dynamo's caches first."""
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(run)()
+    if not sum(len(ops) for ops in explained.ops_per_graph):
+        raise CompileError(f"torch.compile captures no graph of {what}: it would run eager, so there is nothing "
+                           "compiled to time (is its forward under torch.compiler.disable?)")
 
 
 def graph_breaks(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[int, list[str]]:

@@ -21,7 +21,7 @@ import torch.nn as nn
 from .apply import apply_policy, remove_policy
 from .batches import OutputError, call_model, describe_batch, fidelity_outputs, output_tensors, to_device
 from .budget import MIN_SPREAD_UNITS, Spread
-from .compiled import CompileError, compile_regions, warm_up
+from .compiled import CompileError, check_captures_graph, compile_regions, warm_up
 from .formats import Precision, sqnr_db
 from .objective import Measurement, Objective
 from .policy import Policy
@@ -88,6 +88,8 @@ def policy_runs(model: nn.Module, batch: Any, runners: Mapping[str, Policy | Pre
     compiles it, and is warmed up here, so no compile time lands in a timed call (a failure is a
     :class:`~autoprec.compiled.CompileError` naming the entry)."""
     device = torch.device(device)
+    if compile_backend is not None:  # results labelled "compiled" must have run compiled
+        check_captures_graph(_no_grad(lambda: call_model(model, batch)), f"the model ({type(model).__name__})")
     runs: dict[str, Callable[[], Any]] = {}
     for key, how in runners.items():
         target = model

@@ -33,6 +33,7 @@ from .outdir import claim_out_dir
 from .policy import Policy
 from .profile import Profile, ProfileError, device_name, predict_ms
 from .results import TuneResult
+from .runcheck import policy_runs_note
 from .search import Candidate, SearchResult, open_storage, search
 from .searchspace import SearchSpace, allows_everywhere, choose_preset
 from .userspec import check_fp32_model
@@ -207,6 +208,10 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None]) -> 
             slack = workload.slack_note(verification, the_budget, margin)
             if slack is not None:
                 verification.notes.append(slack)
+            if verification.policy is not None:  # what the report claims of each rule is what runs
+                runs = policy_runs_note(model, verification.policy, to_device(workload.capture_batches()[0], device))
+                if runs is not None:
+                    verification.notes.append(runs)
 
             phase = "outputs"
             policy = _tuned_policy(verification, profile, the_budget, model, workload)

@@ -194,6 +194,20 @@ SOURCES = {
         def get_batches():
             return [torch.randn(2, 3, 8, 8) for _ in range(4)]
     """,
+    "with_attention.py": """
+        import torch
+        from torch import nn
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+            def forward(self, x):
+                return self.attn(x, x, x)[0]
+        def get_model():
+            return Net()
+        def get_batches():
+            return [torch.randn(2, 4, 16) for _ in range(4)]
+    """,
 }
 
 SPACES = {
@@ -218,6 +232,7 @@ POLICIES = {
     "good.json": '{"schema": "autoprec.policy", "version": 1, "default": "bf16"}',
     "mxfp8_default.json": '{"schema": "autoprec.policy", "version": 1, "default": "mxfp8"}',
     "fp8_on_conv.json": '{"schema": "autoprec.policy", "version": 1, "layers": {"0": "fp8", "2": "fp8"}}',
+    "out_proj_bf16.json": '{"schema": "autoprec.policy", "version": 1, "layers": {"attn.out_proj": "bf16"}}',
 }
 
 # Files for `autoprec init --hf` and `autoprec dashboard` (paths inside this table's folder)
@@ -364,6 +379,8 @@ CASES = [
          ["'encoder.q'", "'head'", "not in the model"]),
     Case("bench-fp8-on-conv", ["bench", "{d}/convnet.py", "--policy", "{d}/fp8_on_conv.json"], 1,
          ["fp8 runs nn.Linear layers only", "'0' (Conv2d)", "bf16, fp16 or fp32"]),
+    Case("bench-rule-on-mha-out-proj", ["bench", "{d}/with_attention.py", "--policy", "{d}/out_proj_bf16.json"], 1,
+         ["'attn.out_proj'", "never calls its out_proj", "put the rule on 'attn'"]),
     Case("bench-no-policy-flag", ["bench", "{mlp}"], 2, ["--policy"]),
     Case("bench-bad-policy-first", ["bench", "{d}/nope.py", "--policy", "{d}/policy.pkl"], 1, ["not a policy file"]),
     # ---- init ----------------------------------------------------------------------------------------------

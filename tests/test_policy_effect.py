@@ -167,3 +167,67 @@ def test_a_layer_the_model_runs_with_autocast_off_is_planned_as_the_fp32_it_runs
     assert profile.fp32_by_model == ["fc1"] and fc1.sensitivity == {} and "bf16" in fc2.sensitivity
     # under a bf16 region fc1 runs fp32 (the model's own autocast-off region), and so the plan prices it
     assert fc1.latency_ms["bf16"] == fc1.latency_ms["fp32"] and fc2.latency_ms["bf16"] < fc2.latency_ms["fp32"]
+
+
+# ---- after a forward: each rule ran in its precision -------------------------------------------------------------
+class ComputesWithChildWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.proj.weight, self.proj.bias)  # never calls self.proj
+
+
+class SwitchesAutocastOff(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return x.float() @ self.weight
+
+
+@pytest.mark.parametrize("first, rule, words", [
+    (ComputesWithChildWeight, {"0.proj": "bf16"}, "'0.proj' never ran its forward ('0' computed with its weights "
+                                                   "itself: put the rule on '0')"),
+    (SwitchesAutocastOff, {"0": "bf16"}, "'0' ran in fp32, not bf16 (its forward switches autocast itself: give it "
+                                          "fp32"),
+])
+def test_a_rule_that_did_not_take_effect_is_named_after_a_forward(first, rule, words):
+    from autoprec.runcheck import check_policy_runs
+
+    model = nn.Sequential(first(), nn.Linear(16, 4))
+    apply_policy(model, Policy(layers={**rule, "1": "bf16"}))
+    with pytest.raises(PolicyError, match="1 rule of the policy did not take effect") as error:
+        check_policy_runs(model, torch.randn(3, 16))
+    assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_rules_that_took_effect_say_what_they_ran_in():
+    from autoprec.runcheck import check_policy_runs
+
+    model = nn.Sequential(ComputesWithChildWeight(), nn.Linear(16, 16), nn.Linear(16, 4))
+    apply_policy(model, Policy(layers={"0": "bf16", "1": "fp8", "2": "fp32"}))
+    assert check_policy_runs(model, torch.randn(3, 16)) == {"0": "bf16", "1": "fp8", "2": "fp32"}
+
+
+# ---- tune --compile: "compiled" only where something compiled ----------------------------------------------------
+class NeverCompiled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_compiled_timing_of_a_model_dynamo_captures_no_graph_of_is_refused_not_labelled_compiled():
+    from autoprec.compiled import CompileError
+    from autoprec.measure import policy_runs
+
+    with pytest.raises(CompileError, match=r"captures no graph of the model \(NeverCompiled\).*torch.compiler.disable"):
+        policy_runs(NeverCompiled(), torch.randn(4, 16), {"fp32": None, "bf16": Policy(default="bf16")},
+                    compile_backend="aot_eager")
