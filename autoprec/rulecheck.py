@@ -36,7 +36,7 @@ def check_rules_reach(model: nn.Module, policy: Policy, precisions: dict[str, Pr
     """Refuse a rule that gives a module its parent never calls another precision than the parent's."""
     modules = dict(model.named_modules(remove_duplicate=False))
     wrong = []
-    for name, module in modules.items():
+    for name in modules:
         parent_name, _, attr = name.rpartition(".")
         if not name or precisions[name] is precisions[parent_name]:
             continue

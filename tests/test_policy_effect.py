@@ -160,7 +160,7 @@ def test_a_layer_the_model_runs_with_autocast_off_is_planned_as_the_fp32_it_runs
     model, batches = AutocastOff().eval(), [torch.randn(16, 32) for _ in range(2)]
     table = capture(model, batches)
     assert table.fp32_by_model == ["fc1"]
-    assert "run with autocast off by the model itself (torch.autocast(enabled=False)), kept fp32: fc1" in table.summary()
+    assert "autocast off by the model itself (torch.autocast(enabled=False)), kept fp32: fc1" in table.summary()
     assert "data-dependent" not in table.summary()  # batch 0 runs it: the tracer missed it, no branch did
     profile = profile_model(model, table, batches, target="h100", progress=False)
     fc1, fc2 = profile.layer("fc1"), profile.layer("fc2")
