@@ -46,6 +46,7 @@ from .mx import BlockScaledLinear
 from .policy import Policy, PolicyError
 from .regionstate import in_fp32_region
 from .rulecheck import check_master_weights, check_rules_reach, computes_without_autocast_types
+from .weights import hand_back_parameters
 
 __all__ = ["applied_policy", "apply_policy", "effective_precisions", "remove_policy", "structure_fingerprint",
            "takes_precision"]
@@ -408,6 +409,7 @@ def remove_policy(model: nn.Module) -> nn.Module:
     for module in state.wrapped:
         _remove_region(module)
     for parent, attr, original in reversed(state.swapped):
+        hand_back_parameters(getattr(parent, attr), original)  # a Parameter assigned while applied is kept
         setattr(parent, attr, original)
     object.__delattr__(model, _STATE_ATTR)
     return model

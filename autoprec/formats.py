@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .weightcache import WeightCache
+from .weights import WeightCache
 
 __all__ = [
     "DEFAULT_PRECISIONS",

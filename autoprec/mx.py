@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .weightcache import WeightCache
+from .weights import WeightCache
 
 __all__ = ["BLOCK_SIZE", "BlockScaledLinear", "E2M1_MAX", "block_fake_quantize", "e2m1_round",
            "mxfp8_fake_quantize", "mxfp8_quantize", "nvfp4_fake_quantize", "nvfp4_quantize",

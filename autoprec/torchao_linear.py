@@ -31,7 +31,7 @@ from torch import nn
 from .formats import Precision
 from .formats import torchao_installed as installed
 from .regionstate import in_fp32_region
-from .weightcache import WeightCache
+from .weights import WeightCache
 
 __all__ = ["KERNELS", "installed", "install_fp8", "install_mx", "torchao_takes"]
 
@@ -91,7 +91,7 @@ def install_fp8(model: nn.Module, names: Iterable[str], emulate: bool) -> list[t
 def install_mx(model: nn.Module, name: str, precision: Precision) -> tuple[nn.Module, str, nn.Module]:
     """Swap the linear at ``name`` for a bf16 copy that torchao's ``quantize_`` made MXFP8 or NVFP4
     (inference: the weight is quantized once, and again whenever the original weight changes, see
-    :class:`~autoprec.weightcache.WeightCache`); the original linear and its Parameters are left as they were,
+    :class:`~autoprec.weights.WeightCache`); the original linear and its Parameters are left as they were,
     and the copy's ``state_dict`` and ``load_state_dict`` are the original's, so a checkpoint saved while the
     policy is applied holds the user's fp32 weights and loads into the plain model. torchao's MX linears
     compute in bf16: the copy takes its input in bf16 and hands back the input's dtype. On a CPU

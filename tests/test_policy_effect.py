@@ -106,6 +106,16 @@ def test_an_in_place_weight_refresh_through_data_reaches_the_quantized_weight(pr
         assert torch.equal(after, new(x))
 
 
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
+def test_weights_loaded_with_assign_while_applied_stay_after_remove_policy(precision):
+    model, new = mlp(), nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    apply_policy(model, Policy(layers={"0": precision}), kernels="autoprec")
+    model.load_state_dict(new.state_dict(), assign=True)  # new Parameter objects, on the swapped module
+    remove_policy(model)
+    assert type(model[0]) is nn.Linear
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), new.state_dict().values()))
+
+
 def torchao_mx():
     pytest.importorskip("torchao")
     from autoprec.torchao_linear import _import

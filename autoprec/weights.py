@@ -1,4 +1,6 @@
-"""A weight's quantized form, kept for inference until the weight changes.
+"""The user's weights under a policy: a quantized form that follows them, and Parameters that come back.
+
+A weight's quantized form is kept for inference until the weight changes.
 
 The Parameter's data pointer and version counter see a new tensor, ``load_state_dict`` and every
 in-place write through the Parameter. A write through ``weight.data`` (``weight.data.copy_(new)``,
@@ -9,6 +11,10 @@ changes it. Reading it costs about 10 µs on a CPU, where a quantization of a 10
 milliseconds; a compare reads the host, so the cache serves the emulations only (on a GPU with FP8
 tensor cores the weight is quantized every forward, as torchao's ``Float8Linear`` does, and no
 forward waits for the host).
+
+A module swapped in by a rule shares the original linear's Parameters; a Parameter assigned to it while the
+policy is applied (``load_state_dict(..., assign=True)``, ``layer.weight = nn.Parameter(...)``) goes back to
+the original when the policy is removed (:func:`hand_back_parameters`), so no loaded weight is lost.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch import nn
 
-__all__ = ["SAMPLE", "WeightCache"]
+__all__ = ["SAMPLE", "WeightCache", "hand_back_parameters"]
 
 SAMPLE = 1024  # elements of the weight compared on each lookup
 
@@ -47,3 +54,14 @@ class WeightCache:
 
     def clear(self) -> None:
         self._entries.clear()
+
+
+def hand_back_parameters(swapped: nn.Module, original: nn.Module) -> None:
+    """Give ``original`` the Parameters ``swapped`` holds now, where it shares them (autoprec's and torchao's
+    FP8 linears, autoprec's MX linears; not torchao's MX copies, whose loads go to the original already)."""
+    if swapped is original or hasattr(swapped, "_autoprec_original"):
+        return
+    for name in ("weight", "bias"):
+        now = getattr(swapped, name, None)
+        if now is not getattr(original, name, None) and (now is None or isinstance(now, nn.Parameter)):
+            setattr(original, name, now)
