@@ -27,7 +27,7 @@ from .formats import FP8Linear
 from .mx import BlockScaledLinear
 from .policy import Policy, PolicyError
 from .tracing import COMPUTE_OPS, _module_stack
-from .userspec import batch_args
+from .userspec import batch_args, one_line
 
 __all__ = ["check_policy_runs", "policy_runs_note"]
 
@@ -120,6 +120,8 @@ def policy_runs_note(model: nn.Module, policy: Policy, batch: Any) -> str | None
         check_policy_runs(model, *args, **kwargs)
     except PolicyError as error:
         return f"the chosen policy does not run as it says: {error}"
+    except Exception as error:  # noqa: BLE001 -- the check must not cost the user a finished tune
+        return f"the chosen policy's rules were not checked on a forward: {one_line(error)}"
     finally:
         remove_policy(model)
     return None

@@ -241,3 +241,14 @@ def test_compiled_timing_of_a_model_dynamo_captures_no_graph_of_is_refused_not_l
     with pytest.raises(CompileError, match=r"captures no graph of the model \(NeverCompiled\).*torch.compiler.disable"):
         policy_runs(NeverCompiled(), torch.randn(4, 16), {"fp32": None, "bf16": Policy(default="bf16")},
                     compile_backend="aot_eager")
+
+
+def test_the_tuner_notes_a_chosen_rule_that_does_not_run_and_leaves_the_model_plain():
+    from autoprec.apply import applied_policy
+    from autoprec.runcheck import policy_runs_note
+
+    model, batch = nn.Sequential(SwitchesAutocastOff(), nn.Linear(16, 4)), torch.randn(3, 16)
+    note = policy_runs_note(model, Policy(layers={"0": "bf16", "1": "bf16"}), batch)
+    assert note.startswith("the chosen policy does not run as it says: 1 rule") and "'0' ran in fp32, not bf16" in note
+    assert policy_runs_note(model, Policy(layers={"1": "bf16"}), batch) is None
+    assert applied_policy(model) is None
