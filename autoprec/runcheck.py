@@ -52,9 +52,9 @@ class _Watch(TorchDispatchMode):
             owner = self.storages.get(t.untyped_storage().data_ptr()) if t.layout == torch.strided else None
             if owner is not None:
                 self.read_by.setdefault(owner, set()).add(running)
-        if func.overloadpacket.__name__ in COMPUTE_OPS:
-            dtype = next((t.dtype for t in tensors if t.is_floating_point()), None)
-            self.ran.setdefault(running, set()).add(_DTYPES.get(dtype, str(dtype)))
+        dtype = next((t.dtype for t in tensors if t.is_floating_point()), None)
+        if dtype is not None and func.overloadpacket.__name__ in COMPUTE_OPS:
+            self.ran.setdefault(running, set()).add(_DTYPES.get(dtype, str(dtype).removeprefix("torch.")))
         return func(*args, **kwargs)
 
 
