@@ -117,3 +117,60 @@ def test_hand_written_policy_goes_on_the_trainer_model(tmp_path):
     trainer = train(model, Policy(default="bf16", layers={"classifier": "fp32"}), tmp_path)
     assert autoprec.apply.applied_policy(model) is not None
     assert trainer.state.global_step == STEPS
+
+
+def test_model_init_builds_the_model_that_trains_and_that_one_gets_the_policy(tmp_path):
+    built = []
+
+    def model_init():
+        built.append(classifier())
+        built[-1].log = DtypeLog(built[-1])
+        return built[-1]
+
+    policy = tuned_policy(classifier().bert, default="bf16")
+    trainer = transformers.Trainer(model_init=model_init, args=arguments(tmp_path), train_dataset=Samples(),
+                                   callbacks=[AutoprecCallback(policy)])
+    for runs in (1, 2):  # every train() builds a fresh model
+        trainer.train()
+        assert len(built) == 1 + runs and trainer.model is built[-1]
+        assert autoprec.apply.applied_policy(built[-1].bert) is policy
+        assert built[-1].log.seen["bert.encoder.layer.0.attention.self.query"] == {torch.bfloat16}
+
+
+def test_callback_added_after_the_trainer_is_built_installs_the_policy(tmp_path):
+    model = classifier()
+    log = DtypeLog(model)
+    trainer = transformers.Trainer(model=model, args=arguments(tmp_path), train_dataset=Samples())
+    trainer.add_callback(AutoprecCallback(tuned_policy(model.bert, default="bf16")))
+    trainer.train()
+    trainer.train()  # a second train() keeps the one policy
+    assert log.seen["bert.encoder.layer.1.output.dense"] == {torch.bfloat16}
+    assert log.seen["classifier"] == {torch.float32}
+
+
+def test_callback_added_after_the_trainer_is_built_cannot_scale_fp16_or_evaluate_first(tmp_path):
+    model = classifier()
+    trainer = transformers.Trainer(model=model, args=arguments(tmp_path), train_dataset=Samples(),
+                                   eval_dataset=Samples(8))
+    trainer.add_callback(AutoprecCallback(tuned_policy(model.bert)))
+    with pytest.raises(RuntimeError, match=r"evaluation ran without the policy.*Trainer\(callbacks=") as e:
+        trainer.evaluate()
+    assert "\n" not in str(e.value)
+    trainer = transformers.Trainer(model=model, args=arguments(tmp_path), train_dataset=Samples())
+    trainer.add_callback(AutoprecCallback(tuned_policy(model.bert, default="fp32", **{"encoder": "fp16"})))
+    with pytest.raises(RuntimeError, match=r"fp16 policy's loss scaling .*added after"):
+        trainer.train()
+
+
+def test_model_loaded_in_fp16_with_keep_in_fp32_modules_is_one_line(tmp_path):
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+                                   decoder_start_token_id=0)
+    with seeded(0):
+        transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path / "t5")
+    model = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "t5", dtype=torch.float16)
+    assert model._keep_in_fp32_modules and {p.dtype for p in model.parameters()} == {torch.float16, torch.float32}
+    with pytest.raises(PolicyError, match=r"parameters of the T5ForConditionalGeneration are float16 .*no fp32 "
+                                          r"master weights; load or build the model in fp32") as e:
+        transformers.Trainer(model=model, args=arguments(tmp_path), train_dataset=Samples(),
+                             callbacks=[AutoprecCallback(tuned_policy(model, default="fp32", **{"encoder": "bf16"}))])
+    assert "\n" not in str(e.value) and autoprec.apply.applied_policy(model) is None
