@@ -17,8 +17,7 @@ import os
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from integration_models import DtypeLog, data, tiny_net
+from integration_models import DtypeLog, data
 from models import VOCAB, seeded
 
 import autoprec
@@ -33,23 +32,9 @@ def world() -> tuple[int, int]:
 
 def train_lightning(policy: str | None, out: dict) -> None:
     import pytorch_lightning as pl
+    from lightning_models import Classifier
 
     from autoprec.integrations.lightning import AutoprecPrecision
-
-    class Classifier(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = tiny_net()
-            self.losses: list[float] = []
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            loss = F.cross_entropy(self.net(x), y)
-            self.losses.append(loss.item())
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05)
 
     rank, size = world()
     module = Classifier()

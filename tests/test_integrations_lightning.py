@@ -15,37 +15,11 @@ from autoprec import Policy, PolicyError
 
 pl = pytest.importorskip("pytorch_lightning")
 fabric_module = pytest.importorskip("lightning_fabric")
+from lightning_models import Classifier  # noqa: E402
+
 from autoprec.integrations.lightning import AutoprecPrecision  # noqa: E402
 
 STEPS = 4
-
-
-class Classifier(pl.LightningModule):
-    """A LightningModule that holds the tuned model as ``self.net`` and calls it in training_step."""
-
-    def __init__(self, net: nn.Module | None = None, lr: float = 0.05) -> None:
-        super().__init__()
-        self.net = net if net is not None else tiny_net()
-        self.lr = lr
-        self.losses: list[float] = []
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self.net(x), y)
-        self.losses.append(loss.item())
-        return loss
-
-    def evaluation_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self.net(x), y)
-
-    validation_step = test_step = evaluation_step
-
-    def predict_step(self, batch, batch_idx):
-        return self.net(batch[0])
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
 def loader(batch_size: int = 16):
