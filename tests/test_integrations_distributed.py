@@ -1,10 +1,11 @@
-"""AutoprecPrecision (Lightning DDP) and AutoprecCallback (HF Trainer, DDP through Accelerate) on 2 processes.
+"""AutoprecPrecision (Lightning DDP, FSDP2) and AutoprecCallback (HF Trainer, DDP through Accelerate) on 2 processes.
 
 Each test launches ``tests/distributed_train.py`` under ``torchrun --standalone --nproc_per_node 2`` (CPU,
 gloo) and trains the same model in this process alone, with the same global batch: every rank must run
 the same policy with every linear in its precision, and the loss curve must be the one-process curve.
 How close DDP itself keeps it, measured on the AMD Zen 4 of this repository's CI (largest difference
-over the 4 steps): a policy with bf16, fp16 and fp32 layers 6e-6 (Lightning) and 2e-7 (HF Trainer);
+over the 4 steps): a policy with bf16, fp16 and fp32 layers 6e-6 (Lightning, DDP and FSDP2 alike) and 2e-7
+(HF Trainer);
 Lightning's own bf16-mixed 2e-5. The tolerance, 1e-4, is 5 times the latter; a rank without the
 policy, or another global batch, is off by 1e-3 or more.
 """
@@ -64,12 +65,16 @@ def check(ranks: list[dict], single: dict, policy: Policy, expected: dict[str, l
     assert single["dtypes"] == expected and len(single["losses"]) == 4
 
 
-def test_lightning_ddp_on_two_processes_trains_as_one_process(tmp_path):
+@pytest.mark.parametrize("strategy", ["lightning", "lightning-fsdp2"])
+def test_lightning_ddp_and_fsdp2_on_two_processes_train_as_one_process(tmp_path, strategy):
+    # Lightning's FSDPStrategy runs on GPUs only (and takes its own precision plugin only); its
+    # ModelParallelStrategy runs FSDP2 (configure_model shards, then the plugin installs the policy) on CPUs too
     policy = tuned_policy(tiny_net(), default="bf16", **{"2": "fp16", "4": "fp32"})
     path = policy.save(tmp_path / "policy.json")
-    ranks = launch("lightning", path, tmp_path)
+    ranks = launch(strategy, path, tmp_path)
     single = alone("lightning", path, tmp_path)
-    check(ranks, single, policy, {"0": ["bfloat16"], "2": ["float16"], "4": ["float32"]}, "DDPStrategy")
+    check(ranks, single, policy, {"0": ["bfloat16"], "2": ["float16"], "4": ["float32"]},
+          "ModelParallelStrategy" if strategy.endswith("fsdp2") else "DDPStrategy")
 
 
 def test_hf_trainer_ddp_on_two_processes_trains_as_one_process(tmp_path):

@@ -81,19 +81,25 @@ def _find(model: nn.Module, policy: Policy, module: str | None, root_forward_run
         raise PolicyError(f"{owner}: this policy records no model structure (written by hand?), so which submodule "
                           f"of the {kind} it is for is unknown; name it: {owner}(policy, module='model')")
     found = [(n, m) for n, m in model.named_modules()
-             if (recorded_type is None or type(m).__name__ == recorded_type) and structure_fingerprint(m) == recorded]
+             if (recorded_type is None or _is_a(m, recorded_type)) and structure_fingerprint(m) == recorded]
     if len(found) == 1:
         return found[0]
     if found:
         listed = ", ".join(repr(n) for n, _ in found)
         raise PolicyError(f"{owner}: the policy fits {len(found)} submodules of the {kind} ({listed}); "
                           f"name the one to train with it: {owner}(policy, module={found[0][0]!r})")
-    same_type = [repr(n) for n, m in model.named_modules() if type(m).__name__ == recorded_type]
+    same_type = [repr(n) for n, m in model.named_modules() if _is_a(m, recorded_type)]
     hint = (f"; its {recorded_type} ({', '.join(same_type[:3])}) has other layers or shapes: tune that model, "
             f"or name it with module= to apply the policy anyway" if same_type else
             "; name the submodule it is for with module=, or tune the model you train")
     raise PolicyError(f"{owner}: no submodule of the {kind} is the model this policy was tuned on "
                       f"(a {recorded_type or 'model'} with {policy.model.get('layers', '?')} tunable layers){hint}")
+
+
+def _is_a(module: nn.Module, type_name: str | None) -> bool:
+    """Whether ``module`` is of the class named, or of a subclass a wrapper made of it (FSDP2's ``fully_shard``
+    turns a Sequential into an FSDPSequential, as Lightning's ModelParallelStrategy does before plugins run)."""
+    return any(cls.__name__ == type_name for cls in type(module).__mro__)
 
 
 class FirstRunCheck:
