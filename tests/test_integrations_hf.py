@@ -174,3 +174,27 @@ def test_model_loaded_in_fp16_with_keep_in_fp32_modules_is_one_line(tmp_path):
         transformers.Trainer(model=model, args=arguments(tmp_path), train_dataset=Samples(),
                              callbacks=[AutoprecCallback(tuned_policy(model, default="fp32", **{"encoder": "bf16"}))])
     assert "\n" not in str(e.value) and autoprec.apply.applied_policy(model) is None
+
+
+def test_hyperparameter_search_trains_every_trial_with_the_policy_and_its_own_scaler(tmp_path):
+    pytest.importorskip("optuna")
+    built = []
+
+    def model_init(trial):
+        built.append(classifier())
+        built[-1].log = DtypeLog(built[-1])
+        return built[-1]
+
+    policy = tuned_policy(classifier().bert, default="fp32", **{"encoder": "fp16"})
+    callback = AutoprecCallback(policy)
+    trainer = transformers.Trainer(model_init=model_init, args=arguments(tmp_path), train_dataset=Samples(),
+                                   eval_dataset=Samples(8), callbacks=[callback])
+    scalers = [callback.scaler]
+    trainer.add_callback(type("Seen", (transformers.TrainerCallback,), {
+        "on_train_begin": lambda self, *a, **k: scalers.append(callback.scaler)}))
+    trainer.hyperparameter_search(hp_space=lambda trial: {"learning_rate": trial.suggest_float("lr", 1e-4, 1e-3)},
+                                  n_trials=2, direction="minimize", backend="optuna")
+    trials = built[1:]  # the first model is the one Trainer.__init__ builds
+    assert len(trials) == 2 and all(m.log.seen["bert.encoder.layer.0.output.dense"] == {torch.float16} for m in trials)
+    assert len(scalers) == 3 and len({id(s) for s in scalers}) == 3  # a new Accelerator, a new scaler, each trial
+    assert trainer.accelerator.scaler is callback.scaler

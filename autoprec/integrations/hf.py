@@ -75,8 +75,16 @@ class AutoprecCallback(TrainerCallback):
             if trainer is None:
                 raise RuntimeError("AutoprecCallback: an fp16 policy needs loss scaling from the Trainer, and no "
                                    "Trainer is calling; pass the callback to Trainer(callbacks=[...])")
-            self.scaler = self.policy.grad_scaler(args.device)
-            _scale_losses(trainer, self.scaler)
+            self._scale_losses(trainer, args)
+            build = trainer.create_accelerator_and_postprocess
+
+            def build_with_scaler(*build_args: Any, **build_kwargs: Any) -> Any:
+                # hyperparameter_search builds a new Accelerator for every trial: each gets a fresh scaler
+                result = build(*build_args, **build_kwargs)
+                self._scale_losses(trainer, args)
+                return result
+
+            trainer.create_accelerator_and_postprocess = build_with_scaler
 
     def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         # The model that trains: Trainer(model_init=...) builds a fresh one in every train(), and a callback
@@ -105,6 +113,10 @@ class AutoprecCallback(TrainerCallback):
         if self._first_run is not None:
             self._first_run.done()
             self._first_run = None
+
+    def _scale_losses(self, trainer: Trainer, args: Any) -> None:
+        self.scaler = self.policy.grad_scaler(args.device)
+        _scale_losses(trainer, self.scaler)
 
     def _install(self, model: torch.nn.Module | None) -> None:
         """The policy on ``model``'s submodule it is for, once per model (again for a model_init's new model)."""
