@@ -54,9 +54,14 @@ def train_lightning(policy: str | None, out: dict, fsdp2: bool = False) -> None:
     # Lightning's own sampler for DDP shuffles training data; this one deals the samples out in order
     in_order = torch.utils.data.DistributedSampler(samples, size, rank, shuffle=False) if size > 1 else None
     loader = torch.utils.data.DataLoader(samples, batch_size=GLOBAL_BATCH // size, sampler=in_order)
-    # FSDP2 has sharded the model when the plugin installs the policy, and its FSDPLinear classes hide the
-    # structure the policy records until autoprec's fingerprint sees through them: name the submodule
-    plugin = AutoprecPrecision(policy, module="net" if fsdp2 else None) if policy else None
+    # FSDP2 has sharded the model when the plugin installs the policy: its FSDPLinear classes hide the structure
+    # the policy records from a fingerprint that does not see through them (autoprec before autoprec.distributed)
+    try:
+        import autoprec.distributed  # noqa: F401
+        module = None
+    except ImportError:
+        module = "net" if fsdp2 else None
+    plugin = AutoprecPrecision(policy, module=module) if policy else None
     precision = {"plugins": [plugin]} if policy else {"precision": "bf16-mixed"}
     strategy = (ModelParallelStrategy(data_parallel_size=size, tensor_parallel_size=1) if fsdp2
                 else "ddp" if size > 1 else "auto")
