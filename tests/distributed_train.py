@@ -58,10 +58,10 @@ def train_lightning(policy: str | None, out: dict, fsdp2: bool = False) -> None:
     # the policy records from a fingerprint that does not see through them (autoprec before autoprec.distributed)
     try:
         import autoprec.distributed  # noqa: F401
-        module = None
+        submodule = None
     except ImportError:
-        module = "net" if fsdp2 else None
-    plugin = AutoprecPrecision(policy, module=module) if policy else None
+        submodule = "net" if fsdp2 else None
+    plugin = AutoprecPrecision(policy, module=submodule) if policy else None
     precision = {"plugins": [plugin]} if policy else {"precision": "bf16-mixed"}
     strategy = (ModelParallelStrategy(data_parallel_size=size, tensor_parallel_size=1) if fsdp2
                 else "ddp" if size > 1 else "auto")

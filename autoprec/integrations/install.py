@@ -43,7 +43,7 @@ def install_for_training(model: nn.Module, policy: Policy, module: str | None = 
     if applied is not None and applied != policy:
         raise PolicyError(f"{owner}: {where} already runs another policy (applied by an earlier Trainer, plugin "
                           f"or apply_policy); pass that same policy, or call autoprec.remove_policy on it first")
-    if applied is not None and getattr(target, _STATE_ATTR).mode != "training":
+    if applied is not None and getattr(getattr(target, _STATE_ATTR, None), "mode", "training") != "training":
         remove_policy(target)  # an inference install may cache quantized weights that training would leave stale
         applied = None
     if applied is None:
