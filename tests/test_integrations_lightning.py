@@ -178,6 +178,7 @@ def test_fit_then_validate_test_predict_with_new_trainers_and_the_same_policy_fi
     for run in ("validate", "test", "predict"):  # each a new Trainer that loads the file again
         getattr(trainer(AutoprecPrecision(path)), run)(module, loader())
     assert dict(log.seen) == {"0": {torch.bfloat16}, "2": {torch.bfloat16}, "4": {torch.float32}}
+    assert not module.net._forward_pre_hooks  # the first-step check of each new plugin is gone with its Trainer
     again = trainer(AutoprecPrecision(path))
     again.fit(module, loader())
     again.fit(module, loader())  # the same Trainer re-used (it sets up again; its max_steps are done)
