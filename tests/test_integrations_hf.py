@@ -117,3 +117,84 @@ def test_hand_written_policy_goes_on_the_trainer_model(tmp_path):
     trainer = train(model, Policy(default="bf16", layers={"classifier": "fp32"}), tmp_path)
     assert autoprec.apply.applied_policy(model) is not None
     assert trainer.state.global_step == STEPS
+
+
+def test_model_init_builds_the_model_that_trains_and_that_one_gets_the_policy(tmp_path):
+    built = []
+
+    def model_init():
+        built.append(classifier())
+        built[-1].log = DtypeLog(built[-1])
+        return built[-1]
+
+    policy = tuned_policy(classifier().bert, default="bf16")
+    trainer = transformers.Trainer(model_init=model_init, args=arguments(tmp_path), train_dataset=Samples(),
+                                   callbacks=[AutoprecCallback(policy)])
+    for runs in (1, 2):  # every train() builds a fresh model
+        trainer.train()
+        assert len(built) == 1 + runs and trainer.model is built[-1]
+        assert autoprec.apply.applied_policy(built[-1].bert) is policy
+        assert built[-1].log.seen["bert.encoder.layer.0.attention.self.query"] == {torch.bfloat16}
+
+
+def test_callback_added_after_the_trainer_is_built_installs_the_policy(tmp_path):
+    model = classifier()
+    log = DtypeLog(model)
+    trainer = transformers.Trainer(model=model, args=arguments(tmp_path), train_dataset=Samples())
+    trainer.add_callback(AutoprecCallback(tuned_policy(model.bert, default="bf16")))
+    trainer.train()
+    trainer.train()  # a second train() keeps the one policy
+    assert log.seen["bert.encoder.layer.1.output.dense"] == {torch.bfloat16}
+    assert log.seen["classifier"] == {torch.float32}
+
+
+def test_callback_added_after_the_trainer_is_built_cannot_scale_fp16_or_evaluate_first(tmp_path):
+    model = classifier()
+    trainer = transformers.Trainer(model=model, args=arguments(tmp_path), train_dataset=Samples(),
+                                   eval_dataset=Samples(8))
+    trainer.add_callback(AutoprecCallback(tuned_policy(model.bert)))
+    with pytest.raises(RuntimeError, match=r"evaluation ran without the policy.*Trainer\(callbacks=") as e:
+        trainer.evaluate()
+    assert "\n" not in str(e.value)
+    trainer = transformers.Trainer(model=model, args=arguments(tmp_path), train_dataset=Samples())
+    trainer.add_callback(AutoprecCallback(tuned_policy(model.bert, default="fp32", **{"encoder": "fp16"})))
+    with pytest.raises(RuntimeError, match=r"fp16 policy's loss scaling .*added after"):
+        trainer.train()
+
+
+def test_model_loaded_in_fp16_with_keep_in_fp32_modules_is_one_line(tmp_path):
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+                                   decoder_start_token_id=0)
+    with seeded(0):
+        transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path / "t5")
+    model = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "t5", dtype=torch.float16)
+    assert model._keep_in_fp32_modules and {p.dtype for p in model.parameters()} == {torch.float16, torch.float32}
+    with pytest.raises(PolicyError, match=r"parameters of the T5ForConditionalGeneration are float16 .*no fp32 "
+                                          r"master weights; load or build the model in fp32") as e:
+        transformers.Trainer(model=model, args=arguments(tmp_path), train_dataset=Samples(),
+                             callbacks=[AutoprecCallback(tuned_policy(model, default="fp32", **{"encoder": "bf16"}))])
+    assert "\n" not in str(e.value) and autoprec.apply.applied_policy(model) is None
+
+
+def test_hyperparameter_search_trains_every_trial_with_the_policy_and_its_own_scaler(tmp_path):
+    pytest.importorskip("optuna")
+    built = []
+
+    def model_init(trial):
+        built.append(classifier())
+        built[-1].log = DtypeLog(built[-1])
+        return built[-1]
+
+    policy = tuned_policy(classifier().bert, default="fp32", **{"encoder": "fp16"})
+    callback = AutoprecCallback(policy)
+    trainer = transformers.Trainer(model_init=model_init, args=arguments(tmp_path), train_dataset=Samples(),
+                                   eval_dataset=Samples(8), callbacks=[callback])
+    scalers = [callback.scaler]
+    trainer.add_callback(type("Seen", (transformers.TrainerCallback,), {
+        "on_train_begin": lambda self, *a, **k: scalers.append(callback.scaler)}))
+    trainer.hyperparameter_search(hp_space=lambda trial: {"learning_rate": trial.suggest_float("lr", 1e-4, 1e-3)},
+                                  n_trials=2, direction="minimize", backend="optuna")
+    trials = built[1:]  # the first model is the one Trainer.__init__ builds
+    assert len(trials) == 2 and all(m.log.seen["bert.encoder.layer.0.output.dense"] == {torch.float16} for m in trials)
+    assert len(scalers) == 3 and len({id(s) for s in scalers}) == 3  # a new Accelerator, a new scaler, each trial
+    assert trainer.accelerator.scaler is callback.scaler

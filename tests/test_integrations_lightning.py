@@ -15,28 +15,11 @@ from autoprec import Policy, PolicyError
 
 pl = pytest.importorskip("pytorch_lightning")
 fabric_module = pytest.importorskip("lightning_fabric")
+from lightning_models import Classifier  # noqa: E402
+
 from autoprec.integrations.lightning import AutoprecPrecision  # noqa: E402
 
 STEPS = 4
-
-
-class Classifier(pl.LightningModule):
-    """A LightningModule that holds the tuned model as ``self.net`` and calls it in training_step."""
-
-    def __init__(self, net: nn.Module | None = None, lr: float = 0.05) -> None:
-        super().__init__()
-        self.net = net if net is not None else tiny_net()
-        self.lr = lr
-        self.losses: list[float] = []
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self.net(x), y)
-        self.losses.append(loss.item())
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
 def loader(batch_size: int = 16):
@@ -185,3 +168,37 @@ def test_fabric_module_without_a_record_takes_the_policy_itself():
         warnings.simplefilter("error")
         out = model(torch.randn(4, 8))
     assert out.dtype == torch.float32 and autoprec.apply.applied_policy(net) is policy
+
+
+def test_fit_then_validate_test_predict_with_new_trainers_and_the_same_policy_file(tmp_path):
+    module = Classifier()
+    path = tuned_policy(module.net, default="bf16", **{"4": "fp32"}).save(tmp_path / "policy.json")
+    trainer(AutoprecPrecision(path)).fit(module, loader())
+    log = DtypeLog(module.net)
+    for run in ("validate", "test", "predict"):  # each a new Trainer that loads the file again
+        getattr(trainer(AutoprecPrecision(path)), run)(module, loader())
+    assert dict(log.seen) == {"0": {torch.bfloat16}, "2": {torch.bfloat16}, "4": {torch.float32}}
+    assert not module.net._forward_pre_hooks  # the first-step check of each new plugin is gone with its Trainer
+    again = trainer(AutoprecPrecision(path))
+    again.fit(module, loader())
+    again.fit(module, loader())  # the same Trainer re-used (it sets up again; its max_steps are done)
+    assert len(module.losses) == 2 * STEPS
+    with pytest.raises(PolicyError, match=r"AutoprecPrecision: 'net' already runs another policy.*remove_policy") as e:
+        trainer(AutoprecPrecision(tuned_policy(module.net, default="fp16"))).test(module, loader())
+    assert "\n" not in str(e.value)
+
+
+def test_policy_applied_for_inference_is_reapplied_for_training():
+    module = Classifier()
+    policy = tuned_policy(module.net, default="bf16")
+    autoprec.apply_policy(module.net, policy)
+    trainer(AutoprecPrecision(policy)).fit(module, loader())
+    assert module.net._autoprec_state.mode == "training" and len(module.losses) == STEPS
+
+
+def test_half_precision_model_is_one_line():
+    module = Classifier(tiny_net().half())
+    with pytest.raises(PolicyError, match=r"AutoprecPrecision: 6 parameters of 'net' are float16 \(e.g. '0.weight'\), "
+                                          r"so training would have no fp32 master weights") as e:
+        trainer(AutoprecPrecision(tuned_policy(module.net))).fit(module, loader())
+    assert "\n" not in str(e.value) and autoprec.apply.applied_policy(module.net) is None

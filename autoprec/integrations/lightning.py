@@ -95,6 +95,13 @@ class AutoprecPrecision(_LightningPrecision):
             self._first_run.done()
             self._first_run = None
 
+    def teardown(self) -> None:
+        # a validate/test/predict (or a fit that took no step) never reaches train_step_context: stop watching
+        if self._first_run is not None:
+            self._first_run.close()
+            self._first_run = None
+        super().teardown()
+
     # ---- loss scaling ---------------------------------------------------------------------------------
     def _scaler_for(self, loss: torch.Tensor) -> torch.amp.GradScaler | None:
         if self.scaler is None and self.policy.needs_grad_scaler:
