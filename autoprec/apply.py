@@ -41,6 +41,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from . import torchao_linear
+from .distributed.models import Morphed, fsdp_managed, morph, own_class, unmorph, unwrap
 from .formats import FP8Linear, Precision
 from .mx import BlockScaledLinear
 from .policy import Policy, PolicyError
@@ -59,6 +60,7 @@ class _Installed:
     mode: str
     wrapped: list[nn.Module] = field(default_factory=list)
     swapped: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)  # (parent, attr, original)
+    morphed: list[Morphed] = field(default_factory=list)  # linears FSDP2 manages, changed in place
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype, only_from: tuple[torch.dtype, ...]) -> Any:
@@ -214,7 +216,7 @@ def structure_fingerprint(model: nn.Module) -> str:
     """
     h = hashlib.sha256()
     for name, module in model.named_modules(remove_duplicate=False):
-        h.update(f"{name}:{type(module).__qualname__};".encode())
+        h.update(f"{name}:{own_class(module).__qualname__};".encode())
     for name, param in model.named_parameters(remove_duplicate=False):
         h.update(f"{name}{tuple(param.shape)};".encode())
     return h.hexdigest()[:16]
@@ -224,8 +226,8 @@ def _check_model(model: nn.Module, policy: Policy) -> None:
     """Warn when the policy records another model type or structure than ``model`` has."""
     recorded_type, recorded_structure = policy.model.get("type"), policy.model.get("structure")
     differs = []
-    if recorded_type is not None and recorded_type != type(model).__name__:
-        differs.append(f"a {recorded_type}, this model is a {type(model).__name__}")
+    if recorded_type is not None and recorded_type != own_class(model).__name__:
+        differs.append(f"a {recorded_type}, this model is a {own_class(model).__name__}")
     if recorded_structure is not None and recorded_structure != structure_fingerprint(model):
         differs.append("its layers or their shapes differ from this model's")
     if differs:
@@ -281,7 +283,7 @@ def _check_shared(aliases: list[tuple[nn.Module, list[str]]], precisions: dict[s
     for module, names in aliases:
         asked = {precisions[n] for n in names}
         needs_region = any(precisions[n] is not _parent_precision(n, precisions) for n in names)
-        swapped = type(module) is nn.Linear and any(p.swaps_linear for p in asked)
+        swapped = own_class(module) is nn.Linear and any(p.swaps_linear for p in asked)
         if len(asked) > 1 and (needs_region or swapped):
             got = ", ".join(f"{n!r}: {precisions[n].value}" for n in names)
             raise PolicyError(f"one module is shared under several names that the policy gives different "
@@ -293,8 +295,8 @@ def _check_shared(aliases: list[tuple[nn.Module, list[str]]], precisions: dict[s
 
 
 def applied_policy(model: nn.Module) -> Policy | None:
-    """The policy installed in ``model``, or None."""
-    state = getattr(model, _STATE_ATTR, None)
+    """The policy installed in ``model`` (or in the model DDP or torch.compile wraps), or None."""
+    state = getattr(unwrap(model), _STATE_ATTR, None)
     return state.policy if state is not None else None
 
 
@@ -306,6 +308,10 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     train()/eval() as they are. Inference mode lets FP8 linears quantize their weights once
     and reuse them until the weights change. For training with fp16 layers use
     ``policy.grad_scaler(device)`` in the loop (a no-op scaler when the policy has no fp16).
+
+    ``model`` may be wrapped by DDP or torch.compile (the policy goes into the model inside, whose names
+    it uses) and sharded by FSDP2's ``fully_shard``, before or after this call; see the README's
+    "Many GPUs" for the order each precision needs.
 
     A layer the policy names but the model lacks is an error (every such layer is named); a
     ``re:`` pattern that matches no module warns, or is an error with ``strict=True``. A policy
@@ -324,6 +330,7 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
         raise TypeError(f"apply_policy needs a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(policy, Policy):
         policy = Policy.load(policy)
+    wrapper, model = model, unwrap(model)
     if getattr(model, _STATE_ATTR, None) is not None:
         raise RuntimeError("this model already has a policy applied; call autoprec.remove_policy(model) first")
     _check_names(model, policy, strict)
@@ -336,8 +343,7 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     try:
         own_dtype = _swap_linears(model, precisions, state, kernels)
     except Exception:  # e.g. a kernel torchao refuses on this device: a refused policy leaves no trace
-        for parent, attr, original in reversed(state.swapped):
-            setattr(parent, attr, original)
+        _unswap(state)
         raise
 
     # A region wherever a module's precision differs from its parent's; elsewhere modules run in
@@ -361,7 +367,7 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
         state.wrapped.append(module)
 
     object.__setattr__(model, _STATE_ATTR, state)
-    return model
+    return wrapper
 
 
 def _swap_linears(model: nn.Module, precisions: dict[str, Precision], state: _Installed, kernels: str) -> set[int]:
@@ -369,11 +375,20 @@ def _swap_linears(model: nn.Module, precisions: dict[str, Precision], state: _In
     parameters, under each of its names (a shared linear stays shared). Returns the ids of the modules
     that set their own compute dtype (torchao's MX linears): they get no region."""
     torchao_fp8, own_dtype = [], set()
+    sharded = fsdp_managed(model)
     for module, names in _aliases(model):
         precision = precisions[names[0]]
-        if type(module) is not nn.Linear or not precision.swaps_linear:
+        if own_class(module) is not nn.Linear or not precision.swaps_linear:
             continue
-        if len(names) == 1 and torchao_linear.torchao_takes(module, precision, state.mode, kernels):
+        takes = len(names) == 1 and torchao_linear.torchao_takes(module, precision, state.mode, kernels)
+        if id(module) in sharded:
+            if takes:
+                raise PolicyError(f"layer {names[0]!r} is already sharded by fully_shard, and torchao's {precision} "
+                                  f"linear replaces the module FSDP2 holds: call apply_policy before fully_shard "
+                                  f"(or pass kernels='autoprec')")
+            state.morphed.append(_morph_linear(module, precision, state))
+            continue
+        if takes:
             if precision is Precision.FP8:
                 torchao_fp8.append(names[0])
             else:
@@ -394,22 +409,39 @@ def _swap_linears(model: nn.Module, precisions: dict[str, Precision], state: _In
     return own_dtype
 
 
+def _morph_linear(linear: nn.Module, precision: Precision, state: _Installed) -> Morphed:
+    """Make a linear that FSDP2 manages compute in ``precision`` in place: FSDP2 sets the gathered weight
+    on this very object before each forward, so a new module sharing its Parameters would see the shard.
+    No weight cache: FSDP2 frees and re-gathers the weight at every forward."""
+    if precision is Precision.FP8:
+        return morph(linear, FP8Linear, lambda m: m._init_fp8_state(state.policy.fp8, cache_weight=False))
+    return morph(linear, BlockScaledLinear, lambda m: m._init_state(precision.value, cache_weight=False))
+
+
+def _unswap(state: _Installed) -> None:
+    for parent, attr, original in reversed(state.swapped):
+        setattr(parent, attr, original)
+    for record in reversed(state.morphed):
+        unmorph(record)
+
+
 def remove_policy(model: nn.Module) -> nn.Module:
-    """Undo :func:`apply_policy`: the original modules and forwards, bit for bit."""
+    """Undo :func:`apply_policy`: the original modules and forwards, bit for bit (``model`` may be
+    wrapped by DDP or torch.compile since)."""
+    wrapper, model = model, unwrap(model)
     state: _Installed | None = getattr(model, _STATE_ATTR, None)
     if state is None:
         raise RuntimeError("this model has no policy applied")
     for module in state.wrapped:
         _remove_region(module)
-    for parent, attr, original in reversed(state.swapped):
-        setattr(parent, attr, original)
+    _unswap(state)
     object.__delattr__(model, _STATE_ATTR)
-    return model
+    return wrapper
 
 
 def takes_precision(module: nn.Module, precision: Precision | str) -> bool:
     """Whether a rule can run ``module`` itself in ``precision``: FP8, MXFP8 and NVFP4 exist for
     ``nn.Linear`` only."""
     if Precision.parse(precision).swaps_linear:
-        return type(module) in (nn.Linear, FP8Linear, BlockScaledLinear)
+        return own_class(module) in (nn.Linear, FP8Linear, BlockScaledLinear)
     return True

@@ -27,6 +27,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from .distributed.models import own_class
 from .formats import Precision
 from .formats import torchao_installed as installed
 from .regionstate import in_fp32_region
@@ -62,7 +63,7 @@ def _native(precision: Precision, device: torch.device) -> bool:
 
 def torchao_takes(linear: nn.Module, precision: Precision, mode: str, kernels: str) -> bool:
     """Whether ``linear`` runs ``precision`` on torchao's module (see the module docstring)."""
-    if kernels == "autoprec" or type(linear) is not nn.Linear:
+    if kernels == "autoprec" or own_class(linear) is not nn.Linear:
         return False
     if precision.block_scaled and mode == "training":
         return False
