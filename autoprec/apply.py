@@ -41,7 +41,17 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from . import torchao_linear
-from .distributed.models import Morphed, fsdp_managed, morph, own_class, unmorph, unwrap
+from .distributed.models import (
+    Morphed,
+    fsdp_float8_all_gather,
+    fsdp_managed,
+    morph,
+    own_class,
+    per_rank_buffers,
+    restore_buffers,
+    unmorph,
+    unwrap,
+)
 from .formats import FP8Linear, Precision
 from .mx import BlockScaledLinear
 from .policy import Policy, PolicyError
@@ -60,7 +70,11 @@ class _Installed:
     mode: str
     wrapped: list[nn.Module] = field(default_factory=list)
     swapped: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)  # (parent, attr, original)
-    morphed: list[Morphed] = field(default_factory=list)  # linears FSDP2 manages, changed in place
+    morphed: list[Morphed] = field(default_factory=list)  # linears FSDP2 managed, changed in place
+    # Swapped-in modules that share their original's Parameters, by id: if fully_shard takes them over
+    # later, remove_policy changes them back in place (FSDP2 holds them, not the originals).
+    revertible: dict[int, Morphed] = field(default_factory=dict)
+    ddp_ignored_before: list[str] | None = None  # what the model told DDP to leave unsynced before the policy
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype, only_from: tuple[torch.dtype, ...]) -> Any:
@@ -340,11 +354,17 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     _check_shared(_aliases(model), precisions)  # before anything changes: a refused policy leaves no trace
 
     state = _Installed(policy=policy, mode=mode)
+    buffers = {name for name, _ in model.named_buffers()}
     try:
         own_dtype = _swap_linears(model, precisions, state, kernels)
     except Exception:  # e.g. a kernel torchao refuses on this device: a refused policy leaves no trace
-        _unswap(state)
+        _unswap(state, set())
         raise
+    for parent, attr, original in state.swapped:
+        new = getattr(parent, attr)
+        if new.weight is original.weight:
+            state.revertible[id(new)] = Morphed.swap(new, original)
+    state.ddp_ignored_before = per_rank_buffers(model, {n for n, _ in model.named_buffers()} - buffers)
 
     # A region wherever a module's precision differs from its parent's; elsewhere modules run in
     # their parent's region, so only boundaries cost anything.
@@ -405,7 +425,8 @@ def _swap_linears(model: nn.Module, precisions: dict[str, Precision], state: _In
             state.swapped.append((parent, attr, module))
     if torchao_fp8:
         emulate = next(model.get_submodule(n) for n in torchao_fp8).weight.device.type != "cuda"
-        state.swapped.extend(torchao_linear.install_fp8(model, torchao_fp8, emulate))
+        state.swapped.extend(torchao_linear.install_fp8(model, torchao_fp8, emulate,
+                                                        fsdp_all_gather=fsdp_float8_all_gather(state.mode)))
     return own_dtype
 
 
@@ -418,9 +439,14 @@ def _morph_linear(linear: nn.Module, precision: Precision, state: _Installed) ->
     return morph(linear, BlockScaledLinear, lambda m: m._init_state(precision.value, cache_weight=False))
 
 
-def _unswap(state: _Installed) -> None:
+def _unswap(state: _Installed, sharded: set[int]) -> None:
+    """Put the original linears back; those FSDP2 took over since (``sharded``) change back in place."""
     for parent, attr, original in reversed(state.swapped):
-        setattr(parent, attr, original)
+        new = getattr(parent, attr)
+        if id(new) in sharded:
+            unmorph(state.revertible[id(new)])
+        else:
+            setattr(parent, attr, original)
     for record in reversed(state.morphed):
         unmorph(record)
 
@@ -432,9 +458,17 @@ def remove_policy(model: nn.Module) -> nn.Module:
     state: _Installed | None = getattr(model, _STATE_ATTR, None)
     if state is None:
         raise RuntimeError("this model has no policy applied")
+    sharded = fsdp_managed(model)
+    stuck = [type(getattr(parent, attr)).__name__ for parent, attr, _ in state.swapped
+             if id(getattr(parent, attr)) in sharded and id(getattr(parent, attr)) not in state.revertible]
+    if stuck:  # torchao's modules with their own weight tensors (float8 all-gather)
+        raise RuntimeError(f"fully_shard took over {stuck[0]} layers after the policy was applied, and their "
+                           f"weights are torchao's: remove the policy before fully_shard, or rebuild the model "
+                           f"from a checkpoint")
     for module in state.wrapped:
         _remove_region(module)
-    _unswap(state)
+    _unswap(state, sharded)
+    restore_buffers(model, state.ddp_ignored_before)
     object.__delattr__(model, _STATE_ATTR)
     return wrapper
 

@@ -20,7 +20,8 @@ from functools import cache
 import torch
 from torch import nn
 
-__all__ = ["Morphed", "fsdp_managed", "grad_scaler", "morph", "own_class", "unmorph", "unwrap"]
+__all__ = ["Morphed", "fsdp_float8_all_gather", "fsdp_managed", "grad_scaler", "morph", "own_class", "per_rank_buffers",
+           "restore_buffers", "unmorph", "unwrap"]
 
 
 def _outer_wrappers() -> dict[type, str]:
@@ -97,6 +98,14 @@ def _class_like(module: nn.Module, new_base: type) -> type:
     if not _generated(cls):
         return new_base
     wrapper = cls.__bases__[0]
+    try:  # the class fully_shard itself made for new_base, where it made one (nn.Linear's FSDPLinear)
+        from torch.distributed.fsdp._fully_shard._fully_shard import get_cls_to_fsdp_cls
+
+        made = get_cls_to_fsdp_cls().get(new_base)
+        if made is not None and made.__bases__[0] is wrapper:
+            return made
+    except ImportError:  # pragma: no cover - a torch that moved it: generate our own
+        pass
     key = (wrapper, new_base)
     if key not in _morphed_classes:
         prefix = cls.__name__[: -len(cls.__bases__[1].__name__)] or wrapper.__name__
@@ -105,34 +114,41 @@ def _class_like(module: nn.Module, new_base: type) -> type:
     return _morphed_classes[key]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Morphed:
-    """What :func:`unmorph` needs to give a module back its class and attributes."""
+    """A module that became another class in place: what :func:`unmorph` takes away to undo it."""
 
     module: nn.Module
-    original_class: type
-    attributes: frozenset[str]
-    buffers: frozenset[str]
+    original_class: type  # as the user built it (nn.Linear), not FSDP2's subclass
+    attributes: frozenset[str]  # added
+    buffers: frozenset[str]  # added
+
+    @classmethod
+    def swap(cls, new: nn.Module, original: nn.Module) -> Morphed:
+        """``new``, a module that replaced ``original`` sharing its Parameters, as if ``original`` had morphed."""
+        return cls(new, own_class(original), frozenset(vars(new)) - frozenset(vars(original)),
+                   frozenset(new._buffers) - frozenset(original._buffers))
 
 
 def morph(module: nn.Module, new_base: type, init: Callable[[nn.Module], None]) -> Morphed:
     """Make ``module`` (an ``nn.Linear``) an instance of ``new_base`` (a subclass that adds state, not
     parameters) in place, then ``init(module)`` adds that state. FSDP2's generated subclass stays generated
     (``FSDPLinear`` becomes ``FSDPFP8Linear``), so its hooks and methods keep working."""
-    record = Morphed(module, type(module), frozenset(vars(module)), frozenset(module._buffers))
+    attributes, buffers, original = frozenset(vars(module)), frozenset(module._buffers), own_class(module)
     module.__class__ = _class_like(module, new_base)
     init(module)
-    return record
+    return Morphed(module, original, frozenset(vars(module)) - attributes, frozenset(module._buffers) - buffers)
 
 
 def unmorph(record: Morphed) -> None:
-    """Undo :func:`morph`: the original class, and none of the attributes or buffers it added."""
+    """Undo :func:`morph`: the original class (FSDP2's subclass of it where FSDP2 manages the module now),
+    without the attributes and buffers it added."""
     module = record.module
-    for name in set(module._buffers) - record.buffers:
-        del module._buffers[name]
-    for name in set(vars(module)) - record.attributes:
-        delattr(module, name)
-    module.__class__ = record.original_class
+    for name in record.buffers:
+        module._buffers.pop(name, None)
+    for name in record.attributes:
+        module.__dict__.pop(name, None)
+    module.__class__ = _class_like(module, record.original_class)
 
 
 def grad_scaler(device: str | torch.device, enabled: bool) -> torch.amp.GradScaler:
@@ -142,10 +158,42 @@ def grad_scaler(device: str | torch.device, enabled: bool) -> torch.amp.GradScal
     would skip the step on that rank alone and the ranks' weights would part; FSDP's ShardedGradScaler
     all-reduces the inf check. It does so for DDP too (one scalar, where DDP's gradients already agree)."""
     device_type = torch.device(device).type
-    import torch.distributed as dist
-
-    if enabled and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if enabled and _several_processes():
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(device_type, enabled=True)
     return torch.amp.GradScaler(device_type, enabled=enabled)
+
+
+def _several_processes() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def fsdp_float8_all_gather(mode: str) -> bool:
+    """Whether torchao's FP8 linears all-gather their weights in float8 under FSDP2: when training with
+    several processes (the policy's one FP8 recipe, tensorwise scaling, is the one torchao can do it for).
+    Harmless where the model is then not sharded: the weights act as plain fp32 tensors elsewhere."""
+    return mode == "training" and _several_processes()
+
+
+_DDP_IGNORES = "_ddp_params_and_buffers_to_ignore"  # read by DDP when it wraps the model
+
+
+def per_rank_buffers(model: nn.Module, names: set[str]) -> list[str] | None:
+    """Keep the buffers ``names`` (the FP8 amax history a policy adds) out of DDP's broadcast from rank 0,
+    should DDP wrap ``model`` after this: each rank scales by its own inputs, as when DDP wrapped it first
+    (DDP lists the buffers to sync when it wraps). Returns what :func:`restore_buffers` needs to undo it."""
+    before = vars(model).get(_DDP_IGNORES)
+    if names:
+        object.__setattr__(model, _DDP_IGNORES, [*(before or []), *sorted(names)])
+    return before
+
+
+def restore_buffers(model: nn.Module, before: list[str] | None) -> None:
+    """Undo :func:`per_rank_buffers`."""
+    if before is None:
+        model.__dict__.pop(_DDP_IGNORES, None)
+    else:
+        object.__setattr__(model, _DDP_IGNORES, before)
