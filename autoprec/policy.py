@@ -122,11 +122,8 @@ class Policy:
         return Precision.FP16 in self.precisions_used()
 
     def grad_scaler(self, device: str | torch.device = "cpu") -> torch.amp.GradScaler:
-        """A GradScaler that is enabled exactly when this policy needs one (a no-op otherwise); with several
-        processes, one that skips an overflowing step on every rank (FSDP's ShardedGradScaler)."""
-        from .distributed.models import grad_scaler
-
-        return grad_scaler(device, enabled=self.needs_grad_scaler)
+        """A GradScaler that is enabled exactly when this policy needs one (a no-op otherwise)."""
+        return torch.amp.GradScaler(torch.device(device).type, enabled=self.needs_grad_scaler)
 
     # ---- files -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -157,7 +157,7 @@ def _policy_on_wrapped(how: str, order: str, precision: str, rank: int) -> None:
     # One TrainStep (loss scaling where fp16): every rank's weights equal a plain SGD step on the mean gradient.
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     optimizer.zero_grad()
-    step = TrainStep(policy, optimizer)
+    step = TrainStep(policy, optimizer, max_grad_norm=1e6)  # unscales, then clips the (sharded) gradients
     assert step.uses_loss_scaling == (precision == "fp16")
     step(_loss(wrapped(batches[rank])))
     expected = Net()
@@ -194,21 +194,32 @@ def _residual_in_place(precision: str, order: str, rank: int) -> None:
 
 
 def _overflow_skipped(how: str, rank: int) -> None:
-    """An fp16 gradient that overflows in one rank's shard only: every rank skips the step and halves the scale."""
+    """An fp16 gradient that overflows in one rank's shard only: every rank skips the step and halves the scale.
+
+    torch.amp.GradScaler (``policy.grad_scaler()``) does it under FSDP2 too: DTensor reduces its inf check over
+    the mesh, so FSDP1's ShardedGradScaler is not needed."""
     policy = Policy(layers={"0": "fp16"})
     torch.manual_seed(3)
     model = _wrap(nn.Sequential(nn.Linear(8, 4)), how)
     autoprec.apply_policy(model, policy, mode="training")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     before = [_full(p.detach()).clone() for p in model.parameters()]
-    step = TrainStep(policy, optimizer)
+    scaler = policy.grad_scaler()
     out = model(torch.ones(2, 8))
     # Rank 0's loss gradient on output 3 is 4 * 65536 (the initial scale): past fp16's 65504, so only the
     # gradient of weight row 3 is inf, and under FSDP2 that row lives on rank 1.
-    step(out[:, 3].sum() * 4 if rank == 0 else out.sum() * 1e-3)
+    scaler.scale(out[:, 3].sum() * 4 if rank == 0 else out.sum() * 1e-3).backward()
+    local = [p.grad.to_local() if how == "fsdp" else p.grad for p in model.parameters()]
+    inf_here = torch.tensor([float(not all(torch.isfinite(g).all() for g in local))])
+    everywhere = [torch.zeros(1) for _ in range(WORLD)]
+    dist.all_gather(everywhere, inf_here)
+    expected = [0.0, 1.0] if how == "fsdp" else [1.0, 1.0]
+    assert [float(f) for f in everywhere] == expected, f"ranks with an inf gradient: {everywhere}"
+    scaler.step(optimizer)
+    scaler.update()
     after = [_full(p.detach()) for p in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(after, before)), "the overflowing step changed the weights"
-    assert step.scaler.get_scale() == 2.0**15, f"scale {step.scaler.get_scale()} after an overflow, expected 2**15"
+    assert scaler.get_scale() == 2.0**15, f"scale {scaler.get_scale()} after an overflow, expected 2**15"
 
 
 def _checkpoint(how: str, order: str, precision: str, folder: str, rank: int) -> None:

@@ -20,7 +20,7 @@ from functools import cache
 import torch
 from torch import nn
 
-__all__ = ["Morphed", "fsdp_float8_all_gather", "fsdp_managed", "grad_scaler", "morph", "own_class", "per_rank_buffers",
+__all__ = ["Morphed", "fsdp_float8_all_gather", "fsdp_managed", "morph", "own_class", "per_rank_buffers",
            "restore_buffers", "unmorph", "unwrap"]
 
 
@@ -149,20 +149,6 @@ def unmorph(record: Morphed) -> None:
     for name in record.attributes:
         module.__dict__.pop(name, None)
     module.__class__ = _class_like(module, record.original_class)
-
-
-def grad_scaler(device: str | torch.device, enabled: bool) -> torch.amp.GradScaler:
-    """A loss scaler that skips an overflowing step on every rank or none.
-
-    Under FSDP2 each rank unscales and checks only its shard of the gradients, so an inf in one shard
-    would skip the step on that rank alone and the ranks' weights would part; FSDP's ShardedGradScaler
-    all-reduces the inf check. It does so for DDP too (one scalar, where DDP's gradients already agree)."""
-    device_type = torch.device(device).type
-    if enabled and _several_processes():
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        return ShardedGradScaler(device_type, enabled=True)
-    return torch.amp.GradScaler(device_type, enabled=enabled)
 
 
 def _several_processes() -> bool:
