@@ -17,7 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
-import torch
 from torch import nn
 
 __all__ = ["Morphed", "fsdp_float8_all_gather", "fsdp_managed", "morph", "own_class", "per_rank_buffers",
