@@ -43,7 +43,6 @@ from torch.overrides import TorchFunctionMode
 from . import torchao_linear
 from .distributed.models import (
     Morphed,
-    fsdp_float8_all_gather,
     fsdp_managed,
     morph,
     own_class,
@@ -75,6 +74,8 @@ class _Installed:
     # later, remove_policy changes them back in place (FSDP2 holds them, not the originals).
     revertible: dict[int, Morphed] = field(default_factory=dict)
     ddp_ignored_before: list[str] | None = None  # what the model told DDP to leave unsynced before the policy
+    fsdp_float8_all_gather: bool = False
+    new_weights: set[int] = field(default_factory=set)  # swapped-in modules with weight Parameters of their own
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype, only_from: tuple[torch.dtype, ...]) -> Any:
@@ -315,7 +316,7 @@ def applied_policy(model: nn.Module) -> Policy | None:
 
 
 def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inference",
-                 strict: bool = False, kernels: str = "auto") -> nn.Module:
+                 strict: bool = False, kernels: str = "auto", fsdp_float8_all_gather: bool = False) -> nn.Module:
     """Install ``policy`` into ``model`` in place and return the model.
 
     ``mode="inference"`` or ``"training"``: both keep the fp32 master weights and leave
@@ -335,6 +336,10 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     torchao is installed and the device has the tensor cores, autoprec's own elsewhere;
     ``"autoprec"``: always autoprec's own; ``"torchao"``: torchao's wherever it takes the layer
     (on a CPU its emulation, for tests).
+
+    ``fsdp_float8_all_gather``: torchao's FP8 linears keep their weights as torchao's tensors that FSDP2
+    all-gathers in float8 (half bf16's bytes), as torchtitan's ``enable_fsdp_float8_all_gather``. They are
+    new Parameters, so call this before ``fully_shard`` and build the optimizer after both, as FSDP2 asks.
     """
     if mode not in _MODES:
         raise ValueError(f"mode must be 'inference' or 'training', got {mode!r}")
@@ -353,7 +358,7 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     _check_fp8(model, policy, precisions)
     _check_shared(_aliases(model), precisions)  # before anything changes: a refused policy leaves no trace
 
-    state = _Installed(policy=policy, mode=mode)
+    state = _Installed(policy=policy, mode=mode, fsdp_float8_all_gather=fsdp_float8_all_gather)
     buffers = {name for name, _ in model.named_buffers()}
     try:
         own_dtype = _swap_linears(model, precisions, state, kernels)
@@ -425,8 +430,10 @@ def _swap_linears(model: nn.Module, precisions: dict[str, Precision], state: _In
             state.swapped.append((parent, attr, module))
     if torchao_fp8:
         emulate = next(model.get_submodule(n) for n in torchao_fp8).weight.device.type != "cuda"
-        state.swapped.extend(torchao_linear.install_fp8(model, torchao_fp8, emulate,
-                                                        fsdp_all_gather=fsdp_float8_all_gather(state.mode)))
+        swaps = torchao_linear.install_fp8(model, torchao_fp8, emulate, state.fsdp_float8_all_gather)
+        state.swapped.extend(swaps)
+        if state.fsdp_float8_all_gather:
+            state.new_weights.update(id(getattr(parent, attr)) for parent, attr, _ in swaps)
     return own_dtype
 
 
@@ -445,8 +452,11 @@ def _unswap(state: _Installed, sharded: set[int]) -> None:
         new = getattr(parent, attr)
         if id(new) in sharded:
             unmorph(state.revertible[id(new)])
-        else:
-            setattr(parent, attr, original)
+            continue
+        if id(new) in state.new_weights:  # what was trained went into torchao's Parameter
+            with torch.no_grad():
+                original.weight.copy_(new.weight)
+        setattr(parent, attr, original)
     for record in reversed(state.morphed):
         unmorph(record)
 

@@ -79,8 +79,8 @@ def install_fp8(model: nn.Module, names: Iterable[str], emulate: bool,
                 fsdp_all_gather: bool = False) -> list[tuple[nn.Module, str, nn.Module]]:
     """Swap the linears at ``names`` for torchao ``Float8Linear`` (tensorwise dynamic scaling);
     returns (parent, attribute, original) for each swap. ``fsdp_all_gather``: the weights become torchao's
-    tensors that FSDP2 all-gathers in float8 (half the bytes of bf16), as torchtitan's
-    ``enable_fsdp_float8_all_gather``; they need fully_shard to come after this."""
+    new Parameters that FSDP2 all-gathers in float8 (half the bytes of bf16), as torchtitan's
+    ``enable_fsdp_float8_all_gather``; fully_shard must come after this."""
     float8 = _import("torchao.float8")
     names = set(names)
     originals = [(model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2], model.get_submodule(n))

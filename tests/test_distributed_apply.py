@@ -264,7 +264,8 @@ def _torchao_float8(rank: int, kernels: str = "torchao", device: str = "cpu", rt
 
     policy = Policy(layers={"blocks.1": "fp8"})
     batches = [b.to(device) for b in _batches((16, 32))]
-    model = autoprec.apply_policy(Net().to(device), policy, mode="training", kernels=kernels)
+    model = autoprec.apply_policy(Net().to(device), policy, mode="training", kernels=kernels,
+                                  fsdp_float8_all_gather=True)
     _wrap(model, "fsdp")
     fc1 = model.blocks[1].fc1
     assert isinstance(fc1.weight.to_local(), WeightWithDynamicFloat8CastTensor), type(fc1.weight.to_local())
@@ -276,6 +277,22 @@ def _torchao_float8(rank: int, kernels: str = "torchao", device: str = "cpu", rt
         assert "before fully_shard" in str(e) and "\n" not in str(e), str(e)
     else:
         raise AssertionError("torchao fp8 after fully_shard was not refused")
+    try:
+        autoprec.remove_policy(model)
+    except RuntimeError as e:
+        assert "before fully_shard" in str(e) and "\n" not in str(e), str(e)
+    else:
+        raise AssertionError("remove_policy changed torchao's float8 all-gather layers back under FSDP2")
+
+    # Unsharded, remove_policy hands the trained weights back to the original linears.
+    model = autoprec.apply_policy(Net().to(device), policy, mode="training", kernels=kernels,
+                                  fsdp_float8_all_gather=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _loss(model(batches[rank])).backward()
+    optimizer.step()
+    trained = model.blocks[1].fc1.weight.detach().clone()
+    autoprec.remove_policy(model)
+    assert type(model.blocks[1].fc1) is nn.Linear and torch.equal(model.blocks[1].fc1.weight.detach(), trained)
 
 
 def _checks(folder: str) -> dict:

@@ -19,7 +19,7 @@ from functools import cache
 
 from torch import nn
 
-__all__ = ["Morphed", "fsdp_float8_all_gather", "fsdp_managed", "morph", "own_class", "per_rank_buffers",
+__all__ = ["Morphed", "fsdp_managed", "morph", "own_class", "per_rank_buffers",
            "restore_buffers", "unmorph", "unwrap"]
 
 
@@ -148,19 +148,6 @@ def unmorph(record: Morphed) -> None:
     for name in record.attributes:
         module.__dict__.pop(name, None)
     module.__class__ = _class_like(module, record.original_class)
-
-
-def _several_processes() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def fsdp_float8_all_gather(mode: str) -> bool:
-    """Whether torchao's FP8 linears all-gather their weights in float8 under FSDP2: when training with
-    several processes (the policy's one FP8 recipe, tensorwise scaling, is the one torchao can do it for).
-    Harmless where the model is then not sharded: the weights act as plain fp32 tensors elsewhere."""
-    return mode == "training" and _several_processes()
 
 
 _DDP_IGNORES = "_ddp_params_and_buffers_to_ignore"  # read by DDP when it wraps the model
