@@ -369,7 +369,7 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
         new = getattr(parent, attr)
         if new.weight is original.weight:
             state.revertible[id(new)] = Morphed.swap(new, original)
-    state.ddp_ignored_before = per_rank_buffers(model, {n for n, _ in model.named_buffers()} - buffers)
+    state.ddp_ignored_before = per_rank_buffers(wrapper, model, {n for n, _ in model.named_buffers()} - buffers)
 
     # A region wherever a module's precision differs from its parent's; elsewhere modules run in
     # their parent's region, so only boundaries cost anything.

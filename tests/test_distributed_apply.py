@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -223,6 +225,31 @@ def _overflow_skipped(how: str, rank: int) -> None:
     assert scaler.get_scale() == 2.0**15, f"scale {scaler.get_scale()} after an overflow, expected 2**15"
 
 
+def _amax_per_rank(order: str, rank: int) -> None:
+    """Under DDP each rank's FP8 amax history holds its own inputs' amax, in either order, also where DDP
+    syncs other buffers (a BatchNorm's) from rank 0 at every forward."""
+    policy = Policy(layers={"1": "fp8"})
+
+    def make() -> nn.Module:
+        torch.manual_seed(4)
+        return nn.Sequential(nn.BatchNorm1d(32), nn.Linear(32, 16))
+
+    batches = [torch.randn(8, 32) * (r + 1) for r in range(WORLD)]
+    model = make()
+    if order == "before":
+        autoprec.apply_policy(model, policy, mode="training")
+    wrapped = _wrap(model, "ddp")
+    if order == "after":
+        autoprec.apply_policy(wrapped, policy, mode="training")
+    plain = autoprec.apply_policy(make(), policy, mode="training")
+    for _ in range(2):
+        wrapped(batches[rank]).sum().backward()
+        plain(batches[rank])
+    torch.testing.assert_close(model[1].input_amax_history, plain[1].input_amax_history, rtol=0, atol=0)
+    autoprec.remove_policy(wrapped)
+    wrapped(batches[rank]).sum().backward()  # DDP syncs the BatchNorm's buffers alone again
+
+
 def _checkpoint(how: str, order: str, precision: str, folder: str, rank: int) -> None:
     """torch.distributed.checkpoint of a policy-applied model: fp32 master weights under the plain model's
     names, loaded into a plain wrapped model."""
@@ -305,6 +332,8 @@ def _checks(folder: str) -> dict:
                 checks[f"checkpoint {how} {order} {precision}"] = (_checkpoint, how, order, precision, folder)
         checks[f"overflow {how}"] = (_overflow_skipped, how)
     for order in ("before", "after"):
+        checks[f"amax per rank {order}"] = (_amax_per_rank, order)
+    for order in ("before", "after"):
         for precision in ("fp8", "mxfp8", "nvfp4"):
             checks[f"residual {order} {precision}"] = (_residual_in_place, precision, order)
     checks["torchao float8"] = (_torchao_float8,)
@@ -319,7 +348,8 @@ def _free_port() -> int:
 
 def _worker(rank: int, port: int, folder: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # A check that fails on one rank leaves the other waiting in a collective: the timeout ends that wait.
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
     torch.set_num_threads(1)
     results = {}
     try:
@@ -342,7 +372,13 @@ def results(tmp_path_factory) -> dict[str, dict[int, str]]:
     if not dist.is_available():
         pytest.skip("this torch has no torch.distributed")
     folder = tmp_path_factory.mktemp("dist")
-    mp.spawn(_worker, args=(_free_port(), str(folder)), nprocs=WORLD)
+    ranks = mp.spawn(_worker, args=(_free_port(), str(folder)), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + 900
+    while not ranks.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail("the 2-process checks did not finish within 900 s")
     by_rank = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(WORLD)]
     return {name: {r: by_rank[r][name] for r in range(WORLD)} for name in by_rank[0]}
 
@@ -369,6 +405,11 @@ def test_in_place_residual_on_a_sharded_low_precision_layer(results, order, prec
 
 
 @pytest.mark.parametrize("how", ["ddp", "fsdp"])
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_ddp_leaves_each_rank_its_own_fp8_amax_history(results, order):
+    _check(results, f"amax per rank {order}")
+
+
 def test_fp16_overflow_is_skipped_on_every_rank(results, how):
     _check(results, f"overflow {how}")
 

@@ -153,10 +153,17 @@ def unmorph(record: Morphed) -> None:
 _DDP_IGNORES = "_ddp_params_and_buffers_to_ignore"  # read by DDP when it wraps the model
 
 
-def per_rank_buffers(model: nn.Module, names: set[str]) -> list[str] | None:
-    """Keep the buffers ``names`` (the FP8 amax history a policy adds) out of DDP's broadcast from rank 0,
-    should DDP wrap ``model`` after this: each rank scales by its own inputs, as when DDP wrapped it first
-    (DDP lists the buffers to sync when it wraps). Returns what :func:`restore_buffers` needs to undo it."""
+def per_rank_buffers(wrapper: nn.Module, model: nn.Module, names: set[str]) -> list[str] | None:
+    """Keep the buffers ``names`` of ``model`` (the FP8 amax history a policy adds) out of DDP's broadcast
+    from rank 0, so each rank scales by its own inputs: for a DDP in ``wrapper`` now, and for one that wraps
+    ``model`` later (DDP reads the names to leave out when it wraps). Returns what :func:`restore_buffers`
+    needs to undo the latter; DDP leaves a name it cannot find alone, so the former needs no undoing."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while wrapper is not model:
+        if isinstance(wrapper, DistributedDataParallel):
+            wrapper.parameters_to_ignore.update(names)
+        wrapper = getattr(wrapper, _outer_wrappers()[type(wrapper)])
     before = vars(model).get(_DDP_IGNORES)
     if names:
         object.__setattr__(model, _DDP_IGNORES, [*(before or []), *sorted(names)])
