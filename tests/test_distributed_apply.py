@@ -404,12 +404,12 @@ def test_in_place_residual_on_a_sharded_low_precision_layer(results, order, prec
     _check(results, f"residual {order} {precision}")
 
 
-@pytest.mark.parametrize("how", ["ddp", "fsdp"])
 @pytest.mark.parametrize("order", ["before", "after"])
 def test_ddp_leaves_each_rank_its_own_fp8_amax_history(results, order):
     _check(results, f"amax per rank {order}")
 
 
+@pytest.mark.parametrize("how", ["ddp", "fsdp"])
 def test_fp16_overflow_is_skipped_on_every_rank(results, how):
     _check(results, f"overflow {how}")
 
