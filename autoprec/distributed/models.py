@@ -13,6 +13,7 @@ A policy names layers by the model's own names and types, whatever wraps it:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -28,12 +29,11 @@ def _outer_wrappers() -> dict[type, str]:
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
     wrappers: dict[type, str] = {DistributedDataParallel: "module", DataParallel: "module"}
-    try:  # torch.compile's wrapper; private module path, so looked up softly
-        from torch._dynamo.eval_frame import OptimizedModule
-
-        wrappers[OptimizedModule] = "_orig_mod"
-    except ImportError:  # pragma: no cover - every torch autoprec supports has it
-        pass
+    # torch.compile's wrapper: only where dynamo is loaded (importing it takes seconds, and without it
+    # nothing was compiled); a private module path, so looked up softly.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if getattr(eval_frame, "OptimizedModule", None) is not None:
+        wrappers[eval_frame.OptimizedModule] = "_orig_mod"
     return wrappers
 
 
