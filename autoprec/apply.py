@@ -20,6 +20,10 @@ kernels, see :mod:`autoprec.torchao_linear`; else :class:`~autoprec.formats.FP8L
 :class:`~autoprec.mx.BlockScaledLinear`), so ``state_dict`` keys, optimizers and checkpoints are
 unchanged. A module shared under several names is one object and
 runs in one precision: a policy that gives its names different precisions is refused.
+
+A model wrapped by DDP or torch.compile, or sharded by FSDP2, takes a policy by its own names and classes;
+a linear FSDP2 already manages changes class in place rather than being replaced (FSDP2 holds that very
+object): see :mod:`autoprec.distributed.models`.
 """
 
 from __future__ import annotations
