@@ -20,6 +20,10 @@ kernels, see :mod:`autoprec.torchao_linear`; else :class:`~autoprec.formats.FP8L
 :class:`~autoprec.mx.BlockScaledLinear`), so ``state_dict`` keys, optimizers and checkpoints are
 unchanged. A module shared under several names is one object and
 runs in one precision: a policy that gives its names different precisions is refused.
+
+A model wrapped by DDP or torch.compile, or sharded by FSDP2, takes a policy by its own names and classes;
+a linear FSDP2 already manages changes class in place rather than being replaced (FSDP2 holds that very
+object): see :mod:`autoprec.distributed.models`.
 """
 
 from __future__ import annotations
@@ -41,6 +45,16 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from . import torchao_linear
+from .distributed.models import (
+    Morphed,
+    fsdp_managed,
+    morph,
+    own_class,
+    per_rank_buffers,
+    restore_buffers,
+    unmorph,
+    unwrap,
+)
 from .formats import FP8Linear, Precision
 from .mx import BlockScaledLinear
 from .policy import Policy, PolicyError
@@ -61,6 +75,13 @@ class _Installed:
     mode: str
     wrapped: list[nn.Module] = field(default_factory=list)
     swapped: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)  # (parent, attr, original)
+    morphed: list[Morphed] = field(default_factory=list)  # linears FSDP2 managed, changed in place
+    # Swapped-in modules that share their original's Parameters, by id: if fully_shard takes them over
+    # later, remove_policy changes them back in place (FSDP2 holds them, not the originals).
+    revertible: dict[int, Morphed] = field(default_factory=dict)
+    ddp_ignored_before: list[str] | None = None  # what the model told DDP to leave unsynced before the policy
+    fsdp_float8_all_gather: bool = False
+    new_weights: set[int] = field(default_factory=set)  # swapped-in modules with weight Parameters of their own
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype, only_from: tuple[torch.dtype, ...]) -> Any:
@@ -216,7 +237,7 @@ def structure_fingerprint(model: nn.Module) -> str:
     """
     h = hashlib.sha256()
     for name, module in model.named_modules(remove_duplicate=False):
-        h.update(f"{name}:{type(module).__qualname__};".encode())
+        h.update(f"{name}:{own_class(module).__qualname__};".encode())
     for name, param in model.named_parameters(remove_duplicate=False):
         h.update(f"{name}{tuple(param.shape)};".encode())
     return h.hexdigest()[:16]
@@ -226,8 +247,8 @@ def _check_model(model: nn.Module, policy: Policy) -> None:
     """Warn when the policy records another model type or structure than ``model`` has."""
     recorded_type, recorded_structure = policy.model.get("type"), policy.model.get("structure")
     differs = []
-    if recorded_type is not None and recorded_type != type(model).__name__:
-        differs.append(f"a {recorded_type}, this model is a {type(model).__name__}")
+    if recorded_type is not None and recorded_type != own_class(model).__name__:
+        differs.append(f"a {recorded_type}, this model is a {own_class(model).__name__}")
     if recorded_structure is not None and recorded_structure != structure_fingerprint(model):
         differs.append("its layers or their shapes differ from this model's")
     if differs:
@@ -286,7 +307,7 @@ def _check_shared(aliases: list[tuple[nn.Module, list[str]]], precisions: dict[s
     for module, names in aliases:
         asked = {precisions[n] for n in names}
         needs_region = any(precisions[n] is not _parent_precision(n, precisions) for n in names)
-        swapped = type(module) is nn.Linear and any(p.swaps_linear for p in asked)
+        swapped = own_class(module) is nn.Linear and any(p.swaps_linear for p in asked)
         if len(asked) > 1 and (needs_region or swapped):
             got = ", ".join(f"{n!r}: {precisions[n].value}" for n in names)
             raise PolicyError(f"one module is shared under several names that the policy gives different "
@@ -298,19 +319,23 @@ def _check_shared(aliases: list[tuple[nn.Module, list[str]]], precisions: dict[s
 
 
 def applied_policy(model: nn.Module) -> Policy | None:
-    """The policy installed in ``model``, or None."""
-    state = getattr(model, _STATE_ATTR, None)
+    """The policy installed in ``model`` (or in the model DDP or torch.compile wraps), or None."""
+    state = getattr(unwrap(model), _STATE_ATTR, None)
     return state.policy if state is not None else None
 
 
 def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inference",
-                 strict: bool = False, kernels: str = "auto") -> nn.Module:
+                 strict: bool = False, kernels: str = "auto", fsdp_float8_all_gather: bool = False) -> nn.Module:
     """Install ``policy`` into ``model`` in place and return the model.
 
     ``mode="inference"`` or ``"training"``: both keep the fp32 master weights and leave
     train()/eval() as they are. Inference mode lets FP8 linears quantize their weights once
     and reuse them until the weights change. For training with fp16 layers use
     ``policy.grad_scaler(device)`` in the loop (a no-op scaler when the policy has no fp16).
+
+    ``model`` may be wrapped by DDP or torch.compile (the policy goes into the model inside, whose names
+    it uses) and sharded by FSDP2's ``fully_shard``, before or after this call; see the README's
+    "Many GPUs" for the order each precision needs.
 
     A layer the policy names but the model lacks is an error (every such layer is named); a
     ``re:`` pattern that matches no module warns, or is an error with ``strict=True``. A policy
@@ -320,6 +345,10 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     torchao is installed and the device has the tensor cores, autoprec's own elsewhere;
     ``"autoprec"``: always autoprec's own; ``"torchao"``: torchao's wherever it takes the layer
     (on a CPU its emulation, for tests).
+
+    ``fsdp_float8_all_gather``: torchao's FP8 linears keep their weights as torchao's tensors that FSDP2
+    all-gathers in float8 (half bf16's bytes), as torchtitan's ``enable_fsdp_float8_all_gather``. They are
+    new Parameters, so call this before ``fully_shard`` and build the optimizer after both, as FSDP2 asks.
     """
     if mode not in _MODES:
         raise ValueError(f"mode must be 'inference' or 'training', got {mode!r}")
@@ -329,6 +358,7 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
         raise TypeError(f"apply_policy needs a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(policy, Policy):
         policy = Policy.load(policy)
+    wrapper, model = model, unwrap(model)
     if getattr(model, _STATE_ATTR, None) is not None:
         raise RuntimeError("this model already has a policy applied; call autoprec.remove_policy(model) first")
     _check_names(model, policy, strict)
@@ -339,13 +369,18 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     _check_fp8(model, policy, precisions)
     _check_shared(_aliases(model), precisions)  # before anything changes: a refused policy leaves no trace
 
-    state = _Installed(policy=policy, mode=mode)
+    state = _Installed(policy=policy, mode=mode, fsdp_float8_all_gather=fsdp_float8_all_gather)
+    buffers = {name for name, _ in model.named_buffers()}
     try:
         own_dtype = _swap_linears(model, precisions, state, kernels)
     except Exception:  # e.g. a kernel torchao refuses on this device: a refused policy leaves no trace
-        for parent, attr, original in reversed(state.swapped):
-            setattr(parent, attr, original)
+        _unswap(state, set())
         raise
+    for parent, attr, original in state.swapped:
+        new = getattr(parent, attr)
+        if new.weight is original.weight:
+            state.revertible[id(new)] = Morphed.swap(new, original)
+    state.ddp_ignored_before = per_rank_buffers(wrapper, model, {n for n, _ in model.named_buffers()} - buffers)
 
     # A region wherever a module's precision differs from its parent's; elsewhere modules run in
     # their parent's region, so only boundaries cost anything.
@@ -368,7 +403,7 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
         state.wrapped.append(module)
 
     object.__setattr__(model, _STATE_ATTR, state)
-    return model
+    return wrapper
 
 
 def _swap_linears(model: nn.Module, precisions: dict[str, Precision], state: _Installed, kernels: str) -> set[int]:
@@ -376,11 +411,20 @@ def _swap_linears(model: nn.Module, precisions: dict[str, Precision], state: _In
     parameters, under each of its names (a shared linear stays shared). Returns the ids of the modules
     that set their own compute dtype (torchao's MX linears): they get no region."""
     torchao_fp8, own_dtype = [], set()
+    sharded = fsdp_managed(model)
     for module, names in _aliases(model):
         precision = precisions[names[0]]
-        if type(module) is not nn.Linear or not precision.swaps_linear:
+        if own_class(module) is not nn.Linear or not precision.swaps_linear:
             continue
-        if len(names) == 1 and torchao_linear.torchao_takes(module, precision, state.mode, kernels):
+        takes = len(names) == 1 and torchao_linear.torchao_takes(module, precision, state.mode, kernels)
+        if id(module) in sharded:
+            if takes:
+                raise PolicyError(f"layer {names[0]!r} is already sharded by fully_shard, and torchao's {precision} "
+                                  f"linear replaces the module FSDP2 holds: call apply_policy before fully_shard "
+                                  f"(or pass kernels='autoprec')")
+            state.morphed.append(_morph_linear(module, precision, state))
+            continue
+        if takes:
             if precision is Precision.FP8:
                 torchao_fp8.append(names[0])
             else:
@@ -397,27 +441,64 @@ def _swap_linears(model: nn.Module, precisions: dict[str, Precision], state: _In
             state.swapped.append((parent, attr, module))
     if torchao_fp8:
         emulate = next(model.get_submodule(n) for n in torchao_fp8).weight.device.type != "cuda"
-        state.swapped.extend(torchao_linear.install_fp8(model, torchao_fp8, emulate))
+        swaps = torchao_linear.install_fp8(model, torchao_fp8, emulate, state.fsdp_float8_all_gather)
+        state.swapped.extend(swaps)
+        if state.fsdp_float8_all_gather:
+            state.new_weights.update(id(getattr(parent, attr)) for parent, attr, _ in swaps)
     return own_dtype
 
 
+def _morph_linear(linear: nn.Module, precision: Precision, state: _Installed) -> Morphed:
+    """Make a linear that FSDP2 manages compute in ``precision`` in place: FSDP2 sets the gathered weight
+    on this very object before each forward, so a new module sharing its Parameters would see the shard.
+    No weight cache: FSDP2 frees and re-gathers the weight at every forward."""
+    if precision is Precision.FP8:
+        return morph(linear, FP8Linear, lambda m: m._init_fp8_state(state.policy.fp8, cache_weight=False))
+    return morph(linear, BlockScaledLinear, lambda m: m._init_state(precision.value, cache_weight=False))
+
+
+def _unswap(state: _Installed, sharded: set[int]) -> None:
+    """Put the original linears back; those FSDP2 took over since (``sharded``) change back in place."""
+    for parent, attr, original in reversed(state.swapped):
+        new = getattr(parent, attr)
+        if id(new) in sharded:
+            unmorph(state.revertible[id(new)])
+            continue
+        if id(new) in state.new_weights:  # what was trained went into torchao's Parameter
+            with torch.no_grad():
+                original.weight.copy_(new.weight)
+        else:
+            hand_back_parameters(new, original)  # a Parameter assigned while applied is kept
+        setattr(parent, attr, original)
+    for record in reversed(state.morphed):
+        unmorph(record)
+
+
 def remove_policy(model: nn.Module) -> nn.Module:
-    """Undo :func:`apply_policy`: the original modules and forwards, bit for bit."""
+    """Undo :func:`apply_policy`: the original modules and forwards, bit for bit (``model`` may be
+    wrapped by DDP or torch.compile since)."""
+    wrapper, model = model, unwrap(model)
     state: _Installed | None = getattr(model, _STATE_ATTR, None)
     if state is None:
         raise RuntimeError("this model has no policy applied")
+    sharded = fsdp_managed(model)
+    stuck = [type(getattr(parent, attr)).__name__ for parent, attr, _ in state.swapped
+             if id(getattr(parent, attr)) in sharded and id(getattr(parent, attr)) not in state.revertible]
+    if stuck:  # torchao's modules with their own weight tensors (float8 all-gather)
+        raise RuntimeError(f"fully_shard took over {stuck[0]} layers after the policy was applied, and their "
+                           f"weights are torchao's: remove the policy before fully_shard, or rebuild the model "
+                           f"from a checkpoint")
     for module in state.wrapped:
         _remove_region(module)
-    for parent, attr, original in reversed(state.swapped):
-        hand_back_parameters(getattr(parent, attr), original)  # a Parameter assigned while applied is kept
-        setattr(parent, attr, original)
+    _unswap(state, sharded)
+    restore_buffers(model, state.ddp_ignored_before)
     object.__delattr__(model, _STATE_ATTR)
-    return model
+    return wrapper
 
 
 def takes_precision(module: nn.Module, precision: Precision | str) -> bool:
     """Whether a rule can run ``module`` itself in ``precision``: FP8, MXFP8 and NVFP4 exist for
     ``nn.Linear`` only."""
     if Precision.parse(precision).swaps_linear:
-        return type(module) in (nn.Linear, FP8Linear, BlockScaledLinear)
+        return own_class(module) in (nn.Linear, FP8Linear, BlockScaledLinear)
     return True

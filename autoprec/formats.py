@@ -38,6 +38,7 @@ __all__ = [
     "fp8_fake_quantize",
     "fp8_quantize",
     "fp8_scale",
+    "linear_output",
     "sqnr_db",
 ]
 
@@ -222,6 +223,17 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
 
+def linear_output(y2d: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """A linear's 2-D result in ``x``'s leading shape and dtype, never a view (as ``torch.matmul`` folds).
+
+    ``reshape`` would hand back a view of ``y2d``, and FSDP2 rightly warns about a module returning one: an
+    in-place op on it (a residual ``x += ...``) would drop FSDP2's pre-backward hook and skip the weight's
+    all-gather. ``_unsafe_view`` is the same reshape, which autograd does not record as a view."""
+    y = y2d.to(_out_dtype(x))
+    shape = (*x.shape[:-1], out_features)
+    return torch.ops.aten._unsafe_view(y, shape) if y._base is not None or y.shape != shape else y
+
+
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
                out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``(a / a_scale) @ (b / b_scale) (+ bias)`` on FP8 tensor cores. ``a`` must be row-major and ``b``
@@ -337,18 +349,18 @@ class FP8Linear(nn.Linear):
         return scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out_dtype = _out_dtype(x)
+        out_dtype = _out_dtype(x)  # the native GEMM writes it directly
         with torch.autocast(x.device.type, enabled=False):
             x_scale = self.input_scale(x)
             x2d = x.reshape(-1, x.shape[-1])
             if _scaled_mm_ok(x2d, self.weight):
                 y = self._native(x2d, x_scale, out_dtype)
             elif torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-                y = _EmulatedFP8Matmul.apply(x, self.weight, self.bias, x_scale)
+                y = _EmulatedFP8Matmul.apply(x2d, self.weight, self.bias, x_scale)
             else:  # inference: the same numerics without autograd bookkeeping
-                xq = fp8_quantize(x, x_scale).float() / x_scale
+                xq = fp8_quantize(x2d, x_scale).float() / x_scale
                 y = F.linear(xq, self.quantized_weight(), None if self.bias is None else self.bias.float())
-        return y.reshape(*x.shape[:-1], self.out_features).to(out_dtype)
+        return linear_output(y, x, self.out_features)
 
     def _native(self, x2d: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         if torch.is_grad_enabled() and (x2d.requires_grad or self.weight.requires_grad):

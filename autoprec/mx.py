@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .formats import linear_output
 from .weights import WeightCache
 
 __all__ = ["BLOCK_SIZE", "BlockScaledLinear", "E2M1_MAX", "block_fake_quantize", "e2m1_round",
@@ -207,7 +208,6 @@ class BlockScaledLinear(nn.Linear):
         return super().extra_repr() + f", precision={self.precision} (emulated)"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
         with torch.autocast(x.device.type, enabled=False):
             x2d = x.reshape(-1, x.shape[-1])
             if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
@@ -216,4 +216,4 @@ class BlockScaledLinear(nn.Linear):
             else:
                 xq = block_fake_quantize(x2d, self.precision, dim=-1)
                 y = F.linear(xq, self.quantized_weight(), None if self.bias is None else self.bias.float())
-        return y.reshape(*x.shape[:-1], self.out_features).to(out_dtype)
+        return linear_output(y, x, self.out_features)

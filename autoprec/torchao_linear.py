@@ -28,6 +28,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from .distributed.models import own_class
 from .formats import Precision
 from .formats import torchao_installed as installed
 from .regionstate import in_fp32_region
@@ -64,7 +65,7 @@ def _native(precision: Precision, device: torch.device) -> bool:
 
 def torchao_takes(linear: nn.Module, precision: Precision, mode: str, kernels: str) -> bool:
     """Whether ``linear`` runs ``precision`` on torchao's module (see the module docstring)."""
-    if kernels == "autoprec" or type(linear) is not nn.Linear:
+    if kernels == "autoprec" or own_class(linear) is not nn.Linear:
         return False
     if precision.block_scaled and mode == "training":
         return False
@@ -76,14 +77,17 @@ def torchao_takes(linear: nn.Module, precision: Precision, mode: str, kernels: s
     return linear.in_features % block == 0 and linear.out_features % block == 0
 
 
-def install_fp8(model: nn.Module, names: Iterable[str], emulate: bool) -> list[tuple[nn.Module, str, nn.Module]]:
+def install_fp8(model: nn.Module, names: Iterable[str], emulate: bool,
+                fsdp_all_gather: bool = False) -> list[tuple[nn.Module, str, nn.Module]]:
     """Swap the linears at ``names`` for torchao ``Float8Linear`` (tensorwise dynamic scaling);
-    returns (parent, attribute, original) for each swap."""
+    returns (parent, attribute, original) for each swap. ``fsdp_all_gather``: the weights become torchao's
+    new Parameters that FSDP2 all-gathers in float8 (half the bytes of bf16), as torchtitan's
+    ``enable_fsdp_float8_all_gather``; fully_shard must come after this."""
     float8 = _import("torchao.float8")
     names = set(names)
     originals = [(model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2], model.get_submodule(n))
                  for n in names]
-    config = float8.Float8LinearConfig(emulate=emulate)
+    config = float8.Float8LinearConfig(emulate=emulate, enable_fsdp_float8_all_gather=fsdp_all_gather)
     float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda _m, fqn: fqn in names)
     return originals
 
