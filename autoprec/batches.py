@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-__all__ = ["BATCH_FORMS", "OutputError", "batch_args", "call_model", "describe_batch", "fidelity_outputs",
-           "output_tensors", "to_device"]
+__all__ = ["BATCH_FORMS", "OutputError", "as_batch_list", "batch_args", "call_model", "describe_batch",
+           "fidelity_outputs", "output_tensors", "to_device"]
 
 BATCH_FORMS = "a tensor (model(x)), a tuple/list of tensors (model(*x)) or a dict (model(**x))"
 
@@ -27,6 +27,32 @@ def batch_args(batch: Any) -> tuple[tuple, dict]:
     if isinstance(batch, dict):
         return (), dict(batch)
     raise TypeError(f"a batch must be {BATCH_FORMS}, got {type(batch).__name__}")
+
+
+def as_batch_list(batches: Any, name: str, model_inputs: bool = True) -> list:
+    """``batches`` as a list, or a one-line TypeError naming the argument ``name`` and the fix.
+
+    A tensor or a dict is iterable, so ``list()`` would quietly make "batches" of its rows or its keys:
+    one tensor becomes unbatched single rows, a dict its key strings. ``model_inputs``: each batch must
+    also be one the model can be called with (training batches may be anything ``loss`` takes).
+    """
+    if isinstance(batches, torch.Tensor):
+        rows = batches.shape[0] if batches.dim() else 0
+        raise TypeError(f"{name} is one tensor ({describe_batch(batches)}), not a list of batches: autoprec would "
+                        f"take its {rows} rows as {rows} unbatched batches; pass a list, e.g. list(x.split(8))")
+    if isinstance(batches, dict):
+        raise TypeError(f"{name} is a dict, not a list of batches (a dict is one batch, called as model(**x)); "
+                        "pass a list, e.g. [batch] or [batch_1, batch_2]")
+    if isinstance(batches, (str, bytes)) or not hasattr(batches, "__iter__"):
+        raise TypeError(f"{name} must be a list of batches, got {type(batches).__name__}")
+    batches = list(batches)
+    for i, batch in enumerate(batches if model_inputs else ()):
+        try:
+            batch_args(batch)
+        except TypeError:
+            raise TypeError(f"{name}[{i}] is {type(batch).__name__}, which autoprec cannot call the model with: "
+                            f"make each batch {BATCH_FORMS}") from None
+    return batches
 
 
 def call_model(model: nn.Module, batch: Any) -> Any:

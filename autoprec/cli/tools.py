@@ -65,6 +65,8 @@ def estimate(args: argparse.Namespace) -> int:
         def cell(p: str, v: float | None, gemm: dict = gemm) -> str:
             if p in gemm["too_big"]:
                 return f"{p} too big ({gemm['gb'][p]:.4g} GB > {result['memory_gb']:g} GB)"
+            if v is not None and p in gemm["emulated"]:  # the kernel does not take this shape: apply emulates
+                return f"{p} {v:.4g} ms (emulated: {gemm['emulated'][p]})"
             return f"{p} {'n/a' if v is None else f'{v:.4g} ms'}"
 
         cells = "  ".join(cell(p, v) for p, v in ms.items())

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from .. import compiled as compiled_module
-from ..batches import describe_batch, to_device
+from ..batches import as_batch_list, describe_batch, to_device
 from ..budget import Budget, Margin, choose_budget, search_margin
 from ..capture import LayerTable
 from ..compare import compare
@@ -48,10 +48,10 @@ class InferenceWorkload(Workload):
     name = "inference"
 
     def __post_init__(self) -> None:
-        self.batches = list(self.batches)
+        self.batches = as_batch_list(self.batches, "InferenceWorkload's batches")
         if self.holdout_batches is None:
             self.batches, self.holdout_batches = split_holdout(self.batches)
-        self.holdout_batches = list(self.holdout_batches)
+        self.holdout_batches = as_batch_list(self.holdout_batches, "holdout_batches")
         if not self.batches or not self.holdout_batches:
             raise ValueError("tune needs search batches and held-out batches")
 
