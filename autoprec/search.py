@@ -56,6 +56,15 @@ class SearchResult:
     stopped_because: str
     notes: list[str] = field(default_factory=list)
 
+    def dropped_because(self) -> str:
+        """Why each precision was dropped before the search, once per precision (the first unit's reason):
+        what the user reads when nothing was left to search."""
+        first: dict[str, str] = {}
+        for reasons in self.dropped.values():
+            for reason in reasons:
+                first.setdefault(reason.split(":", 1)[0], reason)
+        return "; ".join(first.values())
+
 
 def plan_units(profile: Profile, space: SearchSpace, precisions: Sequence[str]) -> tuple[list[Unit], list[str], dict]:
     """Search units with the candidates worth trying on this device.

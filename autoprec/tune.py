@@ -223,7 +223,8 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None]) -> 
             candidates = _verify_candidates(result, profile, autocast, best=workload.verify_best,
                                             blanket=blanket_allowed, within=within_user_budget)
             verification = verify(workload, candidates, the_budget, autocast, device, seed=config.seed,
-                                  estimated_ms=estimated_ms, estimated_for=config.target, compiled=config.compile)
+                                  estimated_ms=estimated_ms, estimated_for=config.target, compiled=config.compile,
+                                  dropped_because=result.dropped_because())
             seconds["verify"] = time.perf_counter() - start
             slack = workload.slack_note(verification, the_budget, margin)
             if slack is not None:
