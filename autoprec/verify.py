@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
+from .apply import effective_precisions
 from .batches import describe_batch, to_device
 from .budget import Budget
 from .compare import Ratio, compare
 from .compiled import CompileError
-from .apply import effective_precisions
 from .formats import Capability, Precision, device_capabilities, emulated_for_shape
 from .measure import Evaluator, policy_runs
 from .objective import Measurement, Objective
