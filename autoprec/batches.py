@@ -6,14 +6,16 @@ the capture stage all read batches and outputs the same way.
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-__all__ = ["BATCH_FORMS", "OutputError", "as_batch_list", "batch_args", "call_model", "describe_batch",
-           "fidelity_outputs", "output_tensors", "to_device"]
+__all__ = ["BATCH_FORMS", "IN_PLACE_FIX", "IN_PLACE_WHY", "OutputError", "as_batch_list", "batch_args", "call_model",
+           "changed_in_place", "describe_batch", "fidelity_outputs", "output_tensors", "signature_mismatch",
+           "to_device"]
 
 BATCH_FORMS = "a tensor (model(x)), a tuple/list of tensors (model(*x)) or a dict (model(**x))"
 
@@ -55,6 +57,30 @@ def as_batch_list(batches: Any, name: str, model_inputs: bool = True) -> list:
     return batches
 
 
+def signature_mismatch(model: nn.Module, batch: Any) -> str | None:
+    """Why ``batch`` cannot be passed to the model's forward at all, naming the argument (e.g. a keyword-only
+    ``mask`` that a tuple batch cannot pass), and the batch form that can; None where the arguments bind."""
+    try:
+        signature = inspect.signature(model.forward)
+        args, kwargs = batch_args(batch)
+    except (TypeError, ValueError):  # a forward without a signature, or not a batch at all (said elsewhere)
+        return None
+    try:
+        signature.bind(*args, **kwargs)
+        return None
+    except TypeError as error:
+        why = str(error)
+    params = signature.parameters.values()
+    keyword_only = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    unbound = [name for name in keyword_only if name not in kwargs]
+    if unbound and not isinstance(batch, dict):
+        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        example = ", ".join(f"'{name}': ..." for name in [*positional[:len(args)], *keyword_only])
+        return (f"forward's {', '.join(unbound)} {'is' if len(unbound) == 1 else 'are'} keyword-only (after *), "
+                f"which a {type(batch).__name__} batch cannot pass; make each batch a dict, e.g. {{{example}}}")
+    return f"forward{signature} cannot take this batch ({why})"
+
+
 def call_model(model: nn.Module, batch: Any) -> Any:
     """Run ``model`` on one batch as the model.py contract says it is called."""
     args, kwargs = batch_args(batch)
@@ -64,6 +90,35 @@ def call_model(model: nn.Module, batch: Any) -> Any:
 def to_device(batch: Any, device: torch.device | str) -> Any:
     """The batch with every tensor in it moved to ``device`` (containers keep their type)."""
     return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
+
+
+def changed_in_place(batches: list, run: Callable[[], Any]) -> str | None:
+    """Run ``run`` (which reads ``batches``) and say which batch input it changed in place, e.g.
+    ``"batch 0's [0] (8x16)"``; None when every input is as it was.
+
+    A forward that modifies its input (``x.mul_(1.5)``) gives every later run other data, and autoprec
+    runs each batch many times (the fp32 reference, every candidate, every timing round): each would be
+    measured on different inputs. Checked once, on the fp32 reference run, for the price of one copy.
+    """
+    before = [pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), b) for b in batches]
+    run()
+    for i, (old, new) in enumerate(zip(before, batches)):
+        for (path, a), b in zip(pytree.tree_flatten_with_path(old)[0], pytree.tree_leaves(new)):
+            if isinstance(a, torch.Tensor) and not _same(a, b.detach()):
+                return f"batch {i}'s input{pytree.keystr(path)} ({describe_batch(a)})"
+    return None
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a, b) or a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+# why a forward that changes its inputs cannot be tuned, and the fix (the tune's message, and model.py's)
+IN_PLACE_WHY = ("autoprec runs every batch many times (the fp32 reference, each candidate, each timing round), so each "
+                "run would see other inputs")
+IN_PLACE_FIX = "leave forward's inputs as they are (x = x * 1.5, not x.mul_(1.5)), or copy them first (x = x.clone())"
 
 
 def describe_batch(batch: Any) -> str:

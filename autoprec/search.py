@@ -33,7 +33,7 @@ from .structure import Structure, count_regions, region_cost_ms
 from .walks import coarse_to_fine, greedy
 
 __all__ = ["Candidate", "SearchResult", "StorageError", "StudyMismatchError", "choose_default", "open_storage",
-           "pareto_front", "plan_units", "search"]
+           "pareto_front", "plan_units", "search", "without_password"]
 
 _REGION_DEFAULTS = ("fp32", "bf16", "fp16")
 # A candidate must be measured at least this much faster than fp32 to be worth a boundary:
@@ -390,6 +390,11 @@ class StorageError(ValueError):
     """A study storage that cannot be opened; the message says why and what to do."""
 
 
+def without_password(url: str) -> str:
+    """A storage URL as autoprec prints it: never with its password (``user:***@host``)."""
+    return re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url)
+
+
 def open_storage(url: Any, attempts: int = 5) -> Any:
     """An Optuna RDB storage for ``url`` (an object that is already a storage passes through).
 
@@ -402,7 +407,7 @@ def open_storage(url: Any, attempts: int = 5) -> Any:
 
     if not isinstance(url, str):
         return url
-    shown = re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url)  # never print a password
+    shown = without_password(url)
     for attempt in range(attempts):
         try:
             return optuna.storages.RDBStorage(url)

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..formats import Precision
 
 __all__ = ["CommandError", "budget_arguments", "check_device", "default_out", "load_spec", "model_arguments",
-           "number", "positive_int", "positive_number", "precisions"]
+           "number", "port", "positive_int", "positive_number", "precisions"]
 
 
 class CommandError(Exception):
@@ -41,6 +41,13 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def port(text: str) -> int:
+    value = positive_int(text)
+    if value > 65535:  # socket.bind would raise OverflowError
+        raise argparse.ArgumentTypeError(f"expected a port from 1 to 65535, got {value}")
     return value
 
 
