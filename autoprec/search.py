@@ -390,9 +390,9 @@ class StorageError(ValueError):
     """A study storage that cannot be opened; the message says why and what to do."""
 
 
-def without_password(url: str) -> str:
-    """A storage URL as autoprec prints it: never with its password (``user:***@host``)."""
-    return re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url)
+def without_password(url: Any) -> str:
+    """A storage URL (or an Optuna storage's) as autoprec prints it: never with its password (``user:***@host``)."""
+    return re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", str(getattr(url, "url", url)))
 
 
 def open_storage(url: Any, attempts: int = 5) -> Any:
