@@ -139,3 +139,16 @@ def test_cuda_on_a_machine_without_one_is_one_line_when_the_tune_starts(tmp_path
 def test_a_generator_of_batches_is_a_list_of_batches():
     workload = autoprec.InferenceWorkload(_model(), (b for b in _batches()))
     assert len(workload.batches) == 3 and len(workload.holdout_batches) == 1
+
+
+def test_training_batches_changed_in_place_are_one_line(tmp_path):
+    """The same for tuning for training: loss(model, batch) runs each training batch many times too."""
+    def loss(model, batch):
+        x, target = batch
+        return (model(x) - target.mul_(0.5)).pow(2).mean()  # halves the batch's targets on every run
+
+    batches = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(3)]
+    with pytest.raises(autoprec.userspec.UserCodeError, match=r"loss\(\): changed training batch 0's input\[1\] "
+                                                              r"\(8x4\) in place.*x\.clone\(\)"):
+        autoprec.tune(_model(), [b[0] for b in batches], for_="training", loss=loss, train_batches=batches,
+                      out=tmp_path / "run", progress=False, log=lambda _: None)
