@@ -40,7 +40,7 @@ from ..profile.training import profile_training
 from ..report import markdown_table, plot_library, save_figure
 from ..training import TrainStep
 from ..trainspec import default_optimizer, run_loss
-from .base import HeldOut, Workload
+from .base import HeldOut, Workload, check_settings
 
 __all__ = ["COMPILE_REFUSED", "DEFAULT_STEPS", "DEFAULT_TRAIN_BUDGET", "SEARCH_BATCHES", "TrainingWorkload",
            "loss_plot", "metric_after", "train_runs"]
@@ -82,6 +82,10 @@ class TrainingWorkload(Workload):
     def __post_init__(self) -> None:
         if self.loss is None:
             raise ValueError("tuning for training needs loss(model, batch) -> scalar tensor")
+        check_settings("TrainingWorkload", {"loss": (self.loss, "loss(model, batch) -> scalar tensor"),
+                                            "optimizer": (self.optimizer, "optimizer(model) -> torch.optim.Optimizer"),
+                                            "evaluate": (self.evaluate, "evaluate(model, batches) -> float")},
+                       self.higher_is_better)
         self.batches = as_batch_list(self.batches, "TrainingWorkload's batches")
         self.train_batches = (as_batch_list(self.train_batches, "train_batches", model_inputs=False)
                               if self.train_batches is not None else self.batches)
