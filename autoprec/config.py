@@ -121,7 +121,7 @@ def check_device(device: str | torch.device, available: bool = True,
     if available and dev.type == "cuda":
         if not torch.cuda.is_available():
             build = "" if torch.version.cuda else " (this torch is a CPU build)"
-            raise ValueError(f"{said}: no CUDA device is available here{build}; use {setting.format('cpu')}")
+            raise ValueError(f"{said}: no CUDA device is available here; use {setting.format('cpu')}{build}")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             n = torch.cuda.device_count()
             raise ValueError(f"{said}: this machine has {n} CUDA device(s), cuda:0 to cuda:{n - 1}; give one of them")
