@@ -58,8 +58,9 @@ def as_batch_list(batches: Any, name: str, model_inputs: bool = True) -> list:
 
 
 def signature_mismatch(model: nn.Module, batch: Any) -> str | None:
-    """Why ``batch`` cannot be passed to the model's forward at all, naming the argument (e.g. a keyword-only
-    ``mask`` that a tuple batch cannot pass), and the batch form that can; None where the arguments bind."""
+    """Why ``batch`` cannot pass the model's forward its arguments where Python's own message would not say: a
+    keyword-only argument (after ``*``) that a tensor or tuple batch cannot pass, and the batch form that can.
+    None otherwise (the arguments bind, or Python's message names the argument already)."""
     try:
         signature = inspect.signature(model.forward)
         args, kwargs = batch_args(batch)
@@ -68,8 +69,8 @@ def signature_mismatch(model: nn.Module, batch: Any) -> str | None:
     try:
         signature.bind(*args, **kwargs)
         return None
-    except TypeError as error:
-        why = str(error)
+    except TypeError:
+        pass
     params = signature.parameters.values()
     keyword_only = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
     unbound = [name for name in keyword_only if name not in kwargs]
@@ -78,7 +79,7 @@ def signature_mismatch(model: nn.Module, batch: Any) -> str | None:
         example = ", ".join(f"'{name}': ..." for name in [*positional[:len(args)], *keyword_only])
         return (f"forward's {', '.join(unbound)} {'is' if len(unbound) == 1 else 'are'} keyword-only (after *), "
                 f"which a {type(batch).__name__} batch cannot pass; make each batch a dict, e.g. {{{example}}}")
-    return f"forward{signature} cannot take this batch ({why})"
+    return None
 
 
 def call_model(model: nn.Module, batch: Any) -> Any:
