@@ -6,14 +6,16 @@ the capture stage all read batches and outputs the same way.
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-__all__ = ["BATCH_FORMS", "OutputError", "batch_args", "call_model", "describe_batch", "fidelity_outputs",
-           "output_tensors", "to_device"]
+__all__ = ["BATCH_FORMS", "IN_PLACE_FIX", "IN_PLACE_WHY", "OutputError", "as_batch_list", "batch_args", "call_model",
+           "changed_in_place", "describe_batch", "fidelity_outputs", "output_tensors", "signature_mismatch",
+           "to_device"]
 
 BATCH_FORMS = "a tensor (model(x)), a tuple/list of tensors (model(*x)) or a dict (model(**x))"
 
@@ -29,6 +31,57 @@ def batch_args(batch: Any) -> tuple[tuple, dict]:
     raise TypeError(f"a batch must be {BATCH_FORMS}, got {type(batch).__name__}")
 
 
+def as_batch_list(batches: Any, name: str, model_inputs: bool = True) -> list:
+    """``batches`` as a list, or a one-line TypeError naming the argument ``name`` and the fix.
+
+    A tensor or a dict is iterable, so ``list()`` would quietly make "batches" of its rows or its keys:
+    one tensor becomes unbatched single rows, a dict its key strings. ``model_inputs``: each batch must
+    also be one the model can be called with (training batches may be anything ``loss`` takes).
+    """
+    if isinstance(batches, torch.Tensor):
+        rows = batches.shape[0] if batches.dim() else 0
+        raise TypeError(f"{name} is one tensor ({describe_batch(batches)}), not a list of batches: autoprec would "
+                        f"take its {rows} rows as {rows} unbatched batches; pass a list, e.g. list(x.split(8))")
+    if isinstance(batches, dict):
+        raise TypeError(f"{name} is a dict, not a list of batches (a dict is one batch, called as model(**x)); "
+                        "pass a list, e.g. [batch] or [batch_1, batch_2]")
+    if isinstance(batches, (str, bytes)) or not hasattr(batches, "__iter__"):
+        raise TypeError(f"{name} must be a list of batches, got {type(batches).__name__}")
+    batches = list(batches)
+    for i, batch in enumerate(batches if model_inputs else ()):
+        try:
+            batch_args(batch)
+        except TypeError:
+            raise TypeError(f"{name}[{i}] is {type(batch).__name__}, which autoprec cannot call the model with: "
+                            f"make each batch {BATCH_FORMS}") from None
+    return batches
+
+
+def signature_mismatch(model: nn.Module, batch: Any) -> str | None:
+    """Why ``batch`` cannot pass the model's forward its arguments where Python's own message would not say: a
+    keyword-only argument (after ``*``) that a tensor or tuple batch cannot pass, and the batch form that can.
+    None otherwise (the arguments bind, or Python's message names the argument already)."""
+    try:
+        signature = inspect.signature(model.forward)
+        args, kwargs = batch_args(batch)
+    except (TypeError, ValueError):  # a forward without a signature, or not a batch at all (said elsewhere)
+        return None
+    try:
+        signature.bind(*args, **kwargs)
+        return None
+    except TypeError:
+        pass
+    params = signature.parameters.values()
+    keyword_only = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    unbound = [name for name in keyword_only if name not in kwargs]
+    if unbound and not isinstance(batch, dict):
+        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        example = ", ".join(f"'{name}': ..." for name in [*positional[:len(args)], *keyword_only])
+        return (f"forward's {', '.join(unbound)} {'is' if len(unbound) == 1 else 'are'} keyword-only (after *), "
+                f"which a {type(batch).__name__} batch cannot pass; make each batch a dict, e.g. {{{example}}}")
+    return None
+
+
 def call_model(model: nn.Module, batch: Any) -> Any:
     """Run ``model`` on one batch as the model.py contract says it is called."""
     args, kwargs = batch_args(batch)
@@ -38,6 +91,35 @@ def call_model(model: nn.Module, batch: Any) -> Any:
 def to_device(batch: Any, device: torch.device | str) -> Any:
     """The batch with every tensor in it moved to ``device`` (containers keep their type)."""
     return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
+
+
+def changed_in_place(batches: list, run: Callable[[], Any]) -> str | None:
+    """Run ``run`` (which reads ``batches``) and say which batch input it changed in place, e.g.
+    ``"batch 0's [0] (8x16)"``; None when every input is as it was.
+
+    A forward that modifies its input (``x.mul_(1.5)``) gives every later run other data, and autoprec
+    runs each batch many times (the fp32 reference, every candidate, every timing round): each would be
+    measured on different inputs. Checked once, on the fp32 reference run, for the price of one copy.
+    """
+    before = [pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), b) for b in batches]
+    run()
+    for i, (old, new) in enumerate(zip(before, batches)):
+        for (path, a), b in zip(pytree.tree_flatten_with_path(old)[0], pytree.tree_leaves(new)):
+            if isinstance(a, torch.Tensor) and not _same(a, b.detach()):
+                return f"batch {i}'s input{pytree.keystr(path)} ({describe_batch(a)})"
+    return None
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a, b) or a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+# why a forward that changes its inputs cannot be tuned, and the fix (the tune's message, and model.py's)
+IN_PLACE_WHY = ("autoprec runs every batch many times (the fp32 reference, each candidate, each timing round), so each "
+                "run would see other inputs")
+IN_PLACE_FIX = "leave forward's inputs as they are (x = x * 1.5, not x.mul_(1.5)), or copy them first (x = x.clone())"
 
 
 def describe_batch(batch: Any) -> str:

@@ -11,9 +11,25 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .formats import DEFAULT_PRECISIONS, Precision
 
-__all__ = ["TuneConfig"]
+__all__ = ["TuneConfig", "check_device"]
+
+# Each setting's accepted types (beyond what __post_init__ checks of its value), so that a wrong type is one
+# line naming the setting here, not a traceback from wherever the value is first used.
+_TYPES: dict[str, tuple[type, ...]] = {
+    "budget": (str, int, float, type(None)), "min_sqnr": (int, float, type(None)), "device": (str, torch.device),
+    "precisions": (str, tuple, list), "search_space": (str, Path), "timeout": (int, float, type(None)),
+    "out": (str, Path, type(None)), "storage": (str, type(None)), "study_name": (str, type(None)),
+    "sensitivity_batches": (int, type(None)), "seed": (int,), "progress": (bool,), "target": (str, type(None)),
+}
+_EXAMPLES = {"budget": "0.5 or '1%'", "min_sqnr": "30", "device": "'cpu' or 'cuda'", "precisions": "('bf16', 'fp16')",
+             "search_space": "'auto', a preset name or a .yaml path", "timeout": "600 (seconds)",
+             "out": "'runs/mine'", "storage": "'sqlite:///study.db'", "study_name": "'mine'",
+             "sensitivity_batches": "1, or None for all", "seed": "0", "progress": "True or False",
+             "target": "'h100'"}
 
 
 @dataclass(frozen=True)
@@ -47,6 +63,15 @@ class TuneConfig:
     compile: bool = False  # verification also times every entry compiled (torch.compile, regional), and chooses by it
 
     def __post_init__(self) -> None:
+        for name, types in _TYPES.items():
+            value = getattr(self, name)
+            if not isinstance(value, types) or isinstance(value, bool) and bool not in types:
+                raise TypeError(f"TuneConfig's {name} cannot be {value!r:.40} ({type(value).__name__}); give e.g. "
+                                f"{name}={_EXAMPLES[name]}")
+        if self.sensitivity_batches is not None and self.sensitivity_batches < 1:
+            raise ValueError(f"sensitivity_batches must be a whole number >= 1 or None (all), got "
+                             f"{self.sensitivity_batches}")
+        object.__setattr__(self, "device", str(check_device(self.device, available=False)))
         if not isinstance(self.compile, bool):
             raise TypeError(f"compile must be True or False, got {self.compile!r}")
         if self.compile and self.target is not None:
@@ -74,3 +99,30 @@ class TuneConfig:
             from .searchspace import SearchSpace
 
             SearchSpace.load(self.search_space)  # a missing or bad file is one line now, not after profiling
+
+
+def check_device(device: str | torch.device, available: bool = True,
+                 setting: str = "device={!r}") -> torch.device:
+    """``device`` as a torch.device autoprec can run a model on, or a one-line ValueError with the fix.
+
+    ``available``: also check that this machine has it (a config may be written for another machine; the tune
+    checks before it starts). ``setting``: how the user wrote it, for the message (the CLI: ``--device {}``).
+    """
+    said = setting.format(str(device))
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        hint = "'cuda'" if str(device).lower().startswith("gpu") else "'cpu' or 'cuda'"
+        raise ValueError(f"bad {said}: {str(device)!r} is not a device; give {hint}") from None
+    if dev.type not in ("cpu", "cuda"):
+        why = " (meta tensors hold no data)" if dev.type == "meta" else ""
+        raise ValueError(f"{said}: autoprec cannot run a model on {dev.type!r}{why}; use "
+                         f"{setting.format('cpu')} or {setting.format('cuda')}")
+    if available and dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "" if torch.version.cuda else " (this torch is a CPU build)"
+            raise ValueError(f"{said}: no CUDA device is available here; use {setting.format('cpu')}{build}")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            n = torch.cuda.device_count()
+            raise ValueError(f"{said}: this machine has {n} CUDA device(s), cuda:0 to cuda:{n - 1}; give one of them")
+    return dev

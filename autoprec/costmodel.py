@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-from .formats import Capability, Precision
+from .formats import Capability, Precision, emulated_for_shape
 
 __all__ = ["MODES", "TARGETS", "Target", "UnknownTargetError", "elementwise_ms", "estimate", "estimated_latency",
            "gemm_gb", "gemm_ms", "get_target", "layer_ms", "linear_ms", "parse_gemm", "policy_ms"]
@@ -229,6 +229,8 @@ def linear_ms(target: str | Target, m: int, k: int, n: int, precision: str, mode
         raise ValueError(f"unknown mode {mode!r}; use one of: {', '.join(MODES)}")
     training = mode == "training"
     gemms = 3 if training else 1
+    if emulated_for_shape(precision, k, n) is not None:  # apply runs the emulation for this shape
+        return _emulated_linear_ms(target, m, k, n, mode)
     if precision in ("mxfp8", "nvfp4"):
         return _mx_linear_ms(target, m, k, n, precision, training, activation_bytes, weight_bytes)
     if precision != "fp8":
@@ -241,6 +243,13 @@ def linear_ms(target: str | Target, m: int, k: int, n: int, precision: str, mode
     if training:
         ms += _fp8_scaling_ms(target, m * n, 2, both_layouts=True)  # the E5M2 output gradient
     return ms
+
+
+def _emulated_linear_ms(target: Target, m: int, k: int, n: int, mode: str) -> float:
+    """An 8- or 4-bit linear run as its emulation (accuracy only): an fp32 GEMM plus quantize-dequantize
+    passes over its operands; never faster than fp32, so the search drops it."""
+    passes = 2 * elementwise_ms(target, 4 * (m * k + k * n), 4 * (m * k + k * n))
+    return linear_ms(target, m, k, n, "fp32", mode) + (3 if mode == "training" else 1) * passes
 
 
 def gemm_gb(m: int, k: int, n: int, precision: str, mode: str = "inference") -> float:
@@ -256,7 +265,9 @@ def estimate(target: str | Target, shapes: Iterable[Sequence[int]], mode: str = 
     """``autoprec estimate``'s JSON: each precision's predicted ms for each (M, K, N) linear.
 
     A precision whose tensors (:func:`gemm_gb`) exceed the target's memory is null, and listed
-    under ``too_big``; a GEMM that fits in no precision is refused (ValueError naming the sizes).
+    under ``too_big``; a GEMM that fits in no precision is refused (ValueError naming the sizes). A format
+    whose kernel does not take the shape (:func:`autoprec.formats.emulated_for_shape`: apply runs the
+    emulation there) is priced as that emulation, and listed under ``emulated`` with the reason.
     """
     target = get_target(target)
     if mode not in MODES:
@@ -274,10 +285,11 @@ def estimate(target: str | Target, shapes: Iterable[Sequence[int]], mode: str = 
                              f"input, weight and output{' and their gradients' if mode == 'training' else ''} "
                              f"need {need[least]:.4g} GB even in {least} ({need['fp32']:.4g} GB in fp32); "
                              "give a shape that fits (split M into batches)")
+        emulated = {p: why for p in priced if (why := emulated_for_shape(p, k, n)) is not None}
         ms = {p: round(linear_ms(target, m, k, n, p, mode), 6) if p in priced and p not in too_big else None
               for p in PRECISIONS}
         gemms.append({"shape": [m, k, n], "ms": ms, "gb": {p: round(need[p], 6) for p in priced},
-                      "too_big": too_big})
+                      "too_big": too_big, "emulated": emulated})
     return {"target": target.name, "estimated": True, "for": mode, "memory_gb": target.memory_gb, "gemms": gemms}
 
 
@@ -293,10 +305,8 @@ def layer_ms(target: Target, layer, precision: str, mode: str = "inference") -> 
         k, n = layer.input_shapes[0][-1], layer.output_shapes[0][-1]
         m = max(1, _numel(layer.input_shapes[0]) // max(1, k))
         if Precision(precision).swaps_linear and precision not in target.tflops:
-            # No tensor cores for the format: the emulation, an fp32 GEMM plus quantize-dequantize passes over
-            # its operands (accuracy only; the search drops it as emulated).
-            passes = 2 * elementwise_ms(target, 4 * (m * k + k * n), 4 * (m * k + k * n))
-            return linear_ms(target, m, k, n, "fp32", mode) + (3 if mode == "training" else 1) * passes
+            # No tensor cores for the format: its emulation (so is a shape its kernel does not take: linear_ms)
+            return _emulated_linear_ms(target, m, k, n, mode)
         # Inference keeps the FP8 weight cached; the input arrives in fp32 (an fp32 region) at worst.
         return linear_ms(target, m, k, n, precision, mode, activation_bytes=4)
     # FP8, MXFP8 and NVFP4 exist for nn.Linear only: other layers with such a rule run in fp32
@@ -326,6 +336,9 @@ def estimated_latency(target: str | Target, table, precisions: Sequence[str], fp
     target = get_target(target)
     names = [layer.name for layer in table]
     low = [Precision.parse(p).value for p in precisions if Precision.parse(p).is_low]
+    # Every tuned policy is compared with blanket autocast (bf16 or fp16), so both are priced even where the
+    # candidates are only fp8 or MX formats (--precisions mxfp8): they are baselines, never searched unless asked.
+    low += [p for p in ("bf16", "fp16") if p not in low and p in target.tflops]
     latency: dict[str, dict[str, float]] = {}
     casts: dict[str, dict[str, float]] = {}
     for layer in table:

@@ -9,6 +9,7 @@ optuna-dashboard is an optional extra: ``pip install "autoprec[dashboard]"``.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 __all__ = ["DashboardError", "serve", "study_storage"]
@@ -21,25 +22,44 @@ class DashboardError(ValueError):
 
 
 def study_storage(run_dir: str | Path) -> str:
-    """The storage URL of the study in ``run_dir`` (a tune's output folder, or its study.db itself)."""
+    """The storage URL of the study in ``run_dir``: a tune's output folder, its study.db itself, or the storage URL
+    a tune was given (``--storage``)."""
+    if "://" in str(run_dir):
+        return _storage_with_a_study(str(run_dir))
     path = Path(run_dir)
     if not path.exists():
         raise DashboardError(f"{path}: no such folder; pass the folder `autoprec tune` wrote (it holds study.db)")
     db = path / "study.db" if path.is_dir() else path
     if not db.is_file():
+        elsewhere = _storage_named_in_report(path)
+        if elsewhere is not None:
+            raise DashboardError(f"{path}: no study.db in this folder: this run kept its study in {elsewhere} "
+                                 f"(tuned with --storage); pass that storage: autoprec dashboard '{elsewhere}' "
+                                 "(with its password, if it has one)")
         raise DashboardError(f"{path}: no study.db in this folder; pass the folder a tune wrote "
                              f"(autoprec-runs/<model>), or run `autoprec tune MODEL_PY --out {path}` first")
     with open(db, "rb") as f:
         if f.read(len(_SQLITE_MAGIC)) != _SQLITE_MAGIC:
             raise DashboardError(f"{db}: not an SQLite database; pass a tune's folder or the study.db in it")
+    return _storage_with_a_study(f"sqlite:///{db.resolve()}", str(db))
+
+
+def _storage_with_a_study(url: str, shown: str | None = None) -> str:
     import optuna
 
-    from .search import open_storage
+    from .search import open_storage, without_password
 
-    url = f"sqlite:///{db.resolve()}"
-    if not optuna.get_all_study_summaries(open_storage(url)):
-        raise DashboardError(f"{db}: holds no study yet; it fills as `autoprec tune` searches")
+    if not optuna.get_all_study_summaries(open_storage(url)):  # a storage that does not open says why
+        raise DashboardError(f"{shown or without_password(url)}: holds no study yet; it fills as `autoprec tune` "
+                             "searches")
     return url
+
+
+def _storage_named_in_report(path: Path) -> str | None:
+    """The study storage a tune's report.md names (the study of a run with --storage is not in its folder)."""
+    report = path / "report.md"
+    found = re.search(r"Study storage: `([^`]+)`", report.read_text(errors="replace")) if report.is_file() else None
+    return found[1] if found and not found[1].startswith("sqlite:///" + str(path.resolve())) else None
 
 
 def serve(storage_url: str, host: str = "127.0.0.1", port: int = 8080) -> None:
@@ -51,6 +71,7 @@ def serve(storage_url: str, host: str = "127.0.0.1", port: int = 8080) -> None:
                              "(or pip install optuna-dashboard)") from None
     try:
         optuna_dashboard.run_server(storage_url, host=host, port=port)
-    except OSError as e:  # the port is taken, or the host is not this machine's
-        raise DashboardError(f"cannot serve on {host}:{port} ({e.strerror or e}); pass --port with a free port "
-                             "(e.g. --port 8081)") from None
+    except (OSError, OverflowError) as e:  # the port is taken or out of range, or the host is not this machine's
+        why = getattr(e, "strerror", None) or e
+        raise DashboardError(f"cannot serve on {host}:{port} ({why}); pass --port with a free port (e.g. --port 8081)"
+                             ) from None

@@ -35,6 +35,7 @@ __all__ = [
     "FP8Recipe",
     "Precision",
     "device_capabilities",
+    "emulated_for_shape",
     "fp8_fake_quantize",
     "fp8_quantize",
     "fp8_scale",
@@ -128,6 +129,22 @@ def _capabilities(device_type: str, index: int | None) -> dict[Precision, Capabi
         Precision.MXFP8: emulated,
         Precision.NVFP4: emulated,
     }
+
+
+# The fast kernels of the 8- and 4-bit linears take a weight whose both dimensions are multiples of this (the MX
+# formats: their scale block; FP8: what cuBLASLt asks of a GEMM); any other shape runs the emulation, whatever the
+# device. apply (which kernel a layer gets) and the cost model (what a layer costs on a target) use this one rule.
+KERNEL_MULTIPLE = {"fp8": 16, "mxfp8": 32, "nvfp4": 16}
+
+
+def emulated_for_shape(precision: str | Precision, in_features: int, out_features: int) -> str | None:
+    """Why a linear of this shape runs ``precision`` emulated even where the device has the kernel (e.g.
+    ``"K=100 is not a multiple of 32"``); None where the fast kernel takes it, or the precision needs none."""
+    multiple = KERNEL_MULTIPLE.get(getattr(precision, "value", precision))  # also "tf32" (the cost model)
+    if multiple is None:
+        return None
+    odd = [f"{name}={size}" for name, size in (("K", in_features), ("N", out_features)) if size % multiple]
+    return f"{' and '.join(odd)} {'is' if len(odd) == 1 else 'are'} not a multiple of {multiple}" if odd else None
 
 
 def torchao_installed() -> bool:

@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .apply import apply_policy, remove_policy
+from .batches import IN_PLACE_FIX, IN_PLACE_WHY, changed_in_place
 from .objective import Measurement, Objective
 from .policy import Policy
 from .trainspec import require_trainable, run_loss
@@ -163,14 +164,23 @@ def check_losses(model: nn.Module, batches: Sequence[Any], loss: Callable, path:
     in train mode as training runs it), each problem one UserCodeError line naming the batch."""
     path = Path(path)
     require_trainable(model, path)
-    with torch.no_grad():
-        for i, batch in enumerate(batches):
+    values: list[torch.Tensor] = []
+
+    def losses() -> None:
+        for batch in batches:
             with as_in_training(model):
-                value = run_loss(path, loss, model, batch)
-            if not torch.isfinite(value):
-                raise UserCodeError(path, "loss()", f"returned {value.item()} on training batch {i} for the unchanged "
-                                    "fp32 model", "return a finite loss on every training batch (check that batch's "
-                                    "inputs and targets)")
+                values.append(run_loss(path, loss, model, batch))
+
+    with torch.no_grad():
+        changed = changed_in_place(list(batches), losses)
+    if changed is not None:
+        raise UserCodeError(path, "loss()", f"changed training {changed} in place (in loss() or the model's forward): "
+                            f"{IN_PLACE_WHY}", IN_PLACE_FIX)
+    for i, value in enumerate(values):
+        if not torch.isfinite(value):
+            raise UserCodeError(path, "loss()", f"returned {value.item()} on training batch {i} for the unchanged "
+                                "fp32 model", "return a finite loss on every training batch (check that batch's "
+                                "inputs and targets)")
 
 
 def loss_scale_for(reference: GradRun) -> float:

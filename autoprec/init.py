@@ -162,6 +162,7 @@ def write_hf_model_py(model_dir: str | Path, text_file: str | Path, out: str | P
     texts = _samples(text_file)
     path = _out_path(out, force)  # checked before the tokenizer loads: a refusal costs nothing
     tokenizer = _tokenizer(model_dir)
+    _check_vocabulary(tokenizer, texts, model_dir)
     seq_len, why = _seq_len(tokenizer, texts, config)
     batch_size = min(BATCH_SIZE, len(texts) // 2)
     n_batches = min(MAX_BATCHES, len(texts) // batch_size)
@@ -244,6 +245,17 @@ def _tokenizer(model_dir: Path):
         message = " ".join(str(e).split())[:200]
         raise InitError(f"--hf {model_dir}: cannot load its tokenizer ({type(e).__name__}: {message}); save the "
                         "tokenizer into the folder with tokenizer.save_pretrained()") from None
+
+
+def _check_vocabulary(tokenizer, texts: list[str], model_dir: Path) -> None:
+    """Refuse a tokenizer that knows no word of the samples: transformers builds one from config.json alone (a
+    folder without tokenizer files gets BERT's 5 special tokens), and every sample would be [UNK]s."""
+    special = set(tokenizer.all_special_ids)
+    ids = [i for row in tokenizer(texts[:200], truncation=True)["input_ids"] for i in row if i not in special]
+    if not ids or tokenizer.unk_token_id is not None and all(i == tokenizer.unk_token_id for i in ids):
+        raise InitError(f"--hf {model_dir}: its tokenizer knows no word of the samples (every one becomes "
+                        f"{tokenizer.unk_token or 'unknown'}; it has {len(tokenizer)} tokens: the folder holds no "
+                        "tokenizer files); save the tokenizer into the folder with tokenizer.save_pretrained()")
 
 
 def _seq_len(tokenizer, texts: list[str], config: dict) -> tuple[int, str]:

@@ -19,7 +19,18 @@ import torch
 import torch.nn as nn
 
 from .apply import apply_policy, remove_policy
-from .batches import OutputError, call_model, describe_batch, fidelity_outputs, output_tensors, to_device
+from .batches import (
+    IN_PLACE_FIX,
+    IN_PLACE_WHY,
+    OutputError,
+    call_model,
+    changed_in_place,
+    describe_batch,
+    fidelity_outputs,
+    output_tensors,
+    signature_mismatch,
+    to_device,
+)
 from .budget import MIN_SPREAD_UNITS, Spread
 from .compiled import CompileError, check_captures_graph, compile_regions, warm_up
 from .formats import Precision, sqnr_db
@@ -156,11 +167,22 @@ class Evaluator(Objective):
         self.evaluations = 0
         self.reference: list[list[torch.Tensor]] = []
         self._model_errors: list[BaseException] = []
-        if self.evaluate is None:  # fidelity: the metric of fp32 is its SQNR against itself
-            self.reference = self._fp32_outputs()
+        fp32: Measurement | None = None
+
+        def reference_run() -> None:
+            nonlocal fp32
+            if self.evaluate is None:  # fidelity: the metric of fp32 is its SQNR against itself
+                self.reference = self._fp32_outputs()
+            else:
+                fp32 = self._run(None, ())
+
+        changed = changed_in_place(self.batches, reference_run)
+        if changed is not None:
+            raise BatchError(f"the model changed {changed} in place when run in fp32: {IN_PLACE_WHY}; "
+                             f"fix: {IN_PLACE_FIX}")
+        if fp32 is None:
             self.metric_fp32 = self._sqnr(self.reference)
             return
-        fp32 = self._run(None, ())
         if fp32.error:
             self._fp32_outputs()  # names the batch the model fails on
             raise BatchError(f"the fp32 model failed under evaluate(): {fp32.error}; fix: make evaluate(model, "
@@ -180,6 +202,9 @@ class Evaluator(Objective):
                 with torch.no_grad():
                     output = call_model(self.model, batch)
             except Exception as e:
+                mismatch = signature_mismatch(self.model, batch)
+                if mismatch is not None:
+                    raise BatchError(f"batch {i} ({describe_batch(batch)}) does not fit the model: {mismatch}") from e
                 raise BatchError(f"the fp32 model raised {one_line(e)} on batch {i} ({describe_batch(batch)}); "
                                  "fix: give batches shaped as the model's forward expects") from e
             reference.append(fidelity_outputs(output, i) if self.evaluate is None else output_tensors(output))

@@ -86,10 +86,12 @@ def results_rows(v: Verification) -> tuple[list[str], list[list[Any]]]:
     estimated = v.estimated_for is not None
     what = "step ms" if v.steps else "latency ms"
     compiled = bool(v.compiled_samples)
+    # training shows each run's final loss beside its metric, unless the metric is that final loss (no evaluate())
+    with_loss = bool(v.steps) and v.metric_kind != "final loss"
     header = ["", f"{what} (estimated for {v.estimated_for})" if estimated else f"eager {what}" if compiled else what,
               "speed-up vs fp32" if estimated else "speed-up vs fp32 (range)",
               *([f"compiled {what}", "compiled speed-up vs fp32 (range)"] if compiled else []),
-              *(["final loss"] if v.steps else []), v.metric_kind, "within budget"]
+              *(["final loss"] if with_loss else []), v.metric_kind, "within budget"]
     rows = []
     for key, label in _labels(v):
         speedup = ("1.00x" if key == "fp32" else
@@ -98,7 +100,7 @@ def results_rows(v: Verification) -> tuple[list[str], list[list[Any]]]:
                 "1.00x" if key == "fp32" else str(v.speedup_of(key, compiled=True))] if compiled else []
         ok = "yes" if key == "fp32" or v.within_budget.get(key) else "no"
         value = "exact" if v.fidelity and key == "fp32" else v.metric.get(key)
-        final = [_final_loss(v.losses[key], v.steps)] if v.steps else []
+        final = [_final_loss(v.losses[key], v.steps)] if with_loss else []
         rows.append([label, _ms(v.latency_ms[key]), speedup, *side, *final, value, ok])
     return header, rows
 

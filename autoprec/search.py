@@ -33,7 +33,7 @@ from .structure import Structure, count_regions, region_cost_ms
 from .walks import coarse_to_fine, greedy
 
 __all__ = ["Candidate", "SearchResult", "StorageError", "StudyMismatchError", "choose_default", "open_storage",
-           "pareto_front", "plan_units", "search"]
+           "pareto_front", "plan_units", "search", "without_password"]
 
 _REGION_DEFAULTS = ("fp32", "bf16", "fp16")
 # A candidate must be measured at least this much faster than fp32 to be worth a boundary:
@@ -55,6 +55,15 @@ class SearchResult:
     evaluations: int
     stopped_because: str
     notes: list[str] = field(default_factory=list)
+
+    def dropped_because(self) -> str:
+        """Why each precision was dropped before the search, once per precision (the first unit's reason):
+        what the user reads when nothing was left to search."""
+        first: dict[str, str] = {}
+        for reasons in self.dropped.values():
+            for reason in reasons:
+                first.setdefault(reason.split(":", 1)[0], reason)
+        return "; ".join(first.values())
 
 
 def plan_units(profile: Profile, space: SearchSpace, precisions: Sequence[str]) -> tuple[list[Unit], list[str], dict]:
@@ -383,6 +392,11 @@ class StorageError(ValueError):
     """A study storage that cannot be opened; the message says why and what to do."""
 
 
+def without_password(url: Any) -> str:
+    """A storage URL (or an Optuna storage's) as autoprec prints it: never with its password (``user:***@host``)."""
+    return re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", str(getattr(url, "url", url)))
+
+
 def open_storage(url: Any, attempts: int = 5) -> Any:
     """An Optuna RDB storage for ``url`` (an object that is already a storage passes through).
 
@@ -395,7 +409,7 @@ def open_storage(url: Any, attempts: int = 5) -> Any:
 
     if not isinstance(url, str):
         return url
-    shown = re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url)  # never print a password
+    shown = without_password(url)
     for attempt in range(attempts):
         try:
             return optuna.storages.RDBStorage(url)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .distributed.models import own_class
-from .formats import Precision
+from .formats import Precision, emulated_for_shape
 from .formats import torchao_installed as installed
 from .regionstate import in_fp32_region
 from .weights import WeightCache
@@ -73,8 +73,7 @@ def torchao_takes(linear: nn.Module, precision: Precision, mode: str, kernels: s
         return False
     if precision is Precision.NVFP4 and not _native(precision, linear.weight.device):
         return False  # torchao's NVFP4 needs a Blackwell GPU even for its emulation
-    block = {Precision.FP8: 16, Precision.MXFP8: 32, Precision.NVFP4: 16}[precision]
-    return linear.in_features % block == 0 and linear.out_features % block == 0
+    return emulated_for_shape(precision, linear.in_features, linear.out_features) is None
 
 
 def install_fp8(model: nn.Module, names: Iterable[str], emulate: bool,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import math
 import statistics
 import time
@@ -22,10 +23,10 @@ import torch
 import torch.nn as nn
 
 from .apply import structure_fingerprint
-from .batches import to_device
+from .batches import as_batch_list, to_device
 from .budget import Budget
 from .capture import capture
-from .config import TuneConfig
+from .config import TuneConfig, check_device
 from .formats import Precision, device_capabilities
 from .jsonsafe import finite_or_none
 from .objective import Measurement
@@ -101,6 +102,11 @@ def tune(workload: Workload | nn.Module, config: TuneConfig | Any = None, evalua
     elif settings or evaluate is not None:
         raise TypeError(f"tune(workload, config) takes no other settings (got {', '.join(settings) or 'evaluate'}): "
                         "put them in the TuneConfig or the workload")
+    if config is not None and not isinstance(config, TuneConfig):
+        given = (f"TuneConfig({', '.join(f'{k}={v!r}' for k, v in config.items())})" if isinstance(config, dict)
+                 else "a TuneConfig")
+        raise TypeError(f"tune(workload, config) takes a TuneConfig as its config, got {type(config).__name__}: "
+                        f"pass {given}")
     return _run(workload, config if config is not None else TuneConfig(), log)
 
 
@@ -113,10 +119,12 @@ def _workload_and_config(model: nn.Module, batches: Any, evaluate: Callable | No
         raise TypeError(f"tune takes a workload and a config, or a model and its batches; got {type(model).__name__}")
     if batches is None:
         raise TypeError("tune(model, batches, ...) needs the batches")
+    batches = as_batch_list(batches, "tune(model, batches)'s batches")
     for_ = settings.pop("for_", "inference")
     if for_ not in ("inference", "training"):
         raise ValueError(f"for_ must be 'inference' or 'training', got {for_!r}")
     fields = {f.name for f in dataclasses.fields(TuneConfig)}
+    _refuse_unknown(settings, fields | NOTEBOOK_SETTINGS[for_], for_)
     config = TuneConfig(**{k: v for k, v in settings.items() if k in fields})
     own = {k: v for k, v in settings.items() if k not in fields}
     higher_is_better = own.pop("higher_is_better", True)
@@ -124,25 +132,37 @@ def _workload_and_config(model: nn.Module, batches: Any, evaluate: Callable | No
     if for_ == "training":
         # get_batches() is not trained on when there are training batches of their own: evaluate() gets all of it
         holdout = own.pop("holdout_batches", None)
+        holdout = None if holdout is None else as_batch_list(holdout, "holdout_batches")
         every = [*batches, *holdout] if holdout is not None else list(batches)
         steps = own.pop("steps", None)
-        known = {"loss", "train_batches", "optimizer"}
-        _refuse_unknown(own, known)
         workload: Workload = TrainingWorkload(
             model, every, own.get("loss"), own.get("train_batches"), own.get("optimizer"), evaluate,
             every if own.get("train_batches") is not None else (holdout or list(batches)), higher_is_better,
             DEFAULT_STEPS if steps is None else steps, Path(path))
     else:
-        _refuse_unknown(own, {"holdout_batches", "timing_batch"})
         workload = InferenceWorkload(model, list(batches), evaluate, higher_is_better, own.get("holdout_batches"),
                                      own.get("timing_batch"), Path(path))
     return workload, config
 
 
-def _refuse_unknown(settings: dict[str, Any], known: set[str]) -> None:
-    unknown = sorted(set(settings) - known)
-    if unknown:
-        raise TypeError(f"tune got settings it does not know: {', '.join(unknown)}")
+# the notebook form's settings besides TuneConfig's fields, by what is tuned for
+NOTEBOOK_SETTINGS = {
+    "inference": {"higher_is_better", "model_path", "holdout_batches", "timing_batch"},
+    "training": {"higher_is_better", "model_path", "holdout_batches", "loss", "train_batches", "optimizer", "steps"},
+}
+
+
+def _refuse_unknown(settings: dict[str, Any], known: set[str], for_: str) -> None:
+    """One line for the first setting that is not ``for_``'s: one of the other workload's (say so), or a typo
+    (the closest known name)."""
+    for name in sorted(set(settings) - known):
+        other = "training" if for_ == "inference" else "inference"
+        if name in NOTEBOOK_SETTINGS[other]:
+            fix = "pass for_='training' to tune for training" if other == "training" else "leave it out"
+            raise TypeError(f"tune: {name} is a setting for tuning for {other}, and this tune is for {for_}: {fix}")
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        hint = f"did you mean {close[0]}?" if close else f"known settings: {', '.join(sorted(known))}"
+        raise TypeError(f"tune got a setting it does not know: {name}; {hint}")
 
 
 def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None]) -> TuneResult:
@@ -152,7 +172,7 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None]) -> 
     workload.check(config)
     the_budget = workload.budget(config, getattr(workload, "evaluate", None) is not None)
     space = SearchSpace.load(config.search_space) if config.search_space != "auto" else None
-    device = torch.device(config.device)
+    device = check_device(config.device)  # the config may have been written on another machine
     out_dir = config.out
     phase = "checking"
     try:
@@ -195,15 +215,17 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None]) -> 
             estimated_ms = None
             if config.target is not None:
                 estimated_ms = lambda policy: policy_ms(profile, policy)  # noqa: E731
-            blanket_allowed = allows_everywhere(space, [(layer.name, layer.kind) for layer in profile.layers],
-                                                autocast.value)
+            # blanket autocast is always a baseline, and a candidate only where the user asked for its precision
+            blanket_allowed = autocast.value in config.precisions and allows_everywhere(
+                space, [(layer.name, layer.kind) for layer in profile.layers], autocast.value)
             def within_user_budget(c: Candidate) -> bool:
                 return the_budget.violation(Measurement(c.metric, c.sqnr_db, False, 0.0), objective) <= 0
 
             candidates = _verify_candidates(result, profile, autocast, best=workload.verify_best,
                                             blanket=blanket_allowed, within=within_user_budget)
             verification = verify(workload, candidates, the_budget, autocast, device, seed=config.seed,
-                                  estimated_ms=estimated_ms, estimated_for=config.target, compiled=config.compile)
+                                  estimated_ms=estimated_ms, estimated_for=config.target, compiled=config.compile,
+                                  dropped_because=result.dropped_because())
             seconds["verify"] = time.perf_counter() - start
             slack = workload.slack_note(verification, the_budget, margin)
             if slack is not None:

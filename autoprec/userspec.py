@@ -24,7 +24,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from .batches import BATCH_FORMS, OutputError, batch_args, call_model, describe_batch, fidelity_outputs, to_device
+from .batches import (
+    BATCH_FORMS,
+    IN_PLACE_FIX,
+    IN_PLACE_WHY,
+    OutputError,
+    batch_args,
+    call_model,
+    changed_in_place,
+    describe_batch,
+    fidelity_outputs,
+    signature_mismatch,
+    to_device,
+)
 
 __all__ = ["HOLDOUT_FRACTION", "ModelDataError", "UserCodeError", "UserSpec", "as_metric", "batch_args", "call_model",
            "call_user", "check_fp32_model", "describe_batch", "find_function", "import_model_py", "kind_of", "line_in",
@@ -228,18 +240,23 @@ def _check_model_runs(model: nn.Module, batches: list, path: Path, fidelity: boo
     in fidelity mode (no evaluate()) also the outputs that fidelity will compare."""
     training = {m: m.training for m in model.modules()}
     model.eval()  # a check must not move BatchNorm statistics
+    outputs: list = []
     try:
         for i, batch in enumerate(batches):
             try:
                 with torch.no_grad():
-                    output = call_model(model, batch)
+                    changed = changed_in_place([batch], lambda batch=batch: outputs.append(call_model(model, batch)))
+                output = outputs.pop()
             except Exception as error:
                 how = {torch.Tensor: "model(x)", dict: "model(**x)"}.get(type(batch), "model(*x)")
                 raise UserCodeError(
                     path, "get_batches()", f"batch {i} ({describe_batch(batch)}) does not fit the model from "
-                    f"get_model(): {one_line(error)}",
+                    f"get_model(): {signature_mismatch(model, batch) or one_line(error)}",
                     f"return batches shaped as the model's forward expects (called as {how})",
                 ) from error
+            if changed is not None:
+                raise UserCodeError(path, "get_model()", f"its forward changed {changed} in place: {IN_PLACE_WHY}",
+                                    IN_PLACE_FIX)
             if fidelity:
                 try:
                     fidelity_outputs(output, batch_index=i)

@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
+from .apply import effective_precisions
 from .batches import describe_batch, to_device
 from .budget import Budget
 from .compare import Ratio, compare
 from .compiled import CompileError
-from .formats import Capability, Precision, device_capabilities
+from .formats import Capability, Precision, device_capabilities, emulated_for_shape
 from .measure import Evaluator, policy_runs
 from .objective import Measurement, Objective
 from .policy import Policy
@@ -154,14 +155,14 @@ def _said(m: Measurement, reference: Objective) -> str:
 def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, autocast_precision: Precision,
            device: str | torch.device = "cpu", *, seed: int = 0,
            estimated_ms: Callable[[Policy], float] | None = None, estimated_for: str | None = None,
-           compiled: bool = False) -> Verification:
+           compiled: bool = False, dropped_because: str = "") -> Verification:
     """Measure ``candidates`` (feasible ones, best first), fp32 and blanket autocast where the search
     never looked, as ``workload`` runs them; keep the fastest within budget there.
 
     ``estimated_ms``: latency of a policy from a cost model for the GPU ``estimated_for``, used instead
     of timing here (the metric is still measured). ``compiled``: every timed entry is also timed compiled
     (:mod:`autoprec.compiled`), and the choice follows those times; where compiling fails, a note says so
-    and the eager times decide.
+    and the eager times decide. ``dropped_because``: why the search had no candidate, for the note that says so.
     """
     device = torch.device(device)
     autocast = autocast_precision
@@ -256,7 +257,8 @@ def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, 
                          f"{latency['fp32']:.3g} ms{f'; {ratio} of fp32, not decided faster' if ratio else ''}): "
                          "the policy stays fp32")
     elif not candidates:
-        notes.append("nothing was lowered: no layer had a candidate precision worth searching here")
+        notes.append("nothing was lowered: no layer had a candidate precision worth searching here"
+                     + (f" ({dropped_because})" if dropped_because else ""))
     for timings in (samples, compiled_samples) if compiled_samples else (samples,):
         timings["tuned"] = timings[tuned]
     metric["tuned"] = held.measured[tuned].metric
@@ -334,6 +336,11 @@ def bench_policy(model: nn.Module, batches: Sequence[Any], policy: Policy, budge
              f"{timing.ratio('tuned', autocast.value)} (paired rounds, 95% intervals)"]
     if timing.verdict:
         notes.append(timing.verdict)
+    emulated = emulated_here(model, policy, caps)
+    if emulated:
+        notes.append(f"{emulated} runs emulated on {device.type} (quantize-dequantize, accuracy only): the "
+                     "speed-up above is not that precision's; time it where it has kernels, or plan with "
+                     "`autoprec tune --target`")
     return Verification(
         chosen=None, policy=policy, samples=samples,
         metric={"fp32": evaluator.metric_fp32, "autocast": blanket.metric, "tuned": tuned.metric},
@@ -343,3 +350,21 @@ def bench_policy(model: nn.Module, batches: Sequence[Any], policy: Policy, budge
         autocast_precision=autocast.value, predicted_ms=None, timed_on=describe_batch(batch),
         fidelity=evaluator.uses_fidelity, tuned_is_autocast=is_blanket(policy, autocast),
         metric_kind="output SQNR dB" if evaluator.uses_fidelity else "metric", notes=notes)
+
+
+def emulated_here(model: nn.Module, policy: Policy, capabilities: Mapping[Precision, Capability]) -> str:
+    """The policy's precisions that run emulated on this device, in a few words ("" when none): a precision
+    the device has no kernel for, or an 8- or 4-bit rule on a linear whose shape its kernel does not take."""
+    said: dict[str, str] = {}
+    modules = dict(model.named_modules())
+    for name, precision in effective_precisions(model, policy).items():
+        module = modules.get(name)
+        if precision.value in said or module is None or next(module.parameters(recurse=False), None) is None:
+            continue
+        if capabilities.get(precision) is Capability.EMULATED:
+            said[precision.value] = precision.value
+        elif precision.swaps_linear and isinstance(module, nn.Linear):
+            why = emulated_for_shape(precision, module.in_features, module.out_features)
+            if why is not None:
+                said[precision.value] = f"{precision.value} on {name!r} ({why})"
+    return " and ".join(said.values())

@@ -186,6 +186,35 @@ SOURCES = {
         def get_batches():
             return [torch.randn(8, 16) for _ in range(4)]
     """,
+    "changes_its_input.py": """
+        import torch
+        from torch import nn
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(16, 4)
+            def forward(self, x):
+                x.mul_(1.5)  # every later run of this batch would see other data
+                return self.fc(x)
+        def get_model():
+            return Net()
+        def get_batches():
+            return [torch.randn(8, 16) for _ in range(4)]
+    """,
+    "keyword_only_forward.py": """
+        import torch
+        from torch import nn
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(16, 4)
+            def forward(self, x, *, mask):
+                return self.fc(x) * mask
+        def get_model():
+            return Net()
+        def get_batches():
+            return [(torch.randn(8, 16), torch.ones(8, 4)) for _ in range(4)]
+    """,
     "convnet.py": """
         import torch
         from torch import nn
@@ -243,6 +272,10 @@ INIT_FILES = {
     "hf_bad_config/config.json": "{not json",
     "samples.txt": "one sample\nanother sample\n",
     "blank.txt": "\n   \n\n",
+    # a run tuned with --storage: its study is not in the folder, and its report names where it is
+    "storage_run/report.md": "# autoprec tuning report\n\n## Search\n\n12 trials in study `shared` (12 evaluations "
+                             "this run); stopped: 12 trials. Study storage: "
+                             "`postgresql+psycopg2://tuner:***@db.example:5432/autoprec`.\n",
 }
 
 
@@ -273,6 +306,10 @@ CASES = [
     Case("batch-not-tensor", ["tune", "{bad}/batch_is_not_a_tensor.py"], 1, ["batch 0", "cannot call the model"]),
     Case("batch-0-does-not-fit", ["tune", "{bad}/batches_dont_fit.py"], 1, ["batch 0", "2x5 and 4x2"]),
     Case("batch-2-wrong-shape", ["tune", "{d}/later_batch_wrong_shape.py"], 1, ["batch 2", "8x15"]),
+    Case("forward-changes-its-input", ["tune", "{d}/changes_its_input.py"], 1,
+         ["get_model()", "changed batch 0's input (8x16) in place", "x.clone()"]),
+    Case("forward-keyword-only-tuple-batches", ["tune", "{d}/keyword_only_forward.py"], 1,
+         ["batch 0", "forward's mask is keyword-only", "make each batch a dict", "'mask': ..."]),
     Case("forward-raises-on-batch-3", ["tune", "{d}/forward_raises_on_batch_3.py"], 1,
          ["batch 3", "three rows are not allowed"]),
     Case("evaluate-not-callable", ["tune", "{bad}/evaluate_not_callable.py"], 1, ["evaluate()", "not a function"]),
@@ -310,6 +347,7 @@ CASES = [
     Case("trials-text", ["tune", "{d}/tiny.py", "--trials", "many"], 2, ["--trials", "whole number"]),
     Case("precision-unknown", ["tune", "{d}/tiny.py", "--precisions", "bf17"], 2, ["unknown precision", "fp32"]),
     Case("device-cuda-missing", ["tune", "{d}/tiny.py", "--device", "cuda"], 1, ["no CUDA device", "--device cpu"]),
+    Case("device-gpu", ["tune", "{d}/tiny.py", "--device", "gpu"], 1, ["bad --device gpu", "give 'cuda'"]),
     Case("device-nonsense", ["tune", "{d}/tiny.py", "--device", "abacus"], 1, ["bad --device", "abacus"]),
     Case("device-meta", ["tune", "{d}/tiny.py", "--device", "meta"], 1, ["--device meta", "no data", "--device cpu"]),
     Case("model-half", ["tune", "{d}/half_model.py"], 1, ["get_model()", "not fp32", "float16", "model.float()"]),
@@ -398,6 +436,9 @@ CASES = [
          ["--text", "no such file", "one sample per line"]),
     Case("init-text-blank", ["init", "--hf", "{d}/hf_model", "--text", "{d}/blank.txt", "--out", "{d}/i7.py"], 1,
          ["blank.txt", "no samples", "one sample per line"]),
+    Case("init-hf-no-tokenizer", ["init", "--hf", "{d}/hf_model", "--text", "{d}/samples.txt", "--out",
+                                  "{d}/i8.py"], 1,
+         ["hf_model", "tokenizer knows no word", "[UNK]", "save_pretrained()"]),
     Case("init-text-without-hf", ["init", "--text", "{d}/samples.txt"], 1, ["--text goes with --hf"]),
     Case("init-hf-without-text", ["init", "--hf", "{d}/hf_model"], 1, ["--hf needs --text"]),
     Case("init-out-exists", ["init", "--out", "{d}/tiny.py"], 1, ["tiny.py", "exists", "--force"]),
@@ -406,6 +447,11 @@ CASES = [
     Case("dashboard-no-study", ["dashboard", "{d}"], 1, ["no study.db", "autoprec tune"]),
     Case("dashboard-not-sqlite", ["dashboard", "{d}/notes.txt"], 1, ["not an SQLite database"]),
     Case("dashboard-bad-port", ["dashboard", "{d}", "--port", "http"], 2, ["--port", "whole number"]),
+    Case("dashboard-port-out-of-range", ["dashboard", "{d}", "--port", "70000"], 2, ["--port", "1 to 65535", "70000"]),
+    Case("dashboard-run-tuned-with-storage", ["dashboard", "{d}/storage_run"], 1,
+         ["no study.db", "postgresql+psycopg2://tuner:***@db.example:5432/autoprec", "tuned with --storage",
+          "autoprec dashboard '"]),
+    Case("dashboard-storage-without-a-study", ["dashboard", "sqlite:///{d}/empty.db"], 1, ["holds no study yet"]),
     # ---- estimate ----------------------------------------------------------------------------------------
     Case("estimate-gemm-negative", ["estimate", "--target", "h100", "--gemm", "-5x2x3"], 1,
          ["bad GEMM shape '-5x2x3'", "MxKxN"]),

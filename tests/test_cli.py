@@ -61,13 +61,17 @@ def test_tune_prints_fp32_autocast_and_policy_rows_and_the_output_folder(tuned):
     assert re.match(r"held-out batches; latency on 256x512: median of \d+ interleaved rounds", lines[0]), lines[0]
     rows = {line.strip().split("  ")[0]: line for line in table_rows(lines)}
     labels = list(rows)
-    # blanket autocast and the policy share one row when the policy is blanket autocast itself
-    assert labels[0] == "fp32" and labels[1].startswith("blanket autocast (bf16)"), run.stdout
-    assert "autoprec policy" in " ".join(labels[1:]), run.stdout
+    # the policy shares the row of fp32 or of blanket autocast when it is that computation: fp32 where bf16 was
+    # not measured faster here (a CPU without bf16 kernels), blanket bf16 where nothing else pays off
+    policy = Policy.load(out / "policy.json")
+    is_fp32 = policy.default.value == "fp32" and not policy.layers
+    assert labels[0] == ("fp32 = autoprec policy" if is_fp32 else "fp32"), run.stdout
+    assert labels[1].startswith("blanket autocast (bf16)"), run.stdout
+    assert sum("autoprec policy" in label for label in labels) == 1, run.stdout
     for label, row in rows.items():
         cells = row[len(label) + 2:].split()
         assert float(cells[0]) > 0 and cells[1].endswith("x"), row
-        assert label == "fp32" or cells[2].startswith("("), row  # a speed-up comes with its range
+        assert label.startswith("fp32") or cells[2].startswith("("), row  # a speed-up comes with its range
     assert lines[-1].startswith(f"outputs: {out}/ (policy.json")
     assert "Traceback" not in run.stderr
 
@@ -274,9 +278,15 @@ def wait_for(condition, process: subprocess.Popen, log: Path, what: str, timeout
         time.sleep(poll)
 
 
+# Latency from the cost model of a GPU: bf16 pays off there whatever this CPU's kernels, so the search has trials
+# to interrupt on every CPU (timed here, a CPU whose bf16 is slower than fp32 rightly ends the tune at fp32 before
+# any search); the metric of each trial is still measured here, by slow_cancel.py's evaluate().
+PLANNED = ("--target", "h100")
+
+
 def tune_command(cli_models: Path, out: Path) -> list[str]:
     return [*AUTOPREC, "tune", str(cli_models / "slow_cancel.py"), "--out", str(out), "--trials", str(TRIALS),
-            "--precisions", "bf16"]
+            "--precisions", "bf16", *PLANNED]
 
 
 def tune_until_mid_trial(cli_models: Path, folder: Path, complete: int) -> subprocess.Popen:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from autoprec.costmodel import TARGETS, UnknownTargetError, estimate, gemm_ms, get_target, linear_ms, parse_gemm
-from autoprec.formats import Capability, Precision
+from autoprec.formats import Capability, Precision, emulated_for_shape
 
 SIZES = (16, 64, 256, 1024, 4096, 16384)
 
@@ -24,6 +24,9 @@ def test_a_bigger_gemm_is_never_predicted_faster(target):
         for m, k, n in itertools.product(SIZES, repeat=3):
             ms = linear_ms(target, m, k, n, precision, mode)
             for bigger in ((2 * m, k, n), (m, 2 * k, n), (m, k, 2 * n)):
+                # K=16 does not fit an MX block of 32 and runs emulated, K=32 takes the kernel: not comparable
+                if emulated_for_shape(precision, k, n) != emulated_for_shape(precision, *bigger[1:]):
+                    continue
                 assert linear_ms(target, *bigger, precision, mode) >= ms, (target, precision, mode, (m, k, n), bigger)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..formats import Precision
 
 __all__ = ["CommandError", "budget_arguments", "check_device", "default_out", "load_spec", "model_arguments",
-           "number", "positive_int", "positive_number", "precisions"]
+           "number", "port", "positive_int", "positive_number", "precisions"]
 
 
 class CommandError(Exception):
@@ -41,6 +41,13 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def port(text: str) -> int:
+    value = positive_int(text)
+    if value > 65535:  # socket.bind would raise OverflowError
+        raise argparse.ArgumentTypeError(f"expected a port from 1 to 65535, got {value}")
     return value
 
 
@@ -75,21 +82,12 @@ def load_spec(args: argparse.Namespace):
 
 
 def check_device(device: str) -> None:
-    import torch
+    from ..config import check_device as check
 
     try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise CommandError(f"bad --device {device!r}: {e}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise CommandError(f"--device {device}: no CUDA device is available here; use --device cpu")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise CommandError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                           f"cuda:0 to cuda:{torch.cuda.device_count() - 1}; give one of them")
-    if dev.type not in ("cpu", "cuda"):
-        why = " (meta tensors hold no data)" if dev.type == "meta" else ""
-        raise CommandError(f"--device {device}: autoprec cannot run a model on {dev.type!r}{why}; "
-                           "use --device cpu or cuda")
+        check(device, setting="--device {}")
+    except ValueError as e:
+        raise CommandError(str(e)) from None
 
 
 def budget_arguments(parser: argparse.ArgumentParser) -> None:

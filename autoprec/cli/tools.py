@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from ..policy import Policy
-from .options import CommandError, positive_int
+from .options import CommandError, port
 
 __all__ = ["dashboard", "dashboard_arguments", "estimate", "estimate_arguments", "init", "init_arguments", "show",
            "show_arguments"]
@@ -65,6 +65,8 @@ def estimate(args: argparse.Namespace) -> int:
         def cell(p: str, v: float | None, gemm: dict = gemm) -> str:
             if p in gemm["too_big"]:
                 return f"{p} too big ({gemm['gb'][p]:.4g} GB > {result['memory_gb']:g} GB)"
+            if v is not None and p in gemm["emulated"]:  # the kernel does not take this shape: apply emulates
+                return f"{p} {v:.4g} ms (emulated: {gemm['emulated'][p]})"
             return f"{p} {'n/a' if v is None else f'{v:.4g} ms'}"
 
         cells = "  ".join(cell(p, v) for p, v in ms.items())
@@ -103,17 +105,20 @@ def init(args: argparse.Namespace) -> int:
 
 # ---- dashboard -----------------------------------------------------------------------------------------
 def dashboard_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="the folder a tune wrote (it holds study.db)")
-    parser.add_argument("--port", type=positive_int, default=8080, help="port to serve on (default 8080)")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the folder a tune wrote (it holds study.db), or the "
+                                                       "storage URL a tune was given with --storage")
+    parser.add_argument("--port", type=port, default=8080, help="port to serve on (default 8080)")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this "
                                                            "machine only)")
 
 
 def dashboard(args: argparse.Namespace) -> int:
     from ..dashboard import serve, study_storage
+    from ..search import without_password
 
     url = study_storage(args.run_dir)
-    print(f"serving {url.removeprefix('sqlite:///')} at http://{args.host}:{args.port}/ (Ctrl-C stops)", flush=True)
+    shown = without_password(url).removeprefix("sqlite:///")
+    print(f"serving {shown} at http://{args.host}:{args.port}/ (Ctrl-C stops)", flush=True)
     try:
         serve(url, args.host, args.port)
     except KeyboardInterrupt:

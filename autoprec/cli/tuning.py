@@ -59,6 +59,7 @@ def tune(args: argparse.Namespace) -> int:
     from ..tune import TuneInterrupted
     from ..tune import tune as run_tune
 
+    check_device(args.device)  # said as --device, before the config says it as device=
     config = _config(args, out=Path(args.out) if args.out else default_out(args.model_py),  # before loading
                      compile=args.compile)
     if args.for_ == "training":
@@ -139,6 +140,7 @@ def profile(args: argparse.Namespace) -> int:
     from ..workloads.inference import InferenceWorkload
 
     out = Path(args.out) if args.out else default_out(args.model_py)
+    check_device(args.device)
     try:
         config = TuneConfig(device=args.device, precisions=tuple(args.precisions), out=out,
                             sensitivity_batches=args.sensitivity_batches)

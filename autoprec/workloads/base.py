@@ -34,7 +34,21 @@ if TYPE_CHECKING:
     from ..policy import Policy
     from ..profile import Profile
 
-__all__ = ["HeldOut", "Workload"]
+__all__ = ["HeldOut", "Workload", "check_settings"]
+
+
+def check_settings(owner: str, functions: Mapping[str, tuple[Any, str]], higher_is_better: Any) -> None:
+    """One line for a workload setting of the wrong kind, before any work: each of ``functions`` (name -> (value,
+    the signature it needs); None is allowed) must be callable, ``higher_is_better`` a bool. A string where a
+    function belongs would otherwise fail deep inside the first call; a truthy ``"no"`` would silently invert
+    the metric."""
+    for name, (value, signature) in functions.items():
+        if value is not None and not callable(value):
+            raise TypeError(f"{owner}'s {name} is {type(value).__name__} {value!r:.40}, not a function: pass "
+                            f"{signature}")
+    if not isinstance(higher_is_better, bool):
+        raise TypeError(f"{owner}'s higher_is_better is {higher_is_better!r:.40}, not a bool: pass True (a higher "
+                        "metric is better) or False")
 
 
 @dataclass

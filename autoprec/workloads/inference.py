@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from .. import compiled as compiled_module
-from ..batches import describe_batch, to_device
+from ..batches import BATCH_FORMS, as_batch_list, describe_batch, to_device
 from ..budget import Budget, Margin, choose_budget, search_margin
 from ..capture import LayerTable
 from ..compare import compare
@@ -22,7 +22,7 @@ from ..objective import Measurement, Objective
 from ..policy import Policy
 from ..profile import Profile, fingerprint, profile_model
 from ..userspec import split_holdout
-from .base import HeldOut, Workload
+from .base import HeldOut, Workload, check_settings
 
 __all__ = ["InferenceWorkload", "VERIFY_SECONDS"]
 
@@ -48,10 +48,15 @@ class InferenceWorkload(Workload):
     name = "inference"
 
     def __post_init__(self) -> None:
-        self.batches = list(self.batches)
+        check_settings("InferenceWorkload", {"evaluate": (self.evaluate, "evaluate(model, batches) -> float")},
+                       self.higher_is_better)
+        if self.timing_batch is not None and not isinstance(self.timing_batch, (torch.Tensor, tuple, list, dict)):
+            raise TypeError(f"timing_batch is {type(self.timing_batch).__name__}, which autoprec cannot call the "
+                            f"model with: make it {BATCH_FORMS}")
+        self.batches = as_batch_list(self.batches, "InferenceWorkload's batches")
         if self.holdout_batches is None:
             self.batches, self.holdout_batches = split_holdout(self.batches)
-        self.holdout_batches = list(self.holdout_batches)
+        self.holdout_batches = as_batch_list(self.holdout_batches, "holdout_batches")
         if not self.batches or not self.holdout_batches:
             raise ValueError("tune needs search batches and held-out batches")
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..apply import apply_policy
-from ..batches import to_device
+from ..batches import as_batch_list, to_device
 from ..budget import Budget, BudgetError
 from ..capture import LayerTable
 from ..compare import rotations
@@ -40,7 +40,7 @@ from ..profile.training import profile_training
 from ..report import markdown_table, plot_library, save_figure
 from ..training import TrainStep
 from ..trainspec import default_optimizer, run_loss
-from .base import HeldOut, Workload
+from .base import HeldOut, Workload, check_settings
 
 __all__ = ["COMPILE_REFUSED", "DEFAULT_STEPS", "DEFAULT_TRAIN_BUDGET", "SEARCH_BATCHES", "TrainingWorkload",
            "loss_plot", "metric_after", "train_runs"]
@@ -82,14 +82,20 @@ class TrainingWorkload(Workload):
     def __post_init__(self) -> None:
         if self.loss is None:
             raise ValueError("tuning for training needs loss(model, batch) -> scalar tensor")
-        self.batches = list(self.batches)
-        self.train_batches = list(self.train_batches) if self.train_batches is not None else self.batches
+        check_settings("TrainingWorkload", {"loss": (self.loss, "loss(model, batch) -> scalar tensor"),
+                                            "optimizer": (self.optimizer, "optimizer(model) -> torch.optim.Optimizer"),
+                                            "evaluate": (self.evaluate, "evaluate(model, batches) -> float")},
+                       self.higher_is_better)
+        self.batches = as_batch_list(self.batches, "TrainingWorkload's batches")
+        self.train_batches = (as_batch_list(self.train_batches, "train_batches", model_inputs=False)
+                              if self.train_batches is not None else self.batches)
         if not self.train_batches or not self.batches:
             raise ValueError("tuning for training needs training batches and at least one model input batch")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 4:
             raise ValueError(f"steps must be a whole number >= 4 (a quarter of the run is the final loss), "
                              f"got {self.steps!r}")
-        self.eval_batches = list(self.eval_batches) if self.eval_batches is not None else self.batches
+        self.eval_batches = (as_batch_list(self.eval_batches, "eval_batches", model_inputs=False)
+                             if self.eval_batches is not None else self.batches)
         self.path = Path(self.path)
 
     @classmethod
