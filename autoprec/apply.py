@@ -29,10 +29,7 @@ object): see :mod:`autoprec.distributed.models`.
 from __future__ import annotations
 
 import contextlib
-import difflib
-import hashlib
 import inspect
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +56,17 @@ from .formats import FP8Linear, Precision
 from .mx import BlockScaledLinear
 from .policy import Policy, PolicyError
 from .regionstate import in_fp32_region
-from .rulecheck import check_master_weights, check_rules_reach, computes_without_autocast_types
+from .rulecheck import (
+    check_linear_formats,
+    check_master_weights,
+    check_model,
+    check_names,
+    check_rules_reach,
+    check_shared,
+    parent_precision,
+    structure_fingerprint,
+    takes_precision,
+)
 from .weights import hand_back_parameters
 
 __all__ = ["applied_policy", "apply_policy", "effective_precisions", "remove_policy", "structure_fingerprint",
@@ -199,123 +206,9 @@ def _aliases(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
     return list(found.values())
 
 
-def _parent_precision(name: str, precisions: dict[str, Precision]) -> Precision:
-    return precisions[name.rpartition(".")[0]] if name else Precision.FP32  # the caller's world is fp32
-
-
-def _check_names(model: nn.Module, policy: Policy, strict: bool) -> None:
-    """Every exact name must be a module of the model; a pattern that matches none warns (strict: fails).
-
-    Each names every offender in one line, with the closest module name for a missing layer.
-    """
-    names = [n for n, _ in model.named_modules(remove_duplicate=False)]
-    known = set(names)
-    missing = [n for n in policy.exact_names if n not in known]
-    if missing:
-        close = {n: " or ".join(map(repr, difflib.get_close_matches(n, names, n=3, cutoff=0.6))) for n in missing}
-        if len(missing) == 1:
-            hint = f"; did you mean {close[missing[0]]}?" if close[missing[0]] else ""
-            raise PolicyError(f"layer {missing[0]!r} is in the policy but not in the model{hint}")
-        listed = ", ".join(f"{n!r}" + (f" (did you mean {close[n]}?)" if close[n] else "") for n in missing)
-        raise PolicyError(f"{len(missing)} layers are in the policy but not in the model: {listed}")
-    unmatched = [source for source, (pattern, _) in zip(policy.patterns, policy._patterns, strict=True)
-                 if not any(pattern.fullmatch(n) for n in names)]
-    if unmatched:
-        which = (f"pattern {unmatched[0]!r} matches" if len(unmatched) == 1
-                 else f"patterns {', '.join(map(repr, unmatched))} match")
-        if strict:
-            raise PolicyError(f"policy {which} no module of the model; fix or remove "
-                              f"{'it' if len(unmatched) == 1 else 'them'} (strict=True)")
-        _warn_once(policy, f"policy {which} no module of the model")
-
-
-def structure_fingerprint(model: nn.Module) -> str:
-    """A hash of what a policy's names refer to: module paths and types, parameter names and shapes.
-
-    Weight values are left out on purpose, so a policy still matches its model after fine-tuning
-    (unlike the profile's fingerprint, which also hashes weights and batches).
-    """
-    h = hashlib.sha256()
-    for name, module in model.named_modules(remove_duplicate=False):
-        h.update(f"{name}:{own_class(module).__qualname__};".encode())
-    for name, param in model.named_parameters(remove_duplicate=False):
-        h.update(f"{name}{tuple(param.shape)};".encode())
-    return h.hexdigest()[:16]
-
-
-def _check_model(model: nn.Module, policy: Policy) -> None:
-    """Warn when the policy records another model type or structure than ``model`` has."""
-    recorded_type, recorded_structure = policy.model.get("type"), policy.model.get("structure")
-    differs = []
-    if recorded_type is not None and recorded_type != own_class(model).__name__:
-        differs.append(f"a {recorded_type}, this model is a {own_class(model).__name__}")
-    if recorded_structure is not None and recorded_structure != structure_fingerprint(model):
-        differs.append("its layers or their shapes differ from this model's")
-    if differs:
-        _warn_once(policy, f"this policy was tuned on another model ({'; '.join(differs)}): "
-                           "check that it is the policy for this model, or tune this one")
-
-
-# Modules whose compute autocast lowers (its matmul-class ops). Under an fp8 rule, the ones that are
-# not an exact nn.Linear would silently stay fp32 (MultiheadAttention's out_proj, an nn.Linear
-# subclass, too: the fp8 swap takes exact nn.Linear only).
-AUTOCAST_LOWERED = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.MultiheadAttention, nn.RNNBase,
-                    nn.RNNCellBase)
 # Modules that refuse an input whose dtype differs from their weights' when autocast is off (RNNs check
 # it in Python, before any op a TorchFunctionMode could upcast): an fp32 region upcasts their inputs.
 _FP32_INPUTS = (nn.RNNBase, nn.RNNCellBase)
-
-
-def _check_fp8(model: nn.Module, policy: Policy, precisions: dict[str, Precision]) -> None:
-    """fp8 (and mxfp8, nvfp4) must lower what it covers: refuse (naming each, with its type) a compute layer
-    that a rule, a pattern or the default puts in such a format but that cannot take it (a Conv2d), and an
-    exact rule on a module with no nn.Linear in it (a LayerNorm). A container under fp8 is fine: its linears
-    run in fp8 and its glue (norms, activations) in fp32, as any fp8 region does."""
-    for fmt in dict.fromkeys(p for p in (policy.default, *policy.layers.values()) if p.swaps_linear):
-        _check_linear_only(model, policy, precisions, fmt)
-
-
-def _computes(module: nn.Module) -> bool:
-    return isinstance(module, AUTOCAST_LOWERED) or computes_without_autocast_types(module)
-
-
-def _check_linear_only(model: nn.Module, policy: Policy, precisions: dict[str, Precision], fmt: Precision) -> None:
-    modules = dict(model.named_modules(remove_duplicate=False))
-    wrong = {name: type(module).__name__ for name, module in modules.items()
-             if precisions[name] is fmt and _computes(module) and not takes_precision(module, fmt)}
-    for name in policy.exact_names:
-        if name not in wrong and policy.layers[name] is fmt and not any(
-                takes_precision(m, fmt) for m in modules[name].modules()):
-            wrong[name] = f"{type(modules[name]).__name__}, no nn.Linear inside"
-    wrong = [f"{name!r} ({what})" for name, what in wrong.items()]
-    if wrong:
-        listed = ", ".join(wrong[:6]) + (f" and {len(wrong) - 6} more" if len(wrong) > 6 else "")
-        raise PolicyError(f"{fmt} runs nn.Linear layers only, and the policy puts {'these' if len(wrong) > 1 else 'a'} "
-                          f"layer{'s' if len(wrong) > 1 else ''} that cannot take it in {fmt}: {listed}; give "
-                          f"{'them' if len(wrong) > 1 else 'it'} bf16, fp16 or fp32, or narrow the rule to the linears")
-
-
-def _warn_once(policy: Policy, message: str) -> None:
-    """Warn at the caller of apply_policy, once per policy: bench and tune apply one policy many times."""
-    if message not in policy._warned:
-        policy._warned.add(message)
-        warnings.warn(message, stacklevel=4)
-
-
-def _check_shared(aliases: list[tuple[nn.Module, list[str]]], precisions: dict[str, Precision]) -> None:
-    """A module object runs in one precision: its names may not ask for different ones."""
-    for module, names in aliases:
-        asked = {precisions[n] for n in names}
-        needs_region = any(precisions[n] is not _parent_precision(n, precisions) for n in names)
-        swapped = own_class(module) is nn.Linear and any(p.swaps_linear for p in asked)
-        if len(asked) > 1 and (needs_region or swapped):
-            got = ", ".join(f"{n!r}: {precisions[n].value}" for n in names)
-            raise PolicyError(f"one module is shared under several names that the policy gives different "
-                              f"precisions ({got}); give each of its names the same rule")
-        if swapped and "" in names:
-            p = next(p for p in asked if p.swaps_linear)
-            raise PolicyError(f"{p} replaces each nn.Linear inside the model, and the model itself is one; "
-                              f"wrap it in a container (e.g. nn.Sequential(linear)) to run it in {p}")
 
 
 def applied_policy(model: nn.Module) -> Policy | None:
@@ -361,13 +254,13 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     wrapper, model = model, unwrap(model)
     if getattr(model, _STATE_ATTR, None) is not None:
         raise RuntimeError("this model already has a policy applied; call autoprec.remove_policy(model) first")
-    _check_names(model, policy, strict)
-    _check_model(model, policy)
+    check_names(model, policy, strict)
+    check_model(model, policy)
     check_master_weights(model, mode)
     precisions = effective_precisions(model, policy)
     check_rules_reach(model, policy, precisions)
-    _check_fp8(model, policy, precisions)
-    _check_shared(_aliases(model), precisions)  # before anything changes: a refused policy leaves no trace
+    check_linear_formats(model, policy, precisions)
+    check_shared(_aliases(model), precisions)  # before anything changes: a refused policy leaves no trace
 
     state = _Installed(policy=policy, mode=mode, fsdp_float8_all_gather=fsdp_float8_all_gather)
     buffers = {name for name, _ in model.named_buffers()}
@@ -395,7 +288,7 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
         # An RNN in an fp32 region may be handed a low-precision value: its own fp32 region upcasts it.
         upcast = any_low and isinstance(module, _FP32_INPUTS) and precisions[names[0]].autocast_dtype is None
         if not (is_root and any_low) and not upcast and all(
-                precisions[n] is _parent_precision(n, precisions) for n in names):
+                precisions[n] is parent_precision(n, precisions) for n in names):
             continue
         if id(module) in own_dtype:  # torchao's MX linears set their own (bf16) compute dtype
             continue
@@ -494,11 +387,3 @@ def remove_policy(model: nn.Module) -> nn.Module:
     restore_buffers(model, state.ddp_ignored_before)
     object.__delattr__(model, _STATE_ATTR)
     return wrapper
-
-
-def takes_precision(module: nn.Module, precision: Precision | str) -> bool:
-    """Whether a rule can run ``module`` itself in ``precision``: FP8, MXFP8 and NVFP4 exist for
-    ``nn.Linear`` only."""
-    if Precision.parse(precision).swaps_linear:
-        return own_class(module) in (nn.Linear, FP8Linear, BlockScaledLinear)
-    return True

@@ -9,8 +9,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from ..apply import AUTOCAST_LOWERED, apply_policy, remove_policy
+from ..apply import apply_policy, remove_policy
 from ..policy import Policy
+from ..rulecheck import AUTOCAST_LOWERED
 from ..userspec import one_line
 
 __all__ = ["autocast_untuned", "runnable_policy"]
