@@ -16,7 +16,7 @@ from ..capture import LayerTable
 from ..formats import DEFAULT_PRECISIONS, Capability, Precision, device_capabilities
 from ..measure import Evaluator, to_device
 from .frame import assemble, device_label, layer_candidates, low_precisions
-from .latency import layers_not_faster, measure_latency, predict_ms
+from .latency import fp32_latency, layers_not_faster, measure_latency, predict_ms
 from .probe import nothing_pays_off, probe_precisions
 from .result import LayerProfile, Profile, ProfileError, Sensitivity, device_name, fingerprint
 from .sensitivity import measure_sensitivity, sensitivity_work
@@ -75,10 +75,12 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
         # An emulated block-scaled format is never timed: its emulation's time says nothing of the
         # format's speed on the GPUs that have it (plan for one with --target). It keeps its sensitivity.
         timed = [p for p in low if not (p.block_scaled and p in emulated) and p.value not in not_profiled]
-        with tqdm(total=len(timed) + 2, desc="latency", unit="block", disable=not progress, leave=False) as bar:
-            latency = measure_latency(model, first, names, fp8_layers, timed, device,
-                                      repeats=repeats if timed else 1, emulated=emulated,
-                                      progress=lambda _p: bar.update())
+        if nothing:  # fp32 is the answer: its times are for the report, so two forwards give them
+            latency = fp32_latency(model, first, names, device)
+        else:
+            with tqdm(total=len(timed) + 2, desc="latency", unit="block", disable=not progress, leave=False) as bar:
+                latency = measure_latency(model, first, names, fp8_layers, timed, device, repeats=repeats,
+                                          emulated=emulated, progress=lambda _p: bar.update())
         if not profile_all:
             not_faster = layers_not_faster(latency, [p for p in timed if p not in emulated])
     seconds["latency"] = time.perf_counter() - start

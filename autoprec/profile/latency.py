@@ -35,7 +35,7 @@ from ..policy import Policy
 from .clock import LayerClock, cast_ms
 from .runnable import autocast_untuned, runnable_policy
 
-__all__ = ["LatencyResult", "blanket_policy", "layers_not_faster", "measure_latency", "predict_ms"]
+__all__ = ["LatencyResult", "blanket_policy", "fp32_latency", "layers_not_faster", "measure_latency", "predict_ms"]
 
 SPEED_MARGIN = 0.03  # as search.SPEED_MARGIN: within 3% of fp32 is not faster
 
@@ -308,3 +308,16 @@ def layers_not_faster(latency: LatencyResult, precisions: Sequence[Precision]) -
         if names:
             out[p.value] = names
     return out
+
+
+def fp32_latency(model: nn.Module, batch: Any, layers: Sequence[str], device: str | torch.device = "cpu"
+                 ) -> LatencyResult:
+    """fp32 alone, for a profile where no low precision can pay off: nothing is compared or decided from
+    it, so one hooked forward after one that warms up gives each layer's time and the whole model's."""
+    device = torch.device(device)
+    _clocked_run(model, batch, layers, device)
+    times, total, _ = _clocked_run(model, batch, layers, device)
+    layer_ms = {n: times.get(n, 0.0) for n in layers}
+    return LatencyResult({n: {"fp32": ms} for n, ms in layer_ms.items()}, {n: {} for n in layers},
+                         {"fp32": total - sum(layer_ms.values())}, {"fp32": total}, {}, {},
+                         end_to_end_comparison={"samples_ms": {"fp32": [total]}})
