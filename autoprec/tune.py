@@ -255,7 +255,7 @@ def _fp32_answer(profile: Profile, space: SearchSpace, config: TuneConfig, objec
         metric={"fp32": objective.metric_fp32, "tuned": objective.metric_fp32},
         sqnr_db={"fp32": math.inf, "tuned": math.inf}, within_budget={"tuned": True},
         autocast_precision=autocast.value, predicted_ms=None, timed_on=timed_on, fidelity=objective.uses_fidelity,
-        notes=[profile.nothing_pays_off], metric_kind="output SQNR dB" if objective.uses_fidelity else "metric",
+        notes=[], metric_kind="output SQNR dB" if objective.uses_fidelity else "metric",
         no_gain=profile.nothing_pays_off)
     return result, verification
 

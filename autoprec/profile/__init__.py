@@ -70,7 +70,7 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
         if not profile_all:
             probes = probe_precisions(model, table, first, low, caps, device)
             not_profiled = {p: probe.why for p, probe in probes.items() if not probe.pays_off}
-            nothing = nothing_pays_off(probes)
+            nothing = nothing_pays_off(probes, device)
         emulated = [p for p in low if caps[p] is Capability.EMULATED]
         # An emulated block-scaled format is never timed: its emulation's time says nothing of the
         # format's speed on the GPUs that have it (plan for one with --target). It keeps its sensitivity.

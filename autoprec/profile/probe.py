@@ -10,6 +10,7 @@ precision decided not faster there is not profiled at all, and the profile says 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -36,6 +37,7 @@ class PrecisionProbe:
     why: str = ""
     layer: str = ""  # the layer timed
     ratio: list[float] | None = None  # [estimate, low, high] of its time over fp32's, paired rounds
+    short: str = ""  # ``why`` without the device, for a line that names it once
 
     @property
     def pays_off(self) -> bool:
@@ -114,16 +116,17 @@ def probe_precisions(model: nn.Module, table: LayerTable, batch: Any, precisions
     for p in precisions:
         emulated = capabilities.get(p) is Capability.EMULATED
         if p.swaps_linear or inputs is None or largest is None:  # fp8 and the block-scaled formats: no autocast dtype
-            why = (f"{p.value} is emulated on {where} (no {p.value} kernel): never faster than fp32"
-                   if emulated and not p.block_scaled else "")  # block-scaled: accuracy only (the profile's rule)
-            result[p.value] = PrecisionProbe(p.value, why)
+            emulated_here = emulated and not p.block_scaled  # block-scaled: accuracy only (the profile's rule)
+            why = f"{p.value} is emulated on {where} (no {p.value} kernel): never faster than fp32"
+            why = why if emulated_here else ""
+            result[p.value] = PrecisionProbe(p.value, why, short=f"{p.value} is emulated (no kernel)" if why else "")
             continue
         module = model.get_submodule(largest.name)
         fp32, low = _timed_alone(module, inputs, Precision.FP32, device), _timed_alone(module, inputs, p, device)
         try:
             slower = _clearly_slower(fp32, low, device)
             if slower is not None:
-                ratio = [slower, slower, slower]
+                ratio = [slower, slower, math.inf]
             else:
                 r = Ratio.of(*_paired(fp32, low, device, seconds))
                 ratio = [r.estimate, r.low, r.high]
@@ -134,10 +137,12 @@ def probe_precisions(model: nn.Module, table: LayerTable, batch: Any, precisions
             result[p.value] = PrecisionProbe(p.value)
             continue
         how = f"{ratio[0]:.1f}x slower than" if ratio[0] >= 1 + SPEED_MARGIN else "no faster than"
-        kernel = f", emulated (no {p.value} kernel)" if emulated else ""
-        result[p.value] = PrecisionProbe(
-            p.value, f"{p.value} is {how} fp32 on {where}{kernel}: the largest layer, {largest.name}, timed alone "
-                     f"took {ratio[0]:.2f}x [{ratio[1]:.2f}, {ratio[2]:.2f}] fp32's time", largest.name, ratio)
+        kernel = "emulated; " if emulated else ""
+        measured = (f"at least {ratio[0]:.2f}x fp32's time in every round" if math.isinf(ratio[2]) else
+                    f"{ratio[0]:.2f}x [{ratio[1]:.2f}, {ratio[2]:.2f}] fp32's time")
+        detail = f"({kernel}the largest layer, {largest.name}, timed alone: {measured})"
+        result[p.value] = PrecisionProbe(p.value, f"{p.value} is {how} fp32 on {where} {detail}", largest.name, ratio,
+                                         short=f"{p.value} is {how} fp32 {detail}")
     return result
 
 
@@ -147,10 +152,10 @@ def _paired(fp32: Callable[[], Any], low: Callable[[], Any], device: torch.devic
     return result.samples["low"], result.samples["fp32"]
 
 
-def nothing_pays_off(probes: dict[str, PrecisionProbe], target_hint: bool = True) -> str:
+def nothing_pays_off(probes: dict[str, PrecisionProbe], device: torch.device) -> str:
     """The one line a tune ends with where no precision can pay off here; empty where one may."""
     if not probes or any(p.pays_off for p in probes.values()):
         return ""
-    why = "; ".join(p.why for p in probes.values())
-    hint = ("; to plan for a GPU instead, tune with --target NAME (h100, a100, l4, ...)" if target_hint else "")
-    return f"nothing here is faster than fp32, so the policy is fp32: {why}{hint}"
+    why = "; ".join(p.short or p.why for p in probes.values())
+    return (f"nothing is faster than fp32 on {device_words(device)}, so the policy is fp32: {why}. To plan for a "
+            "GPU instead, tune with --target NAME (h100, a100, l4, ...)")
