@@ -61,6 +61,9 @@ class TuneConfig:
     progress: bool = True
     target: str | None = None
     compile: bool = False  # verification also times every entry compiled (torch.compile, regional), and chooses by it
+    # profile every layer in every precision for sensitivity, also what latency (measured first) shows cannot pay
+    # off here; by default that is skipped, and where nothing is faster than fp32 the tune ends at once with fp32
+    profile_all: bool = False
 
     def __post_init__(self) -> None:
         for name, types in _TYPES.items():

@@ -39,7 +39,7 @@ from .policy import Policy
 from .userspec import UserCodeError, as_metric, one_line, user_function
 
 __all__ = ["BatchError", "Evaluator", "Measurement", "OutputError", "call_model", "fidelity_outputs",
-           "median_ms", "output_tensors", "policy_runs", "settle",
+           "median_ms", "output_tensors", "policy_runs", "settle", "shared_copy",
            "time_ms", "to_device"]
 
 class BatchError(ValueError):
@@ -95,6 +95,9 @@ def policy_runs(model: nn.Module, batch: Any, runners: Mapping[str, Policy | Pre
     copy of the model with the policy applied once (as a user runs it: no apply in the timed call), a
     Precision under blanket ``torch.autocast``, None the plain fp32 model. All without gradients.
 
+    The copies share the model's parameters and buffers (:func:`shared_copy`): only the modules are
+    copied, so timing any number of candidates costs about one model's memory, not one per candidate.
+
     ``compile_backend``: every entry runs on its own copy, compiled as :func:`autoprec.compiled.compile_regions`
     compiles it, and is warmed up here, so no compile time lands in a timed call (a failure is a
     :class:`~autoprec.compiled.CompileError` naming the entry)."""
@@ -106,7 +109,7 @@ def policy_runs(model: nn.Module, batch: Any, runners: Mapping[str, Policy | Pre
         target = model
         if isinstance(how, Policy) or compile_backend is not None:
             try:
-                target = copy.deepcopy(model)
+                target = shared_copy(model)
             except Exception as e:  # a model that cannot be copied: apply and remove around each call instead
                 if compile_backend is not None:
                     raise CompileError(f"the model cannot be copied ({one_line(e)}), and each entry is compiled "
@@ -122,6 +125,14 @@ def policy_runs(model: nn.Module, batch: Any, runners: Mapping[str, Policy | Pre
         for key, run in runs.items():
             warm_up(run, key)
     return runs
+
+
+def shared_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model``'s modules that shares its parameters and buffers (the same tensors): a policy
+    applied to it (autocast regions, swapped linears) leaves ``model`` as it is, and the weights are not
+    copied. Not for training: an optimizer step on one would change both."""
+    memo = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return copy.deepcopy(model, memo)
 
 
 def _forward(model: nn.Module, batch: Any, how: Policy | Precision | None, device: torch.device

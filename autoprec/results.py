@@ -78,6 +78,8 @@ def _labels(v: Verification) -> list[tuple[str, str]]:
     if v.tuned_is_autocast:
         return [("fp32", "fp32"), ("autocast", f"{autocast} = autoprec policy")]
     if v.policy is None:  # nothing chosen: the policy is fp32
+        if "autocast" not in v.samples:  # nothing here is faster (v.no_gain): autocast was not run
+            return [("fp32", "fp32 = autoprec policy")]
         return [("fp32", "fp32 = autoprec policy"), ("autocast", autocast)]
     return [("fp32", "fp32"), ("autocast", autocast), ("tuned", "autoprec policy")]
 
@@ -158,6 +160,8 @@ def decision(v: Verification, budget: Any) -> str:
     """What was chosen, how fast against fp32 and blanket autocast, how accurate, and why: one paragraph."""
     autocast = f"blanket autocast ({v.autocast_precision})"
     metric = f"held-out metric {_fmt(v.metric['tuned'], '.4g')}"
+    if v.policy is None and v.no_gain:
+        return f"**The policy stays fp32.** {v.no_gain[0].upper()}{v.no_gain[1:]} (budget: {budget})."
     if v.policy is None:
         why = (f"{autocast} is within the budget but measured no faster than fp32 here "
                f"({v.speedup_of('autocast')}), and no per-layer candidate measured faster either"

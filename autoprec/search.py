@@ -81,6 +81,12 @@ def plan_units(profile: Profile, space: SearchSpace, precisions: Sequence[str]) 
         keep = ["fp32"]
         fp32_ms = sum(layers[n].latency_ms["fp32"] for n in unit.layers)
         for p in unit.candidates[1:]:
+            skipped = profile.not_profiled.get(p) or next(
+                (f"not profiled: {n} was decided not faster than fp32 here (paired rounds), nor is blanket {p}"
+                 for n in unit.layers if n in profile.not_faster.get(p, ())), None)
+            if skipped:
+                dropped.setdefault(unit.key, []).append(f"{p}: {skipped}")
+                continue
             if any(p not in layers[n].latency_ms for n in unit.layers):
                 if profile.capabilities.get(p) == "emulated":  # profiled for accuracy, never timed here
                     dropped.setdefault(unit.key, []).append(

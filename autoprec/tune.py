@@ -23,10 +23,11 @@ import torch
 import torch.nn as nn
 
 from .apply import structure_fingerprint
-from .batches import as_batch_list, to_device
+from .batches import as_batch_list, describe_batch, to_device
 from .budget import Budget
 from .capture import capture
 from .config import TuneConfig, check_device
+from .fits import check_fits
 from .formats import Precision, device_capabilities
 from .jsonsafe import finite_or_none
 from .objective import Measurement
@@ -35,7 +36,7 @@ from .policy import Policy
 from .profile import Profile, ProfileError, device_name, predict_ms
 from .results import TuneResult
 from .runcheck import policy_runs_note
-from .search import Candidate, SearchResult, open_storage, search
+from .search import Candidate, SearchResult, open_storage, plan_units, search
 from .searchspace import SearchSpace, allows_everywhere, choose_preset
 from .userspec import check_fp32_model
 from .verify import Verification, autocast_baseline, verify
@@ -180,6 +181,7 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None]) -> 
             # a single worker owns its study; other workers' running trials are theirs
             fail_stale = config.storage is None
             storage = open_storage(config.storage or f"sqlite:///{(out_dir or Path('.')).resolve() / 'study.db'}")
+            check_fits(workload.model, workload.capture_batches()[0], device)  # one line now, not an OOM later
             model = workload.model = workload.model.to(device).eval()
             seconds: dict[str, float] = {}
 
@@ -191,9 +193,17 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None]) -> 
             seconds["capture"] = profile.cost["seconds"].get("capture", 0.0)
             seconds["profile"] = time.perf_counter() - start - seconds["capture"]
 
+            space = space or SearchSpace.load(choose_preset([layer.kind for layer in profile.layers]))
+            if profile.nothing_pays_off and config.target is None:  # the answer is fp32: say why, skip the rest
+                log(profile.nothing_pays_off)
+                phase = "outputs"
+                result, verification = _fp32_answer(profile, space, config, objective, workload, device)
+                seconds.update(search=0.0, verify=0.0)
+                return _outputs(verification, profile, the_budget, model, workload, result, out_dir, seconds,
+                                result_budget=the_budget, margin=None)
+
             phase = "search"
             start = time.perf_counter()
-            space = space or SearchSpace.load(choose_preset([layer.kind for layer in profile.layers]))
             prefix = "autoprec" if workload.name == "inference" else f"autoprec-{workload.name}"
             if config.target is not None:
                 from .costmodel import get_target, policy_ms
@@ -236,17 +246,45 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None]) -> 
                     verification.notes.append(runs)
 
             phase = "outputs"
-            policy = _tuned_policy(verification, profile, the_budget, model, workload)
-            tuned = TuneResult(policy=policy, profile=profile, search=result, verification=verification,
-                               budget=the_budget, out_dir=out_dir, seconds=seconds, workload=workload.name,
-                               searched_to=search_budget, margin=margin)
-            if out_dir is not None:
-                from .report import write_outputs
-
-                write_outputs(tuned, workload)
-            return tuned
+            return _outputs(verification, profile, the_budget, model, workload, result, out_dir, seconds,
+                            result_budget=search_budget, margin=margin)
     except KeyboardInterrupt:
         raise TuneInterrupted(phase) from None
+
+
+def _outputs(verification: Verification, profile: Profile, budget: Budget, model: nn.Module, workload: Workload,
+             result: SearchResult, out_dir: Path | None, seconds: dict[str, float], result_budget: Budget,
+             margin: Any) -> TuneResult:
+    policy = _tuned_policy(verification, profile, budget, model, workload)
+    tuned = TuneResult(policy=policy, profile=profile, search=result, verification=verification, budget=budget,
+                       out_dir=out_dir, seconds=seconds, workload=workload.name, searched_to=result_budget,
+                       margin=margin)
+    if out_dir is not None:
+        from .report import write_outputs
+
+        write_outputs(tuned, workload)
+    return tuned
+
+
+def _fp32_answer(profile: Profile, space: SearchSpace, config: TuneConfig, objective: Any, workload: Workload,
+                 device: torch.device) -> tuple[SearchResult, Verification]:
+    """The outcome where the profile found nothing faster than fp32 here (``profile.nothing_pays_off``): no
+    search, no verification (fp32 against itself), and fp32's times from the profile's paired rounds."""
+    units, pinned, dropped = plan_units(profile, space, [Precision.parse(p).value for p in config.precisions])
+    result = SearchResult(units, pinned, dropped, trials=[], front=[], best=None, study_name="", storage="",
+                          seconds=0.0, evaluations=0, stopped_because=profile.nothing_pays_off)
+    fp32 = profile.end_to_end_check.get("samples_ms", {}).get("fp32") or [profile.end_to_end_ms["fp32"]]
+    autocast = autocast_baseline(device_capabilities(device), profile.end_to_end_ms)
+    batches = getattr(workload, "batches", None)
+    timed_on = describe_batch(to_device(batches[0], device)) if batches else "one forward"
+    verification = Verification(
+        chosen=None, policy=None, samples={"fp32": list(fp32), "tuned": list(fp32)},
+        metric={"fp32": objective.metric_fp32, "tuned": objective.metric_fp32},
+        sqnr_db={"fp32": math.inf, "tuned": math.inf}, within_budget={"tuned": True},
+        autocast_precision=autocast.value, predicted_ms=None, timed_on=timed_on, fidelity=objective.uses_fidelity,
+        notes=[], metric_kind="output SQNR dB" if objective.uses_fidelity else "metric",
+        no_gain=profile.nothing_pays_off)
+    return result, verification
 
 
 def _tuned_policy(v: Verification, profile: Profile, budget: Budget, model: nn.Module, workload: Workload) -> Policy:

@@ -100,6 +100,9 @@ class Verification:
     metric_kind: str = "metric"  # "output SQNR dB", "metric", "evaluate" or "final loss"
     compiled_samples: dict[str, list[float]] = field(default_factory=dict)  # as samples, every entry compiled
     compiled_on: str = ""  # what the compiled samples timed, and how it was compiled
+    # Why nothing was searched or timed: no precision can be faster than fp32 on this device (the profile's
+    # one line). Then fp32 alone was timed: blanket autocast has no samples, and the policy is fp32.
+    no_gain: str = ""
 
     @property
     def latency_ms(self) -> dict[str, float]:
@@ -115,7 +118,7 @@ class Verification:
 
     @property
     def speedup_vs_autocast(self) -> float | None:
-        return self.speedup_of("tuned", "autocast").ratio if "tuned" in self.samples else None
+        return self.speedup_of("tuned", "autocast").ratio if {"tuned", "autocast"} <= set(self.samples) else None
 
 
 def fastest_simplest(options: Sequence[Any], ms: Callable[[Any], float], rules: Callable[[Any], int],

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from ..userspec import UserCodeError
 from .options import CommandError
+from .quiet import quiet_third_party
 from .tools import (
     dashboard,
     dashboard_arguments,
@@ -110,6 +111,7 @@ def _glue_dash_values(argv: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    quiet_third_party()  # before model.py imports torchao or transformers
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(_glue_dash_values(sys.argv[1:] if argv is None else argv))

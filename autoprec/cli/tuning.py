@@ -41,6 +41,9 @@ def tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sensitivity-batches", type=positive_int, default=1,
                         help="search batches used per sensitivity evaluation (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    parser.add_argument("--profile-all", action="store_true",
+                        help="profile every layer's sensitivity in every precision, also those measured not faster "
+                             "than fp32 here (skipped by default)")
     parser.add_argument("--target", help="plan for a GPU that is not here (h100, h200, a100, l4, b200, gb200): latency "
                                          "estimated by a cost model, accuracy measured here")
     parser.add_argument("--for", dest="for_", choices=("inference", "training"), default="inference",
@@ -61,7 +64,7 @@ def tune(args: argparse.Namespace) -> int:
 
     check_device(args.device)  # said as --device, before the config says it as device=
     config = _config(args, out=Path(args.out) if args.out else default_out(args.model_py),  # before loading
-                     compile=args.compile)
+                     compile=args.compile, profile_all=args.profile_all)
     if args.for_ == "training":
         from ..trainspec import load_train_spec
         from ..workloads.training import COMPILE_REFUSED, TrainingWorkload

@@ -16,9 +16,10 @@ from ..capture import LayerTable
 from ..formats import DEFAULT_PRECISIONS, Capability, Precision, device_capabilities
 from ..measure import Evaluator, to_device
 from .frame import assemble, device_label, layer_candidates, low_precisions
-from .latency import measure_latency, predict_ms
+from .latency import fp32_latency, layers_not_faster, measure_latency, predict_ms
+from .probe import nothing_pays_off, probe_precisions
 from .result import LayerProfile, Profile, ProfileError, Sensitivity, device_name, fingerprint
-from .sensitivity import measure_sensitivity
+from .sensitivity import measure_sensitivity, sensitivity_work
 
 __all__ = ["Profile", "LayerProfile", "Sensitivity", "ProfileError", "profile_model", "fingerprint", "predict_ms",
            "device_name"]
@@ -27,12 +28,18 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
                   evaluate: Callable[[nn.Module, list], float] | None = None, higher_is_better: bool = True,
                   device: str | torch.device = "cpu", precisions: Sequence[str | Precision] = DEFAULT_PRECISIONS,
                   sensitivity_batches: int | None = 1, repeats: int = 9, progress: bool = True,
-                  capture_seconds: float = 0.0, target: str | None = None) -> Profile:
+                  capture_seconds: float = 0.0, target: str | None = None, profile_all: bool = False) -> Profile:
     """Profile every layer of ``table`` in each of ``precisions`` on ``device``.
 
     ``batches`` are the search batches: sensitivity uses the first ``sensitivity_batches``
     of them (all when None), latency the first one. With ``target`` (a GPU name, see
     :mod:`autoprec.costmodel`) latency is estimated for that GPU instead of measured here.
+
+    Latency is measured before sensitivity, and what cannot pay off here is not profiled for
+    sensitivity: a precision not faster than fp32 anywhere (:mod:`.probe`: never timed either), and a
+    layer decided not faster in a precision that is not faster for the whole model either
+    (:func:`layers_not_faster`); ``profile_all`` profiles everything (to study the numerics alone).
+    The profile says what was left out and why (``not_profiled``, ``not_faster``, ``nothing_pays_off``).
     """
     device = torch.device(device)
     low = low_precisions(precisions)
@@ -47,19 +54,11 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
     fp8_layers = [n for n in names if any(Precision(p).swaps_linear for p in candidates[n])]
     seconds: dict[str, float] = {"capture": capture_seconds}
 
+    # Latency first: what cannot be faster here is not profiled for sensitivity (unless profile_all).
     start = time.perf_counter()
-    chosen = set(range(len(batches) if sensitivity_batches is None else min(sensitivity_batches, len(batches))))
-    for layer in table:  # a layer that only some batches run is measured on the first search batch that does
-        if layer.batches and not chosen & set(layer.batches) and min(layer.batches) < len(batches):
-            chosen.add(min(layer.batches))
-    sens_batches = [batches[i] for i in sorted(chosen)]
-    evaluator = Evaluator(model, sens_batches, evaluate, higher_is_better, device)
-    total = sum(len(c) for c in candidates.values())
-    with tqdm(total=total, desc="sensitivity", unit="eval", disable=not progress, leave=False) as bar:
-        sensitivity = measure_sensitivity(evaluator, candidates, progress=lambda _n: bar.update())
-    seconds["sensitivity"] = time.perf_counter() - start
-
-    start = time.perf_counter()
+    not_profiled: dict[str, str] = {}
+    not_faster: dict[str, list[str]] = {}
+    nothing = ""
     if target is not None:  # planning for a GPU that is not here: the cost model's estimate
         from ..costmodel import estimated_latency, get_target
 
@@ -67,14 +66,36 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
         latency = estimated_latency(target, table, [p.value for p in low], fp8_layers)
     else:
         caps = device_capabilities(device)
+        first = to_device(batches[0], device)
+        if not profile_all:
+            probes = probe_precisions(model, table, first, low, caps, device)
+            not_profiled = {p: probe.why for p, probe in probes.items() if not probe.pays_off}
+            nothing = nothing_pays_off(probes, device)
         emulated = [p for p in low if caps[p] is Capability.EMULATED]
         # An emulated block-scaled format is never timed: its emulation's time says nothing of the
         # format's speed on the GPUs that have it (plan for one with --target). It keeps its sensitivity.
-        timed = [p for p in low if not (p.block_scaled and p in emulated)]
-        with tqdm(total=len(timed) + 2, desc="latency", unit="block", disable=not progress, leave=False) as bar:
-            latency = measure_latency(model, to_device(batches[0], device), names, fp8_layers, timed, device,
-                                      repeats=repeats, emulated=emulated, progress=lambda _p: bar.update())
+        timed = [p for p in low if not (p.block_scaled and p in emulated) and p.value not in not_profiled]
+        if nothing:  # fp32 is the answer: its times are for the report, so two forwards give them
+            latency = fp32_latency(model, first, names, device)
+        else:
+            with tqdm(total=len(timed) + 2, desc="latency", unit="block", disable=not progress, leave=False) as bar:
+                latency = measure_latency(model, first, names, fp8_layers, timed, device, repeats=repeats,
+                                          emulated=emulated, progress=lambda _p: bar.update())
+        if not profile_all:
+            not_faster = layers_not_faster(latency, [p for p in timed if p not in emulated])
     seconds["latency"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    chosen = set(range(len(batches) if sensitivity_batches is None else min(sensitivity_batches, len(batches))))
+    for layer in table:  # a layer that only some batches run is measured on the first search batch that does
+        if layer.batches and not chosen & set(layer.batches) and min(layer.batches) < len(batches):
+            chosen.add(min(layer.batches))
+    sens_batches = [batches[i] for i in sorted(chosen)]
+    evaluator = Evaluator(model, sens_batches, evaluate, higher_is_better, device)
+    work = sensitivity_work(candidates, {**{p: names for p in not_profiled}, **not_faster})
+    with tqdm(total=len(work), desc="sensitivity", unit="eval", disable=not progress, leave=False) as bar:
+        sensitivity = measure_sensitivity(evaluator, work, progress=lambda _n: bar.update(), layers=names)
+    seconds["sensitivity"] = time.perf_counter() - start
 
     return assemble(model, table, batches, device_label(device, target), low, caps, latency.latency_ms,
                     latency.cast_ms, sensitivity, latency.end_to_end_ms, latency.remainder_ms,
@@ -83,4 +104,5 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
                             "higher_is_better": evaluator.higher_is_better, "batches": len(sens_batches)},
                     cost={"evaluations": evaluator.evaluations, "seconds": seconds},
                     autocast_untuned=latency.autocast_untuned, not_runnable=latency.not_runnable,
-                    latency_ratio=latency.ratio, end_to_end_check=latency.end_to_end_comparison)
+                    latency_ratio=latency.ratio, end_to_end_check=latency.end_to_end_comparison,
+                    not_profiled=not_profiled, not_faster=not_faster, nothing_pays_off=nothing)

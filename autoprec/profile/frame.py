@@ -43,7 +43,8 @@ def assemble(model: nn.Module, table: LayerTable, batches: Sequence[Any], where:
              metric: dict[str, Any], cost: dict[str, Any], flops_per_layer: int = 1,
              training: dict[str, Any] | None = None, autocast_untuned: Sequence[str] = (),
              not_runnable: Mapping[str, dict] | None = None, latency_ratio: Mapping[str, dict] | None = None,
-             end_to_end_check: Mapping[str, Any] | None = None) -> Profile:
+             end_to_end_check: Mapping[str, Any] | None = None, not_profiled: Mapping[str, str] | None = None,
+             not_faster: Mapping[str, list[str]] | None = None, nothing_pays_off: str = "") -> Profile:
     """The profile of ``model`` over ``table``; ``batches``: what it was profiled on (its fingerprint),
     ``where``: the device it holds for (or "estimated for <GPU>")."""
     layers = [LayerProfile(name=layer.name, kind=layer.kind, type=layer.type, flops=flops_per_layer * int(layer.flops),
@@ -58,7 +59,10 @@ def assemble(model: nn.Module, table: LayerTable, batches: Sequence[Any], where:
         metric=metric, cost={**cost, "autoprec": __version__}, model_type=table.model_type, training=training,
         timed="forward" if training is None else "training step", autocast_untuned=list(autocast_untuned),
         not_runnable=dict(not_runnable or {}), latency_ratio=dict(latency_ratio or {}),
-        end_to_end_check=dict(end_to_end_check or {}), fp32_by_model=list(table.fp32_by_model))
+        end_to_end_check=dict(end_to_end_check or {}), fp32_by_model=list(table.fp32_by_model),
+        not_profiled=dict(not_profiled or {}),
+        not_faster={p: list(names) for p, names in (not_faster or {}).items()}, nothing_pays_off=nothing_pays_off)
+
 
 
 def _as_run(latency_ms: Mapping[str, float], fp32_by_model: bool) -> dict[str, float]:

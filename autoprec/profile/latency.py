@@ -35,7 +35,9 @@ from ..policy import Policy
 from .clock import LayerClock, cast_ms
 from .runnable import autocast_untuned, runnable_policy
 
-__all__ = ["LatencyResult", "blanket_policy", "measure_latency", "predict_ms"]
+__all__ = ["LatencyResult", "blanket_policy", "fp32_latency", "layers_not_faster", "measure_latency", "predict_ms"]
+
+SPEED_MARGIN = 0.03  # as search.SPEED_MARGIN: within 3% of fp32 is not faster
 
 
 @dataclass
@@ -257,8 +259,9 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
             whole["mixed"] = policy
     paired = None
     if "fp32" in whole:
+        # fp32 alone has no ratio to measure: a couple of rounds give its time (nothing is decided by it)
         paired = compare(policy_runs(model, batch, whole, device), reference="fp32", device=str(device),
-                         until="precise", max_seconds=end_to_end_seconds)
+                         until="precise", max_seconds=end_to_end_seconds, min_rounds=6 if len(whole) > 1 else 2)
         end_to_end.update({k: statistics.median(v) for k, v in paired.samples.items()})
     if progress:
         progress("end to end")
@@ -288,3 +291,33 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
     return LatencyResult(latency, casts, remainder, end_to_end, error, mixed, not_runnable,
                          autocast_untuned(model, plain_run, layers), ratio,
                          paired.to_dict() if paired is not None else {})
+
+
+def layers_not_faster(latency: LatencyResult, precisions: Sequence[Precision]) -> dict[str, list[str]]:
+    """precision -> the layers whose paired rounds decided it not faster than fp32 (the whole interval of
+    the ratio at or above 1 - :data:`SPEED_MARGIN`), where the whole model is not decided faster in it
+    either. Where blanket ``p`` is faster, every layer is kept: a block lowered as one region may pay
+    off with a slower small layer inside it, and the search weighs that."""
+    ratios = latency.end_to_end_comparison.get("ratios", {})
+    out: dict[str, list[str]] = {}
+    for p in precisions:
+        if ratios.get(p.value, {}).get("decision") == "faster":
+            continue
+        names = [name for name, by_precision in latency.ratio.items()
+                 if (r := by_precision.get(p.value)) is not None and r[1] >= 1 - SPEED_MARGIN]
+        if names:
+            out[p.value] = names
+    return out
+
+
+def fp32_latency(model: nn.Module, batch: Any, layers: Sequence[str], device: str | torch.device = "cpu"
+                 ) -> LatencyResult:
+    """fp32 alone, for a profile where no low precision can pay off: nothing is compared or decided from
+    it, so one hooked forward after one that warms up gives each layer's time and the whole model's."""
+    device = torch.device(device)
+    _clocked_run(model, batch, layers, device)
+    times, total, _ = _clocked_run(model, batch, layers, device)
+    layer_ms = {n: times.get(n, 0.0) for n in layers}
+    return LatencyResult({n: {"fp32": ms} for n, ms in layer_ms.items()}, {n: {} for n in layers},
+                         {"fp32": total - sum(layer_ms.values())}, {"fp32": total}, {}, {},
+                         end_to_end_comparison={"samples_ms": {"fp32": [total]}})

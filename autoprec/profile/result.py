@@ -100,6 +100,13 @@ class Profile:
     # Layers the model itself runs with autocast off (capture's LayerTable.fp32_by_model): fp32 under any
     # region, timed as such, never candidates. Older profiles lack it: read as empty.
     fp32_by_model: list[str] = field(default_factory=list)
+    # What was not profiled for sensitivity because latency, measured first, showed it cannot pay off:
+    # precision -> why, for a precision not faster anywhere here (probe.py); precision -> the layers decided
+    # not faster in it (paired rounds) where the precision is not faster for the whole model either; and
+    # the one line a tune ends with when nothing here is faster than fp32. Older profiles lack them.
+    not_profiled: dict[str, str] = field(default_factory=dict)
+    not_faster: dict[str, list[str]] = field(default_factory=dict)
+    nothing_pays_off: str = ""
 
     def layer(self, name: str) -> LayerProfile:
         for layer in self.layers:

@@ -1,36 +1,65 @@
-"""Per-layer sensitivity: each layer alone lowered to each precision, the rest in fp32."""
+"""Per-layer sensitivity: each layer alone lowered to each precision, the rest in fp32.
+
+The work is an explicit list of evaluations, ``(layer, precision)`` pairs (:func:`sensitivity_work`),
+so a caller can run any share of it (e.g. one rank's share under torchrun) and merge the results
+(:func:`merge_sensitivity`): each evaluation depends on nothing but the model, the batches and its pair.
+"""
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from ..measure import Evaluator
 from ..policy import Policy
 from .result import Sensitivity
 
-__all__ = ["measure_sensitivity"]
+__all__ = ["SensitivityWork", "measure_sensitivity", "merge_sensitivity", "sensitivity_work"]
+
+SensitivityWork = tuple[str, str]  # (layer, precision): one evaluation
 
 
-def measure_sensitivity(evaluator: Evaluator, candidates: Mapping[str, Sequence[str]],
-                        progress: Callable[[str], None] | None = None) -> dict[str, dict[str, Sensitivity]]:
-    """``candidates``: layer -> precisions to try. One evaluation on the evaluator's batches each.
+def sensitivity_work(candidates: Mapping[str, Sequence[str]],
+                     skip: Mapping[str, Iterable[str]] | None = None) -> list[SensitivityWork]:
+    """Every ``(layer, precision)`` of ``candidates`` (layer -> precisions), in layer order, except the
+    layers ``skip`` names for a precision (precision -> layers: decided not to pay off, not worth measuring)."""
+    skipped = {(name, p) for p, names in (skip or {}).items() for name in names}
+    return [(name, p) for name, precisions in candidates.items() for p in precisions if (name, p) not in skipped]
+
+
+def measure_sensitivity(evaluator: Evaluator, work: Mapping[str, Sequence[str]] | Sequence[SensitivityWork],
+                        progress: Callable[[str], None] | None = None, layers: Sequence[str] | None = None
+                        ) -> dict[str, dict[str, Sensitivity]]:
+    """One evaluation on the evaluator's batches per item of ``work``: ``(layer, precision)`` pairs, or a
+    mapping layer -> precisions to try. ``layers``: every tunable layer (default: those ``work`` names); a
+    layer nested in the one lowered keeps fp32, so only that layer's own compute is lowered.
 
     The metric drop is the user's metric against fp32 (None in fidelity mode, where the SQNR
     is the metric); ``nonfinite`` is set when the layer's own output or the model's output
     holds an inf or NaN, as fp16 gives where activations pass its range; ``error`` when the
     model raised with the layer lowered (then ``nonfinite`` is not set: nothing was computed).
+    The result has an entry for every layer named (in ``layers`` or ``work``), empty where nothing was measured.
     """
-    result: dict[str, dict[str, Sensitivity]] = {}
-    for name, precisions in candidates.items():
-        result[name] = {}
-        for precision in precisions:
-            # Nested layers keep fp32: only this layer's own compute is lowered.
-            nested = {other: "fp32" for other in candidates if other.startswith(name + ".")}
-            policy = Policy.from_assignment({name: precision, **nested})
-            m = evaluator.measure(policy, watch=[name])
-            drop = None if evaluator.uses_fidelity else evaluator.drop(m.metric)
-            result[name][precision] = Sensitivity(sqnr_db=m.sqnr_db, metric_drop=drop,
-                                                  nonfinite=m.nonfinite and not m.error, error=m.error)
-            if progress:
-                progress(name)
+    if isinstance(work, Mapping):
+        layers = list(work) if layers is None else layers
+        work = sensitivity_work(work)
+    names = list(dict.fromkeys([*(layers or ()), *(name for name, _ in work)]))
+    result: dict[str, dict[str, Sensitivity]] = {name: {} for name in names}
+    for name, precision in work:
+        nested = {other: "fp32" for other in names if other.startswith(name + ".")}
+        policy = Policy.from_assignment({name: precision, **nested})
+        m = evaluator.measure(policy, watch=[name])
+        drop = None if evaluator.uses_fidelity else evaluator.drop(m.metric)
+        result[name][precision] = Sensitivity(sqnr_db=m.sqnr_db, metric_drop=drop,
+                                              nonfinite=m.nonfinite and not m.error, error=m.error)
+        if progress:
+            progress(name)
     return result
+
+
+def merge_sensitivity(shares: Iterable[Mapping[str, Mapping[str, Sensitivity]]]) -> dict[str, dict[str, Sensitivity]]:
+    """The results of several shares of the work as one (each evaluation is in exactly one share)."""
+    merged: dict[str, dict[str, Sensitivity]] = {}
+    for share in shares:
+        for name, by_precision in share.items():
+            merged.setdefault(name, {}).update(by_precision)
+    return merged

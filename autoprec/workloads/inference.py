@@ -107,7 +107,8 @@ class InferenceWorkload(Workload):
     def profile(self, table: LayerTable, device: torch.device, config: TuneConfig, capture_seconds: float) -> Profile:
         return profile_model(self.model, table, self.batches, self.evaluate, self.higher_is_better, device,
                              config.precisions, sensitivity_batches=config.sensitivity_batches,
-                             progress=config.progress, capture_seconds=capture_seconds, target=config.target)
+                             progress=config.progress, capture_seconds=capture_seconds, target=config.target,
+                             profile_all=config.profile_all)
 
     def held_out(self, runners: Mapping[str, Policy | Precision | None], device: torch.device, seed: int = 0
                  ) -> HeldOut:

@@ -1,0 +1,171 @@
+"""What a tune costs as the model grows: wall time, its phases, full-model forwards, peak memory.
+
+    python benchmarks/scale.py [--quick] [--json benchmarks/results/scale.json] [--code DIR] [--label after]
+
+Transformers of 6, 12, 24 and 48 blocks (pre-norm, q/k/v/o + a 4x MLP per block, width 64, 8 x 32
+tokens: small enough to tune on 2 shared cores), each tuned once in a fresh process with
+``autoprec.tune(model, batches, min_sqnr=30, precisions=["bf16"], trials=5)``, every layer profiled
+(``profile_all`` where the code has it, so the profile's work is the same on every CPU), and one
+1024-wide model (12 blocks, 2 x 32 tokens: 576 MiB of fp32 weights) for memory. Per model: the tune's
+wall time and phases, the number of full-model forwards (a pre-hook on the model counts every call), the
+model's fp32 size, one
+batch's activations (the peak-memory growth of one plain forward), and the tune's peak resident memory
+above what the process held before the model was built, as a ratio to model + one batch.
+
+Goals: 48 blocks <= 5x the wall time of 12 blocks; peak memory <= 1.5x the model + one batch.
+``--code DIR`` runs another checkout's autoprec (e.g. main's, for a "before" figure) on the same models.
+``--quick``: 6 and 12 blocks only, a smoke run. Timings on a shared machine swing 2x: rerun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPTHS = (6, 12, 24, 48)
+WIDTH, TOKENS, ROWS = 64, 32, 8
+WIDE = {"blocks": 12, "width": 1024, "rows": 2}  # the memory check at a width where weights dominate
+
+
+def build(blocks: int, width: int):
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+            self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+            self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+            self.heads = max(1, width // 64)
+
+        def forward(self, x):
+            b, t, c = x.shape
+            h = self.norm1(x)
+            q, k, v = (p(h).view(b, t, self.heads, c // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+            x = x + self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, c))
+            return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+    class Transformer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(16, width)
+            self.layers = nn.ModuleList(Block() for _ in range(blocks))
+            self.head = nn.Linear(width, 16)
+
+        def forward(self, x):
+            h = self.embed(x)
+            for block in self.layers:
+                h = block(h)
+            return self.head(h)
+
+    torch.manual_seed(0)
+    return Transformer().eval()
+
+
+def peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def one(blocks: int, width: int, rows: int, code: str) -> dict:
+    """One tune in this process (a fresh one per model, so the peak is this tune's)."""
+    sys.path.insert(0, code)
+    import torch
+
+    import autoprec
+    from autoprec.config import TuneConfig
+
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    before_model = peak_bytes()
+    model = build(blocks, width)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(rows, TOKENS, 16, generator=g) for _ in range(4)]
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    with_model = peak_bytes()
+    with torch.no_grad():
+        model(batches[0])
+    activations = max(0, peak_bytes() - with_model)
+    forwards = [0]
+    model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    fields = {f.name for f in dataclasses.fields(TuneConfig)}
+    extra = {"profile_all": True} if "profile_all" in fields else {}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as out:
+        result = autoprec.tune(model, batches, min_sqnr=30, precisions=["bf16"], trials=5, out=Path(out),
+                               progress=False, log=lambda _: None, **extra)
+    wall = time.perf_counter() - start
+    peak = peak_bytes() - before_model
+    return {"blocks": blocks, "width": width, "rows": rows, "tokens": TOKENS, "layers": len(result.profile.layers),
+            "wall_s": wall, "phases_s": {**result.profile.cost.get("seconds", {}), **result.seconds},
+            "sensitivity_evaluations": result.profile.cost.get("evaluations"), "model_forwards": forwards[0],
+            "model_mib": weights / 2**20, "batch_activations_mib": activations / 2**20,
+            "peak_mib_above_start": peak / 2**20, "peak_over_model_and_batch": peak / (weights + activations),
+            "policy": result.policy.to_dict().get("layers"), "default": result.policy.default.value}
+
+
+def run_one(blocks: int, width: int, rows: int, code: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--one", str(blocks), str(width), str(rows), "--code", code],
+                         capture_output=True, text=True, timeout=3600)
+    if out.returncode:
+        raise SystemExit(f"the {blocks}-block tune failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "scale.json")
+    parser.add_argument("--code", default=str(ROOT), help="the checkout whose autoprec runs (default: this one)")
+    parser.add_argument("--label", default="after", help="the key these figures go under in --json")
+    parser.add_argument("--depths", type=int, nargs="*", default=list(DEPTHS), help="blocks of each model timed")
+    parser.add_argument("--no-wide", action="store_true", help="skip the 1024-wide memory check")
+    parser.add_argument("--one", nargs=3, type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one(*args.one, args.code)))
+        return
+    runs = []
+    for blocks in args.depths[:2] if args.quick else args.depths:
+        runs.append(run_one(blocks, WIDTH, ROWS, args.code))
+        r = runs[-1]
+        print(f"{blocks:>2} blocks: {r['wall_s']:.1f} s, {r['model_forwards']} forwards, "
+              f"{r['sensitivity_evaluations']} evaluations, peak {r['peak_over_model_and_batch']:.2f}x "
+              f"model + batch", flush=True)
+    wide = None if args.no_wide else run_one(WIDE["blocks"], WIDE["width"], WIDE["rows"], args.code)
+    if wide:
+        print(f"1024 wide: peak {wide['peak_mib_above_start']:.0f} MiB above start, model {wide['model_mib']:.0f} "
+              f"MiB, {wide['peak_over_model_and_batch']:.2f}x model + batch", flush=True)
+    data = json.loads(args.json.read_text()) if args.json.exists() else {}
+    figures = data.setdefault(args.label, {})
+    kept = {r["blocks"]: r for r in figures.get("depths", [])}  # depths run by earlier invocations stay
+    kept.update({r["blocks"]: r for r in runs})
+    figures.update({"code": args.code, "quick": args.quick, "depths": [kept[b] for b in sorted(kept)],
+                    "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared "
+                               "with other work (timings swing 2x and more)"})
+    if wide:
+        figures["wide"] = wide
+    growth = kept[48]["wall_s"] / kept[12]["wall_s"] if {12, 48} <= set(kept) else None
+    measured = [*kept.values(), *([figures["wide"]] if "wide" in figures else [])]
+    figures["wall_48_over_12"] = growth
+    figures["goals"] = {"wall_48_over_12 <= 5": None if growth is None else growth <= 5,
+                        "peak <= 1.5x model + batch": {
+                            f"{r['blocks']}x{r['width']}": r["peak_mib_above_start"]
+                            <= 1.5 * r["model_mib"] + r["batch_activations_mib"] for r in measured}}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"48/12 blocks wall time: {growth}; goals: {figures['goals']}; written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()

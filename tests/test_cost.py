@@ -1,0 +1,125 @@
+"""What a tune costs (issue 22): latency before sensitivity, so what cannot pay off here is never
+profiled, and a device where nothing is faster than fp32 gets fp32 at once with one line saying why;
+the sensitivity work as a list a caller can split."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+import torch.nn as nn
+
+import autoprec
+from autoprec.measure import Evaluator
+from autoprec.profile.latency import LatencyResult, layers_not_faster
+from autoprec.profile.sensitivity import measure_sensitivity, merge_sensitivity, sensitivity_work
+
+
+class SlowWhenLowered(nn.Linear):
+    """A linear whose low-precision kernel is slow, as bf16 is on a CPU without bf16 instructions
+    (and fp16 on most CPUs): under autocast each call costs 50 ms more. No timing is assumed of the machine."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            time.sleep(0.05)
+        return super().forward(x)
+
+
+def slow_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(SlowWhenLowered(32, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
+
+
+def test_where_nothing_is_faster_the_tune_ends_with_fp32_and_says_why(tmp_path):
+    model = slow_model()
+    batches = [torch.randn(16, 32, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    lines: list[str] = []
+    result = autoprec.tune(model, batches, min_sqnr=30, trials=5, out=tmp_path, progress=False, log=lines.append)
+    profile = result.profile
+    assert profile.cost["evaluations"] == 0  # no sensitivity evaluation at all
+    assert all(layer.sensitivity == {} for layer in profile.layers)
+    assert set(profile.not_profiled) == {"bf16", "fp16", "fp8"}
+    assert "bf16 is" in profile.not_profiled["bf16"] and "slower than fp32" in profile.not_profiled["bf16"]
+    assert "timed alone" in profile.not_profiled["bf16"]  # what was measured
+    assert "emulated" in profile.not_profiled["fp8"]
+    said = [line for line in lines if line.startswith("nothing is faster than fp32 on this CPU")]
+    assert len(said) == 1 and "--target" in said[0]
+    assert result.search.trials == [] and result.policy.layers == {}
+    assert result.policy.default is autoprec.Precision.FP32
+    written = json.loads((tmp_path / "policy.json").read_text())
+    assert written["default"] == "fp32" and written["result"]["speedup"] == 1.0
+    report = (tmp_path / "report.md").read_text()
+    assert "The policy stays fp32" in report and "Nothing is faster than fp32" in report
+
+
+def test_profile_all_still_profiles_what_cannot_pay_off():
+    model = slow_model()
+    batches = [torch.randn(16, 32) for _ in range(2)]
+    table = autoprec.capture.capture(model, batches)
+    profile = autoprec.profile.profile_model(model, table, batches, precisions=["bf16"], repeats=2, progress=False,
+                                             profile_all=True)
+    assert profile.not_profiled == {} and not profile.nothing_pays_off
+    assert all("bf16" in layer.sensitivity for layer in profile.layers)
+
+
+def test_a_layer_decided_not_faster_is_skipped_unless_the_precision_pays_off_for_the_whole_model():
+    ratio = {"fast": {"bf16": [0.5, 0.4, 0.6]}, "slow": {"bf16": [1.4, 1.2, 1.6]},
+             "undecided": {"bf16": [0.99, 0.9, 1.1]}}
+    latency = LatencyResult({}, {}, {}, {}, {}, {}, ratio=ratio,
+                            end_to_end_comparison={"ratios": {"bf16": {"decision": "tie"}}})
+    assert layers_not_faster(latency, [autoprec.Precision.BF16]) == {"bf16": ["slow"]}
+    latency.end_to_end_comparison = {"ratios": {"bf16": {"decision": "faster"}}}
+    assert layers_not_faster(latency, [autoprec.Precision.BF16]) == {}
+
+
+def test_shares_of_the_sensitivity_work_merge_into_the_whole():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
+    evaluator = Evaluator(model, [torch.randn(8, 16)])
+    candidates = {"0": ["bf16", "fp16"], "2": ["bf16"]}
+    work = sensitivity_work(candidates, skip={"fp16": ["0"]})
+    assert work == [("0", "bf16"), ("2", "bf16")]
+    whole = measure_sensitivity(evaluator, work, layers=list(candidates))
+    shares = [measure_sensitivity(evaluator, work[rank::2], layers=list(candidates)) for rank in range(2)]
+    assert merge_sensitivity(shares) == whole
+    assert measure_sensitivity(evaluator, {"0": ["bf16"], "2": ["bf16"]}) == whole  # the mapping form, as before
+
+
+def test_timed_candidates_share_the_models_weights():
+    from autoprec.apply import applied_policy
+    from autoprec.measure import policy_runs
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
+    x = torch.randn(8, 16)
+    policies = {f"c{i}": autoprec.Policy.from_assignment({"0": "bf16", "2": p}) for i, p in enumerate(["fp32", "bf16"])}
+    runs = policy_runs(model, x, {"fp32": None, **policies})
+    weights = {p.data_ptr() for p in model.parameters()}
+    copies = [cell.cell_contents for run in runs.values() for cell in _closure_modules(run)]
+    assert len(copies) >= 2 and all({p.data_ptr() for p in c.parameters()} == weights for c in copies)
+    assert applied_policy(model) is None  # the user's model is left as it was
+    assert all(torch.isfinite(run()).all() for run in runs.values())
+
+
+def _closure_modules(fn):
+    """The modules a run's closures hold (the copy it runs on)."""
+    found, todo = [], [fn]
+    while todo:
+        f = todo.pop()
+        for cell in f.__closure__ or ():
+            value = cell.cell_contents
+            if isinstance(value, nn.Module):
+                found.append(cell)
+            elif callable(value) and getattr(value, "__closure__", None):
+                todo.append(value)
+    return found
+
+
+def test_a_model_that_does_not_fit_is_one_line_with_the_need_and_the_fix():
+    from autoprec.fits import GiB, shortfall
+
+    assert shortfall(30 * GiB, GiB // 2, 80 * GiB, "cuda:0") is None
+    line = shortfall(32 * GiB, GiB, 20 * GiB, "cuda:0")
+    assert "\n" not in line and "33.0 GiB" in line and "20.0 GiB is free" in line
+    assert "smaller batches" in line and "torchrun" in line
