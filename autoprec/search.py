@@ -199,8 +199,13 @@ class _Study:
 def search(profile: Profile, evaluator: Objective, budget: Budget, space: SearchSpace,
            precisions: Sequence[str] = DEFAULT_PRECISIONS, trials: int = 60, timeout: float | None = None,
            patience: int = 20, storage: str = "sqlite:///study.db", study_name: str | None = None, seed: int = 0,
-           fail_stale: bool = True, progress: bool = True) -> SearchResult:
-    """Search the per-layer assignment; ``evaluator`` (the workload's objective) measures each candidate."""
+           fail_stale: bool = True, progress: bool = True, opened: Callable[[], None] = lambda: None,
+           finished: Callable[[], None] = lambda: None) -> SearchResult:
+    """Search the per-layer assignment; ``evaluator`` (the workload's objective) measures each candidate.
+
+    Workers that share the study (ranks of a torchrun job) pass ``opened``, which returns once every worker
+    has opened it (so no worker's fresh trial is failed as stale by another), and ``finished``, which returns
+    once every worker's trials are done (so each reads the same trials at the end)."""
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
@@ -215,6 +220,7 @@ def search(profile: Profile, evaluator: Objective, budget: Budget, space: Search
     state.claim({"model": profile.fingerprint, "budget": str(budget), "search_space": space.name,
                  "precisions": ",".join(allowed)})
     study, optuna = state.study, state.optuna
+    opened()
     searchable = [u for u in units if len(u.candidates) > 1]
     distributions = {u.key: optuna.distributions.CategoricalDistribution(list(u.candidates)) for u in searchable}
     every = {**distributions, **{p.key: optuna.distributions.CategoricalDistribution(list(structure.candidates[p.key]))
@@ -321,6 +327,7 @@ def search(profile: Profile, evaluator: Objective, budget: Budget, space: Search
             if timeout is not None and time.perf_counter() - start >= timeout:
                 stopped = "timeout"
 
+    finished()
     all_trials = _candidates(state.completed(), structure.assignment)
     feasible = [c for c in all_trials if c.feasible]
     best = min(feasible, key=lambda c: (c.predicted_ms, c.number)) if feasible else None
@@ -396,7 +403,10 @@ def open_storage(url: Any, attempts: int = 5) -> Any:
     shown = re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url)  # never print a password
     for attempt in range(attempts):
         try:
-            return optuna.storages.RDBStorage(url)
+            # SQLite shared by the ranks of one torchrun job: a writer waits for another's lock (up to a
+            # minute) instead of failing at once with "database is locked"
+            wait = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None
+            return optuna.storages.RDBStorage(url, engine_kwargs=wait)
         except ImportError as e:  # optuna re-raises a missing driver as a plain ImportError
             cause = e.__cause__ if isinstance(e.__cause__, ImportError) else e
             missing = f" (no module {cause.name!r})" if getattr(cause, "name", None) else ""

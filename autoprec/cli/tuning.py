@@ -55,12 +55,23 @@ def tune_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def tune(args: argparse.Namespace) -> int:
+    from ..distributed import ONE_PROCESS, under_torchrun
+
+    if under_torchrun():  # one of the ranks of `torchrun --nproc_per_node N -m autoprec tune ...`
+        from ..distributed.tuning import device_of_rank, on_every_rank
+
+        args.device = device_of_rank(args.device)
+        return on_every_rank(lambda ranks, log: _tune(args, ranks, log), args.device)
+    return _tune(args, ONE_PROCESS, lambda msg: print(msg, file=sys.stderr))
+
+
+def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
     from ..results import results_table
     from ..tune import TuneInterrupted
     from ..tune import tune as run_tune
 
     config = _config(args, out=Path(args.out) if args.out else default_out(args.model_py),  # before loading
-                     compile=args.compile)
+                     compile=args.compile, progress=ranks.writes)
     if args.for_ == "training":
         from ..trainspec import load_train_spec
         from ..workloads.training import COMPILE_REFUSED, TrainingWorkload
@@ -78,9 +89,11 @@ def tune(args: argparse.Namespace) -> int:
 
         workload = InferenceWorkload.from_spec(load_spec(args))
     try:
-        result = run_tune(workload, config, log=lambda msg: print(msg, file=sys.stderr))
+        result = run_tune(workload, config, log=log, ranks=ranks)
     except TuneInterrupted as stop:
         return _interrupted(stop, config.out)
+    if not ranks.writes:  # the first rank prints the result and wrote the outputs
+        return 0
     return _print_tuned(results_table(result.verification), result, config.out)
 
 

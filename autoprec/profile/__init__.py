@@ -13,6 +13,7 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from ..capture import LayerTable
+from ..distributed.ranks import ONE_PROCESS, Ranks
 from ..formats import DEFAULT_PRECISIONS, Capability, Precision, device_capabilities
 from ..measure import Evaluator, to_device
 from .frame import assemble, device_label, layer_candidates, low_precisions
@@ -27,12 +28,14 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
                   evaluate: Callable[[nn.Module, list], float] | None = None, higher_is_better: bool = True,
                   device: str | torch.device = "cpu", precisions: Sequence[str | Precision] = DEFAULT_PRECISIONS,
                   sensitivity_batches: int | None = 1, repeats: int = 9, progress: bool = True,
-                  capture_seconds: float = 0.0, target: str | None = None) -> Profile:
+                  capture_seconds: float = 0.0, target: str | None = None, ranks: Ranks = ONE_PROCESS) -> Profile:
     """Profile every layer of ``table`` in each of ``precisions`` on ``device``.
 
     ``batches`` are the search batches: sensitivity uses the first ``sensitivity_batches``
     of them (all when None), latency the first one. With ``target`` (a GPU name, see
     :mod:`autoprec.costmodel`) latency is estimated for that GPU instead of measured here.
+    ``ranks`` (a torchrun job): each rank measures its share of the sensitivity evaluations; every rank
+    times latency at once, as the job will run; every rank returns the same profile.
     """
     device = torch.device(device)
     low = low_precisions(precisions)
@@ -54,9 +57,9 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
             chosen.add(min(layer.batches))
     sens_batches = [batches[i] for i in sorted(chosen)]
     evaluator = Evaluator(model, sens_batches, evaluate, higher_is_better, device)
-    total = sum(len(c) for c in candidates.values())
+    total = len(ranks.share(range(sum(len(c) for c in candidates.values()))))
     with tqdm(total=total, desc="sensitivity", unit="eval", disable=not progress, leave=False) as bar:
-        sensitivity = measure_sensitivity(evaluator, candidates, progress=lambda _n: bar.update())
+        sensitivity = measure_sensitivity(evaluator, candidates, progress=lambda _n: bar.update(), ranks=ranks)
     seconds["sensitivity"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -75,6 +78,8 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
             latency = measure_latency(model, to_device(batches[0], device), names, fp8_layers, timed, device,
                                       repeats=repeats, emulated=emulated, progress=lambda _p: bar.update())
     seconds["latency"] = time.perf_counter() - start
+    # Each rank timed its own replica; the first rank's timings stand for all, so every rank searches alike.
+    latency = ranks.from_first(latency)
 
     return assemble(model, table, batches, device_label(device, target), low, caps, latency.latency_ms,
                     latency.cast_ms, sensitivity, latency.end_to_end_ms, latency.remainder_ms,

@@ -16,6 +16,7 @@ from ..budget import Budget, Margin, choose_budget, search_margin
 from ..capture import LayerTable
 from ..compare import compare
 from ..config import TuneConfig
+from ..distributed.ranks import ONE_PROCESS, Ranks
 from ..formats import Precision
 from ..measure import Evaluator, policy_runs
 from ..objective import Measurement, Objective
@@ -99,10 +100,11 @@ class InferenceWorkload(Workload):
     def capture_batches(self) -> list:
         return [*self.batches, *self.holdout_batches]
 
-    def profile(self, table: LayerTable, device: torch.device, config: TuneConfig, capture_seconds: float) -> Profile:
+    def profile(self, table: LayerTable, device: torch.device, config: TuneConfig, capture_seconds: float,
+                ranks: Ranks = ONE_PROCESS) -> Profile:
         return profile_model(self.model, table, self.batches, self.evaluate, self.higher_is_better, device,
                              config.precisions, sensitivity_batches=config.sensitivity_batches,
-                             progress=config.progress, capture_seconds=capture_seconds, target=config.target)
+                             progress=config.progress, capture_seconds=capture_seconds, target=config.target, ranks=ranks)
 
     def held_out(self, runners: Mapping[str, Policy | Precision | None], device: torch.device, seed: int = 0
                  ) -> HeldOut:

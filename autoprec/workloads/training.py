@@ -31,6 +31,7 @@ from ..budget import Budget, BudgetError
 from ..capture import LayerTable
 from ..compare import rotations
 from ..config import TuneConfig
+from ..distributed.ranks import ONE_PROCESS, Ranks
 from ..formats import Precision
 from ..gradients import DEFAULT_MIN_GRAD_SQNR, GradientObjective, check_losses
 from ..objective import Measurement, Objective
@@ -123,9 +124,10 @@ class TrainingWorkload(Workload):
     def capture_batches(self) -> list:
         return self.batches[:1]
 
-    def profile(self, table: LayerTable, device: torch.device, config: TuneConfig, capture_seconds: float) -> Profile:
+    def profile(self, table: LayerTable, device: torch.device, config: TuneConfig, capture_seconds: float,
+                ranks: Ranks = ONE_PROCESS) -> Profile:
         return profile_training(self.model, table, self.train_batches, self.loss, self.path, device,
-                                config.precisions, progress=config.progress, capture_seconds=capture_seconds)
+                                config.precisions, progress=config.progress, capture_seconds=capture_seconds, ranks=ranks)
 
     def verify_budget(self, budget: Budget) -> Budget:
         """The metric drop only: the gradient floor belongs to the search; training runs show the outcome."""

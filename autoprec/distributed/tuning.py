@@ -1,0 +1,71 @@
+"""``torchrun --nproc_per_node N -m autoprec tune model.py``: the tune on every rank of a torchrun job.
+
+Each rank loads model.py and runs the same pipeline (:func:`autoprec.tune`) with the job's
+:class:`~autoprec.distributed.ranks.Ranks`: the ranks share the sensitivity evaluations and the search's
+trials, time together, and end with the same policy. The first rank prints and writes the outputs; the
+others print and write nothing.
+
+A failure on any rank ends the job on every rank with one line naming the rank and its error: the rank that
+failed says it (and puts it in the rendezvous store, where the others read it at their next wait); a rank
+that was killed cannot, so the lowest rank still running says which process is gone. Rerunning the same
+command resumes: the profile and the study are in the run folder, as for one process.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Callable
+
+from .ranks import RankFailed, Ranks, from_torchrun
+
+__all__ = ["device_of_rank", "on_every_rank"]
+
+
+def device_of_rank(device: str) -> str:
+    """Each rank's own GPU (``cuda`` -> ``cuda:LOCAL_RANK``); the CPU is shared."""
+    import os
+
+    return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if device == "cuda" else device
+
+
+def on_every_rank(run: Callable[[Ranks, Callable[[str], None]], int], device: str) -> int:
+    """Join the job, then ``run(ranks, log)`` on this rank (``log`` prints on the first rank only).
+
+    Returns the exit status. Any error becomes one line naming the rank that failed, printed once for the
+    job; a KeyboardInterrupt stays one (the tune says what was kept)."""
+    ranks = from_torchrun(device)
+
+    def log(message: str) -> None:
+        if ranks.writes:
+            print(message, file=sys.stderr)
+
+    try:
+        status = run(ranks, log)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # noqa: BLE001 - every error of a rank is the job's, said in one line
+        from ..userspec import one_line
+
+        line = ranks.fail(error if isinstance(error, RankFailed) else one_line(error))
+        if _says_it(ranks, line):
+            print(f"autoprec tune: error: {line}", file=sys.stderr)
+        return 1
+    import torch.distributed as dist
+
+    ranks.barrier()  # no rank leaves while another still needs it
+    dist.destroy_process_group()
+    return status
+
+
+def _says_it(ranks: Ranks, line: str) -> bool:
+    """Whether this rank prints the job's failure: the rank it names, or (when that rank was killed and said
+    nothing) the lowest other rank, so the line appears once."""
+    named = re.match(r"rank (\d+):", line)
+    if named is None or int(named.group(1)) == ranks.rank:
+        return True
+    if getattr(ranks, "said", None) == line:  # this rank put the line in the store
+        return True
+    if "ended without saying why" in line:
+        return ranks.rank == min(r for r in range(ranks.world_size) if r != int(named.group(1)))
+    return False
