@@ -203,7 +203,7 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
                             study_name=config.study_name or
                             f"{prefix}-{profile.fingerprint}-{space.name}-{search_budget.tag()}",
                             seed=config.seed, fail_stale=fail_stale, progress=config.progress,
-                            opened=ranks.barrier, finished=ranks.barrier)
+                            ranks=ranks)
             seconds["search"] = time.perf_counter() - start
 
             phase = "verify"

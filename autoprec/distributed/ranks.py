@@ -60,6 +60,11 @@ class Ranks:
         verification's decision) though each rank measured its own."""
         return self.gather(result)[0]
 
+    def seed(self, seed: int) -> int:
+        """A random seed of this rank's own from the run's ``seed`` (the first rank's is ``seed`` itself), so
+        workers that sample one study propose different trials."""
+        return seed + self.rank
+
     def barrier(self) -> None:
         """Returns when every rank has called it."""
         self.gather(None)

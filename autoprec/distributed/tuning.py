@@ -45,8 +45,13 @@ def on_every_rank(run: Callable[[Ranks, Callable[[str], None]], int], device: st
     except KeyboardInterrupt:
         raise
     except BaseException as error:  # noqa: BLE001 - every error of a rank is the job's, said in one line
+        import os
+        import traceback
+
         from ..userspec import one_line
 
+        if os.environ.get("AUTOPREC_DEBUG"):  # as for one process: the traceback, for a bug report
+            traceback.print_exc()
         line = ranks.fail(error if isinstance(error, RankFailed) else one_line(error))
         if _says_it(ranks, line):
             print(f"autoprec tune: error: {line}", file=sys.stderr)
