@@ -52,7 +52,11 @@ def on_every_rank(run: Callable[[Ranks, Callable[[str], None]], int], device: st
 
         if os.environ.get("AUTOPREC_DEBUG"):  # as for one process: the traceback, for a bug report
             traceback.print_exc()
-        line = ranks.fail(error if isinstance(error, RankFailed) else one_line(error))
+        from ..cli import _USER_ERRORS
+
+        # said as one process says it: a user's error by its message, anything else with its type
+        said = " ".join(str(error).split()) if isinstance(error, _USER_ERRORS) else one_line(error)
+        line = ranks.fail(error if isinstance(error, RankFailed) else said)
         if _says_it(ranks, line):
             print(f"autoprec tune: error: {line}", file=sys.stderr)
         return 1

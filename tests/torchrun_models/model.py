@@ -1,8 +1,9 @@
 """A small model for the torchrun tests: five layers, one of which (``cancel``: a small difference of two large
 products) loses its output in any low precision, so the search has a layer to keep fp32.
 
-A test plants a fault on one rank once the search has begun (the run folder named by ``RUN_DIR`` holds
-profile.json): ``FAIL_RANK=R`` makes the model raise on rank R, ``KILL_RANK=R`` kills rank R's process.
+A test plants a fault on one rank once the profile is saved (the run folder named by ``RUN_DIR`` holds
+profile.json) and the model has run ``FAULT_AFTER`` more times there (default 0): ``FAIL_RANK=R`` makes the
+model raise on rank R, ``KILL_RANK=R`` kills rank R's process.
 """
 
 import os
@@ -42,9 +43,16 @@ class Net(nn.Module):
         return self.head(h + self.cancel(h))
 
 
+_runs_after_profile = 0
+
+
 def _plant_fault():
+    global _runs_after_profile
     rank, run = os.environ.get("RANK"), os.environ.get("RUN_DIR")
     if rank is None or run is None or not Path(run, "profile.json").exists():
+        return
+    _runs_after_profile += 1
+    if _runs_after_profile <= int(os.environ.get("FAULT_AFTER", "0")):
         return
     if os.environ.get("KILL_RANK") == rank:
         os.kill(os.getpid(), signal.SIGKILL)
