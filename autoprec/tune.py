@@ -25,6 +25,7 @@ from .apply import structure_fingerprint
 from .batches import to_device
 from .budget import Budget
 from .capture import capture
+from .compare import timed_together
 from .config import TuneConfig
 from .distributed.ranks import ONE_PROCESS, Ranks
 from .formats import Precision, device_capabilities
@@ -218,8 +219,9 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
 
             candidates = _verify_candidates(result, profile, autocast, best=workload.verify_best,
                                             blanket=blanket_allowed, within=within_user_budget)
-            verification = verify(workload, candidates, the_budget, autocast, device, seed=config.seed,
-                                  estimated_ms=estimated_ms, estimated_for=config.target, compiled=config.compile)
+            with timed_together(ranks.slowest):  # the ranks of a job time it together (the slowest is the job's)
+                verification = verify(workload, candidates, the_budget, autocast, device, seed=config.seed,
+                                      estimated_ms=estimated_ms, estimated_for=config.target, compiled=config.compile)
             # every rank ran it at once, as the job runs; the first rank's timings decide for all
             verification = ranks.from_first(verification)
             seconds["verify"] = time.perf_counter() - start

@@ -83,11 +83,18 @@ def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
             raise CommandError(COMPILE_REFUSED)
         check_device(args.device)
         print(f"loading {args.model_py} for training", file=sys.stderr)
-        workload: Any = TrainingWorkload.from_spec(load_train_spec(args.model_py), args.steps)
+        train = load_train_spec(args.model_py)
+        workload: Any = TrainingWorkload.from_spec(train, args.steps)
+        spec = train.spec
     else:
         from ..workloads.inference import InferenceWorkload
 
-        workload = InferenceWorkload.from_spec(load_spec(args))
+        spec = load_spec(args)
+        workload = InferenceWorkload.from_spec(spec)
+    if ranks.world_size > 1:  # verification times the job as it runs: wrapped by model.py, or DDP replicas
+        from ..distributed.tuning import job_wrap
+
+        workload.wrap = job_wrap(spec, args.for_ == "training")
     try:
         result = run_tune(workload, config, log=log, ranks=ranks)
     except TuneInterrupted as stop:

@@ -65,6 +65,10 @@ class Ranks:
         workers that sample one study propose different trials."""
         return seed + self.rank
 
+    def slowest(self, values: Sequence[float]) -> list[float]:
+        """Each of ``values`` at its largest over the ranks: a step of the job takes as long as its slowest rank."""
+        return [max(each) for each in zip(*self.gather(list(values)))]
+
     def barrier(self) -> None:
         """Returns when every rank has called it."""
         self.gather(None)

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Callable
+from typing import Any, Callable
+
+from torch import nn
 
 from .ranks import RankFailed, Ranks, from_torchrun
 
-__all__ = ["device_of_rank", "on_every_rank"]
+__all__ = ["device_of_rank", "job_wrap", "on_every_rank"]
 
 
 def device_of_rank(device: str) -> str:
@@ -27,6 +29,30 @@ def device_of_rank(device: str) -> str:
     import os
 
     return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if device == "cuda" else device
+
+
+def job_wrap(spec: Any, for_training: bool) -> Callable[[nn.Module], nn.Module] | None:
+    """How the job runs a copy of the model, for verification to time it so: model.py's ``wrap(model)``
+    (checked: it must return a module), else DDP replicas for training (gradients all-reduced in each step),
+    else nothing for inference (DDP's forward is the replica's own)."""
+    from ..userspec import UserCodeError, kind_of, user_function
+
+    if spec.wrap is None:
+        if not for_training:
+            return None
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel
+    wrap = user_function(spec.wrap, "wrap", spec.path)
+
+    def wrapped(model: nn.Module) -> nn.Module:
+        job = wrap(model)
+        if not isinstance(job, nn.Module):
+            raise UserCodeError(spec.path, "wrap()", f"returned {kind_of(job)}, not a torch.nn.Module",
+                                "return the wrapped model, e.g. `fully_shard(model); return model` or "
+                                "`return DistributedDataParallel(model)`")
+        return job
+    return wrapped
 
 
 def on_every_rank(run: Callable[[Ranks, Callable[[str], None]], int], device: str) -> int:

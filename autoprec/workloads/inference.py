@@ -45,6 +45,7 @@ class InferenceWorkload(Workload):
     holdout_batches: list | None = None
     timing_batch: Any = None
     path: Path = Path("model.py")
+    wrap: Callable[[nn.Module], nn.Module] | None = None  # how the job runs the model (torchrun); None: as it is
 
     name = "inference"
 
@@ -129,7 +130,7 @@ class InferenceWorkload(Workload):
         if not runners:
             return {}, timed_on, None
         runs = policy_runs(self.model, batch, runners, device, compile_backend=compiled_module.BACKEND if compiled
-                           else None)
+                           else None, wrap=self.wrap)
         comparison = compare(runs, reference="fp32", device=str(device), max_seconds=VERIFY_SECONDS)
         if compiled:
             timed_on += f", compiled ({compiled_module.BACKEND}; {compiled_module.describe_regions(self.model)})"

@@ -73,6 +73,7 @@ class TrainingWorkload(Workload):
     higher_is_better: bool = True
     steps: int = DEFAULT_STEPS
     path: Path = Path("model.py")
+    wrap: Callable[[nn.Module], nn.Module] | None = None  # how the job runs the model (torchrun); None: as it is
     _runs: dict = field(default_factory=dict, repr=False)  # the last verification's training runs
 
     name = "training"
@@ -136,7 +137,7 @@ class TrainingWorkload(Workload):
     def held_out(self, runners: Mapping[str, Policy | Precision | None], device: torch.device, seed: int = 0
                  ) -> HeldOut:
         make_optimizer = self.optimizer or default_optimizer
-        runs = {k: _make_run(self.model, how, self.loss, self.path, make_optimizer, device)
+        runs = {k: _make_run(self.model, how, self.loss, self.path, make_optimizer, device, self.wrap)
                 for k, how in runners.items()}
         train_interleaved(runs, [to_device(b, device) for b in self.train_batches], self.steps, device, seed)
         eval_batches = [to_device(b, device) for b in self.eval_batches]
@@ -194,8 +195,15 @@ class _Run:
 
 
 def _make_run(model: nn.Module, how: Policy | Precision | None, loss: Callable, path: Path,
-              make_optimizer: Callable, device: torch.device) -> _Run:
+              make_optimizer: Callable, device: torch.device, wrap: Callable[[nn.Module], nn.Module] | None = None
+              ) -> _Run:
+    """A copy of ``model`` to train under ``how``; with ``wrap`` (torchrun) the policy is applied to the copy,
+    which is then wrapped as the job trains it (DDP, fully_shard) before its optimizer is made."""
     trained = copy.deepcopy(model).train()
+    if wrap is not None:
+        if isinstance(how, Policy):
+            apply_policy(trained, how, mode="training")
+        trained = wrap(trained)
     optimizer = make_optimizer(trained)
     if isinstance(how, Precision):  # blanket autocast, as a user writes it
         scaler = torch.amp.GradScaler(device.type, enabled=how is Precision.FP16)
@@ -211,7 +219,7 @@ def _make_run(model: nn.Module, how: Policy | Precision | None, loss: Callable, 
 
         return _Run(trained, autocast_step, autocast=how)
     policy = how if how is not None else Policy()
-    if how is not None:
+    if how is not None and wrap is None:
         apply_policy(trained, policy, mode="training")
     train_step = TrainStep(policy, optimizer, device)
 
