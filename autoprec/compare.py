@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 __all__ = ["Comparison", "Interval", "Ratio", "compare", "median_interval", "rotations", "round_orders",
-           "shift_interval", "timed_together"]
+           "shift_interval", "timed_together", "together"]
 
 # Processes that run one job (the ranks of a torchrun job) time it together: every call to a model with
 # collectives inside must happen on all of them, so each round's times become the slowest process's (the
@@ -57,7 +57,8 @@ def timed_together(slowest: Callable[[list[float]], list[float]]) -> Iterator[No
         _SLOWEST.reset(token)
 
 
-def _together(values: list[float]) -> list[float]:
+def together(values: list[float]) -> list[float]:
+    """``values`` as the processes timing together see them (see :func:`timed_together`): each one's largest."""
     slowest = _SLOWEST.get()
     return values if slowest is None else slowest(values)
 
@@ -401,11 +402,11 @@ def compare(runs: Mapping[str, Callable[[], Any]], *, reference: str, device: st
                 if rounds >= max_rounds:
                     capped_by = "rounds"
                     break
-                if _together([float(clock() + per_round - start > max_seconds)])[0]:
+                if together([float(clock() + per_round - start > max_seconds)])[0]:
                     capped_by = "seconds"
                     break
             times = {key: once(runs[key]) for key in _order(keys, rounds)}
-            for key, ms in zip(times, _together(list(times.values()))):
+            for key, ms in zip(times, together(list(times.values()))):
                 samples[key].append(ms)
             rounds += 1
             ratios = {k: Ratio.of(samples[k], samples[reference], confidence, rel_precision)
@@ -423,7 +424,7 @@ def _settle(fn: Callable[[], Any], once: Callable[[Callable[[], Any]], float], m
     calls build kernels and touch fresh memory, which can be slow for a second or two."""
     times: list[float] = []
     while len(times) < max_runs:
-        times.append(_together([once(fn)])[0])
+        times.append(together([once(fn)])[0])
         best = min(times)
         if len(times) >= 2 and all(t <= best * (1 + tolerance) for t in times[-2:]):
             return

@@ -161,14 +161,15 @@ class _TorchrunRanks(Ranks):
     def fail(self, error: BaseException | str) -> str:
         if isinstance(error, RankFailed):  # another rank's failure, already said
             return str(error)
-        line = f"rank {self.rank}: {' '.join(str(error).split()) or type(error).__name__}"
+        mine = f"rank {self.rank}: {' '.join(str(error).split()) or type(error).__name__}"
         try:  # the first failure is the one the others report
-            self.store.compare_set(_FAILED, "", line)
-            line = self.store.get(_FAILED).decode()
+            self.store.compare_set(_FAILED, "", mine)
+            first = self.store.get(_FAILED).decode()
         except Exception:
-            pass
-        self.said = line
-        return line
+            first = mine
+        if first == mine:
+            self.said = mine
+        return first
 
 
 def _alive(pid: int) -> bool:

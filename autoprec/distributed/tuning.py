@@ -21,7 +21,7 @@ from torch import nn
 
 from .ranks import RankFailed, Ranks, from_torchrun
 
-__all__ = ["device_of_rank", "job_wrap", "on_every_rank"]
+__all__ = ["by_layer_names", "device_of_rank", "job_wrap", "on_every_rank"]
 
 
 def device_of_rank(device: str) -> str:
@@ -53,6 +53,17 @@ def job_wrap(spec: Any, for_training: bool) -> Callable[[nn.Module], nn.Module] 
                                 "`return DistributedDataParallel(model)`")
         return job
     return wrapped
+
+
+def by_layer_names(job: nn.Module, model: nn.Module) -> nn.Module:
+    """``job`` where it knows the model's layers by their names (``fully_shard`` shards in place), else the module
+    it wraps (DDP's ``module``: in inference DDP's forward is that module's own)."""
+    names = {name for name, _ in model.named_modules()}
+    inner = job
+    while not names <= {name for name, _ in inner.named_modules()} and isinstance(getattr(inner, "module", None),
+                                                                              nn.Module):
+        inner = inner.module
+    return inner
 
 
 def on_every_rank(run: Callable[[Ranks, Callable[[str], None]], int], device: str) -> int:

@@ -13,6 +13,7 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from ..capture import LayerTable
+from ..compare import timed_together
 from ..distributed.ranks import ONE_PROCESS, Ranks
 from ..formats import DEFAULT_PRECISIONS, Capability, Precision, device_capabilities
 from ..measure import Evaluator, to_device
@@ -28,14 +29,16 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
                   evaluate: Callable[[nn.Module, list], float] | None = None, higher_is_better: bool = True,
                   device: str | torch.device = "cpu", precisions: Sequence[str | Precision] = DEFAULT_PRECISIONS,
                   sensitivity_batches: int | None = 1, repeats: int = 9, progress: bool = True,
-                  capture_seconds: float = 0.0, target: str | None = None, ranks: Ranks = ONE_PROCESS) -> Profile:
+                  capture_seconds: float = 0.0, target: str | None = None, ranks: Ranks = ONE_PROCESS,
+                  timed: nn.Module | None = None) -> Profile:
     """Profile every layer of ``table`` in each of ``precisions`` on ``device``.
 
     ``batches`` are the search batches: sensitivity uses the first ``sensitivity_batches``
     of them (all when None), latency the first one. With ``target`` (a GPU name, see
     :mod:`autoprec.costmodel`) latency is estimated for that GPU instead of measured here.
     ``ranks`` (a torchrun job): each rank measures its share of the sensitivity evaluations; every rank
-    times latency at once, as the job will run; every rank returns the same profile.
+    times latency at once, as the job will run; every rank returns the same profile. ``timed``: the model as the
+    job runs it (e.g. sharded by model.py's ``wrap``, with the same layer names), timed instead of ``model``.
     """
     device = torch.device(device)
     low = low_precisions(precisions)
@@ -73,12 +76,14 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
         emulated = [p for p in low if caps[p] is Capability.EMULATED]
         # An emulated block-scaled format is never timed: its emulation's time says nothing of the
         # format's speed on the GPUs that have it (plan for one with --target). It keeps its sensitivity.
-        timed = [p for p in low if not (p.block_scaled and p in emulated)]
-        with tqdm(total=len(timed) + 2, desc="latency", unit="block", disable=not progress, leave=False) as bar:
-            latency = measure_latency(model, to_device(batches[0], device), names, fp8_layers, timed, device,
-                                      repeats=repeats, emulated=emulated, progress=lambda _p: bar.update())
+        timed_precisions = [p for p in low if not (p.block_scaled and p in emulated)]
+        with tqdm(total=len(timed_precisions) + 2, desc="latency", unit="block", disable=not progress, leave=False) as bar:
+            with timed_together(ranks.slowest):  # a job with collectives inside runs them on every rank at once
+                latency = measure_latency(model if timed is None else timed, to_device(batches[0], device), names,
+                                          fp8_layers, timed_precisions, device, repeats=repeats, emulated=emulated,
+                                          progress=lambda _p: bar.update())
     seconds["latency"] = time.perf_counter() - start
-    # Each rank timed its own replica; the first rank's timings stand for all, so every rank searches alike.
+    # The ranks timed at once; the first rank's timings stand for all, so every rank searches alike.
     latency = ranks.from_first(latency)
 
     return assemble(model, table, batches, device_label(device, target), low, caps, latency.latency_ms,

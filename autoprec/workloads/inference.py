@@ -3,6 +3,7 @@ the constraint, held-out batches as the proof."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -105,7 +106,17 @@ class InferenceWorkload(Workload):
                 ranks: Ranks = ONE_PROCESS) -> Profile:
         return profile_model(self.model, table, self.batches, self.evaluate, self.higher_is_better, device,
                              config.precisions, sensitivity_batches=config.sensitivity_batches,
-                             progress=config.progress, capture_seconds=capture_seconds, target=config.target, ranks=ranks)
+                             progress=config.progress, capture_seconds=capture_seconds, target=config.target,
+                             ranks=ranks, timed=self._as_the_job_runs() if config.target is None else None)
+
+    def _as_the_job_runs(self) -> nn.Module | None:
+        """A copy of the model wrapped as the job runs it (torchrun, model.py's ``wrap``), known by the layer
+        names of the model; None: the model itself is timed."""
+        if self.wrap is None:
+            return None
+        from ..distributed.tuning import by_layer_names
+
+        return by_layer_names(self.wrap(copy.deepcopy(self.model)), self.model)
 
     def held_out(self, runners: Mapping[str, Policy | Precision | None], device: torch.device, seed: int = 0
                  ) -> HeldOut:
