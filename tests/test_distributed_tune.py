@@ -98,3 +98,73 @@ def test_a_failing_rank_names_itself_and_its_error_once(folder):
     errors = _errors(done)
     assert len(errors) == 1 and errors[0].startswith("autoprec tune: error: rank 1: ") and "planted failure" in \
         errors[0], done.stderr[-3000:]
+
+
+# ---- the parts, in one process ---------------------------------------------------------------------------
+class _OneOfTwo:
+    """Rank ``rank`` of two, in one process: ``gather`` hands back the other rank's part as given."""
+
+    def __init__(self, rank: int, other: dict | None = None) -> None:
+        from autoprec.distributed import Ranks
+
+        self.rank, self.world_size, self.other = rank, 2, other
+        self.share = lambda work: Ranks.share(self, work)
+
+    def gather(self, result):
+        return [self.other, result] if self.rank else [result, self.other]
+
+
+def test_two_ranks_share_the_sensitivity_evaluations_and_gather_what_one_process_measures():
+    import torch
+
+    from autoprec.measure import Evaluator
+    from autoprec.profile.sensitivity import measure_sensitivity
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    evaluator = Evaluator(model, [torch.randn(4, 8)])
+    candidates = {"0": ["bf16", "fp16"], "2": ["bf16", "fp16", "fp8"]}
+    alone = measure_sensitivity(evaluator, candidates)
+    shares: dict[int, dict] = {}
+
+    class Measured(Exception):
+        pass
+
+    class Keep(_OneOfTwo):  # keeps what this rank measured, and stops there
+        def gather(self, result):
+            shares[self.rank] = result
+            raise Measured
+
+    for rank in (0, 1):
+        with pytest.raises(Measured):
+            measure_sensitivity(evaluator, candidates, ranks=Keep(rank))
+    assert sorted(shares[0]) == [("0", "bf16"), ("2", "bf16"), ("2", "fp8")]  # every other one, from the first
+    assert sorted(shares[1]) == [("0", "fp16"), ("2", "fp16")]
+    gathered = measure_sensitivity(evaluator, candidates, ranks=_OneOfTwo(1, shares[0]))
+    assert gathered == alone and list(gathered["2"]) == ["bf16", "fp16", "fp8"]
+
+
+def test_ranks_timing_together_take_the_slowest_rank_s_times():
+    from autoprec.compare import compare, timed_together
+
+    clock = iter(range(0, 10**6, 1)).__next__  # 1 ms per call
+    runs = {"fp32": lambda: None, "bf16": lambda: None}
+    with timed_together(lambda values: [v * 3 for v in values]):  # another rank three times as slow
+        result = compare(runs, reference="fp32", clock=lambda: clock() / 1e3, warmup=False, min_rounds=6,
+                         max_rounds=6)
+    assert result.samples["fp32"] == pytest.approx([3.0] * 6) and result.samples["bf16"] == pytest.approx([3.0] * 6)
+
+
+def test_wrap_is_checked_like_the_other_functions(tmp_path):
+    from autoprec.distributed.tuning import job_wrap
+    from autoprec.userspec import UserCodeError, load_model_py
+
+    body = MODEL.read_text()
+    (tmp_path / "not_callable.py").write_text(body + "\nwrap = 3\n")
+    with pytest.raises(UserCodeError, match=r"wrap\(\): is an int, not a function"):
+        load_model_py(tmp_path / "not_callable.py")
+    (tmp_path / "returns_none.py").write_text(body + "\n\ndef wrap(model):\n    model.eval()\n")
+    spec = load_model_py(tmp_path / "returns_none.py")
+    with pytest.raises(UserCodeError, match=r"wrap\(\): returned a NoneType, not a torch.nn.Module; fix: return the "):
+        job_wrap(spec, for_training=False)(spec.model)
+    assert job_wrap(load_model_py(MODEL), for_training=False) is None  # inference replicas run as they are
