@@ -51,7 +51,8 @@ def tune(out: Path, ranks: int, trials: int) -> dict:
     step_ms = policy["result"]["step_ms"]
     shown = "OMP_NUM_THREADS=1 python" if ranks == 1 else f"torchrun --standalone --nproc_per_node={ranks}"
     return {"command": " ".join([shown, *command[len(launch):]]).replace(str(ROOT) + "/", ""),
-            "wall_s": round(wall, 1), "profile_seconds": {k: round(v, 1) for k, v in profile["cost"]["seconds"].items()},
+            "wall_s": round(wall, 1),
+            "profile_seconds": {k: round(v, 1) for k, v in profile["cost"]["seconds"].items()},
             "sensitivity_evaluations": profile["cost"]["evaluations"],
             "policy": {"default": policy["default"], "layers": policy["layers"]},
             "step_ms": step_ms, "speedup_vs_fp32": policy["result"]["speedup"]}

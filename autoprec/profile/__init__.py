@@ -77,7 +77,8 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
         # An emulated block-scaled format is never timed: its emulation's time says nothing of the
         # format's speed on the GPUs that have it (plan for one with --target). It keeps its sensitivity.
         timed_precisions = [p for p in low if not (p.block_scaled and p in emulated)]
-        with tqdm(total=len(timed_precisions) + 2, desc="latency", unit="block", disable=not progress, leave=False) as bar:
+        with tqdm(total=len(timed_precisions) + 2, desc="latency", unit="block", disable=not progress,
+                  leave=False) as bar:
             with timed_together(ranks.slowest):  # a job with collectives inside runs them on every rank at once
                 latency = measure_latency(model if timed is None else timed, to_device(batches[0], device), names,
                                           fp8_layers, timed_precisions, device, repeats=repeats, emulated=emulated,

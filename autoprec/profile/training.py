@@ -192,8 +192,8 @@ def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any]
     scale = loss_scale_for(reference)
     sensitivity: dict[str, dict[str, Sensitivity]] = {n: {} for n in names}
     details: dict[str, dict[str, Any]] = {}
-    with tqdm(total=len(ranks.share(range(sum(map(len, candidates.values()))))), desc="gradient sensitivity", unit="step",
-              disable=not progress, leave=False) as bar:
+    with tqdm(total=len(ranks.share(range(sum(map(len, candidates.values()))))), desc="gradient sensitivity",
+              unit="step", disable=not progress, leave=False) as bar:
         evaluations = [(name, p) for name in names for p in candidates[name]]
         mine = {}
         for name, p in ranks.share(evaluations):  # this rank's share; every rank gets all of them back

@@ -128,7 +128,8 @@ class TrainingWorkload(Workload):
     def profile(self, table: LayerTable, device: torch.device, config: TuneConfig, capture_seconds: float,
                 ranks: Ranks = ONE_PROCESS) -> Profile:
         return profile_training(self.model, table, self.train_batches, self.loss, self.path, device,
-                                config.precisions, progress=config.progress, capture_seconds=capture_seconds, ranks=ranks)
+                                config.precisions, progress=config.progress, capture_seconds=capture_seconds,
+                                ranks=ranks)
 
     def verify_budget(self, budget: Budget) -> Budget:
         """The metric drop only: the gradient floor belongs to the search; training runs show the outcome."""
