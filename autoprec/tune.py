@@ -63,11 +63,13 @@ def load_or_profile(workload: Workload, config: TuneConfig, device: torch.device
     and profile. A reused profile needs no capture: it holds everything later stages read.
     ``ranks``: the writing rank reads (and writes) the file, and every rank gets its decision."""
     path = out_dir / "profile.json" if out_dir else None
+    # timings taken by a torchrun job hold for that job only: its profile says so, and is reused by it only
+    job = f", {ranks.world_size} ranks" if ranks.world_size > 1 and config.target is None else ""
     cached = None
     if path is not None and path.exists():
         try:
             cached = Profile.load(path)
-            where = f"estimated for {config.target}" if config.target is not None else device_name(device)
+            where = f"estimated for {config.target}" if config.target is not None else device_name(device) + job
             if cached.matches(workload.fingerprint(), where, config.precisions, workload.name):
                 log(f"reusing the {'' if workload.name == 'inference' else workload.name + ' '}profile in {path}")
             else:
@@ -86,6 +88,7 @@ def load_or_profile(workload: Workload, config: TuneConfig, device: torch.device
                             "there is nothing to gain: run it as it is")
     profile = workload.profile(table, device, config, capture_seconds=time.perf_counter() - start,
                                **({"ranks": ranks} if ranks is not ONE_PROCESS else {}))
+    profile.device += job
     if path is not None:
         profile.save(path)
     return profile

@@ -98,7 +98,7 @@ def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
     try:
         result = run_tune(workload, config, log=log, ranks=ranks)
     except TuneInterrupted as stop:
-        return _interrupted(stop, config.out)
+        return _interrupted(stop, config.out) if ranks.writes else 130
     if not ranks.writes:  # the first rank prints the result and wrote the outputs
         return 0
     return _print_tuned(results_table(result.verification), result, config.out)
