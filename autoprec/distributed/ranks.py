@@ -6,11 +6,12 @@ result that must be the same everywhere (:meth:`Ranks.from_first`). :data:`ONE_P
 a plain ``python -m autoprec`` run, so the stages read the same either way.
 
 Under ``torchrun`` the answers come from torch.distributed: Python objects travel as pickled bytes over
-a gloo group (the default group on CPU, one made for them beside NCCL on GPU). Every wait polls, so it
-can give up: when another rank has said that it failed (a key in the rendezvous store, which outlives
+a gloo group of their own (beside the job's default group: gloo on CPU, NCCL on GPU). Every wait polls, so
+it can give up: when another rank has said that it failed (a key in the rendezvous store, which outlives
 the ranks: torchrun's agent holds it), when a rank's process is gone, when torchrun stops this one, or
 after ``AUTOPREC_DIST_TIMEOUT`` seconds (default an hour: ranks wait at a gather while the slowest one
-finishes its share). Each ends in :class:`RankFailed`, one line naming the rank and its error.
+finishes its share). Each ends in :class:`RankFailed`, one line naming the rank and its error. The job's
+own collectives (inside a DDP or FSDP step) give up after :data:`STEP_TIMEOUT_S`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ T = TypeVar("T")
 
 _FAILED = "autoprec/failed"  # store key: "rank R: <error>", set by the first rank that fails
 _POLL_S = 0.05
+# The job's own collectives (DDP's all-reduce, FSDP's all-gathers) happen inside one step, with every rank in
+# step: ten minutes without an answer is a hang. Gathers of results wait for the slowest rank's share instead.
+STEP_TIMEOUT_S = 600.0
 
 
 class RankFailed(RuntimeError):
@@ -93,7 +97,8 @@ class _TorchrunRanks(Ranks):
         self.dist = dist
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.timeout_s = timeout_s
-        self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        # results travel on a gloo group of their own, whose limit is the long one (see the module docstring)
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         from torch.distributed.distributed_c10d import _get_default_store
 
         self.store = dist.PrefixStore("autoprec", _get_default_store())
@@ -197,7 +202,7 @@ def from_torchrun(device: str) -> Ranks:
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, timeout=timedelta(seconds=min(timeout_s, STEP_TIMEOUT_S)))
     ranks = _TorchrunRanks(timeout_s)
 
     def stop(_signum: int, _frame: Any) -> None:
