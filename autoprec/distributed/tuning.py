@@ -13,8 +13,10 @@ command resumes: the profile and the study are in the run folder, as for one pro
 
 from __future__ import annotations
 
+import os
 import re
 import sys
+import traceback
 from typing import Any, Callable
 
 from torch import nn
@@ -26,8 +28,6 @@ __all__ = ["by_layer_names", "device_of_rank", "job_wrap", "on_every_rank"]
 
 def device_of_rank(device: str) -> str:
     """Each rank's own GPU (``cuda`` -> ``cuda:LOCAL_RANK``); the CPU is shared."""
-    import os
-
     return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if device == "cuda" else device
 
 
@@ -82,15 +82,11 @@ def on_every_rank(run: Callable[[Ranks, Callable[[str], None]], int], device: st
     except KeyboardInterrupt:
         raise
     except BaseException as error:  # noqa: BLE001 - every error of a rank is the job's, said in one line
-        import os
-        import traceback
-
+        from ..cli import _USER_ERRORS
         from ..userspec import one_line
 
         if os.environ.get("AUTOPREC_DEBUG"):  # as for one process: the traceback, for a bug report
             traceback.print_exc()
-        from ..cli import _USER_ERRORS
-
         # said as one process says it: a user's error by its message, anything else with its type
         said = " ".join(str(error).split()) if isinstance(error, _USER_ERRORS) else one_line(error)
         line = ranks.fail(error if isinstance(error, RankFailed) else said)
