@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,18 @@ def profile_arguments(parser: argparse.ArgumentParser) -> None:
                         help="search batches used per sensitivity evaluation (default 1)")
 
 
+def _one_process(command: str) -> None:
+    """``profile`` and ``bench`` run in one process: under torchrun every rank would run all of it."""
+    from ..distributed import under_torchrun
+
+    if under_torchrun():
+        if os.environ.get("RANK", "0") != "0":  # the first rank says it, once for the job
+            raise SystemExit(1)
+        raise CommandError(f"{command} runs in one process, and under torchrun every rank would run all of it "
+                           f"into one folder; run `autoprec {command} ...` without torchrun (under torchrun, "
+                           "`autoprec tune` shares its work across the ranks)")
+
+
 def profile(args: argparse.Namespace) -> int:
     import torch
 
@@ -158,6 +171,7 @@ def profile(args: argparse.Namespace) -> int:
     from ..tune import load_or_profile
     from ..workloads.inference import InferenceWorkload
 
+    _one_process("profile")
     out = Path(args.out) if args.out else default_out(args.model_py)
     try:
         config = TuneConfig(device=args.device, precisions=tuple(args.precisions), out=out,
@@ -192,6 +206,7 @@ def bench(args: argparse.Namespace) -> int:
     from ..results import results_table
     from ..verify import bench_policy
 
+    _one_process("bench")
     policy = Policy.load(args.policy)
     spec = load_spec(args)
     budget = choose_budget(spec.evaluate is not None, args.budget, args.min_sqnr)
