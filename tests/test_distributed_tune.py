@@ -168,3 +168,12 @@ def test_wrap_is_checked_like_the_other_functions(tmp_path):
     with pytest.raises(UserCodeError, match=r"wrap\(\): returned a NoneType, not a torch.nn.Module; fix: return the "):
         job_wrap(spec, for_training=False)(spec.model)
     assert job_wrap(load_model_py(MODEL), for_training=False) is None  # inference replicas run as they are
+
+
+@pytest.mark.parametrize("command", ["profile", "bench"])
+def test_profile_and_bench_under_torchrun_say_to_run_them_in_one_process(folder, command):
+    policy = ["--policy", "policy.json"] if command == "bench" else []
+    done = _run(folder, command, "model.py", *policy, WORLD_SIZE="2", RANK="0")  # as torchrun starts rank 0
+    assert done.returncode == 1
+    assert _errors(done) == [] and done.stderr.strip().splitlines()[-1].startswith(
+        f"autoprec {command}: error: {command} runs in one process, and under torchrun")
