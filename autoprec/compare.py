@@ -25,6 +25,8 @@ The clock and the callables are injected, so the statistics are unit-tested on f
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import gc
 import itertools
@@ -35,7 +37,30 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 __all__ = ["Comparison", "Interval", "Ratio", "compare", "median_interval", "rotations", "round_orders",
-           "shift_interval"]
+           "shift_interval", "timed_together", "together"]
+
+# Processes that run one job (the ranks of a torchrun job) time it together: every call to a model with
+# collectives inside must happen on all of them, so each round's times become the slowest process's (the
+# job's round takes that long) and every decision to go on or stop is taken on those, the same everywhere.
+_SLOWEST: contextvars.ContextVar[Callable[[list[float]], list[float]] | None] = contextvars.ContextVar(
+    "slowest", default=None)
+
+
+@contextlib.contextmanager
+def timed_together(slowest: Callable[[list[float]], list[float]]) -> Iterator[None]:
+    """Within this block, :func:`compare` takes its figures through ``slowest`` (values -> each one's largest
+    over the processes timing together), so that all of them run the same calls in the same order."""
+    token = _SLOWEST.set(slowest)
+    try:
+        yield
+    finally:
+        _SLOWEST.reset(token)
+
+
+def together(values: list[float]) -> list[float]:
+    """``values`` as the processes timing together see them (see :func:`timed_together`): each one's largest."""
+    slowest = _SLOWEST.get()
+    return values if slowest is None else slowest(values)
 
 _MAD_TO_SIGMA = 1.4826  # median absolute deviation of a normal sample, in standard deviations
 
@@ -377,11 +402,12 @@ def compare(runs: Mapping[str, Callable[[], Any]], *, reference: str, device: st
                 if rounds >= max_rounds:
                     capped_by = "rounds"
                     break
-                if clock() + per_round - start > max_seconds:
+                if together([float(clock() + per_round - start > max_seconds)])[0]:
                     capped_by = "seconds"
                     break
-            for key in _order(keys, rounds):
-                samples[key].append(once(runs[key]))
+            times = {key: once(runs[key]) for key in _order(keys, rounds)}
+            for key, ms in zip(times, together(list(times.values()))):
+                samples[key].append(ms)
             rounds += 1
             ratios = {k: Ratio.of(samples[k], samples[reference], confidence, rel_precision)
                       for k in keys if k != reference}
@@ -398,7 +424,7 @@ def _settle(fn: Callable[[], Any], once: Callable[[Callable[[], Any]], float], m
     calls build kernels and touch fresh memory, which can be slow for a second or two."""
     times: list[float] = []
     while len(times) < max_runs:
-        times.append(once(fn))
+        times.append(together([once(fn)])[0])
         best = min(times)
         if len(times) >= 2 and all(t <= best * (1 + tolerance) for t in times[-2:]):
             return

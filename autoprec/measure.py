@@ -66,10 +66,12 @@ def settle(fn: Callable[[], Any], device: str | torch.device = "cpu", min_runs: 
     be several times slower for a second or two, so a fixed single warm-up is not enough:
     this runs until the last two calls are both within ``tolerance`` of the best so far.
     """
+    from .compare import together
+
     device = torch.device(device)
     times: list[float] = []
     while len(times) < max_runs:
-        times.append(_once_ms(fn, device))
+        times.append(together([_once_ms(fn, device)])[0])  # ranks timing together stop together
         best = min(times)
         if len(times) >= max(min_runs, 2) and all(t <= best * (1 + tolerance) for t in times[-2:]):
             break
@@ -90,7 +92,8 @@ def median_ms(fn: Callable[[], Any], device: str | torch.device = "cpu", warmup:
 
 
 def policy_runs(model: nn.Module, batch: Any, runners: Mapping[str, Policy | Precision | None],
-                device: str | torch.device = "cpu", compile_backend: str | None = None) -> dict[str, Callable[[], Any]]:
+                device: str | torch.device = "cpu", compile_backend: str | None = None,
+                wrap: Callable[[nn.Module], nn.Module] | None = None) -> dict[str, Callable[[], Any]]:
     """One forward per entry as a callable, for :func:`autoprec.compare.compare`: a Policy runs on its own
     copy of the model with the policy applied once (as a user runs it: no apply in the timed call), a
     Precision under blanket ``torch.autocast``, None the plain fp32 model. All without gradients.
@@ -100,14 +103,17 @@ def policy_runs(model: nn.Module, batch: Any, runners: Mapping[str, Policy | Pre
 
     ``compile_backend``: every entry runs on its own copy, compiled as :func:`autoprec.compiled.compile_regions`
     compiles it, and is warmed up here, so no compile time lands in a timed call (a failure is a
-    :class:`~autoprec.compiled.CompileError` naming the entry)."""
+    :class:`~autoprec.compiled.CompileError` naming the entry).
+
+    ``wrap`` (model.py's ``wrap(model)``, under torchrun): every entry runs on its own copy with its policy
+    applied, then wrapped as the job runs it (e.g. ``fully_shard``)."""
     device = torch.device(device)
     if compile_backend is not None:  # results labelled "compiled" must have run compiled
         check_captures_graph(_no_grad(lambda: call_model(model, batch)), f"the model ({type(model).__name__})")
     runs: dict[str, Callable[[], Any]] = {}
     for key, how in runners.items():
         target = model
-        if isinstance(how, Policy) or compile_backend is not None:
+        if isinstance(how, Policy) or compile_backend is not None or wrap is not None:
             try:
                 target = shared_copy(model)
             except Exception as e:  # a model that cannot be copied: apply and remove around each call instead
@@ -120,6 +126,8 @@ def policy_runs(model: nn.Module, batch: Any, runners: Mapping[str, Policy | Pre
                 apply_policy(target, how)
             if compile_backend is not None:
                 compile_regions(target, compile_backend)
+            if wrap is not None:
+                target = wrap(target)
         runs[key] = _no_grad(_forward(target, batch, how, device))
     if compile_backend is not None:
         for key, run in runs.items():

@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .budget import Budget
 from .candidate import Candidate
+from .distributed.ranks import ONE_PROCESS, Ranks
 from .formats import DEFAULT_PRECISIONS, Precision
 from .objective import Objective
 from .policy import Policy
@@ -216,8 +217,13 @@ class _Study:
 def search(profile: Profile, evaluator: Objective, budget: Budget, space: SearchSpace,
            precisions: Sequence[str] = DEFAULT_PRECISIONS, trials: int = 60, timeout: float | None = None,
            patience: int = 20, storage: str = "sqlite:///study.db", study_name: str | None = None, seed: int = 0,
-           fail_stale: bool = True, progress: bool = True) -> SearchResult:
-    """Search the per-layer assignment; ``evaluator`` (the workload's objective) measures each candidate."""
+           fail_stale: bool = True, progress: bool = True, ranks: Ranks = ONE_PROCESS) -> SearchResult:
+    """Search the per-layer assignment; ``evaluator`` (the workload's objective) measures each candidate.
+
+    ``ranks`` (a torchrun job, every rank calling this on one study): one rank walks the seeds, exactly as one
+    process does (the walk is sequential: each step reads the last), while the others wait; then every rank
+    runs its share of the sampled trials, each with a sampler seed of its own; every rank returns the same
+    trials. (Workers that share a study without ranks, e.g. on several machines, each walk and sample.)"""
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
@@ -228,10 +234,12 @@ def search(profile: Profile, evaluator: Objective, budget: Budget, space: Search
     structure = Structure.build(profile, space, units, [n for n, _ in evaluator.model.named_modules()], allowed)
     per_region = region_cost_ms(profile)  # entering one region: dispatch + boundary casts, measured
     study_name = study_name or f"autoprec-{profile.fingerprint}-{space.name}-{budget.tag()}"
-    state = _Study(storage, study_name, seed, fail_stale)
+    state = _Study(storage, study_name, ranks.seed(seed), fail_stale)
     state.claim({"model": profile.fingerprint, "budget": str(budget), "search_space": space.name,
                  "precisions": ",".join(allowed)})
     study, optuna = state.study, state.optuna
+    ranks.barrier()  # every rank has opened the study: no fresh trial of one is failed as stale by another
+    walks = bool(ranks.share(["the seed walk"]))  # one rank's share
     searchable = [u for u in units if len(u.candidates) > 1]
     distributions = {u.key: optuna.distributions.CategoricalDistribution(list(u.candidates)) for u in searchable}
     every = {**distributions, **{p.key: optuna.distributions.CategoricalDistribution(list(structure.candidates[p.key]))
@@ -293,7 +301,9 @@ def search(profile: Profile, evaluator: Objective, budget: Budget, space: Search
     stopped = "trials"
     with tqdm(total=trials, initial=min(state.n_trials(), trials), desc="search", unit="trial",
               disable=not progress, leave=False) as bar:
-        if not searchable:
+        if not walks:
+            pass  # another rank walks the seeds; this one joins the sampled trials after it
+        elif not searchable:
             stopped = "nothing to search: every layer's only candidate is fp32"
         elif state.n_trials() == 0:
             fastest = {u.key: min(u.candidates, key=lambda p, u=u: sum(latency[n][p] for n in u.layers))
@@ -315,6 +325,7 @@ def search(profile: Profile, evaluator: Objective, budget: Budget, space: Search
                                lambda: trials - state.n_trials())
             else:
                 greedy(searchable, fastest, profile, lambda params: run(1, params, "greedy"), latest, trials - 2)
+        stopped = ranks.from_first(stopped)  # the walk's verdict, for every rank
         remaining = trials - state.n_trials() if stopped == "trials" else 0
         if searchable and remaining > 0:
             best_at = [state.n_trials(), _best_ms(state.completed())]
@@ -338,6 +349,7 @@ def search(profile: Profile, evaluator: Objective, budget: Budget, space: Search
             if timeout is not None and time.perf_counter() - start >= timeout:
                 stopped = "timeout"
 
+    ranks.barrier()  # every rank's trials are done: each reads the same ones
     all_trials = _candidates(state.completed(), structure.assignment)
     feasible = [c for c in all_trials if c.feasible]
     best = min(feasible, key=lambda c: (c.predicted_ms, c.number)) if feasible else None
@@ -418,7 +430,10 @@ def open_storage(url: Any, attempts: int = 5) -> Any:
     shown = without_password(url)
     for attempt in range(attempts):
         try:
-            return optuna.storages.RDBStorage(url)
+            # SQLite shared by the ranks of one torchrun job: a writer waits for another's lock (up to a
+            # minute) instead of failing at once with "database is locked"
+            wait = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None
+            return optuna.storages.RDBStorage(url, engine_kwargs=wait)
         except ImportError as e:  # optuna re-raises a missing driver as a plain ImportError
             cause = e.__cause__ if isinstance(e.__cause__, ImportError) else e
             missing = f" (no module {cause.name!r})" if getattr(cause, "name", None) else ""

@@ -26,7 +26,9 @@ from .apply import structure_fingerprint
 from .batches import as_batch_list, describe_batch, to_device
 from .budget import Budget
 from .capture import capture
+from .compare import timed_together
 from .config import TuneConfig, check_device
+from .distributed.ranks import ONE_PROCESS, Ranks
 from .fits import check_fits
 from .formats import Precision, device_capabilities
 from .jsonsafe import finite_or_none
@@ -59,19 +61,27 @@ class NothingToTune(ValueError):
 
 
 def load_or_profile(workload: Workload, config: TuneConfig, device: torch.device, out_dir: Path | None,
-                    log: Callable[[str], None] = print) -> Profile:
+                    log: Callable[[str], None] = print, ranks: Ranks = ONE_PROCESS) -> Profile:
     """``out_dir/profile.json`` when it is for this model, data, device, torch and workload; else capture
-    and profile. A reused profile needs no capture: it holds everything later stages read."""
+    and profile. A reused profile needs no capture: it holds everything later stages read.
+    ``ranks``: the writing rank reads (and writes) the file, and every rank gets its decision."""
     path = out_dir / "profile.json" if out_dir else None
+    # timings taken by a torchrun job hold for that job only: its profile says so, and is reused by it only
+    job = f", {ranks.world_size} ranks" if ranks.world_size > 1 and config.target is None else ""
+    cached = None
     if path is not None and path.exists():
         try:
             cached = Profile.load(path)
-            where = f"estimated for {config.target}" if config.target is not None else device_name(device)
+            where = f"estimated for {config.target}" if config.target is not None else device_name(device) + job
             if cached.matches(workload.fingerprint(), where, config.precisions, workload.name):
                 log(f"reusing the {'' if workload.name == 'inference' else workload.name + ' '}profile in {path}")
-                return cached
+            else:
+                cached = None
         except ProfileError as e:
             log(f"ignoring {path}: {e}")
+    cached = ranks.from_first(cached)
+    if cached is not None:
+        return cached
     start = time.perf_counter()
     table = capture(workload.model, [to_device(b, device) for b in workload.capture_batches()])
     log(table.summary())
@@ -79,14 +89,16 @@ def load_or_profile(workload: Workload, config: TuneConfig, device: torch.device
         raise NothingToTune(f"{table.model_type} has no layer whose precision autoprec can tune (it tunes modules "
                             "that run matmuls, convolutions or attention; this model runs none on its batches), so "
                             "there is nothing to gain: run it as it is")
-    profile = workload.profile(table, device, config, capture_seconds=time.perf_counter() - start)
+    profile = workload.profile(table, device, config, capture_seconds=time.perf_counter() - start,
+                               **({"ranks": ranks} if ranks is not ONE_PROCESS else {}))
+    profile.device += job
     if path is not None:
         profile.save(path)
     return profile
 
 
 def tune(workload: Workload | nn.Module, config: TuneConfig | Any = None, evaluate: Callable | None = None, *,
-         log: Callable[[str], None] = print, **settings: Any) -> TuneResult:
+         log: Callable[[str], None] = print, ranks: Ranks = ONE_PROCESS, **settings: Any) -> TuneResult:
     """Find the fastest per-layer precision policy for a workload within the accuracy budget.
 
     ``tune(workload, config)``: the pipeline, for an :class:`~autoprec.workloads.InferenceWorkload` or
@@ -95,6 +107,10 @@ def tune(workload: Workload | nn.Module, config: TuneConfig | Any = None, evalua
     ``tune(model, batches, evaluate=None, **settings)``: the same for a notebook. ``settings`` are
     :class:`TuneConfig`'s fields and the workload's own (``higher_is_better``, ``holdout_batches``,
     ``timing_batch``; with ``for_="training"``: ``loss``, ``train_batches``, ``optimizer``, ``steps``).
+
+    ``ranks`` (:func:`autoprec.distributed.from_torchrun`, on every rank of a torchrun job): the ranks share the
+    sensitivity evaluations and the search's trials, time together, and return the same result; the writing
+    rank alone writes ``config.out``.
 
     Ctrl-C raises :class:`TuneInterrupted`, which says in which phase the run stopped.
     """
@@ -108,7 +124,7 @@ def tune(workload: Workload | nn.Module, config: TuneConfig | Any = None, evalua
                  else "a TuneConfig")
         raise TypeError(f"tune(workload, config) takes a TuneConfig as its config, got {type(config).__name__}: "
                         f"pass {given}")
-    return _run(workload, config if config is not None else TuneConfig(), log)
+    return _run(workload, config if config is not None else TuneConfig(), log, ranks)
 
 
 def _workload_and_config(model: nn.Module, batches: Any, evaluate: Callable | None,
@@ -166,7 +182,8 @@ def _refuse_unknown(settings: dict[str, Any], known: set[str], for_: str) -> Non
         raise TypeError(f"tune got a setting it does not know: {name}; {hint}")
 
 
-def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None]) -> TuneResult:
+def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ranks: Ranks = ONE_PROCESS
+         ) -> TuneResult:
     """The pipeline, once for every workload: checks, profile, search, verify, outputs."""
     # Cheap checks first: nothing expensive runs before every argument is known to be usable.
     check_fp32_model(workload.model)  # a .half() or meta model: one line now, not wrong labels later
@@ -174,13 +191,16 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None]) -> 
     the_budget = workload.budget(config, getattr(workload, "evaluate", None) is not None)
     space = SearchSpace.load(config.search_space) if config.search_space != "auto" else None
     device = check_device(config.device)  # the config may have been written on another machine
-    out_dir = config.out
+    out_dir = config.out if ranks.writes else None  # one rank writes the outputs
     phase = "checking"
     try:
         with claim_out_dir(out_dir) if out_dir is not None else contextlib.nullcontext():
-            # a single worker owns its study; other workers' running trials are theirs
-            fail_stale = config.storage is None
-            storage = open_storage(config.storage or f"sqlite:///{(out_dir or Path('.')).resolve() / 'study.db'}")
+            # a single worker owns its study (one rank fails its stale trials before the others start);
+            # other workers' running trials are theirs
+            fail_stale = config.storage is None and ranks.writes
+            # the writing rank's run folder holds the study every rank shares
+            url = ranks.from_first(config.storage or f"sqlite:///{(out_dir or Path('.')).resolve() / 'study.db'}")
+            storage = open_storage(url)
             check_fits(workload.model, workload.capture_batches()[0], device)  # one line now, not an OOM later
             model = workload.model = workload.model.to(device).eval()
             seconds: dict[str, float] = {}
@@ -189,7 +209,7 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None]) -> 
             start = time.perf_counter()
             objective = workload.objective(device)  # fp32 on every search batch
             the_budget.check(objective.metric_fp32, objective.uses_fidelity)
-            profile = load_or_profile(workload, config, device, out_dir, log)
+            profile = load_or_profile(workload, config, device, out_dir, log, ranks)
             seconds["capture"] = profile.cost["seconds"].get("capture", 0.0)
             seconds["profile"] = time.perf_counter() - start - seconds["capture"]
 
@@ -217,7 +237,8 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None]) -> 
                             timeout=config.timeout, patience=config.patience, storage=storage,
                             study_name=config.study_name or
                             f"{prefix}-{profile.fingerprint}-{space.name}-{search_budget.tag()}",
-                            seed=config.seed, fail_stale=fail_stale, progress=config.progress)
+                            seed=config.seed, fail_stale=fail_stale, progress=config.progress,
+                            ranks=ranks)
             seconds["search"] = time.perf_counter() - start
 
             phase = "verify"
@@ -233,9 +254,12 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None]) -> 
 
             candidates = _verify_candidates(result, profile, autocast, best=workload.verify_best,
                                             blanket=blanket_allowed, within=within_user_budget)
-            verification = verify(workload, candidates, the_budget, autocast, device, seed=config.seed,
-                                  estimated_ms=estimated_ms, estimated_for=config.target, compiled=config.compile,
-                                  dropped_because=result.dropped_because())
+            with timed_together(ranks.slowest):  # the ranks of a job time it together (the slowest is the job's)
+                verification = verify(workload, candidates, the_budget, autocast, device, seed=config.seed,
+                                      estimated_ms=estimated_ms, estimated_for=config.target, compiled=config.compile,
+                                      dropped_because=result.dropped_because())
+            # every rank ran it at once, as the job runs; the first rank's timings decide for all
+            verification = ranks.from_first(verification)
             seconds["verify"] = time.perf_counter() - start
             slack = workload.slack_note(verification, the_budget, margin)
             if slack is not None:

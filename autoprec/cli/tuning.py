@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -58,13 +59,24 @@ def tune_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def tune(args: argparse.Namespace) -> int:
+    from ..distributed import ONE_PROCESS, under_torchrun
+
+    if under_torchrun():  # one of the ranks of `torchrun --nproc_per_node N -m autoprec tune ...`
+        from ..distributed.tuning import device_of_rank, on_every_rank
+
+        args.device = device_of_rank(args.device)
+        return on_every_rank(lambda ranks, log: _tune(args, ranks, log), args.device)
+    return _tune(args, ONE_PROCESS, lambda msg: print(msg, file=sys.stderr))
+
+
+def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
     from ..results import results_table
     from ..tune import TuneInterrupted
     from ..tune import tune as run_tune
 
     check_device(args.device)  # said as --device, before the config says it as device=
     config = _config(args, out=Path(args.out) if args.out else default_out(args.model_py),  # before loading
-                     compile=args.compile, profile_all=args.profile_all)
+                     compile=args.compile, profile_all=args.profile_all, progress=ranks.writes)
     if args.for_ == "training":
         from ..trainspec import load_train_spec
         from ..workloads.training import COMPILE_REFUSED, TrainingWorkload
@@ -76,15 +88,24 @@ def tune(args: argparse.Namespace) -> int:
             raise CommandError(COMPILE_REFUSED)
         check_device(args.device)
         print(f"loading {args.model_py} for training", file=sys.stderr)
-        workload: Any = TrainingWorkload.from_spec(load_train_spec(args.model_py), args.steps)
+        train = load_train_spec(args.model_py)
+        workload: Any = TrainingWorkload.from_spec(train, args.steps)
+        spec = train.spec
     else:
         from ..workloads.inference import InferenceWorkload
 
-        workload = InferenceWorkload.from_spec(load_spec(args))
+        spec = load_spec(args)
+        workload = InferenceWorkload.from_spec(spec)
+    if ranks.world_size > 1:  # verification times the job as it runs: wrapped by model.py, or DDP replicas
+        from ..distributed.tuning import job_wrap
+
+        workload.wrap = job_wrap(spec, args.for_ == "training")
     try:
-        result = run_tune(workload, config, log=lambda msg: print(msg, file=sys.stderr))
+        result = run_tune(workload, config, log=log, ranks=ranks)
     except TuneInterrupted as stop:
-        return _interrupted(stop, config.out)
+        return _interrupted(stop, config.out) if ranks.writes else 130
+    if not ranks.writes:  # the first rank prints the result and wrote the outputs
+        return 0
     return _print_tuned(results_table(result.verification), result, config.out)
 
 
@@ -133,6 +154,18 @@ def profile_arguments(parser: argparse.ArgumentParser) -> None:
                         help="search batches used per sensitivity evaluation (default 1)")
 
 
+def _one_process(command: str) -> None:
+    """``profile`` and ``bench`` run in one process: under torchrun every rank would run all of it."""
+    from ..distributed import under_torchrun
+
+    if under_torchrun():
+        if os.environ.get("RANK", "0") != "0":  # the first rank says it, once for the job
+            raise SystemExit(1)
+        raise CommandError(f"{command} runs in one process, and under torchrun every rank would run all of it "
+                           f"into one folder; run `autoprec {command} ...` without torchrun (under torchrun, "
+                           "`autoprec tune` shares its work across the ranks)")
+
+
 def profile(args: argparse.Namespace) -> int:
     import torch
 
@@ -142,6 +175,7 @@ def profile(args: argparse.Namespace) -> int:
     from ..tune import load_or_profile
     from ..workloads.inference import InferenceWorkload
 
+    _one_process("profile")
     out = Path(args.out) if args.out else default_out(args.model_py)
     check_device(args.device)
     try:
@@ -177,6 +211,7 @@ def bench(args: argparse.Namespace) -> int:
     from ..results import results_table
     from ..verify import bench_policy
 
+    _one_process("bench")
     policy = Policy.load(args.policy)
     spec = load_spec(args)
     budget = choose_budget(spec.evaluate is not None, args.budget, args.min_sqnr)

@@ -13,6 +13,8 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from ..capture import LayerTable
+from ..compare import timed_together
+from ..distributed.ranks import ONE_PROCESS, Ranks
 from ..formats import DEFAULT_PRECISIONS, Capability, Precision, device_capabilities
 from ..measure import Evaluator, to_device
 from .frame import assemble, device_label, layer_candidates, low_precisions
@@ -28,7 +30,8 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
                   evaluate: Callable[[nn.Module, list], float] | None = None, higher_is_better: bool = True,
                   device: str | torch.device = "cpu", precisions: Sequence[str | Precision] = DEFAULT_PRECISIONS,
                   sensitivity_batches: int | None = 1, repeats: int = 9, progress: bool = True,
-                  capture_seconds: float = 0.0, target: str | None = None, profile_all: bool = False) -> Profile:
+                  capture_seconds: float = 0.0, target: str | None = None, profile_all: bool = False,
+                  ranks: Ranks = ONE_PROCESS, timed: nn.Module | None = None) -> Profile:
     """Profile every layer of ``table`` in each of ``precisions`` on ``device``.
 
     ``batches`` are the search batches: sensitivity uses the first ``sensitivity_batches``
@@ -40,6 +43,11 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
     layer decided not faster in a precision that is not faster for the whole model either
     (:func:`layers_not_faster`); ``profile_all`` profiles everything (to study the numerics alone).
     The profile says what was left out and why (``not_profiled``, ``not_faster``, ``nothing_pays_off``).
+
+    ``ranks`` (a torchrun job): each rank measures its share of the sensitivity evaluations; every rank
+    times latency at once, as the job will run, and the first rank's timings and decisions stand for all, so
+    every rank returns the same profile. ``timed``: the model as the job runs it (e.g. sharded by model.py's
+    ``wrap``, with the same layer names), timed instead of ``model``.
     """
     device = torch.device(device)
     low = low_precisions(precisions)
@@ -68,21 +76,28 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
         caps = device_capabilities(device)
         first = to_device(batches[0], device)
         if not profile_all:
-            probes = probe_precisions(model, table, first, low, caps, device)
+            # each rank probes its own replica; the first rank's decision stands for all
+            probes = ranks.from_first(probe_precisions(model, table, first, low, caps, device))
             not_profiled = {p: probe.why for p, probe in probes.items() if not probe.pays_off}
             nothing = nothing_pays_off(probes, device)
         emulated = [p for p in low if caps[p] is Capability.EMULATED]
         # An emulated block-scaled format is never timed: its emulation's time says nothing of the
         # format's speed on the GPUs that have it (plan for one with --target). It keeps its sensitivity.
         timed = [p for p in low if not (p.block_scaled and p in emulated) and p.value not in not_profiled]
-        if nothing:  # fp32 is the answer: its times are for the report, so two forwards give them
-            latency = fp32_latency(model, first, names, device)
-        else:
-            with tqdm(total=len(timed) + 2, desc="latency", unit="block", disable=not progress, leave=False) as bar:
-                latency = measure_latency(model, first, names, fp8_layers, timed, device, repeats=repeats,
-                                          emulated=emulated, progress=lambda _p: bar.update())
+        timed_precisions = [p for p in low if not (p.block_scaled and p in emulated) and p.value not in not_profiled]
+        job = model if timed is None else timed
+        with timed_together(ranks.slowest):  # a job with collectives inside runs them on every rank at once
+            if nothing:  # fp32 is the answer: its times are for the report, so two forwards give them
+                latency = fp32_latency(job, first, names, device)
+            else:
+                with tqdm(total=len(timed_precisions) + 2, desc="latency", unit="block", disable=not progress,
+                          leave=False) as bar:
+                    latency = measure_latency(job, first, names, fp8_layers, timed_precisions, device,
+                                              repeats=repeats, emulated=emulated, progress=lambda _p: bar.update())
+        # The ranks timed at once; the first rank's timings stand for all, so every rank searches alike.
+        latency = ranks.from_first(latency)
         if not profile_all:
-            not_faster = layers_not_faster(latency, [p for p in timed if p not in emulated])
+            not_faster = layers_not_faster(latency, [p for p in timed_precisions if p not in emulated])
     seconds["latency"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -93,8 +108,10 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
     sens_batches = [batches[i] for i in sorted(chosen)]
     evaluator = Evaluator(model, sens_batches, evaluate, higher_is_better, device)
     work = sensitivity_work(candidates, {**{p: names for p in not_profiled}, **not_faster})
-    with tqdm(total=len(work), desc="sensitivity", unit="eval", disable=not progress, leave=False) as bar:
-        sensitivity = measure_sensitivity(evaluator, work, progress=lambda _n: bar.update(), layers=names)
+    with tqdm(total=len(ranks.share(work)), desc="sensitivity", unit="eval", disable=not progress,
+              leave=False) as bar:
+        sensitivity = measure_sensitivity(evaluator, work, progress=lambda _n: bar.update(), layers=names,
+                                          ranks=ranks)
     seconds["sensitivity"] = time.perf_counter() - start
 
     return assemble(model, table, batches, device_label(device, target), low, caps, latency.latency_ms,
@@ -102,7 +119,7 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
                     latency.prediction_error_pct,
                     metric={"kind": "fidelity" if evaluator.uses_fidelity else "user", "fp32": evaluator.metric_fp32,
                             "higher_is_better": evaluator.higher_is_better, "batches": len(sens_batches)},
-                    cost={"evaluations": evaluator.evaluations, "seconds": seconds},
+                    cost={"evaluations": sum(ranks.gather(evaluator.evaluations)), "seconds": seconds},
                     autocast_untuned=latency.autocast_untuned, not_runnable=latency.not_runnable,
                     latency_ratio=latency.ratio, end_to_end_check=latency.end_to_end_comparison,
                     not_profiled=not_profiled, not_faster=not_faster, nothing_pays_off=nothing)

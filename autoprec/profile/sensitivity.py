@@ -7,11 +7,14 @@ so a caller can run any share of it (e.g. one rank's share under torchrun) and m
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 from ..measure import Evaluator
 from ..policy import Policy
 from .result import Sensitivity
+
+if TYPE_CHECKING:
+    from ..distributed import Ranks
 
 __all__ = ["SensitivityWork", "measure_sensitivity", "merge_sensitivity", "sensitivity_work"]
 
@@ -27,8 +30,8 @@ def sensitivity_work(candidates: Mapping[str, Sequence[str]],
 
 
 def measure_sensitivity(evaluator: Evaluator, work: Mapping[str, Sequence[str]] | Sequence[SensitivityWork],
-                        progress: Callable[[str], None] | None = None, layers: Sequence[str] | None = None
-                        ) -> dict[str, dict[str, Sensitivity]]:
+                        progress: Callable[[str], None] | None = None, layers: Sequence[str] | None = None,
+                        ranks: Ranks | None = None) -> dict[str, dict[str, Sensitivity]]:
     """One evaluation on the evaluator's batches per item of ``work``: ``(layer, precision)`` pairs, or a
     mapping layer -> precisions to try. ``layers``: every tunable layer (default: those ``work`` names); a
     layer nested in the one lowered keeps fp32, so only that layer's own compute is lowered.
@@ -38,21 +41,28 @@ def measure_sensitivity(evaluator: Evaluator, work: Mapping[str, Sequence[str]] 
     holds an inf or NaN, as fp16 gives where activations pass its range; ``error`` when the
     model raised with the layer lowered (then ``nonfinite`` is not set: nothing was computed).
     The result has an entry for every layer named (in ``layers`` or ``work``), empty where nothing was measured.
+
+    ``ranks`` (a torchrun job): this process measures its share of ``work`` and every rank gets all of it
+    back, in the order a single process measures it.
     """
     if isinstance(work, Mapping):
         layers = list(work) if layers is None else layers
         work = sensitivity_work(work)
     names = list(dict.fromkeys([*(layers or ()), *(name for name, _ in work)]))
     result: dict[str, dict[str, Sensitivity]] = {name: {} for name in names}
-    for name, precision in work:
+    mine: dict[str, dict[str, Sensitivity]] = {name: {} for name in names}
+    for name, precision in (ranks.share(work) if ranks is not None else work):
         nested = {other: "fp32" for other in names if other.startswith(name + ".")}
         policy = Policy.from_assignment({name: precision, **nested})
         m = evaluator.measure(policy, watch=[name])
         drop = None if evaluator.uses_fidelity else evaluator.drop(m.metric)
-        result[name][precision] = Sensitivity(sqnr_db=m.sqnr_db, metric_drop=drop,
-                                              nonfinite=m.nonfinite and not m.error, error=m.error)
+        mine[name][precision] = Sensitivity(sqnr_db=m.sqnr_db, metric_drop=drop,
+                                            nonfinite=m.nonfinite and not m.error, error=m.error)
         if progress:
             progress(name)
+    measured = merge_sensitivity(ranks.gather(mine)) if ranks is not None else mine
+    for name, precision in work:  # in the order one process measures them, whoever measured each
+        result[name][precision] = measured[name][precision]
     return result
 
 

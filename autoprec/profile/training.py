@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 
 from ..apply import apply_policy, remove_policy
 from ..capture import LayerTable
+from ..distributed.ranks import ONE_PROCESS, Ranks
 from ..formats import DEFAULT_PRECISIONS, Capability, Precision, device_capabilities
 from ..gradients import (
     FP16_FLUSH,
@@ -169,7 +170,7 @@ def _flush_share(reference: GradRun, name: str) -> float:
 def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any], loss: Callable,
                      path: str | Path = "model.py", device: str | torch.device = "cpu",
                      precisions: Sequence[str | Precision] = DEFAULT_PRECISIONS, repeats: int = 5,
-                     progress: bool = True, capture_seconds: float = 0.0) -> Profile:
+                     progress: bool = True, capture_seconds: float = 0.0, ranks: Ranks = ONE_PROCESS) -> Profile:
     """Profile every layer of ``table`` for training: sensitivity on ``batches[0]``, step time on it too.
 
     Precisions the device only emulates (FP8 on most hardware) are profiled for accuracy and not
@@ -191,18 +192,21 @@ def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any]
     scale = loss_scale_for(reference)
     sensitivity: dict[str, dict[str, Sensitivity]] = {n: {} for n in names}
     details: dict[str, dict[str, Any]] = {}
-    with tqdm(total=sum(map(len, candidates.values())), desc="gradient sensitivity", unit="step",
-              disable=not progress, leave=False) as bar:
-        for name in names:
+    with tqdm(total=len(ranks.share(range(sum(map(len, candidates.values()))))), desc="gradient sensitivity",
+              unit="step", disable=not progress, leave=False) as bar:
+        evaluations = [(name, p) for name in names for p in candidates[name]]
+        mine = {}
+        for name, p in ranks.share(evaluations):  # this rank's share; every rank gets all of them back
             nested = {other: "fp32" for other in names if other.startswith(name + ".")}
+            mine[name, p] = _layer_sensitivity(model, batch, loss, path, name, p, nested, reference, scale)
+            bar.update()
+        measured = {k: v for part in ranks.gather(mine) for k, v in part.items()}
+        for name in names:
             details[name] = {"fp16_flush_share_fp32": _flush_share(reference, name), "precisions": {}}
-            for p in candidates[name]:
-                entry = _layer_sensitivity(model, batch, loss, path, name, p, nested, reference, scale)
-                details[name]["precisions"][p] = entry
-                sensitivity[name][p] = Sensitivity(
-                    sqnr_db=min(entry["weight_grad_sqnr_db"], entry["input_grad_sqnr_db"]),
-                    metric_drop=entry["loss_change"], nonfinite=entry["nonfinite"])
-                bar.update()
+        for name, p in evaluations:
+            entry = details[name]["precisions"][p] = measured[name, p]
+            sensitivity[name][p] = Sensitivity(sqnr_db=min(entry["weight_grad_sqnr_db"], entry["input_grad_sqnr_db"]),
+                                               metric_drop=entry["loss_change"], nonfinite=entry["nonfinite"])
     seconds["sensitivity"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -225,14 +229,16 @@ def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any]
             blocks[p.value] = _time_precision(model, batch, loss, path, policy, names, device, repeats, False)
     seconds["latency"] = time.perf_counter() - start
 
-    latency = {n: {p: b["forward_ms"][n] + b["backward_ms"][n] for p, b in blocks.items()
-                   if p == "fp32" or p in candidates[n]} for n in names}
     casts = {n: {} for n in names}
     for p, b in blocks.items():
         if p != "fp32":
             for n in names:
                 if p in candidates[n]:
                     casts[n][p] = 2.0 * cast_ms(b["outputs"].get(n, []), device)  # activation fwd, gradient bwd
+    # Each rank timed its own replica; the first rank's times stand for all, so every rank searches alike.
+    blocks, casts = ranks.from_first((blocks, casts))
+    latency = {n: {p: b["forward_ms"][n] + b["backward_ms"][n] for p, b in blocks.items()
+                   if p == "fp32" or p in candidates[n]} for n in names}
     not_runnable = {p: failure for p, failure in not_runnable.items() if failure}
     remainder = {p: b["step_ms"] - sum(b["forward_ms"].values()) - sum(b["backward_ms"].values())
                  for p, b in blocks.items() if not Precision(p).swaps_linear and p not in not_runnable}

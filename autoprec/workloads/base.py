@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from ..budget import Budget, Margin
     from ..capture import LayerTable
     from ..config import TuneConfig
+    from ..distributed import Ranks
     from ..formats import Precision
     from ..objective import Measurement, Objective
     from ..policy import Policy
@@ -95,7 +96,9 @@ class Workload:
         """Every batch whose layers count."""
         raise NotImplementedError
 
-    def profile(self, table: LayerTable, device: torch.device, config: TuneConfig, capture_seconds: float) -> Profile:
+    def profile(self, table: LayerTable, device: torch.device, config: TuneConfig, capture_seconds: float,
+                ranks: Ranks | None = None) -> Profile:
+        """Capture's layers profiled; ``ranks`` (a torchrun job) share the sensitivity evaluations."""
         raise NotImplementedError
 
     def search_budget(self, budget: Budget, objective: Objective, low: Precision) -> tuple[Budget, Margin | None]:

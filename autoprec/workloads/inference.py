@@ -3,6 +3,7 @@ the constraint, held-out batches as the proof."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -16,6 +17,7 @@ from ..budget import Budget, Margin, choose_budget, search_margin
 from ..capture import LayerTable
 from ..compare import compare
 from ..config import TuneConfig
+from ..distributed.ranks import ONE_PROCESS, Ranks
 from ..formats import Precision
 from ..measure import Evaluator, policy_runs
 from ..objective import Measurement, Objective
@@ -44,6 +46,7 @@ class InferenceWorkload(Workload):
     holdout_batches: list | None = None
     timing_batch: Any = None
     path: Path = Path("model.py")
+    wrap: Callable[[nn.Module], nn.Module] | None = None  # how the job runs the model (torchrun); None: as it is
 
     name = "inference"
 
@@ -104,11 +107,22 @@ class InferenceWorkload(Workload):
     def capture_batches(self) -> list:
         return [*self.batches, *self.holdout_batches]
 
-    def profile(self, table: LayerTable, device: torch.device, config: TuneConfig, capture_seconds: float) -> Profile:
+    def profile(self, table: LayerTable, device: torch.device, config: TuneConfig, capture_seconds: float,
+                ranks: Ranks = ONE_PROCESS) -> Profile:
         return profile_model(self.model, table, self.batches, self.evaluate, self.higher_is_better, device,
                              config.precisions, sensitivity_batches=config.sensitivity_batches,
                              progress=config.progress, capture_seconds=capture_seconds, target=config.target,
-                             profile_all=config.profile_all)
+                             profile_all=config.profile_all,
+                             ranks=ranks, timed=self._as_the_job_runs() if config.target is None else None)
+
+    def _as_the_job_runs(self) -> nn.Module | None:
+        """A copy of the model wrapped as the job runs it (torchrun, model.py's ``wrap``), known by the layer
+        names of the model; None: the model itself is timed."""
+        if self.wrap is None:
+            return None
+        from ..distributed.tuning import by_layer_names
+
+        return by_layer_names(self.wrap(copy.deepcopy(self.model)), self.model)
 
     def held_out(self, runners: Mapping[str, Policy | Precision | None], device: torch.device, seed: int = 0
                  ) -> HeldOut:
@@ -133,7 +147,7 @@ class InferenceWorkload(Workload):
         if not runners:
             return {}, timed_on, None
         runs = policy_runs(self.model, batch, runners, device, compile_backend=compiled_module.BACKEND if compiled
-                           else None)
+                           else None, wrap=self.wrap)
         comparison = compare(runs, reference="fp32", device=str(device), max_seconds=VERIFY_SECONDS)
         if compiled:
             timed_on += f", compiled ({compiled_module.BACKEND}; {compiled_module.describe_regions(self.model)})"

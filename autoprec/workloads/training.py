@@ -31,6 +31,7 @@ from ..budget import Budget, BudgetError
 from ..capture import LayerTable
 from ..compare import rotations
 from ..config import TuneConfig
+from ..distributed.ranks import ONE_PROCESS, Ranks
 from ..formats import Precision
 from ..gradients import DEFAULT_MIN_GRAD_SQNR, GradientObjective, check_losses
 from ..objective import Measurement, Objective
@@ -72,6 +73,7 @@ class TrainingWorkload(Workload):
     higher_is_better: bool = True
     steps: int = DEFAULT_STEPS
     path: Path = Path("model.py")
+    wrap: Callable[[nn.Module], nn.Module] | None = None  # how the job runs the model (torchrun); None: as it is
     _runs: dict = field(default_factory=dict, repr=False)  # the last verification's training runs
 
     name = "training"
@@ -129,9 +131,11 @@ class TrainingWorkload(Workload):
     def capture_batches(self) -> list:
         return self.batches[:1]
 
-    def profile(self, table: LayerTable, device: torch.device, config: TuneConfig, capture_seconds: float) -> Profile:
+    def profile(self, table: LayerTable, device: torch.device, config: TuneConfig, capture_seconds: float,
+                ranks: Ranks = ONE_PROCESS) -> Profile:
         return profile_training(self.model, table, self.train_batches, self.loss, self.path, device,
-                                config.precisions, progress=config.progress, capture_seconds=capture_seconds)
+                                config.precisions, progress=config.progress, capture_seconds=capture_seconds,
+                                ranks=ranks)
 
     def verify_budget(self, budget: Budget) -> Budget:
         """The metric drop only: the gradient floor belongs to the search; training runs show the outcome."""
@@ -140,7 +144,7 @@ class TrainingWorkload(Workload):
     def held_out(self, runners: Mapping[str, Policy | Precision | None], device: torch.device, seed: int = 0
                  ) -> HeldOut:
         make_optimizer = self.optimizer or default_optimizer
-        runs = {k: _make_run(self.model, how, self.loss, self.path, make_optimizer, device)
+        runs = {k: _make_run(self.model, how, self.loss, self.path, make_optimizer, device, self.wrap)
                 for k, how in runners.items()}
         train_interleaved(runs, [to_device(b, device) for b in self.train_batches], self.steps, device, seed)
         eval_batches = [to_device(b, device) for b in self.eval_batches]
@@ -198,8 +202,15 @@ class _Run:
 
 
 def _make_run(model: nn.Module, how: Policy | Precision | None, loss: Callable, path: Path,
-              make_optimizer: Callable, device: torch.device) -> _Run:
+              make_optimizer: Callable, device: torch.device, wrap: Callable[[nn.Module], nn.Module] | None = None
+              ) -> _Run:
+    """A copy of ``model`` to train under ``how``; with ``wrap`` (torchrun) the policy is applied to the copy,
+    which is then wrapped as the job trains it (DDP, fully_shard) before its optimizer is made."""
     trained = copy.deepcopy(model).train()
+    if wrap is not None:
+        if isinstance(how, Policy):
+            apply_policy(trained, how, mode="training")
+        trained = wrap(trained)
     optimizer = make_optimizer(trained)
     if isinstance(how, Precision):  # blanket autocast, as a user writes it
         scaler = torch.amp.GradScaler(device.type, enabled=how is Precision.FP16)
@@ -215,7 +226,7 @@ def _make_run(model: nn.Module, how: Policy | Precision | None, loss: Callable, 
 
         return _Run(trained, autocast_step, autocast=how)
     policy = how if how is not None else Policy()
-    if how is not None:
+    if how is not None and wrap is None:
         apply_policy(trained, policy, mode="training")
     train_step = TrainStep(policy, optimizer, device)
 

@@ -1,0 +1,212 @@
+"""The processes of one tune and how they share work: :class:`Ranks`.
+
+A stage is handed a ``Ranks`` and asks it three things, never which rank it is on: its share of a list
+of work (:meth:`Ranks.share`), everyone's results (:meth:`Ranks.gather`), and the first rank's copy of a
+result that must be the same everywhere (:meth:`Ranks.from_first`). :data:`ONE_PROCESS` answers them for
+a plain ``python -m autoprec`` run, so the stages read the same either way.
+
+Under ``torchrun`` the answers come from torch.distributed: Python objects travel as pickled bytes over
+a gloo group of their own (beside the job's default group: gloo on CPU, NCCL on GPU). Every wait polls, so
+it can give up: when another rank has said that it failed (a key in the rendezvous store, which outlives
+the ranks: torchrun's agent holds it), when a rank's process is gone, when torchrun stops this one, or
+after ``AUTOPREC_DIST_TIMEOUT`` seconds (default an hour: ranks wait at a gather while the slowest one
+finishes its share). Each ends in :class:`RankFailed`, one line naming the rank and its error. The job's
+own collectives (inside a DDP or FSDP step) give up after :data:`STEP_TIMEOUT_S`.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import time
+from datetime import timedelta
+from typing import Any, Sequence, TypeVar
+
+__all__ = ["ONE_PROCESS", "RankFailed", "Ranks", "from_torchrun", "under_torchrun"]
+
+T = TypeVar("T")
+
+_FAILED = "autoprec/failed"  # store key: "rank R: <error>", set by the first rank that fails
+_POLL_S = 0.05
+# The job's own collectives (DDP's all-reduce, FSDP's all-gathers) happen inside one step, with every rank in
+# step: ten minutes without an answer is a hang. Gathers of results wait for the slowest rank's share instead.
+STEP_TIMEOUT_S = 600.0
+
+
+class RankFailed(RuntimeError):
+    """A rank failed or was stopped: the message names it and says what happened, in one line."""
+
+
+class Ranks:
+    """One process, or the ranks of a torchrun job (see the module docstring)."""
+
+    rank = 0
+    world_size = 1
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes the outputs (one rank does)."""
+        return self.rank == 0
+
+    def share(self, work: Sequence[T]) -> list[T]:
+        """This rank's part of ``work``: every ``world_size``-th item from its rank, so costs that vary along
+        the list (small layers first, large last) spread evenly; the parts together are all of it."""
+        return list(work[self.rank::self.world_size])
+
+    def gather(self, result: Any) -> list:
+        """Every rank's ``result``, in rank order, on every rank."""
+        return [result]
+
+    def from_first(self, result: Any) -> Any:
+        """The first rank's ``result`` on every rank: what must be identical everywhere (the profile's timings,
+        verification's decision) though each rank measured its own."""
+        return self.gather(result)[0]
+
+    def seed(self, seed: int) -> int:
+        """A random seed of this rank's own from the run's ``seed`` (the first rank's is ``seed`` itself), so
+        workers that sample one study propose different trials."""
+        return seed + self.rank
+
+    def slowest(self, values: Sequence[float]) -> list[float]:
+        """Each of ``values`` at its largest over the ranks: a step of the job takes as long as its slowest rank."""
+        return [max(each) for each in zip(*self.gather(list(values)))]
+
+    def barrier(self) -> None:
+        """Returns when every rank has called it."""
+        self.gather(None)
+
+    def fail(self, error: BaseException | str) -> str:
+        """Say this rank failed (so the others stop at their next wait) and return the line that says it."""
+        return str(error)
+
+
+ONE_PROCESS = Ranks()
+
+
+def under_torchrun() -> bool:
+    """Whether this process is one of several that torchrun started (WORLD_SIZE above 1)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+
+
+class _TorchrunRanks(Ranks):
+    def __init__(self, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.timeout_s = timeout_s
+        # results travel on a gloo group of their own, whose limit is the long one (see the module docstring)
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        self.store = dist.PrefixStore("autoprec", _get_default_store())
+        self.store.set(f"pid/{self.rank}", f"{socket.gethostname()}:{os.getpid()}")
+        self.said: str | None = None  # this rank's own failure line, once said
+
+    # -- waiting that can give up ----------------------------------------------------------------------
+    def _wait(self, work: Any, what: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not work.is_completed():
+            self._check_peers()
+            if time.monotonic() > deadline:
+                raise RankFailed(f"rank {self.rank}: no answer from the other ranks in {self.timeout_s:.0f} s while "
+                                 f"{what} (AUTOPREC_DIST_TIMEOUT sets the limit)")
+            time.sleep(_POLL_S)
+        try:
+            work.wait()
+        except RuntimeError as e:  # a peer's connection closed: it died before it could say why
+            raise RankFailed(self._why_stopped() or f"rank {self.rank}: lost the other ranks while {what}: "
+                             f"{str(e).splitlines()[0]}") from None
+
+    def _check_peers(self) -> None:
+        said = self._failure()
+        if said is not None:
+            raise RankFailed(said)
+
+    def _failure(self) -> str | None:
+        try:
+            if self.store.check([_FAILED]):
+                return self.store.get(_FAILED).decode()
+        except Exception:  # the store itself is gone: torchrun is ending the job
+            return None
+        return None
+
+    def _why_stopped(self) -> str | None:
+        """The failure another rank said; else a rank on this host whose process is gone (killed)."""
+        said = self._failure()
+        if said is not None:
+            return said
+        here = socket.gethostname()
+        for r in range(self.world_size):
+            try:
+                host, pid = self.store.get(f"pid/{r}").decode().rsplit(":", 1)
+            except Exception:
+                continue
+            if r != self.rank and host == here and not _alive(int(pid)):
+                return f"rank {r}: its process ended without saying why (killed, or out of memory?)"
+        return None
+
+    # -- the answers ---------------------------------------------------------------------------------
+    def gather(self, result: Any) -> list:
+        import torch
+
+        data = torch.frombuffer(bytearray(pickle.dumps(result)), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self._wait(self.dist.all_gather(sizes, torch.tensor([data.numel()]), group=self.group, async_op=True),
+                   "exchanging results")
+        longest = int(max(s.item() for s in sizes))
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:data.numel()] = data
+        everyone = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._wait(self.dist.all_gather(everyone, padded, group=self.group, async_op=True), "exchanging results")
+        return [pickle.loads(t[:int(s.item())].numpy().tobytes()) for t, s in zip(everyone, sizes)]
+
+    def fail(self, error: BaseException | str) -> str:
+        if isinstance(error, RankFailed):  # another rank's failure, already said
+            return str(error)
+        mine = f"rank {self.rank}: {' '.join(str(error).split()) or type(error).__name__}"
+        try:  # the first failure is the one the others report
+            self.store.compare_set(_FAILED, "", mine)
+            first = self.store.get(_FAILED).decode()
+        except Exception:
+            first = mine
+        if first == mine:
+            self.said = mine
+        return first
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Stopped(RankFailed):
+    """torchrun (or the user) ended this rank with SIGTERM, usually because another rank failed."""
+
+
+def from_torchrun(device: str) -> Ranks:
+    """Join the torchrun job this process belongs to: NCCL on GPU with a gloo group for Python objects,
+    gloo on CPU. SIGTERM (torchrun stopping the job) becomes :class:`Stopped`, so the rank can say why."""
+    import torch
+    import torch.distributed as dist
+
+    timeout_s = float(os.environ.get("AUTOPREC_DIST_TIMEOUT", "3600"))
+    if not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=timedelta(seconds=min(timeout_s, STEP_TIMEOUT_S)))
+    ranks = _TorchrunRanks(timeout_s)
+
+    def stop(_signum: int, _frame: Any) -> None:
+        raise Stopped(ranks._why_stopped() or f"rank {ranks.rank}: stopped by SIGTERM")
+
+    signal.signal(signal.SIGTERM, stop)
+    return ranks

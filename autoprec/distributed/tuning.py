@@ -1,0 +1,113 @@
+"""``torchrun --nproc_per_node N -m autoprec tune model.py``: the tune on every rank of a torchrun job.
+
+Each rank loads model.py and runs the same pipeline (:func:`autoprec.tune`) with the job's
+:class:`~autoprec.distributed.ranks.Ranks`: the ranks share the sensitivity evaluations and the search's
+trials, time together, and end with the same policy. The first rank prints and writes the outputs; the
+others print and write nothing.
+
+A failure on any rank ends the job on every rank with one line naming the rank and its error: the rank that
+failed says it (and puts it in the rendezvous store, where the others read it at their next wait); a rank
+that was killed cannot, so the lowest rank still running says which process is gone. Rerunning the same
+command resumes: the profile and the study are in the run folder, as for one process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import traceback
+from typing import Any, Callable
+
+from torch import nn
+
+from .ranks import RankFailed, Ranks, from_torchrun
+
+__all__ = ["by_layer_names", "device_of_rank", "job_wrap", "on_every_rank"]
+
+
+def device_of_rank(device: str) -> str:
+    """Each rank's own GPU (``cuda`` -> ``cuda:LOCAL_RANK``); the CPU is shared."""
+    return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if device == "cuda" else device
+
+
+def job_wrap(spec: Any, for_training: bool) -> Callable[[nn.Module], nn.Module] | None:
+    """How the job runs a copy of the model, for verification to time it so: model.py's ``wrap(model)``
+    (checked: it must return a module), else DDP replicas for training (gradients all-reduced in each step),
+    else nothing for inference (DDP's forward is the replica's own)."""
+    from ..userspec import UserCodeError, kind_of, user_function
+
+    if spec.wrap is None:
+        if not for_training:
+            return None
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel
+    wrap = user_function(spec.wrap, "wrap", spec.path)
+
+    def wrapped(model: nn.Module) -> nn.Module:
+        job = wrap(model)
+        if not isinstance(job, nn.Module):
+            raise UserCodeError(spec.path, "wrap()", f"returned {kind_of(job)}, not a torch.nn.Module",
+                                "return the wrapped model, e.g. `fully_shard(model); return model` or "
+                                "`return DistributedDataParallel(model)`")
+        return job
+    return wrapped
+
+
+def by_layer_names(job: nn.Module, model: nn.Module) -> nn.Module:
+    """``job`` where it knows the model's layers by their names (``fully_shard`` shards in place), else the module
+    it wraps (DDP's ``module``: in inference DDP's forward is that module's own)."""
+    names = {name for name, _ in model.named_modules()}
+    inner = job
+    while not names <= {name for name, _ in inner.named_modules()} and isinstance(getattr(inner, "module", None),
+                                                                              nn.Module):
+        inner = inner.module
+    return inner
+
+
+def on_every_rank(run: Callable[[Ranks, Callable[[str], None]], int], device: str) -> int:
+    """Join the job, then ``run(ranks, log)`` on this rank (``log`` prints on the first rank only).
+
+    Returns the exit status. Any error becomes one line naming the rank that failed, printed once for the
+    job; a KeyboardInterrupt stays one (the tune says what was kept)."""
+    ranks = from_torchrun(device)
+
+    def log(message: str) -> None:
+        if ranks.writes:
+            print(message, file=sys.stderr)
+
+    try:
+        status = run(ranks, log)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # noqa: BLE001 - every error of a rank is the job's, said in one line
+        from ..cli import _USER_ERRORS
+        from ..userspec import one_line
+
+        if os.environ.get("AUTOPREC_DEBUG"):  # as for one process: the traceback, for a bug report
+            traceback.print_exc()
+        # said as one process says it: a user's error by its message, anything else with its type
+        said = " ".join(str(error).split()) if isinstance(error, _USER_ERRORS) else one_line(error)
+        line = ranks.fail(error if isinstance(error, RankFailed) else said)
+        if _says_it(ranks, line):
+            print(f"autoprec tune: error: {line}", file=sys.stderr)
+        return 1
+    import torch.distributed as dist
+
+    ranks.barrier()  # no rank leaves while another still needs it
+    dist.destroy_process_group()
+    return status
+
+
+def _says_it(ranks: Ranks, line: str) -> bool:
+    """Whether this rank prints the job's failure: the rank it names, or (when that rank was killed and said
+    nothing) the lowest other rank, so the line appears once."""
+    named = re.match(r"rank (\d+):", line)
+    if named is None or int(named.group(1)) == ranks.rank:
+        return True
+    if getattr(ranks, "said", None) == line:  # this rank put the line in the store
+        return True
+    if "ended without saying why" in line:
+        return ranks.rank == min(r for r in range(ranks.world_size) if r != int(named.group(1)))
+    return False

@@ -1,0 +1,179 @@
+"""``torchrun --nproc_per_node 2 -m autoprec tune``: two CPU processes on gloo, run as a user runs them.
+
+Latency is estimated for a named GPU (``--target h100``) so that only the split of the work across ranks can
+make the two runs differ, not this machine's timing noise; the sensitivity evaluations, the search's trials
+and the held-out check run for real. The model (tests/torchrun_models/model.py) keeps one layer fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MODEL = Path(__file__).parent / "torchrun_models" / "model.py"
+ARGS = ["tune", "model.py", "--target", "h100", "--trials", "8"]
+TIMEOUT = 240  # a hang fails the test instead of the suite
+
+
+def _run(folder: Path, *args: str, ranks: int = 0, **env: str) -> subprocess.CompletedProcess:
+    """``autoprec`` in ``folder``: one process, or under torchrun with ``ranks`` processes."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks \
+        else [sys.executable]
+    environ = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1",
+               "AUTOPREC_DIST_TIMEOUT": "120", **env}
+    return subprocess.run([*launch, "-m", "autoprec", *args], cwd=folder, capture_output=True, text=True,
+                          timeout=TIMEOUT, env=environ, check=False)
+
+
+def _rules(run: Path) -> tuple[str, dict]:
+    policy = json.loads((run / "policy.json").read_text())
+    return policy["default"], policy["layers"]
+
+
+def _trials(run: Path) -> list[tuple[int, dict]]:
+    import optuna
+
+    storage = f"sqlite:///{run / 'study.db'}"
+    name = optuna.get_all_study_summaries(storage)[0].study_name
+    return [(t.number, t.params) for t in optuna.load_study(study_name=name, storage=storage).trials
+            if t.state.name == "COMPLETE"]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> tuple[str, dict]:
+    """The policy one process chooses."""
+    folder = tmp_path_factory.mktemp("single")
+    shutil.copy(MODEL, folder / "model.py")
+    done = _run(folder, *ARGS, "--out", "one")
+    assert done.returncode == 0, done.stderr[-2000:]
+    return _rules(folder / "one")
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    shutil.copy(MODEL, tmp_path / "model.py")
+    return tmp_path
+
+
+def _errors(done: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in done.stderr.splitlines() if line.startswith("autoprec tune: error:")]
+
+
+def test_two_ranks_choose_the_single_process_policy_and_one_writes(folder, single):
+    done = _run(folder, *ARGS, "--out", "two", ranks=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _rules(folder / "two") == single
+    assert single[1] == {"cancel": "fp32"}  # the search had something to find
+    # one rank printed the result and wrote the outputs; the other wrote nothing anywhere
+    assert done.stdout.count("outputs: two/") == 1
+    assert sorted(p.name for p in folder.iterdir()) == ["model.py", "two"]
+
+
+def test_a_killed_rank_ends_the_job_in_one_line_and_the_rerun_resumes(folder, single):
+    # rank 1 is killed after a few of its trials: the profile and the walk's trials are saved by then
+    done = _run(folder, *ARGS, "--out", "run", ranks=2, RUN_DIR="run", KILL_RANK="1", FAULT_AFTER="8")
+    assert done.returncode != 0
+    assert _errors(done) == ["autoprec tune: error: rank 1: its process ended without saying why (killed, or out "
+                             "of memory?)"], done.stderr[-3000:]
+    assert (folder / "run" / "profile.json").exists() and not (folder / "run" / "policy.json").exists()
+    before = _trials(folder / "run")
+    assert before, "the trials finished before the kill are kept"
+
+    again = _run(folder, *ARGS, "--out", "run", ranks=2)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "reusing the profile" in again.stderr
+    assert _trials(folder / "run")[:len(before)] == before
+    assert _rules(folder / "run") == single
+
+
+def test_a_failing_rank_names_itself_and_its_error_once(folder):
+    done = _run(folder, *ARGS, "--out", "run", ranks=2, RUN_DIR="run", FAIL_RANK="1")
+    assert done.returncode != 0
+    errors = _errors(done)
+    assert len(errors) == 1 and errors[0].startswith("autoprec tune: error: rank 1: ") and "planted failure" in \
+        errors[0], done.stderr[-3000:]
+
+
+# ---- the parts, in one process ---------------------------------------------------------------------------
+class _OneOfTwo:
+    """Rank ``rank`` of two, in one process: ``gather`` hands back the other rank's part as given."""
+
+    def __init__(self, rank: int, other: dict | None = None) -> None:
+        from autoprec.distributed import Ranks
+
+        self.rank, self.world_size, self.other = rank, 2, other
+        self.share = lambda work: Ranks.share(self, work)
+
+    def gather(self, result):
+        return [self.other, result] if self.rank else [result, self.other]
+
+
+def test_two_ranks_share_the_sensitivity_evaluations_and_gather_what_one_process_measures():
+    import torch
+
+    from autoprec.measure import Evaluator
+    from autoprec.profile.sensitivity import measure_sensitivity
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    evaluator = Evaluator(model, [torch.randn(4, 8)])
+    candidates = {"0": ["bf16", "fp16"], "2": ["bf16", "fp16", "fp8"]}
+    alone = measure_sensitivity(evaluator, candidates)
+    shares: dict[int, dict] = {}
+
+    class Measured(Exception):
+        pass
+
+    class Keep(_OneOfTwo):  # keeps what this rank measured, and stops there
+        def gather(self, result):
+            shares[self.rank] = result
+            raise Measured
+
+    for rank in (0, 1):
+        with pytest.raises(Measured):
+            measure_sensitivity(evaluator, candidates, ranks=Keep(rank))
+    assert sorted(shares[0]) == [("0", "bf16"), ("2", "bf16"), ("2", "fp8")]  # every other one, from the first
+    assert sorted(shares[1]) == [("0", "fp16"), ("2", "fp16")]
+    gathered = measure_sensitivity(evaluator, candidates, ranks=_OneOfTwo(1, shares[0]))
+    assert gathered == alone and list(gathered["2"]) == ["bf16", "fp16", "fp8"]
+
+
+def test_ranks_timing_together_take_the_slowest_rank_s_times():
+    from autoprec.compare import compare, timed_together
+
+    clock = iter(range(0, 10**6, 1)).__next__  # 1 ms per call
+    runs = {"fp32": lambda: None, "bf16": lambda: None}
+    with timed_together(lambda values: [v * 3 for v in values]):  # another rank three times as slow
+        result = compare(runs, reference="fp32", clock=lambda: clock() / 1e3, warmup=False, min_rounds=6,
+                         max_rounds=6)
+    assert result.samples["fp32"] == pytest.approx([3.0] * 6) and result.samples["bf16"] == pytest.approx([3.0] * 6)
+
+
+def test_wrap_is_checked_like_the_other_functions(tmp_path):
+    from autoprec.distributed.tuning import job_wrap
+    from autoprec.userspec import UserCodeError, load_model_py
+
+    body = MODEL.read_text()
+    (tmp_path / "not_callable.py").write_text(body + "\nwrap = 3\n")
+    with pytest.raises(UserCodeError, match=r"wrap\(\): is an int, not a function"):
+        load_model_py(tmp_path / "not_callable.py")
+    (tmp_path / "returns_none.py").write_text(body + "\n\ndef wrap(model):\n    model.eval()\n")
+    spec = load_model_py(tmp_path / "returns_none.py")
+    with pytest.raises(UserCodeError, match=r"wrap\(\): returned a NoneType, not a torch.nn.Module; fix: return the "):
+        job_wrap(spec, for_training=False)(spec.model)
+    assert job_wrap(load_model_py(MODEL), for_training=False) is None  # inference replicas run as they are
+
+
+@pytest.mark.parametrize("command", ["profile", "bench"])
+def test_profile_and_bench_under_torchrun_say_to_run_them_in_one_process(folder, command):
+    policy = ["--policy", "policy.json"] if command == "bench" else []
+    done = _run(folder, command, "model.py", *policy, WORLD_SIZE="2", RANK="0")  # as torchrun starts rank 0
+    assert done.returncode == 1
+    assert _errors(done) == [] and done.stderr.strip().splitlines()[-1].startswith(
+        f"autoprec {command}: error: {command} runs in one process, and under torchrun")

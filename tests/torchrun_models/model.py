@@ -1,0 +1,70 @@
+"""A small model for the torchrun tests: five layers, one of which (``cancel``: a small difference of two large
+products) loses its output in any low precision, so the search has a layer to keep fp32.
+
+A test plants a fault on one rank once the profile is saved (the run folder named by ``RUN_DIR`` holds
+profile.json) and the model has run ``FAULT_AFTER`` more times there (default 0): ``FAIL_RANK=R`` makes the
+model raise on rank R, ``KILL_RANK=R`` kills rank R's process.
+"""
+
+import os
+import signal
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WIDTH = 256
+
+
+class Cancel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        base = torch.randn(WIDTH, WIDTH) * 100.0
+        self.w1 = nn.Parameter(base)
+        self.w2 = nn.Parameter(base + torch.randn(WIDTH, WIDTH) / WIDTH**0.5)
+
+    def forward(self, x):
+        return F.linear(x, self.w1) - F.linear(x, self.w2)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = (nn.Linear(WIDTH, WIDTH) for _ in range(3))
+        self.cancel = Cancel()
+        self.head = nn.Linear(WIDTH, 16)
+
+    def forward(self, x):
+        _plant_fault()
+        h = F.relu(self.fc1(x))
+        h = h + F.relu(self.fc2(h))
+        h = h + F.relu(self.fc3(h))
+        return self.head(h + self.cancel(h))
+
+
+_runs_after_profile = 0
+
+
+def _plant_fault():
+    global _runs_after_profile
+    rank, run = os.environ.get("RANK"), os.environ.get("RUN_DIR")
+    if rank is None or run is None or not Path(run, "profile.json").exists():
+        return
+    _runs_after_profile += 1
+    if _runs_after_profile <= int(os.environ.get("FAULT_AFTER", "0")):
+        return
+    if os.environ.get("KILL_RANK") == rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get("FAIL_RANK") == rank:
+        raise RuntimeError("planted failure")
+
+
+def get_model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def get_batches():
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(64, WIDTH, generator=generator) for _ in range(4)]
