@@ -83,7 +83,6 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
         emulated = [p for p in low if caps[p] is Capability.EMULATED]
         # An emulated block-scaled format is never timed: its emulation's time says nothing of the
         # format's speed on the GPUs that have it (plan for one with --target). It keeps its sensitivity.
-        timed = [p for p in low if not (p.block_scaled and p in emulated) and p.value not in not_profiled]
         timed_precisions = [p for p in low if not (p.block_scaled and p in emulated) and p.value not in not_profiled]
         job = model if timed is None else timed
         with timed_together(ranks.slowest):  # a job with collectives inside runs them on every rank at once
@@ -108,7 +107,7 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
     sens_batches = [batches[i] for i in sorted(chosen)]
     evaluator = Evaluator(model, sens_batches, evaluate, higher_is_better, device)
     work = sensitivity_work(candidates, {**{p: names for p in not_profiled}, **not_faster})
-    with tqdm(total=len(ranks.share(work)), desc="sensitivity", unit="eval", disable=not progress,
+    with tqdm(total=len(ranks.share(work)), desc="sensitivity", unit="eval", disable=not progress or not work,
               leave=False) as bar:
         sensitivity = measure_sensitivity(evaluator, work, progress=lambda _n: bar.update(), layers=names,
                                           ranks=ranks)
