@@ -98,6 +98,8 @@ def test_a_policy_adds_no_graph_break(name, mode):
     model, inputs, blocks = MODELS[name]()
     plain, _ = count_breaks(copy.deepcopy(model), inputs, mode)
     for label, policy in policies(blocks).items():
+        if name == "gpt2" and label in ("fp8", "mxfp8"):
+            continue  # GPT-2's linears are Conv1D, which fp8 and mxfp8 rules cannot take (refused in one line)
         applied = apply_policy(copy.deepcopy(model), policy, mode=mode)
         breaks, reasons = count_breaks(applied, inputs, mode)
         assert breaks <= plain, f"{name} {mode} {label}: {breaks} graph breaks against {plain} plain: {reasons}"
@@ -245,8 +247,10 @@ def quick_tune(tmp_path, monkeypatch, **settings):
     monkeypatch.setattr(inference_workload, "VERIFY_SECONDS", 6.0)
     model = Net(width=128)
     batches = [torch.randn(128, 128, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    # profile_all: verification runs whatever this CPU measures (where bf16 is not faster here, the tune would
+    # otherwise end after the probe, before anything is timed compiled)
     return autoprec.tune(model, batches, min_sqnr=20, trials=6, out=tmp_path, progress=False, log=lambda _: None,
-                         **settings)
+                         profile_all=True, **settings)
 
 
 @pytest.mark.slow

@@ -142,7 +142,10 @@ def test_the_small_model_tunes_twenty_times_in_a_row():
         except Exception as e:  # noqa: BLE001 - every failure is collected and named below
             failures.append(f"run {run}: {type(e).__name__}: {e}")
             continue
-        assert set(result.profile.prediction_error_pct) == set(result.profile.end_to_end_ms)
+        if result.profile.nothing_pays_off:  # nothing faster here: fp32 timed alone, nothing predicted
+            assert set(result.profile.end_to_end_ms) == {"fp32"} and result.policy.default.value == "fp32"
+        else:
+            assert set(result.profile.prediction_error_pct) == set(result.profile.end_to_end_ms)
     assert not failures, "; ".join(failures)
 
 

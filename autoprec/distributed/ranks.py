@@ -117,7 +117,12 @@ class _TorchrunRanks(Ranks):
         try:
             work.wait()
         except RuntimeError as e:  # a peer's connection closed: it died before it could say why
-            raise RankFailed(self._why_stopped() or f"rank {self.rank}: lost the other ranks while {what}: "
+            why = self._why_stopped()
+            grace = time.monotonic() + 3.0  # its last words (or its exit) may reach the store a moment later
+            while why is None and time.monotonic() < grace:
+                time.sleep(_POLL_S)
+                why = self._why_stopped()
+            raise RankFailed(why or f"rank {self.rank}: lost the other ranks while {what}: "
                              f"{str(e).splitlines()[0]}") from None
 
     def _check_peers(self) -> None:
@@ -178,13 +183,18 @@ class _TorchrunRanks(Ranks):
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs: a killed one that torchrun has not reaped yet (a zombie) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:  # Linux: the state follows the parenthesised command name
+            return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return True  # no /proc (macOS): the signal check is all there is
 
 
 class Stopped(RankFailed):
