@@ -73,7 +73,9 @@ def load_or_profile(workload: Workload, config: TuneConfig, device: torch.device
         try:
             cached = Profile.load(path)
             where = f"estimated for {config.target}" if config.target is not None else device_name(device) + job
-            if cached.matches(workload.fingerprint(), where, config.precisions, workload.name):
+            # a profile that left out what could not pay off is not the whole profile --profile-all asks for
+            partial = config.profile_all and bool(cached.not_profiled or cached.not_faster)
+            if cached.matches(workload.fingerprint(), where, config.precisions, workload.name) and not partial:
                 log(f"reusing the {'' if workload.name == 'inference' else workload.name + ' '}profile in {path}")
             else:
                 cached = None
