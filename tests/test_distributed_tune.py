@@ -76,8 +76,8 @@ def test_two_ranks_choose_the_single_process_policy_and_one_writes(folder, singl
 
 
 def test_a_killed_rank_ends_the_job_in_one_line_and_the_rerun_resumes(folder, single):
-    # rank 1 is killed after a few of its trials: the profile and the walk's trials are saved by then
-    done = _run(folder, *ARGS, "--out", "run", ranks=2, RUN_DIR="run", KILL_RANK="1", FAULT_AFTER="8")
+    # rank 1 is killed at its first forward once the profile and a trial are saved (the model's planted fault)
+    done = _run(folder, *ARGS, "--out", "run", ranks=2, RUN_DIR="run", KILL_RANK="1")
     assert done.returncode != 0
     assert _errors(done) == ["autoprec tune: error: rank 1: its process ended without saying why (killed, or out "
                              "of memory?)"], done.stderr[-3000:]

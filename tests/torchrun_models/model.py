@@ -1,8 +1,9 @@
 """A small model for the torchrun tests: five layers, one of which (``cancel``: a small difference of two large
 products) loses its output in any low precision, so the search has a layer to keep fp32.
 
-A test plants a fault on one rank once the profile is saved (the run folder named by ``RUN_DIR`` holds
-profile.json) and the model has run ``FAULT_AFTER`` more times there (default 0): ``FAIL_RANK=R`` makes the
+A test plants a fault on one rank once the profile and a finished trial are saved (the run folder named by
+``RUN_DIR`` holds profile.json, and its study.db a COMPLETE trial) and the model has run ``FAULT_AFTER`` more
+times there (default 0): ``FAIL_RANK=R`` makes the
 model raise on rank R, ``KILL_RANK=R`` kills rank R's process.
 """
 
@@ -49,7 +50,7 @@ _runs_after_profile = 0
 def _plant_fault():
     global _runs_after_profile
     rank, run = os.environ.get("RANK"), os.environ.get("RUN_DIR")
-    if rank is None or run is None or not Path(run, "profile.json").exists():
+    if rank is None or run is None or not Path(run, "profile.json").exists() or not _a_trial_is_saved(run):
         return
     _runs_after_profile += 1
     if _runs_after_profile <= int(os.environ.get("FAULT_AFTER", "0")):
@@ -58,6 +59,19 @@ def _plant_fault():
         os.kill(os.getpid(), signal.SIGKILL)
     if os.environ.get("FAIL_RANK") == rank:
         raise RuntimeError("planted failure")
+
+
+def _a_trial_is_saved(run):
+    """Whether the run's study holds a finished trial: a fault planted from then on leaves something to resume."""
+    import sqlite3
+
+    if not Path(run, "study.db").exists():
+        return False
+    try:
+        with sqlite3.connect(Path(run, "study.db"), timeout=5) as db:
+            return db.execute("SELECT COUNT(*) FROM trials WHERE state = 'COMPLETE'").fetchone()[0] > 0
+    except sqlite3.Error:  # the study's tables are not made yet, or the file is busy: try at the next forward
+        return False
 
 
 def get_model():
