@@ -124,12 +124,28 @@ _FP32_COMPUTE = frozenset({
 })
 
 
+def _holds_low(values: Any) -> bool:
+    """Whether a low-precision tensor is among ``values`` or in the lists, tuples and dicts among them: checked
+    before mapping over them, which costs more than most ops it guards."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.dtype in _LOW:
+                return True
+        elif isinstance(value, (list, tuple)):
+            if _holds_low(value):
+                return True
+        elif isinstance(value, dict) and _holds_low(value.values()):
+            return True
+    return False
+
+
 class _Fp32Compute(TorchFunctionMode):
     """While a policy runs: in fp32 regions, upcast the low-precision operands of fp32 compute."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        if func in _FP32_COMPUTE and getattr(in_fp32_region, "value", False):
+        if func in _FP32_COMPUTE and getattr(in_fp32_region, "value", False) and (_holds_low(args)
+                                                                                   or _holds_low(kwargs.values())):
             args, kwargs = _cast_floats((args, kwargs), torch.float32, _LOW)
         return func(*args, **kwargs)
 

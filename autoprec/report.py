@@ -55,7 +55,9 @@ def profile_summary(profile: Profile) -> str:
     return (f"device {profile.device} ({caps}); capture: {profile.capture_method}; {len(profile.layers)} layers\n"
             + paired
             + f"additive latency model error: {err}\n"
-            f"sensitivity evaluations: {profile.cost['evaluations']}; time: {secs}")
+            f"sensitivity evaluations: {profile.cost['evaluations']}"
+            + (f", sensitivity {profile.cost['sensitivity']}" if profile.cost.get("sensitivity") else "")
+            + f"; time: {secs}")
 
 
 def dropped_by_reason(dropped: dict[str, list[str]]) -> dict[str, list[str]]:

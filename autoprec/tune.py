@@ -75,6 +75,9 @@ def load_or_profile(workload: Workload, config: TuneConfig, device: torch.device
             where = f"estimated for {config.target}" if config.target is not None else device_name(device) + job
             # a profile that left out what could not pay off is not the whole profile --profile-all asks for
             partial = config.profile_all and bool(cached.not_profiled or cached.not_faster)
+            # nor is an estimated one the exact one --exact-sensitivity asks for
+            partial = partial or config.exact_sensitivity and any(
+                s.estimated for layer in cached.layers for s in layer.sensitivity.values())
             if cached.matches(workload.fingerprint(), where, config.precisions, workload.name) and not partial:
                 log(f"reusing the {'' if workload.name == 'inference' else workload.name + ' '}profile in {path}")
             else:

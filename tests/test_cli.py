@@ -66,7 +66,10 @@ def test_tune_prints_fp32_autocast_and_policy_rows_and_the_output_folder(tuned):
     policy = Policy.load(out / "policy.json")
     is_fp32 = policy.default.value == "fp32" and not policy.layers
     assert labels[0] == ("fp32 = autoprec policy" if is_fp32 else "fp32"), run.stdout
-    assert labels[1].startswith("blanket autocast (bf16)"), run.stdout
+    if json.loads((out / "profile.json").read_text()).get("nothing_pays_off"):  # a CPU where no precision is faster
+        assert is_fp32 and labels == ["fp32 = autoprec policy"], run.stdout  # nothing else was worth timing
+    else:
+        assert labels[1].startswith("blanket autocast (bf16)"), run.stdout
     assert sum("autoprec policy" in label for label in labels) == 1, run.stdout
     for label, row in rows.items():
         cells = row[len(label) + 2:].split()

@@ -45,6 +45,9 @@ def tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile-all", action="store_true",
                         help="profile every layer's sensitivity in every precision, also those measured not faster "
                              "than fp32 here (skipped by default)")
+    parser.add_argument("--exact-sensitivity", action="store_true",
+                        help="evaluate every layer's sensitivity on the whole model (by default a deep model's is "
+                             "estimated in time linear in depth, checked against a few exact evaluations)")
     parser.add_argument("--target", help="plan for a GPU that is not here (h100, h200, a100, l4, b200, gb200): latency "
                                          "estimated by a cost model, accuracy measured here")
     parser.add_argument("--for", dest="for_", choices=("inference", "training"), default="inference",
@@ -76,7 +79,8 @@ def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
 
     check_device(args.device)  # said as --device, before the config says it as device=
     config = _config(args, out=Path(args.out) if args.out else default_out(args.model_py),  # before loading
-                     compile=args.compile, profile_all=args.profile_all, progress=ranks.writes)
+                     compile=args.compile, profile_all=args.profile_all,
+                     exact_sensitivity=args.exact_sensitivity, progress=ranks.writes)
     if args.for_ == "training":
         from ..trainspec import load_train_spec
         from ..workloads.training import COMPILE_REFUSED, TrainingWorkload

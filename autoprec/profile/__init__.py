@@ -31,6 +31,7 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
                   device: str | torch.device = "cpu", precisions: Sequence[str | Precision] = DEFAULT_PRECISIONS,
                   sensitivity_batches: int | None = 1, repeats: int = 9, progress: bool = True,
                   capture_seconds: float = 0.0, target: str | None = None, profile_all: bool = False,
+                  exact_sensitivity: bool = False,
                   ranks: Ranks = ONE_PROCESS, timed: nn.Module | None = None) -> Profile:
     """Profile every layer of ``table`` in each of ``precisions`` on ``device``.
 
@@ -42,6 +43,8 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
     sensitivity: a precision not faster than fp32 anywhere (:mod:`.probe`: never timed either), and a
     layer decided not faster in a precision that is not faster for the whole model either
     (:func:`layers_not_faster`); ``profile_all`` profiles everything (to study the numerics alone).
+    Sensitivity is estimated in time linear in depth where that pays off and a few exact checks agree
+    (:mod:`.estimate`; the profile's ``cost["sensitivity"]`` says how), unless ``exact_sensitivity``.
     The profile says what was left out and why (``not_profiled``, ``not_faster``, ``nothing_pays_off``).
 
     ``ranks`` (a torchrun job): each rank measures its share of the sensitivity evaluations; every rank
@@ -109,8 +112,10 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
     work = sensitivity_work(candidates, {**{p: names for p in not_profiled}, **not_faster})
     with tqdm(total=len(ranks.share(work)), desc="sensitivity", unit="eval", disable=not progress or not work,
               leave=False) as bar:
+        how: list[str] = []
         sensitivity = measure_sensitivity(evaluator, work, progress=lambda _n: bar.update(), layers=names,
-                                          ranks=ranks)
+                                          ranks=ranks if ranks.world_size > 1 else None, log=how.append,
+                                          estimate=not exact_sensitivity)
     seconds["sensitivity"] = time.perf_counter() - start
 
     return assemble(model, table, batches, device_label(device, target), low, caps, latency.latency_ms,
@@ -118,7 +123,8 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
                     latency.prediction_error_pct,
                     metric={"kind": "fidelity" if evaluator.uses_fidelity else "user", "fp32": evaluator.metric_fp32,
                             "higher_is_better": evaluator.higher_is_better, "batches": len(sens_batches)},
-                    cost={"evaluations": sum(ranks.gather(evaluator.evaluations)), "seconds": seconds},
+                    cost={"evaluations": sum(ranks.gather(evaluator.evaluations)), "seconds": seconds,
+                          **({"sensitivity": how[0].removeprefix("sensitivity: ")} if how else {})},
                     autocast_untuned=latency.autocast_untuned, not_runnable=latency.not_runnable,
                     latency_ratio=latency.ratio, end_to_end_check=latency.end_to_end_comparison,
                     not_profiled=not_profiled, not_faster=not_faster, nothing_pays_off=nothing)

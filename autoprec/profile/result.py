@@ -35,6 +35,8 @@ class Sensitivity:
     # The model raised with this layer lowered, in one line (e.g. a kernel without this dtype):
     # a crash is not an overflow, and the report says which it was. Older profiles lack it.
     error: str | None = None
+    # From the linear-time estimate (:mod:`.estimate`), not an exact evaluation: the SQNR only (no metric drop).
+    estimated: bool = False
 
     @property
     def noise(self) -> float:

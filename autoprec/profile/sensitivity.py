@@ -3,6 +3,9 @@
 The work is an explicit list of evaluations, ``(layer, precision)`` pairs (:func:`sensitivity_work`),
 so a caller can run any share of it (e.g. one rank's share under torchrun) and merge the results
 (:func:`merge_sensitivity`): each evaluation depends on nothing but the model, the batches and its pair.
+
+One process with enough work estimates it in time linear in depth instead (:mod:`.estimate`), checked
+against exact evaluations of a few items.
 """
 
 from __future__ import annotations
@@ -11,12 +14,13 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 from ..measure import Evaluator
 from ..policy import Policy
+from .estimate import Unusable, estimate_sensitivity, worth_estimating
 from .result import Sensitivity
 
 if TYPE_CHECKING:
     from ..distributed import Ranks
 
-__all__ = ["SensitivityWork", "measure_sensitivity", "merge_sensitivity", "sensitivity_work"]
+__all__ = ["SensitivityWork", "evaluate_one", "measure_sensitivity", "merge_sensitivity", "sensitivity_work"]
 
 SensitivityWork = tuple[str, str]  # (layer, precision): one evaluation
 
@@ -31,7 +35,8 @@ def sensitivity_work(candidates: Mapping[str, Sequence[str]],
 
 def measure_sensitivity(evaluator: Evaluator, work: Mapping[str, Sequence[str]] | Sequence[SensitivityWork],
                         progress: Callable[[str], None] | None = None, layers: Sequence[str] | None = None,
-                        ranks: Ranks | None = None) -> dict[str, dict[str, Sensitivity]]:
+                        ranks: Ranks | None = None, estimate: bool = True,
+                        log: Callable[[str], None] | None = None) -> dict[str, dict[str, Sensitivity]]:
     """One evaluation on the evaluator's batches per item of ``work``: ``(layer, precision)`` pairs, or a
     mapping layer -> precisions to try. ``layers``: every tunable layer (default: those ``work`` names); a
     layer nested in the one lowered keeps fp32, so only that layer's own compute is lowered.
@@ -42,6 +47,9 @@ def measure_sensitivity(evaluator: Evaluator, work: Mapping[str, Sequence[str]] 
     model raised with the layer lowered (then ``nonfinite`` is not set: nothing was computed).
     The result has an entry for every layer named (in ``layers`` or ``work``), empty where nothing was measured.
 
+    ``estimate`` (one process, enough work to pay off): the linear-time estimate of :mod:`.estimate` where its
+    exact checks agree, else exact evaluation of every item; ``log`` gets a line that says which was used.
+
     ``ranks`` (a torchrun job): this process measures its share of ``work`` and every rank gets all of it
     back, in the order a single process measures it.
     """
@@ -50,20 +58,40 @@ def measure_sensitivity(evaluator: Evaluator, work: Mapping[str, Sequence[str]] 
         work = sensitivity_work(work)
     names = list(dict.fromkeys([*(layers or ()), *(name for name, _ in work)]))
     result: dict[str, dict[str, Sensitivity]] = {name: {} for name in names}
+
+    def exact(name: str, precision: str) -> Sensitivity:
+        return evaluate_one(evaluator, name, precision, names)
+
+    if estimate and ranks is None and worth_estimating(len(work)):
+        try:
+            found, how = estimate_sensitivity(evaluator, work, names, exact, progress)
+        except Unusable as why:
+            if log:
+                log(f"sensitivity: the linear-time estimate was not used ({why}); every layer evaluated exactly")
+        else:
+            if log:
+                log(f"sensitivity: {how}")
+            for (name, precision), sens in found.items():
+                result[name][precision] = sens
+            return result
     mine: dict[str, dict[str, Sensitivity]] = {name: {} for name in names}
     for name, precision in (ranks.share(work) if ranks is not None else work):
-        nested = {other: "fp32" for other in names if other.startswith(name + ".")}
-        policy = Policy.from_assignment({name: precision, **nested})
-        m = evaluator.measure(policy, watch=[name])
-        drop = None if evaluator.uses_fidelity else evaluator.drop(m.metric)
-        mine[name][precision] = Sensitivity(sqnr_db=m.sqnr_db, metric_drop=drop,
-                                            nonfinite=m.nonfinite and not m.error, error=m.error)
+        mine[name][precision] = exact(name, precision)
         if progress:
             progress(name)
     measured = merge_sensitivity(ranks.gather(mine)) if ranks is not None else mine
     for name, precision in work:  # in the order one process measures them, whoever measured each
         result[name][precision] = measured[name][precision]
     return result
+
+
+def evaluate_one(evaluator: Evaluator, name: str, precision: str, layers: Sequence[str]) -> Sensitivity:
+    """The exact evaluation: the whole model on the evaluator's batches with ``name`` alone in ``precision``
+    (the ``layers`` nested in it keep fp32)."""
+    nested = {other: "fp32" for other in layers if other.startswith(name + ".")}
+    m = evaluator.measure(Policy.from_assignment({name: precision, **nested}), watch=[name])
+    drop = None if evaluator.uses_fidelity else evaluator.drop(m.metric)
+    return Sensitivity(sqnr_db=m.sqnr_db, metric_drop=drop, nonfinite=m.nonfinite and not m.error, error=m.error)
 
 
 def merge_sensitivity(shares: Iterable[Mapping[str, Mapping[str, Sensitivity]]]) -> dict[str, dict[str, Sensitivity]]:

@@ -112,7 +112,7 @@ class InferenceWorkload(Workload):
         return profile_model(self.model, table, self.batches, self.evaluate, self.higher_is_better, device,
                              config.precisions, sensitivity_batches=config.sensitivity_batches,
                              progress=config.progress, capture_seconds=capture_seconds, target=config.target,
-                             profile_all=config.profile_all,
+                             profile_all=config.profile_all, exact_sensitivity=config.exact_sensitivity,
                              ranks=ranks, timed=self._as_the_job_runs() if config.target is None else None)
 
     def _as_the_job_runs(self) -> nn.Module | None:

@@ -1,0 +1,248 @@
+"""Sensitivity in time linear in depth: each layer lowered alone on its own recorded inputs, and its error
+carried to the model's outputs by random vector-Jacobian products, checked against exact evaluations.
+
+Exact evaluation (:func:`.sensitivity.evaluate_one`) runs the whole model once per (layer, precision): a model
+n blocks deep has about n times as many layers, each costing a forward n blocks long, so the profile grows with
+the square of depth. Here, per sensitivity batch:
+
+1. one fp32 forward with autograd records every layer's inputs and output;
+2. each (layer, precision) runs that layer alone on its recorded inputs, as the policy ``{layer: precision}``
+   runs it: its own output error ``e``, and whether it overflowed or raised (one layer's compute);
+3. the error reaches the model's outputs through the rest of the model, to first order as ``J e``. Its power
+   relative to each output's, ``||J e||^2 / ||y||^2`` summed over the outputs, is estimated for every layer at
+   once by :data:`PROBES` backward passes: for ``v`` of independent standard normal entries,
+   ``E[(v . J e)^2] = ||J e||^2``, and one backward of ``v`` gives ``v . J`` at every layer. The SQNR is that
+   noise in dB, the worst over batches (a sum over outputs is never below the worst output's noise, so with
+   several outputs the estimate errs towards sensitive).
+
+What the estimate leaves out: terms beyond first order, and the rounding of cheap ops that follow a lowered layer
+and run in its precision until the next fp32 compute (a GELU after a bf16 linear): they make the exact noise a
+little larger, which the checks bound.
+
+Then :data:`CHECKS` items are evaluated exactly: the most sensitive by the estimate (they decide the search's
+first steps) and a spread of the rest. If one disagrees with its estimate by more than :data:`AGREE_DB`, the
+estimate is not used at all and every item is evaluated exactly (:class:`Unusable` says why). So are the items
+the estimate cannot speak for: a layer that overflowed or raised alone (so overflow and errors are said as the
+exact evaluation says them), or one whose output carries no gradient.
+
+Cost: about ``1 + 2 * PROBES + CHECKS`` forwards whatever the depth, against one forward per item.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from ..apply import apply_policy, remove_policy
+from ..batches import call_model
+from ..measure import Evaluator
+from ..policy import Policy
+from .result import Sensitivity
+
+__all__ = ["AGREE_DB", "CEILING_DB", "CHECKS", "PROBES", "Unusable", "estimate_sensitivity", "worth_estimating"]
+
+PROBES = 24  # backward passes: the noise estimate's relative spread is sqrt(2 / PROBES), about 1.2 dB
+CHECKS = 6  # items also evaluated exactly
+AGREE_DB = 5.0  # an estimate further than this from the exact value: the estimate is not used
+CEILING_DB = 120.0  # above this both are "no measurable noise": compared as equal
+
+Item = tuple[str, str]  # (layer, precision)
+
+
+class Unusable(Exception):
+    """The estimate cannot stand for exact evaluation here (the message says why, in a few words)."""
+
+
+def worth_estimating(items: int) -> bool:
+    """Whether the estimate costs fewer forwards than evaluating ``items`` exactly (with a margin)."""
+    return items >= 2 * (2 * PROBES + CHECKS)
+
+
+def estimate_sensitivity(evaluator: Evaluator, work: Sequence[Item], layers: Sequence[str],
+                         exact: Callable[[str, str], Sensitivity],
+                         progress: Callable[[str], None] | None = None) -> tuple[dict[Item, Sensitivity], str]:
+    """Every item of ``work`` estimated, or evaluated by ``exact(layer, precision)`` where the estimate cannot
+    speak for it, and a line that says how. Raises :class:`Unusable` where the checks disagree or the model does
+    not allow it (then nothing of the estimate should be used)."""
+    modules = dict(evaluator.model.named_modules())
+    wanted = list(dict.fromkeys(name for name, _ in work))
+    if len({id(modules[n]) for n in wanted}) < len(wanted):
+        raise Unusable("a module is shared under several names")
+    by_layer: dict[str, list[str]] = {}
+    for name, p in work:
+        by_layer.setdefault(name, []).append(p)
+    noise: dict[Item, float] = {}  # worst over batches
+    exact_only: set[Item] = set()
+    for batch in evaluator.batches:
+        for item, value in _batch_noise(evaluator.model, batch, modules, by_layer, layers, exact_only).items():
+            noise[item] = max(noise.get(item, 0.0), value)
+    estimated = {item: _from_noise(noise[item]) for item in work if item not in exact_only and item in noise}
+    if len(estimated) <= len(work) // 2:
+        raise Unusable(f"only {len(estimated)} of {len(work)} items could be estimated")
+    result: dict[Item, Sensitivity] = {}
+    checked = _checks(estimated)
+    for item in checked:  # first: where they disagree, nothing else is spent on the estimate
+        result[item] = exact(*item)
+        if progress:
+            progress(item[0])
+        got, want = estimated[item], result[item]
+        if want.error or want.nonfinite or abs(_clip(got.sqnr_db) - _clip(want.sqnr_db)) > AGREE_DB:
+            what = "raised" if want.error else "overflowed" if want.nonfinite else f"{want.sqnr_db:.1f} dB"
+            raise Unusable(f"{item[0]} in {item[1]}: estimated {got.sqnr_db:.1f} dB, exactly {what}")
+    for item in work:
+        if item not in result:
+            result[item] = estimated[item] if item in estimated else exact(*item)
+            if progress:
+                progress(item[0])
+    how = (f"estimated ({len(estimated) - len(checked)} of {len(work)} items by {PROBES} vector-Jacobian products; "
+           f"{len(checked)} checks evaluated exactly agreed within {AGREE_DB:g} dB; {len(work) - len(estimated)} "
+           f"evaluated exactly as the estimate could not speak for them)")
+    return {item: result[item] for item in work}, how
+
+
+def _from_noise(noise: float) -> Sensitivity:
+    sqnr = math.inf if noise <= 0 else -10 * math.log10(noise)
+    return Sensitivity(sqnr_db=sqnr, metric_drop=None, nonfinite=False, error=None, estimated=True)
+
+
+def _clip(sqnr: float) -> float:
+    return min(sqnr, CEILING_DB) if not math.isnan(sqnr) else -math.inf
+
+
+def _checks(estimated: dict[Item, Sensitivity]) -> list[Item]:
+    """The most sensitive half of :data:`CHECKS` by the estimate, and the rest spread over the others."""
+    ordered = sorted(estimated, key=lambda item: estimated[item].sqnr_db)
+    worst = ordered[:CHECKS // 2]
+    rest = ordered[CHECKS // 2:]
+    want = CHECKS - len(worst)
+    spread = [rest[round(i * (len(rest) - 1) / max(want - 1, 1))] for i in range(want)] if rest else []
+    return list(dict.fromkeys(worst + spread))
+
+
+class _Alone(nn.Module):
+    """One layer as a model of its own, so a policy ``{"layer": p}`` runs it as it runs inside the model."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.layer(*args, **kwargs)
+
+
+def _versions(obj: Any) -> list[int]:
+    """The version counter of every tensor in ``obj``: it moves when the tensor is changed in place."""
+    return [t._version for t in pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)]
+
+
+def _floats(obj: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(obj) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _batch_noise(model: nn.Module, batch: Any, modules: dict[str, nn.Module], by_layer: dict[str, list[str]],
+                 layers: Sequence[str], exact_only: set[Item]) -> dict[Item, float]:
+    """Step 1-3 of the module docstring on one batch: item -> estimated relative noise power at the outputs."""
+    calls: dict[str, list[dict]] = {name: [] for name in by_layer}
+    zero = torch.zeros((), requires_grad=True)
+
+    def pre_hook(name: str) -> Callable:
+        def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
+            inputs = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs))
+            calls[name].append({"inputs": inputs})
+        return hook
+
+    def post_hook(name: str) -> Callable:
+        def hook(_m: nn.Module, _args: tuple, _kwargs: dict, out: Any) -> Any:
+            traced = pytree.tree_map_only(torch.Tensor, lambda t: t + zero.to(t.device) if t.is_floating_point()
+                                          else t, out)
+            reference = [t.detach() for t in _floats(out)]
+            calls[name][-1].update(reference=reference, traced=_floats(traced),
+                                   versions=_versions([calls[name][-1]["inputs"], reference, _floats(traced)]))
+            return traced
+        return hook
+
+    handles = []
+    try:
+        for name in by_layer:
+            handles.append(modules[name].register_forward_pre_hook(pre_hook(name), with_kwargs=True))
+            handles.append(modules[name].register_forward_hook(post_hook(name), with_kwargs=True))
+        with torch.enable_grad():
+            outputs = _floats(call_model(model, batch))
+    finally:
+        for h in handles:
+            h.remove()
+    if not outputs or any(not t.requires_grad for t in outputs):
+        raise Unusable("an output of the model does not depend on its layers through autograd")
+    norms = [t.detach().double().norm() for t in outputs]
+    if any(n == 0 or not torch.isfinite(n) for n in norms):
+        raise Unusable("an output of the model is all zeros")
+
+    # Step 2: each layer alone, in each precision, on each of its calls' inputs: its output error.
+    errors: dict[Item, list[list[torch.Tensor | None]]] = {}
+    for name, precisions in by_layer.items():
+        nested = {"layer" + other[len(name):]: "fp32" for other in layers if other.startswith(name + ".")}
+        for p in precisions:
+            item = (name, p)
+            if not calls[name] or any("traced" not in c or len(c["traced"]) != len(c["reference"])
+                                      or not any(t.requires_grad for t in c["traced"])
+                                      or _versions([c["inputs"], c["reference"], c["traced"]]) != c["versions"]
+                                      for c in calls[name]):
+                # not run on this batch, its output carries no gradient, or the model changed its inputs or
+                # output in place after it ran (they are kept, not copied; and a gradient is of the changed value)
+                exact_only.add(item)
+                continue
+            alone = _Alone(modules[name])
+            try:
+                apply_policy(alone, Policy.from_assignment({"layer": p, **nested}))
+            except Exception:
+                exact_only.add(item)
+                continue
+            try:
+                with torch.no_grad():
+                    errors[item] = []
+                    for c in calls[name]:
+                        args, kwargs = c["inputs"]
+                        low = _floats(alone(*args, **kwargs))
+                        if len(low) != len(c["reference"]) or any(not torch.isfinite(t).all() for t in low):
+                            raise ValueError("overflowed")
+                        # bf16 is enough for an error (fp32's range; its rounding moves the noise by < 1%)
+                        errors[item].append([(lo.float() - ref.float()).bfloat16()
+                                             for lo, ref in zip(low, c["reference"])])
+            except Exception:
+                exact_only.add(item)
+                errors.pop(item, None)
+            finally:
+                remove_policy(alone)
+
+    # Step 3: PROBES backward passes, each giving v . J at every layer's output at once.
+    traced = [t for name in by_layer for c in calls[name] for t in c.get("traced", []) if t.requires_grad]
+    index = {id(t): i for i, t in enumerate(traced)}
+    generator = torch.Generator().manual_seed(0)
+    squares = {item: torch.zeros((), dtype=torch.float64) for item in errors}
+    for _ in range(PROBES):  # one at a time: a batched (vmapped) backward is slower on a CPU and holds PROBES copies
+        probe = [(torch.randn(t.shape, generator=generator, dtype=torch.float64) / n).to(t.device, t.dtype)
+                 for t, n in zip(outputs, norms)]
+        grads = torch.autograd.grad(outputs, traced, probe, retain_graph=True, allow_unused=True)
+        for (name, p), per_call in errors.items():
+            dot = torch.zeros((), dtype=torch.float64, device=outputs[0].device)
+            for c, errs in zip(calls[name], per_call):
+                for t, e in zip(c["traced"], errs):
+                    g = grads[index[id(t)]] if id(t) in index else None
+                    if g is not None:
+                        dot = dot + torch.vdot(g.reshape(-1).double(), e.reshape(-1).double())
+            squares[(name, p)] += dot.cpu() ** 2
+    squares = {item: float(s) / PROBES for item, s in squares.items()}
+    if any(not math.isfinite(s) for s in squares.values()):
+        raise Unusable("a vector-Jacobian product was not finite")
+    # A layer whose own error is not zero but reaches no output to first order (a step or rounding after it, a
+    # path autograd does not see) cannot be estimated: exact evaluation says whether it changes the outputs.
+    unseen = {item for item, s in squares.items() if s == 0 and any(bool(e.any()) for es in errors[item] for e in es)}
+    if len(unseen) > len(squares) // 2:
+        raise Unusable("most layers' errors do not reach the outputs to first order (a step or rounding after them?)")
+    exact_only |= unseen
+    return {item: s for item, s in squares.items() if item not in unseen}
+
