@@ -132,8 +132,21 @@ class NoGrad(nn.Module):
         return self.body(x)
 
 
-@pytest.mark.parametrize("model, why", [(Rounded(60), "first order"), (NoGrad(60), "does not depend")],
-                         ids=["disagrees-with-exact", "no-gradient"])
+class SigmoidInPlace(nn.Module):
+    """Changes in place a value autograd saved for the backward (sigmoid's output): fine without gradients."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.body = deep_mlp(depth)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.sigmoid(self.body(x))
+        return y.mul_(2)
+
+
+@pytest.mark.parametrize("model, why", [(Rounded(60), "first order"), (NoGrad(60), "does not depend"),
+                                        (SigmoidInPlace(60), "autograd raised")],
+                         ids=["disagrees-with-exact", "no-gradient", "backward-raises"])
 def test_where_the_estimate_cannot_stand_for_the_model_every_item_is_evaluated_exactly(model, why):
     batches = [torch.randn(8, 16, generator=torch.Generator().manual_seed(0))]
     names = [f"body.{2 * i}" for i in range(60)]

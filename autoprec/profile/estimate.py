@@ -41,6 +41,7 @@ from ..apply import apply_policy, remove_policy
 from ..batches import call_model
 from ..measure import Evaluator
 from ..policy import Policy
+from ..userspec import one_line
 from .result import Sensitivity
 
 __all__ = ["AGREE_DB", "CEILING_DB", "CHECKS", "PROBES", "Unusable", "estimate_sensitivity", "worth_estimating"]
@@ -48,6 +49,7 @@ __all__ = ["AGREE_DB", "CEILING_DB", "CHECKS", "PROBES", "Unusable", "estimate_s
 PROBES = 24  # backward passes: the noise estimate's relative spread is sqrt(2 / PROBES), about 1.2 dB
 CHECKS = 6  # items also evaluated exactly
 AGREE_DB = 5.0  # an estimate further than this from the exact value: the estimate is not used
+MAX_UNIT_LAYERS = 8  # a layer's parent with at most this many tunable layers is run alone for it
 CEILING_DB = 120.0  # above this both are "no measurable noise": compared as equal
 
 Item = tuple[str, str]  # (layer, precision)
@@ -78,7 +80,13 @@ def estimate_sensitivity(evaluator: Evaluator, work: Sequence[Item], layers: Seq
     noise: dict[Item, float] = {}  # worst over batches
     exact_only: set[Item] = set()
     for batch in evaluator.batches:
-        for item, value in _batch_noise(evaluator.model, batch, modules, by_layer, layers, exact_only).items():
+        try:
+            found = _batch_noise(evaluator.model, batch, modules, by_layer, layers, exact_only)
+        except Unusable:
+            raise
+        except Exception as e:  # e.g. an in-place op autograd refuses: exact evaluation needs no gradients
+            raise Unusable(f"the model's forward or backward with autograd raised {one_line(e)}") from e
+        for item, value in found.items():
             noise[item] = max(noise.get(item, 0.0), value)
     estimated = {item: _from_noise(noise[item]) for item in work if item not in exact_only and item in noise}
     if len(estimated) <= len(work) // 2:
@@ -143,31 +151,49 @@ def _floats(obj: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(obj) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
+def _units(names: Sequence[str], layers: Sequence[str]) -> dict[str, str]:
+    """Layer -> the module run alone for it: its parent where that holds at most :data:`MAX_UNIT_LAYERS`
+    tunable layers (a BERT pooler: its dense and the tanh after it), so that cheap ops that follow the layer
+    inside it and run in its precision are counted; else the layer itself."""
+    units = {}
+    for name in names:
+        parent = name.rpartition(".")[0]
+        inside = sum(other.startswith(parent + ".") for other in layers) if parent else 0
+        units[name] = parent if 0 < inside <= MAX_UNIT_LAYERS else name
+    return units
+
+
 def _batch_noise(model: nn.Module, batch: Any, modules: dict[str, nn.Module], by_layer: dict[str, list[str]],
                  layers: Sequence[str], exact_only: set[Item]) -> dict[Item, float]:
     """Step 1-3 of the module docstring on one batch: item -> estimated relative noise power at the outputs."""
-    calls: dict[str, list[dict]] = {name: [] for name in by_layer}
+    units = _units(list(by_layer), layers)
+    watched = list(dict.fromkeys([*by_layer, *units.values()]))
+    calls: dict[str, list[dict]] = {name: [] for name in watched}
+    active = dict.fromkeys(watched, 0)  # calls of each module under way
     zero = torch.zeros((), requires_grad=True)
 
     def pre_hook(name: str) -> Callable:
         def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
             inputs = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs))
-            calls[name].append({"inputs": inputs})
+            calls[name].append({"inputs": inputs, "in_unit": name in units and active[units[name]] > 0})
+            active[name] += 1
         return hook
 
     def post_hook(name: str) -> Callable:
         def hook(_m: nn.Module, _args: tuple, _kwargs: dict, out: Any) -> Any:
+            active[name] -= 1
             traced = pytree.tree_map_only(torch.Tensor, lambda t: t + zero.to(t.device) if t.is_floating_point()
                                           else t, out)
+            call = next(c for c in reversed(calls[name]) if "traced" not in c)  # the innermost call under way
             reference = [t.detach() for t in _floats(out)]
-            calls[name][-1].update(reference=reference, traced=_floats(traced),
-                                   versions=_versions([calls[name][-1]["inputs"], reference, _floats(traced)]))
+            call.update(reference=reference, traced=_floats(traced),
+                        versions=_versions([call["inputs"], reference, _floats(traced)]))
             return traced
         return hook
 
     handles = []
     try:
-        for name in by_layer:
+        for name in watched:
             handles.append(modules[name].register_forward_pre_hook(pre_hook(name), with_kwargs=True))
             handles.append(modules[name].register_forward_hook(post_hook(name), with_kwargs=True))
         with torch.enable_grad():
@@ -181,45 +207,51 @@ def _batch_noise(model: nn.Module, batch: Any, modules: dict[str, nn.Module], by
     if any(n == 0 or not torch.isfinite(n) for n in norms):
         raise Unusable("an output of the model is all zeros")
 
-    # Step 2: each layer alone, in each precision, on each of its calls' inputs: its output error.
-    errors: dict[Item, list[list[torch.Tensor | None]]] = {}
+    def usable(name: str) -> bool:
+        """Recorded on this batch, its output carries a gradient, and the model did not change its inputs or
+        output in place after it ran (they are kept, not copied; and a gradient is of the changed value)."""
+        return bool(calls[name]) and all(
+            "traced" in c and len(c["traced"]) == len(c["reference"]) and any(t.requires_grad for t in c["traced"])
+            and _versions([c["inputs"], c["reference"], c["traced"]]) == c["versions"] for c in calls[name])
+
+    # Step 2: each layer's unit alone with the layer in each precision, on each of the unit's recorded inputs:
+    # the error at the unit's output.
+    errors: dict[Item, tuple[str, list[list[torch.Tensor]]]] = {}
     for name, precisions in by_layer.items():
-        nested = {"layer" + other[len(name):]: "fp32" for other in layers if other.startswith(name + ".")}
+        unit = units[name]
+        if unit != name and not (all(c["in_unit"] for c in calls[name]) and usable(unit)):
+            unit = name  # the model calls the layer from outside its parent's forward
+        if not usable(unit):
+            exact_only.update((name, p) for p in precisions)
+            continue
+        nested = {"layer" + other[len(unit):]: "fp32" for other in layers if other.startswith(name + ".")}
         for p in precisions:
             item = (name, p)
-            if not calls[name] or any("traced" not in c or len(c["traced"]) != len(c["reference"])
-                                      or not any(t.requires_grad for t in c["traced"])
-                                      or _versions([c["inputs"], c["reference"], c["traced"]]) != c["versions"]
-                                      for c in calls[name]):
-                # not run on this batch, its output carries no gradient, or the model changed its inputs or
-                # output in place after it ran (they are kept, not copied; and a gradient is of the changed value)
-                exact_only.add(item)
-                continue
-            alone = _Alone(modules[name])
+            alone = _Alone(modules[unit])
             try:
-                apply_policy(alone, Policy.from_assignment({"layer": p, **nested}))
+                apply_policy(alone, Policy.from_assignment({"layer" + name[len(unit):]: p, **nested}))
             except Exception:
                 exact_only.add(item)
                 continue
             try:
                 with torch.no_grad():
-                    errors[item] = []
-                    for c in calls[name]:
+                    per_call = []
+                    for c in calls[unit]:
                         args, kwargs = c["inputs"]
                         low = _floats(alone(*args, **kwargs))
                         if len(low) != len(c["reference"]) or any(not torch.isfinite(t).all() for t in low):
                             raise ValueError("overflowed")
                         # bf16 is enough for an error (fp32's range; its rounding moves the noise by < 1%)
-                        errors[item].append([(lo.float() - ref.float()).bfloat16()
-                                             for lo, ref in zip(low, c["reference"])])
+                        per_call.append([(lo.float() - ref.float()).bfloat16() for lo, ref in zip(low, c["reference"])])
+                errors[item] = (unit, per_call)
             except Exception:
                 exact_only.add(item)
-                errors.pop(item, None)
             finally:
                 remove_policy(alone)
 
     # Step 3: PROBES backward passes, each giving v . J at every layer's output at once.
-    traced = [t for name in by_layer for c in calls[name] for t in c.get("traced", []) if t.requires_grad]
+    traced = [t for unit in dict.fromkeys(u for u, _ in errors.values()) for c in calls[unit] for t in c["traced"]
+              if t.requires_grad]
     index = {id(t): i for i, t in enumerate(traced)}
     generator = torch.Generator().manual_seed(0)
     squares = {item: torch.zeros((), dtype=torch.float64) for item in errors}
@@ -227,20 +259,21 @@ def _batch_noise(model: nn.Module, batch: Any, modules: dict[str, nn.Module], by
         probe = [(torch.randn(t.shape, generator=generator, dtype=torch.float64) / n).to(t.device, t.dtype)
                  for t, n in zip(outputs, norms)]
         grads = torch.autograd.grad(outputs, traced, probe, retain_graph=True, allow_unused=True)
-        for (name, p), per_call in errors.items():
+        for item, (unit, per_call) in errors.items():
             dot = torch.zeros((), dtype=torch.float64, device=outputs[0].device)
-            for c, errs in zip(calls[name], per_call):
+            for c, errs in zip(calls[unit], per_call):
                 for t, e in zip(c["traced"], errs):
                     g = grads[index[id(t)]] if id(t) in index else None
                     if g is not None:
                         dot = dot + torch.vdot(g.reshape(-1).double(), e.reshape(-1).double())
-            squares[(name, p)] += dot.cpu() ** 2
+            squares[item] += dot.cpu() ** 2
     squares = {item: float(s) / PROBES for item, s in squares.items()}
     if any(not math.isfinite(s) for s in squares.values()):
         raise Unusable("a vector-Jacobian product was not finite")
     # A layer whose own error is not zero but reaches no output to first order (a step or rounding after it, a
     # path autograd does not see) cannot be estimated: exact evaluation says whether it changes the outputs.
-    unseen = {item for item, s in squares.items() if s == 0 and any(bool(e.any()) for es in errors[item] for e in es)}
+    unseen = {item for item, s in squares.items()
+              if s == 0 and any(bool(e.any()) for per_call in errors[item][1] for e in per_call)}
     if len(unseen) > len(squares) // 2:
         raise Unusable("most layers' errors do not reach the outputs to first order (a step or rounding after them?)")
     exact_only |= unseen
