@@ -138,8 +138,21 @@ def test_compiled_policy_computes_what_eager_does(name):
 
 
 @pytest.mark.slow
+def inductor_bf16_is_finite_here(model: nn.Module, inputs: dict) -> bool:
+    """Whether torch's own regional compile of the blocks under bf16 autocast, without autoprec, gives finite
+    outputs on this machine. Measured, not assumed: with ATen held to AVX2 on an AVX-512 CPU (the slow-bf16
+    simulation, ``ATEN_CPU_CAPABILITY=avx2``) torch 2.13's inductor gives NaN here with no policy at all."""
+    plain = copy.deepcopy(model).eval()
+    for block in plain.encoder.layer:
+        block.compile()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        return bool(torch.isfinite(plain(**inputs).last_hidden_state).all())
+
+
 def test_inductor_runs_a_mixed_policy_as_eager_does():
     model, inputs, blocks = bert(dropout=0.0)
+    if not inductor_bf16_is_finite_here(model, inputs):
+        pytest.skip("torch's inductor gives NaN for bf16 blocks on this machine without autoprec")
     eager = apply_policy(model, policies(blocks)["mixed"]).eval()
     compiled = copy.deepcopy(eager)
     assert compiling.compile_regions(compiled) == "regional: 3 blocks of `encoder.layer`"
