@@ -24,8 +24,8 @@ from .mx import BlockScaledLinear
 from .policy import Policy, PolicyError
 
 __all__ = ["AUTOCAST_LOWERED", "check_linear_formats", "check_master_weights", "check_model", "check_names",
-           "check_rules_reach", "check_shared", "computes_without_autocast_types", "parent_precision",
-           "structure_fingerprint", "takes_precision"]
+           "check_rules_reach", "check_shared", "computes_without_autocast_types", "half_precision_parameters",
+           "parent_precision", "structure_fingerprint", "takes_precision"]
 
 # Parents whose forward computes with these children's weights without calling the children.
 _NEVER_CALLED = {nn.MultiheadAttention: ("out_proj",)}
@@ -59,11 +59,16 @@ def check_rules_reach(model: nn.Module, policy: Policy, precisions: dict[str, Pr
             f"on {parent_name or '(the model)'!r} instead (now {precisions[parent_name]})")
 
 
+def half_precision_parameters(model: nn.Module) -> list[tuple[str, torch.dtype]]:
+    """Every fp16 or bf16 parameter of ``model`` with its dtype: none where it keeps fp32 master weights."""
+    return [(n, p.dtype) for n, p in model.named_parameters() if p.dtype in (torch.float16, torch.bfloat16)]
+
+
 def check_master_weights(model: nn.Module, mode: str) -> None:
     """Training keeps fp32 master weights: refuse a model whose parameters are fp16 or bf16."""
     if mode != "training":
         return
-    low = [(n, p.dtype) for n, p in model.named_parameters() if p.dtype in (torch.float16, torch.bfloat16)]
+    low = half_precision_parameters(model)
     if low:
         name, dtype = low[0]
         raise ValueError(

@@ -15,11 +15,11 @@ from __future__ import annotations
 import difflib
 import warnings
 
-import torch
 from torch import nn
 
 from ..apply import _STATE_ATTR, applied_policy, apply_policy, remove_policy, structure_fingerprint
 from ..policy import Policy, PolicyError
+from ..rulecheck import half_precision_parameters
 
 __all__ = ["FirstRunCheck", "install_for_training"]
 
@@ -54,12 +54,12 @@ def install_for_training(model: nn.Module, policy: Policy, module: str | None = 
 def _check_master_weights(target: nn.Module, name: str, owner: str) -> None:
     """Training with a policy keeps fp32 master weights: a model loaded or cast in half precision has none
     (fp16 gradients cannot even be unscaled), so it is refused before anything changes."""
-    low = [n for n, p in target.named_parameters() if p.dtype in (torch.float16, torch.bfloat16)]
+    low = half_precision_parameters(target)
     if low:
-        dtype = target.get_parameter(low[0]).dtype
+        (first, dtype) = low[0]
         where = f"{name!r}" if name else f"the {type(target).__name__}"
         raise PolicyError(f"{owner}: {len(low)} parameters of {where} are {str(dtype).removeprefix('torch.')} "
-                          f"(e.g. {low[0]!r}), so training would have no fp32 master weights; load or build the "
+                          f"(e.g. {first!r}), so training would have no fp32 master weights; load or build the "
                           "model in fp32 (from_pretrained(..., dtype=torch.float32), no .half()) and let the policy "
                           "decide each layer's compute precision")
 
