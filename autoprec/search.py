@@ -29,6 +29,7 @@ from .formats import DEFAULT_PRECISIONS, Precision
 from .objective import Objective
 from .policy import Policy
 from .profile import Profile, predict_ms
+from .profile.latency import SPEED_MARGIN
 from .searchspace import SearchSpace, Unit
 from .structure import Structure, count_regions, region_cost_ms
 from .walks import coarse_to_fine, greedy
@@ -37,9 +38,6 @@ __all__ = ["Candidate", "SearchResult", "StorageError", "StudyMismatchError", "c
            "pareto_front", "plan_units", "search", "without_password"]
 
 _REGION_DEFAULTS = ("fp32", "bf16", "fp16")
-# A candidate must be measured at least this much faster than fp32 to be worth a boundary:
-# smaller gains are within the noise of a shared machine.
-SPEED_MARGIN = 0.03
 
 
 @dataclass

@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from .policy import Policy
 from .profile import Profile, predict_ms
+from .profile.latency import SPEED_MARGIN
 from .searchspace import SearchSpace, Unit
 
 __all__ = ["Part", "Structure", "find_parts", "region_cost_ms", "count_regions", "predict_policy_ms"]
@@ -31,7 +32,6 @@ _REGION_LOW = ("bf16", "fp16")  # precisions a whole module region can take (fp8
 _ATTENTION = re.compile(r"(self_?)?attn|attention|self_attention|mixer")
 _MLP = re.compile(r"mlp|ffn|feed_?forward|intermediate|fc|dense_block")
 PREFIX = "region:"  # part keys, so a part never shares a study parameter with a layer of the same path
-_SPEED_MARGIN = 0.03  # as search.SPEED_MARGIN: a region must be measurably faster than fp32
 
 
 @dataclass(frozen=True)
@@ -274,7 +274,7 @@ def _region_allows(profile: Profile, space: SearchSpace, members: Sequence[str],
             return False
         fp32_ms += layer.latency_ms["fp32"]
         low_ms += layer.latency_ms[p]
-    return low_ms <= (1 - _SPEED_MARGIN) * fp32_ms
+    return low_ms <= (1 - SPEED_MARGIN) * fp32_ms
 
 
 def predict_policy_ms(profile: Profile, policy: Policy, model: nn.Module) -> float:

@@ -21,12 +21,12 @@ from ..batches import call_model
 from ..capture import LayerTable
 from ..compare import Ratio, compare
 from ..formats import Capability, Precision
+from .latency import SPEED_MARGIN
 
 __all__ = ["PrecisionProbe", "device_words", "probe_precisions"]
 
 PROBE_SECONDS = 5.0  # at most, per precision, once the clear cases are out of the way
 CLEARLY_SLOWER = 3.0  # every round this many times fp32: decided after two rounds (an emulation, not noise)
-SPEED_MARGIN = 0.03  # as search.SPEED_MARGIN: within 3% of fp32 is not faster
 
 
 @dataclass(frozen=True)
