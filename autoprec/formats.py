@@ -330,14 +330,8 @@ class FP8Linear(nn.Linear):
 
     def quantized_weight(self) -> torch.Tensor:
         """The weight as FP8 (E4M3, current scaling) would hold it, dequantized to fp32."""
-        def make() -> tuple[torch.Tensor]:
-            return (fp8_fake_quantize(self.weight.detach()),)
-
-        # Under torch.compile the quantization is part of the graph: the cache's key (the weight's data
-        # pointer and values) is nothing dynamo can trace, and would break the graph at every FP8 linear.
-        if not self.cache_weight or torch.compiler.is_compiling():
-            return make()[0]
-        return self._weight_cache.get(self.weight, "emulated", make)[0]
+        return self._weight_cache.get(self.weight, "emulated", lambda: (fp8_fake_quantize(self.weight.detach()),),
+                                      enabled=self.cache_weight)[0]
 
     def fp8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The weight in E4M3 and its scale (current scaling), for the native GEMMs: quantized on every

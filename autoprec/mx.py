@@ -197,12 +197,9 @@ class BlockScaledLinear(nn.Linear):
 
     def quantized_weight(self) -> torch.Tensor:
         """The weight as the forward GEMM sees it (blocks along K), dequantized to fp32."""
-        def make() -> tuple[torch.Tensor]:
-            return (block_fake_quantize(self.weight.detach(), self.precision, dim=-1),)
-
-        if not self.cache_weight or torch.compiler.is_compiling():  # no data pointer keys in a graph
-            return make()[0]
-        return self._weight_cache.get(self.weight, "emulated", make)[0]
+        return self._weight_cache.get(
+            self.weight, "emulated", lambda: (block_fake_quantize(self.weight.detach(), self.precision, dim=-1),),
+            enabled=self.cache_weight)[0]
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", precision={self.precision} (emulated)"

@@ -36,13 +36,19 @@ def _sample(weight: torch.Tensor) -> torch.Tensor:
 
 
 class WeightCache:
-    """Values made from a weight, by kind ("emulated", ...), remade when the weight changes."""
+    """Values made from a weight, by kind ("emulated", ...), remade when the weight changes.
+
+    ``get(..., enabled=False)`` (training: the weight changes every step) makes them on every call. So does a call
+    under torch.compile: there the making is part of the graph, and the key (the weight's data pointer and values)
+    is nothing dynamo can trace; it would break the graph at every layer that asks."""
 
     def __init__(self) -> None:
         self._entries: dict[str, tuple[tuple, torch.Tensor, tuple[torch.Tensor, ...]]] = {}
 
-    def get(self, weight: torch.Tensor, kind: str, make: Callable[[], tuple[torch.Tensor, ...]]
-            ) -> tuple[torch.Tensor, ...]:
+    def get(self, weight: torch.Tensor, kind: str, make: Callable[[], tuple[torch.Tensor, ...]],
+            enabled: bool = True) -> tuple[torch.Tensor, ...]:
+        if not enabled or torch.compiler.is_compiling():
+            return make()
         key = (weight.data_ptr(), weight._version, weight.device, tuple(weight.shape))
         sample = _sample(weight)
         hit = self._entries.get(kind)
