@@ -58,6 +58,7 @@ from .frame import assemble, layer_candidates, low_precisions
 from .latency import blanket_policy, predict_ms
 from .result import Profile, Sensitivity, device_name
 from .runnable import autocast_untuned, runnable_policy
+from .sensitivity import sensitivity_work
 
 __all__ = ["profile_training", "UNDERFLOW_FLAG"]
 
@@ -192,9 +193,9 @@ def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any]
     scale = loss_scale_for(reference)
     sensitivity: dict[str, dict[str, Sensitivity]] = {n: {} for n in names}
     details: dict[str, dict[str, Any]] = {}
-    with tqdm(total=len(ranks.share(range(sum(map(len, candidates.values()))))), desc="gradient sensitivity",
-              unit="step", disable=not progress, leave=False) as bar:
-        evaluations = [(name, p) for name in names for p in candidates[name]]
+    evaluations = sensitivity_work(candidates)
+    with tqdm(total=len(ranks.share(evaluations)), desc="gradient sensitivity", unit="step", disable=not progress,
+              leave=False) as bar:
         mine = {}
         for name, p in ranks.share(evaluations):  # this rank's share; every rank gets all of them back
             nested = {other: "fp32" for other in names if other.startswith(name + ".")}

@@ -204,12 +204,12 @@ class _Run:
 def _make_run(model: nn.Module, how: Policy | Precision | None, loss: Callable, path: Path,
               make_optimizer: Callable, device: torch.device, wrap: Callable[[nn.Module], nn.Module] | None = None
               ) -> _Run:
-    """A copy of ``model`` to train under ``how``; with ``wrap`` (torchrun) the policy is applied to the copy,
-    which is then wrapped as the job trains it (DDP, fully_shard) before its optimizer is made."""
+    """A copy of ``model`` to train under ``how``: its policy applied, then (``wrap``, torchrun) wrapped as the
+    job trains it (DDP, fully_shard), then its optimizer made."""
     trained = copy.deepcopy(model).train()
+    if isinstance(how, Policy):
+        apply_policy(trained, how, mode="training")
     if wrap is not None:
-        if isinstance(how, Policy):
-            apply_policy(trained, how, mode="training")
         trained = wrap(trained)
     optimizer = make_optimizer(trained)
     if isinstance(how, Precision):  # blanket autocast, as a user writes it
@@ -226,8 +226,6 @@ def _make_run(model: nn.Module, how: Policy | Precision | None, loss: Callable, 
 
         return _Run(trained, autocast_step, autocast=how)
     policy = how if how is not None else Policy()
-    if how is not None and wrap is None:
-        apply_policy(trained, policy, mode="training")
     train_step = TrainStep(policy, optimizer, device)
 
     def policy_step(batch: Any) -> float:
