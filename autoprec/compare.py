@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 __all__ = ["Comparison", "Interval", "Ratio", "compare", "median_interval", "rotations", "round_orders",
-           "shift_interval", "timed_together", "together"]
+           "settle", "shift_interval", "timed_together", "together"]
 
 # Processes that run one job (the ranks of a torchrun job) time it together: every call to a model with
 # collectives inside must happen on all of them, so each round's times become the slowest process's (the
@@ -384,7 +384,7 @@ def compare(runs: Mapping[str, Callable[[], Any]], *, reference: str, device: st
     start = clock()
     if warmup:
         for fn in runs.values():
-            _settle(fn, once)
+            settle(fn, once)
     keys = list(runs)
     samples: dict[str, list[float]] = {k: [] for k in keys}
     ratios: dict[str, Ratio] = {}
@@ -418,13 +418,16 @@ def compare(runs: Mapping[str, Callable[[], Any]], *, reference: str, device: st
                       capped_by, {"rounds": max_rounds, "seconds": max_seconds}, until)
 
 
-def _settle(fn: Callable[[], Any], once: Callable[[Callable[[], Any]], float], max_runs: int = 12,
-            tolerance: float = 0.15) -> None:
-    """Run ``fn`` until its last two times are within ``tolerance`` of the best so far: first
-    calls build kernels and touch fresh memory, which can be slow for a second or two."""
+def settle(fn: Callable[[], Any], once: Callable[[Callable[[], Any]], float], min_runs: int = 1,
+           max_runs: int = 12, tolerance: float = 0.15) -> float:
+    """Run ``fn`` (timed by ``once``) until its last two times are within ``tolerance`` of the best so far;
+    returns the best time. First calls build kernels, and on a virtual machine the first touches of fresh
+    memory can be several times slower for a second or two, so a fixed single warm-up is not enough.
+    Processes timing together (:func:`timed_together`) see each time as the slowest's, so they stop together."""
     times: list[float] = []
     while len(times) < max_runs:
         times.append(together([once(fn)])[0])
         best = min(times)
-        if len(times) >= 2 and all(t <= best * (1 + tolerance) for t in times[-2:]):
-            return
+        if len(times) >= max(min_runs, 2) and all(t <= best * (1 + tolerance) for t in times[-2:]):
+            break
+    return min(times)

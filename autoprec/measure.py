@@ -32,6 +32,7 @@ from .batches import (
     to_device,
 )
 from .budget import MIN_SPREAD_UNITS, Spread
+from .compare import settle as settle_with
 from .compiled import CompileError, check_captures_graph, compile_regions, warm_up
 from .formats import Precision, sqnr_db
 from .objective import Measurement, Objective
@@ -60,22 +61,10 @@ def _once_ms(fn: Callable[[], Any], device: torch.device) -> float:
 
 def settle(fn: Callable[[], Any], device: str | torch.device = "cpu", min_runs: int = 1, max_runs: int = 12,
            tolerance: float = 0.15) -> float:
-    """Warm ``fn`` up until its time settles; returns the best time seen (ms).
-
-    First calls build kernels, and on a virtual machine the first touches of fresh memory can
-    be several times slower for a second or two, so a fixed single warm-up is not enough:
-    this runs until the last two calls are both within ``tolerance`` of the best so far.
-    """
-    from .compare import together
-
+    """Warm ``fn`` up on ``device`` until its time settles (:func:`autoprec.compare.settle`); returns the best
+    time seen (ms)."""
     device = torch.device(device)
-    times: list[float] = []
-    while len(times) < max_runs:
-        times.append(together([_once_ms(fn, device)])[0])  # ranks timing together stop together
-        best = min(times)
-        if len(times) >= max(min_runs, 2) and all(t <= best * (1 + tolerance) for t in times[-2:]):
-            break
-    return min(times)
+    return settle_with(fn, lambda f: _once_ms(f, device), min_runs, max_runs, tolerance)
 
 
 def time_ms(fn: Callable[[], Any], device: str | torch.device = "cpu", warmup: int = 1,
