@@ -14,8 +14,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 __all__ = ["BATCH_FORMS", "IN_PLACE_FIX", "IN_PLACE_WHY", "OutputError", "as_batch_list", "batch_args", "call_model",
-           "changed_in_place", "describe_batch", "fidelity_outputs", "output_tensors", "signature_mismatch",
-           "to_device"]
+           "changed_in_place", "describe_batch", "fidelity_outputs", "float_tensors", "output_tensors",
+           "signature_mismatch", "to_device"]
 
 BATCH_FORMS = "a tensor (model(x)), a tuple/list of tensors (model(*x)) or a dict (model(**x))"
 
@@ -149,10 +149,14 @@ class OutputError(ValueError):
         super().__init__(f"{problem}; fix: {fix}")
 
 
+def float_tensors(output: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of a model's (or a layer's) output, in a stable order, as they are."""
+    return [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
 def output_tensors(output: Any) -> list[torch.Tensor]:
-    """The floating-point tensors of a model's output, in a stable order."""
-    return [t.detach() for t in pytree.tree_leaves(output)
-            if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    """The floating-point tensors of a model's output, in a stable order, detached."""
+    return [t.detach() for t in float_tensors(output)]
 
 
 def _is_cache(value: Any) -> bool:

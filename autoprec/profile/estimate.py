@@ -38,7 +38,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from ..apply import apply_policy, remove_policy
-from ..batches import call_model
+from ..batches import call_model, float_tensors, output_tensors
 from ..measure import Evaluator
 from ..policy import Policy
 from ..userspec import one_line
@@ -147,10 +147,6 @@ def _versions(obj: Any) -> list[int]:
     return [t._version for t in pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
-def _floats(obj: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(obj) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-
-
 def _units(names: Sequence[str], layers: Sequence[str]) -> dict[str, str]:
     """Layer -> the module run alone for it: its parent where that holds at most :data:`MAX_UNIT_LAYERS`
     tunable layers (a BERT pooler: its dense and the tanh after it), so that cheap ops that follow the layer
@@ -185,9 +181,8 @@ def _batch_noise(model: nn.Module, batch: Any, modules: dict[str, nn.Module], by
             traced = pytree.tree_map_only(torch.Tensor, lambda t: t + zero.to(t.device) if t.is_floating_point()
                                           else t, out)
             call = next(c for c in reversed(calls[name]) if "traced" not in c)  # the innermost call under way
-            reference = [t.detach() for t in _floats(out)]
-            call.update(reference=reference, traced=_floats(traced),
-                        versions=_versions([call["inputs"], reference, _floats(traced)]))
+            reference, floats = output_tensors(out), float_tensors(traced)
+            call.update(reference=reference, traced=floats, versions=_versions([call["inputs"], reference, floats]))
             return traced
         return hook
 
@@ -197,7 +192,7 @@ def _batch_noise(model: nn.Module, batch: Any, modules: dict[str, nn.Module], by
             handles.append(modules[name].register_forward_pre_hook(pre_hook(name), with_kwargs=True))
             handles.append(modules[name].register_forward_hook(post_hook(name), with_kwargs=True))
         with torch.enable_grad():
-            outputs = _floats(call_model(model, batch))
+            outputs = float_tensors(call_model(model, batch))
     finally:
         for h in handles:
             h.remove()
@@ -238,7 +233,7 @@ def _batch_noise(model: nn.Module, batch: Any, modules: dict[str, nn.Module], by
                     per_call = []
                     for c in calls[unit]:
                         args, kwargs = c["inputs"]
-                        low = _floats(alone(*args, **kwargs))
+                        low = float_tensors(alone(*args, **kwargs))
                         if len(low) != len(c["reference"]) or any(not torch.isfinite(t).all() for t in low):
                             raise ValueError("overflowed")
                         # bf16 is enough for an error (fp32's range; its rounding moves the noise by < 1%)
