@@ -77,18 +77,16 @@ def estimate_sensitivity(evaluator: Evaluator, work: Sequence[Item], layers: Seq
     by_layer: dict[str, list[str]] = {}
     for name, p in work:
         by_layer.setdefault(name, []).append(p)
-    noise: dict[Item, float] = {}  # worst over batches
-    exact_only: set[Item] = set()
+    noise: dict[Item, float] | None = None  # worst over batches, of the items every batch could estimate
     for batch in evaluator.batches:
         try:
-            found = _batch_noise(evaluator.model, batch, modules, by_layer, layers, exact_only)
+            found = _batch_noise(evaluator.model, batch, modules, by_layer, layers)
         except Unusable:
             raise
         except Exception as e:  # e.g. an in-place op autograd refuses: exact evaluation needs no gradients
             raise Unusable(f"the model's forward or backward with autograd raised {one_line(e)}") from e
-        for item, value in found.items():
-            noise[item] = max(noise.get(item, 0.0), value)
-    estimated = {item: _from_noise(noise[item]) for item in work if item not in exact_only and item in noise}
+        noise = found if noise is None else {item: max(noise[item], v) for item, v in found.items() if item in noise}
+    estimated = {item: _from_noise(noise[item]) for item in work if item in (noise or {})}
     if len(estimated) <= len(work) // 2:
         raise Unusable(f"only {len(estimated)} of {len(work)} items could be estimated")
     result: dict[Item, Sensitivity] = {}
@@ -160,8 +158,9 @@ def _units(names: Sequence[str], layers: Sequence[str]) -> dict[str, str]:
 
 
 def _batch_noise(model: nn.Module, batch: Any, modules: dict[str, nn.Module], by_layer: dict[str, list[str]],
-                 layers: Sequence[str], exact_only: set[Item]) -> dict[Item, float]:
-    """Step 1-3 of the module docstring on one batch: item -> estimated relative noise power at the outputs."""
+                 layers: Sequence[str]) -> dict[Item, float]:
+    """Step 1-3 of the module docstring on one batch: item -> estimated relative noise power at the outputs, for
+    the items this batch can estimate (the others are evaluated exactly)."""
     units = _units(list(by_layer), layers)
     watched = list(dict.fromkeys([*by_layer, *units.values()]))
     calls: dict[str, list[dict]] = {name: [] for name in watched}
@@ -217,7 +216,6 @@ def _batch_noise(model: nn.Module, batch: Any, modules: dict[str, nn.Module], by
         if unit != name and not (all(c["in_unit"] for c in calls[name]) and usable(unit)):
             unit = name  # the model calls the layer from outside its parent's forward
         if not usable(unit):
-            exact_only.update((name, p) for p in precisions)
             continue
         nested = {"layer" + other[len(unit):]: "fp32" for other in layers if other.startswith(name + ".")}
         for p in precisions:
@@ -225,8 +223,7 @@ def _batch_noise(model: nn.Module, batch: Any, modules: dict[str, nn.Module], by
             alone = _Alone(modules[unit])
             try:
                 apply_policy(alone, Policy.from_assignment({"layer" + name[len(unit):]: p, **nested}))
-            except Exception:
-                exact_only.add(item)
+            except Exception:  # evaluated exactly, which says why
                 continue
             try:
                 with torch.no_grad():
@@ -239,8 +236,8 @@ def _batch_noise(model: nn.Module, batch: Any, modules: dict[str, nn.Module], by
                         # bf16 is enough for an error (fp32's range; its rounding moves the noise by < 1%)
                         per_call.append([(lo.float() - ref.float()).bfloat16() for lo, ref in zip(low, c["reference"])])
                 errors[item] = (unit, per_call)
-            except Exception:
-                exact_only.add(item)
+            except Exception:  # it overflowed or raised alone: evaluated exactly, which says so
+                pass
             finally:
                 remove_policy(alone)
 
@@ -271,6 +268,5 @@ def _batch_noise(model: nn.Module, batch: Any, modules: dict[str, nn.Module], by
               if s == 0 and any(bool(e.any()) for per_call in errors[item][1] for e in per_call)}
     if len(unseen) > len(squares) // 2:
         raise Unusable("most layers' errors do not reach the outputs to first order (a step or rounding after them?)")
-    exact_only |= unseen
     return {item: s for item, s in squares.items() if item not in unseen}
 
