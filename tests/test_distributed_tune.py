@@ -101,6 +101,26 @@ def test_a_failing_rank_names_itself_and_its_error_once(folder):
 
 
 # ---- the parts, in one process ---------------------------------------------------------------------------
+def test_a_rank_torchrun_stopped_says_why_whatever_the_interrupted_code_raised(monkeypatch, capsys):
+    """torchrun's SIGTERM raises Stopped wherever the rank is; inside optuna's tell that turns into optuna's own
+    AssertionError("Should not reach."). The line still says what happened: another rank is gone."""
+    from autoprec.distributed import Ranks, tuning
+    from autoprec.distributed.ranks import Stopped
+
+    class Stopping(Ranks):
+        rank, world_size, said = 0, 2, None
+        stopped = Stopped("rank 1: its process ended without saying why (killed, or out of memory?)")
+
+    monkeypatch.setattr(tuning, "from_torchrun", lambda _device: Stopping())
+
+    def cut_short(_ranks, _log):
+        raise AssertionError("Should not reach.")  # what optuna's _run_trial raises when its tell is interrupted
+
+    assert tuning.on_every_rank(cut_short, "cpu") == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "autoprec tune: error: rank 1: its process ended without saying why (killed, or out of memory?)"]
+
+
 class _OneOfTwo:
     """Rank ``rank`` of two, in one process: ``gather`` hands back the other rank's part as given."""
 

@@ -104,6 +104,9 @@ class _TorchrunRanks(Ranks):
         self.store = dist.PrefixStore("autoprec", _get_default_store())
         self.store.set(f"pid/{self.rank}", f"{socket.gethostname()}:{os.getpid()}")
         self.said: str | None = None  # this rank's own failure line, once said
+        # Set when torchrun stopped this rank: the exception that surfaces may be another, raised by library code
+        # that the SIGTERM interrupted (optuna asserts when its tell is cut short), and this says what happened.
+        self.stopped: Stopped | None = None
 
     # -- waiting that can give up ----------------------------------------------------------------------
     def _wait(self, work: Any, what: str) -> None:
@@ -216,7 +219,8 @@ def from_torchrun(device: str) -> Ranks:
     ranks = _TorchrunRanks(timeout_s)
 
     def stop(_signum: int, _frame: Any) -> None:
-        raise Stopped(ranks._why_stopped() or f"rank {ranks.rank}: stopped by SIGTERM")
+        ranks.stopped = Stopped(ranks._why_stopped() or f"rank {ranks.rank}: stopped by SIGTERM")
+        raise ranks.stopped
 
     signal.signal(signal.SIGTERM, stop)
     return ranks

@@ -85,6 +85,8 @@ def on_every_rank(run: Callable[[Ranks, Callable[[str], None]], int], device: st
         from ..cli import _USER_ERRORS
         from ..userspec import one_line
 
+        # stopped by torchrun: whatever the interrupted code raised on the way out, being stopped is what happened
+        error = getattr(ranks, "stopped", None) or error
         if os.environ.get("AUTOPREC_DEBUG"):  # as for one process: the traceback, for a bug report
             traceback.print_exc()
         # said as one process says it: a user's error by its message, anything else with its type
