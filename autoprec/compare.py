@@ -349,7 +349,8 @@ def _default_sync(device: str) -> Callable[[], None]:
 def compare(runs: Mapping[str, Callable[[], Any]], *, reference: str, device: str = "cpu", min_rounds: int = 6,
             max_rounds: int = 60, max_seconds: float = 20.0, rel_precision: float = 0.03,
             confidence: float = 0.95, warmup: bool = True, clock: Callable[[], float] = time.perf_counter,
-            sync: Callable[[], None] | None = None, until: str = "decided") -> Comparison:
+            sync: Callable[[], None] | None = None, until: str = "decided",
+            switch: Callable[[str], None] | None = None) -> Comparison:
     """Time ``runs`` against ``runs[reference]`` until every ratio is decided or a cap is hit.
 
     ``until="precise"`` goes on until every interval is within ±``rel_precision`` instead: for
@@ -359,7 +360,9 @@ def compare(runs: Mapping[str, Callable[[], Any]], *, reference: str, device: st
     ``min_rounds`` always run (6 is the fewest that can decide anything at 95%); after that a
     new round starts only while fewer than ``max_rounds`` ran and the rounds so far predict it
     ends within ``max_seconds`` of the start (warm-up included). ``sync`` runs after each call
-    before the clock is read (default: ``torch.cuda.synchronize`` on a CUDA device).
+    before the clock is read (default: ``torch.cuda.synchronize`` on a CUDA device). ``switch(key)`` runs
+    before each call of ``runs[key]``, warm-up included, outside the timed span: for entries that take turns on
+    one model (installing an entry's policy), so that no entry needs a model of its own.
     """
     if reference not in runs:
         raise ValueError(f"reference {reference!r} is not among the runs ({', '.join(runs)}); "
@@ -375,16 +378,18 @@ def compare(runs: Mapping[str, Callable[[], Any]], *, reference: str, device: st
     def done(r: Ratio) -> bool:
         return r.decided if until == "decided" else r.within(rel_precision)
 
-    def once(fn: Callable[[], Any]) -> float:
+    def once(key: str) -> float:
+        if switch is not None:
+            switch(key)
         start = clock()
-        fn()
+        runs[key]()
         sync()
         return (clock() - start) * 1e3
 
     start = clock()
     if warmup:
-        for fn in runs.values():
-            settle(fn, once)
+        for key, fn in runs.items():
+            settle(fn, lambda _fn, key=key: once(key))
     keys = list(runs)
     samples: dict[str, list[float]] = {k: [] for k in keys}
     ratios: dict[str, Ratio] = {}
@@ -405,7 +410,7 @@ def compare(runs: Mapping[str, Callable[[], Any]], *, reference: str, device: st
                 if together([float(clock() + per_round - start > max_seconds)])[0]:
                     capped_by = "seconds"
                     break
-            times = {key: once(runs[key]) for key in _order(keys, rounds)}
+            times = {key: once(key) for key in _order(keys, rounds)}
             for key, ms in zip(times, together(list(times.values()))):
                 samples[key].append(ms)
             rounds += 1

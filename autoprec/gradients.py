@@ -139,7 +139,8 @@ def _gradients(model: nn.Module, batch: Any, loss: Callable, path: str | Path, s
     scaled = value * scale if scale != 1.0 else value
     if only is None:
         scaled.backward()
-        grads = {n: p.grad.detach().float() / scale for n, p in model.named_parameters() if p.grad is not None}
+        # the gradients themselves, divided in place (zero_grad drops the model's hold on them): no second copy
+        grads = {n: _unscaled(p.grad, scale) for n, p in model.named_parameters() if p.grad is not None}
         inputs = {n: torch.cat([t.grad.detach().float().flatten() / scale for t in ts if t.grad is not None])
                   for n, ts in caught.items() if any(t.grad is not None for t in ts)}
     else:
@@ -147,7 +148,7 @@ def _gradients(model: nn.Module, batch: Any, loss: Callable, path: str | Path, s
         wanted = [(n, params[n]) for n in only if params[n].requires_grad]
         watched = [(n, t) for n, ts in caught.items() for t in ts]
         found = torch.autograd.grad(scaled, [t for _, t in wanted] + [t for _, t in watched], allow_unused=True)
-        grads = {n: g.detach().float() / scale for (n, _), g in zip(wanted, found) if g is not None}
+        grads = {n: _unscaled(g, scale) for (n, _), g in zip(wanted, found) if g is not None}
         inputs = {}
         for (n, _), g in zip(watched, found[len(wanted):]):
             if g is not None:
@@ -157,6 +158,12 @@ def _gradients(model: nn.Module, batch: Any, loss: Callable, path: str | Path, s
     nonfinite = not math.isfinite(loss_value) or any(not torch.isfinite(g).all()
                                                      for g in [*grads.values(), *inputs.values()])
     return GradRun(loss_value, grads, inputs, scale, nonfinite)
+
+
+def _unscaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
+    """``grad`` in fp32 divided by ``scale``, in place where it is fp32 already (a gradient no one else reads)."""
+    grad = grad.detach().float()
+    return grad.div_(scale) if scale != 1.0 else grad
 
 
 def check_losses(model: nn.Module, batches: Sequence[Any], loss: Callable, path: str | Path) -> None:
@@ -260,13 +267,24 @@ class GradientObjective(Objective):
         self.batches = [to_device(b, self.device) for b in batches]
         self.loss, self.path = loss, Path(path)
         start = time.perf_counter()
-        self.reference = [gradient_run(model, b, loss, path) for b in self.batches]
-        if any(r.nonfinite for r in self.reference):
+        reference = self.reference
+        if any(r.nonfinite for r in reference):
             raise UserCodeError(self.path, "loss()", "gave inf/NaN (loss or gradients) for the unchanged fp32 model",
                                 "return a finite loss with finite gradients for the model as get_model() builds it")
-        super().__init__(sum(r.loss for r in self.reference) / len(self.reference), higher_is_better=False)
-        self.scale = min(loss_scale_for(r) for r in self.reference)
+        super().__init__(sum(r.loss for r in reference) / len(reference), higher_is_better=False)
+        self.scale = min(loss_scale_for(r) for r in reference)
         self.fp32_seconds = time.perf_counter() - start
+        self.release()  # a model's worth of gradients per batch: made again when the search measures
+
+    @property
+    def reference(self) -> list[GradRun]:
+        """fp32's gradient run on each batch (the same on every call: the runs are seeded)."""
+        if getattr(self, "_reference", None) is None:
+            self._reference = [gradient_run(self.model, b, self.loss, self.path) for b in self.batches]
+        return self._reference
+
+    def release(self) -> None:
+        self._reference = None
 
     def measure(self, policy: Policy | None, watch: Sequence[str] = ()) -> Measurement:
         self.evaluations += 1

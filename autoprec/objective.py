@@ -49,6 +49,9 @@ class Objective:
             return math.inf
         return self.metric_fp32 - metric if self.higher_is_better else metric - self.metric_fp32
 
+    def release(self) -> None:
+        """Free what only measuring holds (the search is done); a later :meth:`measure` makes it again."""
+
     def measure(self, policy, watch: Sequence[str] = ()) -> Measurement:  # noqa: ANN001 (Policy | None)
         """The metric of the model under ``policy`` (None: fp32)."""
         raise NotImplementedError(f"{type(self).__name__} is a reference only; it measures no policy")

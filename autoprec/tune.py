@@ -29,7 +29,7 @@ from .capture import capture
 from .compare import timed_together
 from .config import TuneConfig, check_device
 from .distributed.ranks import ONE_PROCESS, Ranks
-from .fits import check_fits
+from .fits import check_fits, free_memory
 from .formats import Precision, device_capabilities
 from .jsonsafe import finite_or_none
 from .objective import Measurement
@@ -206,7 +206,8 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
             # the writing rank's run folder holds the study every rank shares
             url = ranks.from_first(config.storage or f"sqlite:///{(out_dir or Path('.')).resolve() / 'study.db'}")
             storage = open_storage(url)
-            check_fits(workload.model, workload.capture_batches()[0], device)  # one line now, not an OOM later
+            check_fits(workload.model, workload.capture_batches()[0], device,  # one line now, not an OOM later
+                       training=workload.name == "training")
             model = workload.model = workload.model.to(device).eval()
             seconds: dict[str, float] = {}
 
@@ -215,6 +216,7 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
             objective = workload.objective(device)  # fp32 on every search batch
             the_budget.check(objective.metric_fp32, objective.uses_fidelity)
             profile = load_or_profile(workload, config, device, out_dir, log, ranks)
+            free_memory(device)
             seconds["capture"] = profile.cost["seconds"].get("capture", 0.0)
             seconds["profile"] = time.perf_counter() - start - seconds["capture"]
 
@@ -245,6 +247,8 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
                             seed=config.seed, fail_stale=fail_stale, progress=config.progress,
                             ranks=ranks)
             seconds["search"] = time.perf_counter() - start
+            objective.release()  # verification measures on its own (training: a gradient run's worth per batch)
+            free_memory(device)
 
             phase = "verify"
             start = time.perf_counter()

@@ -1,6 +1,7 @@
 """What a tune costs as the model grows: wall time, its phases, full-model forwards, peak memory.
 
     python benchmarks/scale.py [--quick] [--json benchmarks/results/scale.json] [--code DIR] [--label after]
+                               [--minilm] [--training] [--depths N ...] [--no-wide]
 
 Transformers of 6, 12, 24 and 48 blocks (pre-norm, q/k/v/o + a 4x MLP per block, width 64, 8 x 32
 tokens: small enough to tune on 2 shared cores), each tuned once in a fresh process with
@@ -16,6 +17,10 @@ held before the model was built, as a ratio to model + one batch.
 Goals: 48 blocks <= 5x the wall time of 12 blocks; peak memory <= 1.5x the model + one batch (also said beyond
 the tune's fixed cost: the peak of the smallest model's tune, 1 MiB of weights, which is imported libraries);
 ``--minilm``: MiniLM's tune where nothing is faster than fp32 (a CPU held to AVX2) <= 30 s.
+``--training``: a tune for training of a 6-block, 1024-wide model (AdamW, 8-step verification runs) against a
+plain training loop of the same model in a fresh process (weights, gradients, AdamW's two moments, one
+batch's activations: what training the model costs anyway): peak <= 1.5x that loop's, whatever the number of
+entries verification trains.
 ``--code DIR`` runs another checkout's autoprec (e.g. main's, for a "before" figure) on the same models.
 ``--quick``: 6 and 12 blocks only, a smoke run. Timings on a shared machine swing 2x: rerun.
 """
@@ -38,6 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPTHS = (6, 12, 24, 48)
 WIDTH, TOKENS, ROWS = 64, 32, 8
 WIDE = {"blocks": 12, "width": 1024, "rows": 2}  # the memory check at a width where weights dominate
+TRAIN_WIDE = {"blocks": 6, "width": 1024, "rows": 2}  # the same for a tune for training (6 blocks: 289 MiB)
+TRAIN_STEPS = 8  # steps of each verification run and of the plain loop it is held against
 
 
 def build(blocks: int, width: int):
@@ -140,6 +147,65 @@ def one(blocks: int, width: int, rows: int, code: str) -> dict:
             "sensitivity": result.profile.cost.get("sensitivity", "exact")}
 
 
+def training_loss(model, batch):
+    import torch.nn.functional as F
+
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def training_batches(rows: int, n: int = 4) -> list:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(rows, TOKENS, 16, generator=g), torch.randn(rows, TOKENS, 16, generator=g)) for _ in range(n)]
+
+
+def one_training(blocks: int, width: int, rows: int, code: str) -> dict:
+    """One tune for training (AdamW, ``TRAIN_STEPS`` steps per verification run) in this process, and its peak."""
+    sys.path.insert(0, code)
+    import torch
+
+    import autoprec
+
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    before_model = peak_bytes()
+    model = build(blocks, width)
+    batches = training_batches(rows)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as out:
+        result = autoprec.tune(model, [b[0] for b in batches], for_="training", loss=training_loss,
+                               train_batches=batches, optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4),
+                               steps=TRAIN_STEPS, precisions=["bf16"], trials=5, out=Path(out), progress=False,
+                               log=lambda _: None)
+    wall = time.perf_counter() - start
+    peak = peak_bytes() - before_model
+    v = result.verification
+    return {"blocks": blocks, "width": width, "rows": rows, "tokens": TOKENS, "steps": TRAIN_STEPS,
+            "wall_s": wall, "phases_s": {**result.profile.cost.get("seconds", {}), **result.seconds},
+            "verified_entries": sorted(k for k in v.losses if k != "tuned") if v is not None else [],
+            "model_mib": weights / 2**20, "peak_mib_above_start": peak / 2**20,
+            "default": result.policy.default.value, "policy": result.policy.to_dict().get("layers")}
+
+
+def one_training_loop(blocks: int, width: int, rows: int) -> dict:
+    """What training the model costs by itself: the peak of a plain loop (AdamW, forward, loss, backward, step)
+    of ``TRAIN_STEPS`` steps, above what the process held before the model was built."""
+    import torch
+
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    before_model = peak_bytes()
+    model = build(blocks, width).train()
+    batches = training_batches(rows)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for i in range(TRAIN_STEPS):
+        training_loss(model, batches[i % len(batches)]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {"peak_mib_above_start": (peak_bytes() - before_model) / 2**20}
+
+
 def minilm_nothing_faster(code: str) -> dict:
     """``autoprec tune examples/minilm/model.py`` as a CPU without bf16 instructions runs it (oneDNN and ATen held
     to AVX2), where nothing is faster than fp32: its wall time, in a fresh process, and what it says."""
@@ -157,8 +223,8 @@ def minilm_nothing_faster(code: str) -> dict:
             "phases_s": profile["cost"]["seconds"], "says": profile.get("nothing_pays_off", "")}
 
 
-def run_one(blocks: int, width: int, rows: int, code: str) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--one", str(blocks), str(width), str(rows), "--code", code],
+def run_one(blocks: int, width: int, rows: int, code: str, kind: str = "--one") -> dict:
+    out = subprocess.run([sys.executable, __file__, kind, str(blocks), str(width), str(rows), "--code", code],
                          capture_output=True, text=True, timeout=3600)
     if out.returncode:
         raise SystemExit(f"the {blocks}-block tune failed:\n{out.stderr[-2000:]}")
@@ -175,10 +241,16 @@ def main() -> None:
     parser.add_argument("--no-wide", action="store_true", help="skip the 1024-wide memory check")
     parser.add_argument("--minilm", action="store_true",
                         help="also time MiniLM's tune where nothing is faster than fp32 (oneDNN and ATen held to AVX2)")
+    parser.add_argument("--training", action="store_true",
+                        help="also the memory of a tune for training of the 1024-wide model against a plain "
+                             "training loop of it")
     parser.add_argument("--one", nargs=3, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--one-training", nargs=3, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--one-loop", nargs=3, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.one:
-        print(json.dumps(one(*args.one, args.code)))
+    if args.one or args.one_training or args.one_loop:
+        print(json.dumps(one(*args.one, args.code) if args.one else one_training(*args.one_training, args.code)
+                         if args.one_training else one_training_loop(*args.one_loop)))
         return
     runs = []
     for blocks in args.depths[:2] if args.quick else args.depths:
@@ -191,6 +263,16 @@ def main() -> None:
     if wide:
         print(f"1024 wide: peak {wide['peak_mib_above_start']:.0f} MiB above start, model {wide['model_mib']:.0f} "
               f"MiB, {wide['peak_over_model_and_batch']:.2f}x model + batch", flush=True)
+    trained = None
+    if args.training:
+        shape = (TRAIN_WIDE["blocks"], TRAIN_WIDE["width"], TRAIN_WIDE["rows"])
+        loop = run_one(*shape, args.code, "--one-loop")
+        trained = {**run_one(*shape, args.code, "--one-training"),
+                   "training_loop_peak_mib_above_start": loop["peak_mib_above_start"]}
+        trained["peak_over_training_loop"] = trained["peak_mib_above_start"] / loop["peak_mib_above_start"]
+        print(f"training, {shape[1]} wide: peak {trained['peak_mib_above_start']:.0f} MiB above start, a plain "
+              f"training loop's {loop['peak_mib_above_start']:.0f} MiB: {trained['peak_over_training_loop']:.2f}x",
+              flush=True)
     minilm = minilm_nothing_faster(args.code) if args.minilm else None
     if minilm:
         print(f"MiniLM where nothing is faster: {minilm['wall_s']:.1f} s", flush=True)
@@ -205,6 +287,8 @@ def main() -> None:
         figures["wide"] = wide
     if minilm:
         figures["minilm_nothing_faster"] = minilm
+    if trained:
+        figures["training"] = trained
     growth = kept[48]["wall_s"] / kept[12]["wall_s"] if {12, 48} <= set(kept) else None
     measured = [*kept.values(), *([figures["wide"]] if "wide" in figures else [])]
     figures["wall_48_over_12"] = growth
@@ -230,6 +314,8 @@ def main() -> None:
                         "peak beyond the fixed cost <= 1.5x model + batch graph": {
                             f"{r['blocks']}x{r['width']}": r["peak_beyond_fixed_over_model_and_graph"] <= 1.5
                             for r in measured if "peak_beyond_fixed_over_model_and_graph" in r},
+                        "training: peak <= 1.5x a plain training loop's": (
+                            figures["training"]["peak_over_training_loop"] <= 1.5 if "training" in figures else None),
                         "MiniLM where nothing is faster <= 30 s": (figures["minilm_nothing_faster"]["wall_s"] <= 30
                                                                    if "minilm_nothing_faster" in figures else None)}
     args.json.parent.mkdir(parents=True, exist_ok=True)

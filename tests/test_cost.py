@@ -123,3 +123,29 @@ def test_a_model_that_does_not_fit_is_one_line_with_the_need_and_the_fix():
     line = shortfall(32 * GiB, GiB, 20 * GiB, "cuda:0")
     assert "\n" not in line and "33.0 GiB" in line and "20.0 GiB is free" in line
     assert "smaller batches" in line and "torchrun" in line
+    # a tune for training also trains a copy: its weights and gradients count, and the line says so
+    assert shortfall(10 * GiB, GiB, 20 * GiB, "cuda:0") is None
+    line = shortfall(10 * GiB, GiB, 20 * GiB, "cuda:0", training=20 * GiB)
+    assert "31.0 GiB" in line and "a training copy and its gradients 20.0 GiB" in line and "optimizer" in line
+
+
+def test_a_tune_for_training_that_cannot_hold_a_training_copy_is_refused_before_any_work(monkeypatch, tmp_path):
+    """Free memory enough for an inference tune (the weights, half again on the CPU, and a batch) but not for a
+    training copy and its gradients: the tune for training says so in one line, and nothing is profiled."""
+    import sys
+
+    import pytest
+
+    from autoprec import fits
+    from autoprec.fits import model_bytes
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    batches = [(torch.randn(8, 64), torch.randn(8, 4)) for _ in range(2)]
+    monkeypatch.setattr(fits, "_free_bytes", lambda device: 2 * model_bytes(model))
+    profiled = []
+    monkeypatch.setattr(sys.modules["autoprec.tune"], "load_or_profile", lambda *a, **k: profiled.append(1))
+    with pytest.raises(ValueError, match=r"^the model does not fit cpu: .*a training copy and its gradients") as info:
+        autoprec.tune(model, [b[0] for b in batches], for_="training", train_batches=batches,
+                      loss=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), out=tmp_path / "t", progress=False)
+    assert "\n" not in str(info.value) and not profiled
+    fits.check_fits(model, batches[0][0], torch.device("cpu"))  # an inference tune of it fits

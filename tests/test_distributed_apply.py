@@ -322,6 +322,43 @@ def _torchao_float8(rank: int, kernels: str = "torchao", device: str = "cpu", rt
     assert type(model.blocks[1].fc1) is nn.Linear and torch.equal(model.blocks[1].fc1.weight.detach(), trained)
 
 
+def _slowest(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _training_verification(how: str, rank: int) -> None:
+    """Verification for training as torchrun runs it: every entry trains in turn on a copy wrapped as the job
+    wraps it (losses as one process gets them: both ranks see the same batches, so the averaged gradients
+    are the one process's), then the entries' steps take turns on one wrapped copy, each with its policy
+    installed after wrapping (fp8 included: autoprec's linears change class in place under FSDP2)."""
+    from autoprec.compare import timed_together
+    from autoprec.workloads.training import TrainingWorkload
+
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 32, generator=g), torch.randn(8, 16, generator=g)) for _ in range(2)]
+
+    def loss(model: nn.Module, batch: tuple) -> torch.Tensor:
+        return nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    runners = {"fp32": None, "autocast": autoprec.Precision.BF16,
+               "mixed": Policy(default="bf16", layers={"head": "fp32", "blocks.0.fc1": "fp8"})}
+    single = TrainingWorkload(Net(), [b[0] for b in batches], loss, train_batches=batches, steps=4)
+    expected = single.held_out(runners, torch.device("cpu")).losses
+    workload = TrainingWorkload(Net(), [b[0] for b in batches], loss, train_batches=batches, steps=4,
+                                wrap=lambda m: _wrap(m, how))
+    with timed_together(_slowest):
+        held = workload.held_out(runners, torch.device("cpu"))
+        samples, _, verdict = workload.time(runners, torch.device("cpu"))
+    for key in runners:
+        assert torch.allclose(torch.tensor(held.losses[key]), torch.tensor(expected[key]), rtol=1e-5), \
+            f"{key}: {held.losses[key]} vs one process's {expected[key]}"
+    rounds = {len(v) for v in samples.values()}
+    assert len(rounds) == 1 and min(rounds) >= 6, (samples, verdict)
+    assert all(x > 0 for v in samples.values() for x in v)
+
+
 def _checks(folder: str) -> dict:
     checks = {}
     for how in ("ddp", "fsdp"):
@@ -337,6 +374,8 @@ def _checks(folder: str) -> dict:
         for precision in ("fp8", "mxfp8", "nvfp4"):
             checks[f"residual {order} {precision}"] = (_residual_in_place, precision, order)
     checks["torchao float8"] = (_torchao_float8,)
+    for how in ("ddp", "fsdp"):
+        checks[f"training verification {how}"] = (_training_verification, how)
     return checks
 
 
@@ -454,3 +493,8 @@ def _gpu_worker(rank: int, port: int) -> None:
 def test_torchao_float8_all_gather_on_gpus():
     pytest.importorskip("torchao.float8")
     mp.spawn(_gpu_worker, args=(_free_port(),), nprocs=WORLD)
+
+
+@pytest.mark.parametrize("how", ["ddp", "fsdp"])
+def test_training_verification_of_a_wrapped_model(results, how):
+    _check(results, f"training verification {how}")

@@ -1,20 +1,22 @@
 """Tuning for training: step time as the objective, the loss and gradient fidelity on the search
-batches as the constraint, short interleaved training runs as the proof.
+batches as the constraint, short training runs as the proof.
 
 Verification trains fp32, blanket ``torch.autocast`` (with a ``GradScaler`` when it is fp16) and the
-search's best candidates, each a deep copy of the model from the same weights, for ``steps`` steps
-on the training batches in the same order, with a fresh optimizer from the same factory and the same
-random seed per step (so dropout draws the same masks). The runs advance one step each in turn,
-rotating the order, so machine noise hits all alike; each step (forward, loss, backward, optimizer,
-as :class:`~autoprec.training.TrainStep` runs it) is timed, and a run's step time is the median over
-its steady-state steps (the first quarter, at least two, are warm-up). Within budget: with
-``evaluate``, the metric of the trained copy on the evaluation batches; without, the mean loss over
-the last quarter of the steps.
+search's best candidates, each on a copy of the model from the same weights, for ``steps`` steps on the
+training batches in the same order, with a fresh optimizer from the same factory and the same random seed
+per step (so dropout draws the same masks). The runs go one after the other, each copy dropped before the
+next is made, so verification holds one training run whatever the number of entries. Within budget: with
+``evaluate``, the metric of the trained copy on the evaluation batches; without, the mean loss over the
+last quarter of the steps. Step time (forward, loss, backward, optimizer, as
+:class:`~autoprec.training.TrainStep` runs it) is then measured apart, as paired interleaved rounds of
+single steps on one working copy that the entries take turns on (:func:`time_steps`), so machine noise
+hits all alike.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import statistics
 import time
@@ -25,13 +27,14 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from ..apply import apply_policy
+from ..apply import apply_policy, remove_policy
 from ..batches import as_batch_list, to_device
 from ..budget import Budget, BudgetError
 from ..capture import LayerTable
-from ..compare import rotations
+from ..compare import Comparison, compare, rotations
 from ..config import TuneConfig
 from ..distributed.ranks import ONE_PROCESS, Ranks
+from ..fits import free_memory
 from ..formats import Precision
 from ..gradients import DEFAULT_MIN_GRAD_SQNR, GradientObjective, check_losses
 from ..objective import Measurement, Objective
@@ -42,6 +45,7 @@ from ..report import markdown_table, plot_library, save_figure
 from ..training import TrainStep
 from ..trainspec import default_optimizer, run_loss
 from .base import HeldOut, Workload, check_settings
+from .inference import VERIFY_SECONDS
 
 __all__ = ["COMPILE_REFUSED", "DEFAULT_STEPS", "DEFAULT_TRAIN_BUDGET", "SEARCH_BATCHES", "TrainingWorkload",
            "loss_plot", "metric_after", "train_runs"]
@@ -74,7 +78,7 @@ class TrainingWorkload(Workload):
     steps: int = DEFAULT_STEPS
     path: Path = Path("model.py")
     wrap: Callable[[nn.Module], nn.Module] | None = None  # how the job runs the model (torchrun); None: as it is
-    _runs: dict = field(default_factory=dict, repr=False)  # the last verification's training runs
+    _losses: dict = field(default_factory=dict, repr=False)  # the last verification's loss per step, per entry
 
     name = "training"
     verify_best = 2  # each is a training run
@@ -143,25 +147,39 @@ class TrainingWorkload(Workload):
 
     def held_out(self, runners: Mapping[str, Policy | Precision | None], device: torch.device, seed: int = 0
                  ) -> HeldOut:
+        """Each entry's training run in turn, on a copy of the model made for it and dropped after it: memory of
+        one training run whatever the number of entries (their step times are taken apart, in :meth:`time`)."""
         make_optimizer = self.optimizer or default_optimizer
-        runs = {k: _make_run(self.model, how, self.loss, self.path, make_optimizer, device, self.wrap)
-                for k, how in runners.items()}
-        train_interleaved(runs, [to_device(b, device) for b in self.train_batches], self.steps, device, seed)
+        batches = [to_device(b, device) for b in self.train_batches]
         eval_batches = [to_device(b, device) for b in self.eval_batches]
-        metric = {k: metric_after(r, self.evaluate, eval_batches, self.steps) for k, r in runs.items()}
-        if math.isnan(metric["fp32"]):
-            raise ValueError("the fp32 training run itself broke down (inf/NaN loss): check loss() and the optimizer")
-        self._runs = runs
+        metric: dict[str, float] = {}
+        self._losses = {}
+        for key, how in runners.items():  # fp32 first: a run of it that breaks down ends the verification
+            run = _make_run(self.model, how, self.loss, self.path, make_optimizer, device, self.wrap)
+            train_run(run, batches, self.steps, device, seed)
+            metric[key] = metric_after(run, self.evaluate, eval_batches, self.steps)
+            self._losses[key] = run.losses
+            del run
+            free_memory(device)  # this copy is gone before the next is made
+            if key == "fp32" and math.isnan(metric[key]):
+                raise ValueError("the fp32 training run itself broke down (inf/NaN loss): check loss() and the "
+                                 "optimizer")
         reference = Objective(metric["fp32"], self.higher_is_better if self.evaluate is not None else False)
         measured = {k: Measurement(m, math.inf, math.isnan(m), 0.0) for k, m in metric.items()}
-        return HeldOut(reference, measured, f"in the {self.steps}-step training run",
-                       losses={k: r.losses for k, r in runs.items()})
+        return HeldOut(reference, measured, f"in the {self.steps}-step training run", losses=dict(self._losses))
 
     def time(self, runners: Mapping[str, Policy | Precision | None], device: torch.device, compiled: bool = False
              ) -> tuple[dict[str, list[float]], str, str | None]:
-        """The steady-state step times of the training runs (they ran interleaved, step by step)."""
-        warmup = max(2, self.steps // 4)
-        return {k: self._runs[k].ms[warmup:] for k in runners}, f"{self.steps} training steps", None
+        """Training steps in paired interleaved rounds (:func:`time_steps`) until every entry's ratio to fp32 is
+        decided or a cap is hit. An entry whose training run broke down is not timed (its steps would write
+        inf/NaN into the weights the others step on)."""
+        broken = {k for k, losses in self._losses.items() if not all(math.isfinite(x) for x in losses)}
+        timed = {k: how for k, how in runners.items() if k not in broken}
+        comparison = time_steps(self.model, timed, self.train_batches, self.loss, self.optimizer or default_optimizer,
+                                device, self.path, self.wrap)
+        free_memory(device)  # the working copy is gone before anything else is made
+        samples = {k: comparison.samples[k] if k in timed else [math.nan] for k in runners}
+        return samples, "training steps (forward, loss, backward, optimizer)", comparison.verdict
 
     def policy_result(self, result: dict[str, Any], verification: Any) -> dict[str, Any]:
         return {"for": "training", "steps": self.steps,
@@ -201,6 +219,34 @@ class _Run:
     autocast: Precision | None = None
 
 
+def _stepper(model: nn.Module, how: Policy | Precision | None, loss: Callable, path: Path,
+             optimizer: torch.optim.Optimizer, device: torch.device) -> Callable[[Any], float]:
+    """``step(batch) -> loss``: one training step of ``model`` under ``how``, as a user writes it: blanket
+    ``torch.autocast`` with a GradScaler (enabled for fp16) for a Precision, else a :class:`TrainStep` of the
+    policy (already installed in ``model``; None: fp32)."""
+    if isinstance(how, Precision):
+        scaler = torch.amp.GradScaler(device.type, enabled=how is Precision.FP16)
+
+        def autocast_step(batch: Any) -> float:
+            with torch.autocast(device.type, dtype=how.autocast_dtype):
+                value = run_loss(path, loss, model, batch)
+            scaler.scale(value).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            return float(value.detach())
+
+        return autocast_step
+    train_step = TrainStep(how if how is not None else Policy(), optimizer, device)
+
+    def policy_step(batch: Any) -> float:
+        value = run_loss(path, loss, model, batch)
+        train_step(value)
+        return float(value.detach())
+
+    return policy_step
+
+
 def _make_run(model: nn.Module, how: Policy | Precision | None, loss: Callable, path: Path,
               make_optimizer: Callable, device: torch.device, wrap: Callable[[nn.Module], nn.Module] | None = None
               ) -> _Run:
@@ -211,29 +257,64 @@ def _make_run(model: nn.Module, how: Policy | Precision | None, loss: Callable, 
         apply_policy(trained, how, mode="training")
     if wrap is not None:
         trained = wrap(trained)
-    optimizer = make_optimizer(trained)
-    if isinstance(how, Precision):  # blanket autocast, as a user writes it
-        scaler = torch.amp.GradScaler(device.type, enabled=how is Precision.FP16)
+    step = _stepper(trained, how, loss, path, make_optimizer(trained), device)
+    return _Run(trained, step, autocast=how if isinstance(how, Precision) else None)
 
-        def autocast_step(batch: Any) -> float:
-            with torch.autocast(device.type, dtype=how.autocast_dtype):
-                value = run_loss(path, loss, trained, batch)
-            scaler.scale(value).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            return float(value.detach())
 
-        return _Run(trained, autocast_step, autocast=how)
-    policy = how if how is not None else Policy()
-    train_step = TrainStep(policy, optimizer, device)
+def time_steps(model: nn.Module, runners: Mapping[str, Policy | Precision | None], batches: Sequence[Any],
+               loss: Callable, make_optimizer: Callable, device: torch.device, path: str | Path = "model.py",
+               wrap: Callable[[nn.Module], nn.Module] | None = None, max_seconds: float = VERIFY_SECONDS
+               ) -> Comparison:
+    """One training step per entry per round (:func:`autoprec.compare.compare`: paired rounds until each
+    entry's ratio to ``"fp32"`` is decided or a cap is hit), the entries taking turns on one working copy of
+    ``model`` (wrapped by ``wrap`` as the job trains it) with one optimizer: before each step the entry's
+    policy is installed (and the previous one removed), outside the timed step. So timing costs the memory of
+    one training run, whatever the number of entries. The copy trains as it is timed; the optimizer's work per
+    step is the same under every policy, as its state is (fp32 master weights).
 
-    def policy_step(batch: Any) -> float:
-        value = run_loss(path, loss, trained, batch)
-        train_step(value)
-        return float(value.detach())
+    A policy that cannot be installed on the wrapped copy (torchao's FP8 linears after ``fully_shard``) is timed
+    on a copy of its own, applied before wrapping as the job applies it."""
+    device = torch.device(device)
+    batches = [to_device(b, device) for b in batches]
+    working = copy.deepcopy(model).train()
+    if wrap is not None:
+        working = wrap(working)
+    optimizer = make_optimizer(working)
+    installed: list[Policy | None] = [None]
 
-    return _Run(trained, policy_step)
+    def install(policy: Policy | None) -> None:
+        if installed[0] is not None:
+            remove_policy(working)
+            installed[0] = None
+        if policy is not None:
+            apply_policy(working, policy, mode="training")
+            installed[0] = policy
+
+    runs: dict[str, Callable[[], Any]] = {}
+    policies: dict[str, Policy | None] = {}
+    for key, how in runners.items():
+        policies[key] = how if isinstance(how, Policy) else None
+        step = _stepper(working, how, loss, Path(path), optimizer, device)
+        if policies[key] is not None and wrap is not None:
+            try:
+                install(policies[key])
+            except RuntimeError:  # refused on the wrapped copy: a copy of its own, applied before wrapping
+                step = _make_run(model, how, loss, Path(path), make_optimizer, device, wrap).step
+                policies[key] = None
+        turn = itertools.count()
+        runs[key] = lambda step=step, turn=turn: step(batches[next(turn) % len(batches)])
+    try:
+        return compare(runs, reference="fp32", device=str(device), max_seconds=max_seconds,
+                       switch=lambda key: install(policies[key]))
+    finally:
+        install(None)
+
+
+def train_run(run: _Run, batches: Sequence[Any], steps: int, device: torch.device, seed: int = 0) -> None:
+    """``steps`` steps of ``run`` (the same random seed per step in every run, so dropout draws the same masks);
+    a run whose loss turns inf/NaN stops there, its remaining losses NaN."""
+    for i in range(steps):
+        _one_step(run, batches, i, device, seed)
 
 
 def metric_after(run: _Run, evaluate: Callable | None, eval_batches: Sequence[Any], steps: int) -> float:
@@ -256,23 +337,27 @@ def train_interleaved(runs: dict[str, _Run], batches: Sequence[Any], steps: int,
                       seed: int = 0) -> None:
     """Advance every run one step in turn (the order rotating), ``steps`` times, timing each step."""
     for i, key in rotations(list(runs), steps):
-        run = runs[key]
-        torch.manual_seed(seed + i)  # the same dropout masks in every run
-        if run.losses and not math.isfinite(run.losses[-1]):
-            run.losses.append(math.nan)  # a run that broke down stays broken; it is not timed further
-            run.ms.append(math.nan)
-            continue
-        start = time.perf_counter()
-        try:
-            value = run.step(batches[i % len(batches)])
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except RuntimeError:
-            value = math.nan
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        run.ms.append((time.perf_counter() - start) * 1e3)
-        run.losses.append(value)
+        _one_step(runs[key], batches, i, device, seed)
+
+
+def _one_step(run: _Run, batches: Sequence[Any], i: int, device: torch.device, seed: int) -> None:
+    """Step ``i`` of ``run``, timed; a run that broke down stays broken and is not stepped further."""
+    torch.manual_seed(seed + i)  # the same dropout masks in every run
+    if run.losses and not math.isfinite(run.losses[-1]):
+        run.losses.append(math.nan)
+        run.ms.append(math.nan)
+        return
+    start = time.perf_counter()
+    try:
+        value = run.step(batches[i % len(batches)])
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except RuntimeError:
+        value = math.nan
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    run.ms.append((time.perf_counter() - start) * 1e3)
+    run.losses.append(value)
 
 
 def train_runs(model: nn.Module, runners: dict[str, Policy | Precision | None], train_batches: Sequence[Any],
