@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy
+
 from .profile import Profile
 from .results import decision, markdown_table, results_table, text_table
 
@@ -99,7 +101,12 @@ def sensitivity_heatmap(profile: Profile, path: str | Path, chosen: dict[str, st
     label_inches = 0.075 * max(len(n) for n in names)  # room for the layer names on the left
     fig, ax = plt.subplots(figsize=(2.8 + label_inches + 1.2 * len(cols), 1.8 + 0.28 * len(names)))
     cmap = plt.get_cmap("viridis").with_extremes(bad="whitesmoke")
-    im = ax.imshow(data, aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax)
+    # cells as a mesh, not an image: an image is resampled to the figure's pixels in floats, several copies of
+    # a canvas that grows with the layers (374 MiB for 338 layers), where the mesh draws 338 x 3 quads
+    im = ax.pcolormesh(numpy.arange(len(cols) + 1) - 0.5, numpy.arange(len(names) + 1) - 0.5,
+                       numpy.array(data, dtype=float), cmap=cmap, vmin=vmin, vmax=vmax)
+    ax.set_xlim(-0.5, len(cols) - 0.5)
+    ax.set_ylim(len(names) - 0.5, -0.5)  # the first layer on top, as an image shows it
     ax.set_xticks(range(len(cols)), cols, fontsize=9)
     ax.set_yticks(range(len(names)), names, fontsize=8 if len(names) < 40 else 6)
     for i, layer in enumerate(profile.layers):

@@ -159,3 +159,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)  # as torchrun sets it: the same kernels on one process and on many
     autoprec.apply  # noqa: B018  (imported before the framework, as a user script would)
     run(options.framework, None if options.own_bf16 else options.policy, options.out)
+    # the frameworks leave their process group to the interpreter's exit, where gloo's worker threads can outlive
+    # it and abort the process (SIGABRT, "terminate called without an active exception"): end it while all is alive
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 
+import numpy
 import torch
 import torch.nn as nn
 
@@ -149,3 +150,32 @@ def test_a_tune_for_training_that_cannot_hold_a_training_copy_is_refused_before_
                       loss=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), out=tmp_path / "t", progress=False)
     assert "\n" not in str(info.value) and not profiled
     fits.check_fits(model, batches[0][0], torch.device("cpu"))  # an inference tune of it fits
+
+
+def test_the_sensitivity_heatmap_draws_each_layer_in_its_row_and_what_was_not_profiled_grey(tmp_path):
+    """The heatmap is a mesh of cells (an image resampled to the figure's pixels held several float canvases,
+    374 MiB for 338 layers): the first layer still on top, a precision a layer was not profiled in still grey."""
+    import matplotlib.image
+
+    from autoprec.profile.result import LayerProfile, Profile, Sensitivity
+    from autoprec.report import sensitivity_heatmap
+
+    def layer(name: str, sensitivity: dict) -> LayerProfile:
+        return LayerProfile(name=name, kind="linear", type="Linear", flops=1, latency_ms={"fp32": 1.0},
+                            sensitivity={p: Sensitivity(db, None, False) for p, db in sensitivity.items()})
+
+    layers = [layer("safe", {"bf16": 60.0, "fp16": 60.0}), layer("sensitive", {"bf16": 10.0})]  # no fp16 cell
+    profile = Profile(fingerprint="x", device="cpu", torch="2", precisions=["bf16", "fp16"], capabilities={},
+                      capture_method="export", layers=layers, end_to_end_ms={}, remainder_ms={},
+                      prediction_error_pct={}, metric={}, cost={})
+    pixels = matplotlib.image.imread(sensitivity_heatmap(profile, tmp_path / "sensitivity.png"))[..., :3]
+    r, g, b = pixels[..., 0], pixels[..., 1], pixels[..., 2]
+    yellow = (r > 0.9) & (g > 0.85) & (b < 0.3)  # viridis' top: 60 dB
+    purple = (r > 0.2) & (r < 0.35) & (g < 0.1) & (b > 0.3)  # viridis' bottom: 10 dB
+    grey = (abs(r - 0.96) < 0.01) & (abs(g - 0.96) < 0.01) & (abs(b - 0.96) < 0.01)  # whitesmoke: no cell
+    rows = [mask.nonzero()[0] for mask in (yellow, purple, grey)]
+    assert all(len(row) > 100 for row in rows)  # each cell is drawn, not a speck of the colour bar alone
+    cells = [row[row < pixels.shape[0] * 0.9] for row in rows]
+    # 'safe' (60 dB) above 'sensitive' (10 dB); the missing fp16 cell of 'sensitive' in the lower row
+    assert numpy.median(cells[0]) < numpy.median(cells[1])
+    assert numpy.median(cells[2]) > numpy.median(cells[0])
