@@ -153,8 +153,8 @@ def test_a_tune_for_training_that_cannot_hold_a_training_copy_is_refused_before_
 
 
 def test_the_sensitivity_heatmap_draws_each_layer_in_its_row_and_what_was_not_profiled_grey(tmp_path):
-    """The heatmap is a mesh of cells (an image resampled to the figure's pixels held several float canvases,
-    374 MiB for 338 layers): the first layer still on top, a precision a layer was not profiled in still grey."""
+    """The heatmap is a mesh of cells, not an image resampled to the figure's pixels (benchmarks/scale.py: a
+    48-block tune's peak 479 -> 298 MiB): the first layer still on top, a cell not profiled still grey."""
     import matplotlib.image
 
     from autoprec.profile.result import LayerProfile, Profile, Sensitivity
