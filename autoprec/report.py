@@ -101,9 +101,9 @@ def sensitivity_heatmap(profile: Profile, path: str | Path, chosen: dict[str, st
     label_inches = 0.075 * max(len(n) for n in names)  # room for the layer names on the left
     fig, ax = plt.subplots(figsize=(2.8 + label_inches + 1.2 * len(cols), 1.8 + 0.28 * len(names)))
     cmap = plt.get_cmap("viridis").with_extremes(bad="whitesmoke")
-    # cells as a mesh, not an image: an image is resampled to the figure's pixels in floats, several float copies
-    # of a canvas that grows with the layers, where a mesh draws its quads (benchmarks/scale.py, 48 blocks: the
-    # tune's peak 479 -> 298 MiB)
+    # cells as a mesh, not an image: matplotlib resamples an image to the figure's pixels in several float
+    # canvases that grow with the layers, where a mesh draws one quad per cell (benchmarks/scale.py, 48 blocks:
+    # the tune's peak 479 -> 298 MiB)
     im = ax.pcolormesh(numpy.arange(len(cols) + 1) - 0.5, numpy.arange(len(names) + 1) - 0.5,
                        numpy.array(data, dtype=float), cmap=cmap, vmin=vmin, vmax=vmax)
     ax.set_xlim(-0.5, len(cols) - 0.5)

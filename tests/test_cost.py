@@ -156,18 +156,12 @@ def test_the_sensitivity_heatmap_draws_each_layer_in_its_row_and_what_was_not_pr
     """The heatmap is a mesh of cells, not an image resampled to the figure's pixels (benchmarks/scale.py: a
     48-block tune's peak 479 -> 298 MiB): the first layer still on top, a cell not profiled still grey."""
     import matplotlib.image
+    from test_search import make_profile
 
-    from autoprec.profile.result import LayerProfile, Profile, Sensitivity
     from autoprec.report import sensitivity_heatmap
 
-    def layer(name: str, sensitivity: dict) -> LayerProfile:
-        return LayerProfile(name=name, kind="linear", type="Linear", flops=1, latency_ms={"fp32": 1.0},
-                            sensitivity={p: Sensitivity(db, None, False) for p, db in sensitivity.items()})
-
-    layers = [layer("safe", {"bf16": 60.0, "fp16": 60.0}), layer("sensitive", {"bf16": 10.0})]  # no fp16 cell
-    profile = Profile(fingerprint="x", device="cpu", torch="2", precisions=["bf16", "fp16"], capabilities={},
-                      capture_method="export", layers=layers, end_to_end_ms={}, remainder_ms={},
-                      prediction_error_pct={}, metric={}, cost={})
+    profile = make_profile({"safe": {"ms": {"fp32": 1.0}, "sqnr": {"bf16": 60.0, "fp16": 60.0}},
+                            "sensitive": {"ms": {"fp32": 1.0}, "sqnr": {"bf16": 10.0}}})  # no fp16 cell
     pixels = matplotlib.image.imread(sensitivity_heatmap(profile, tmp_path / "sensitivity.png"))[..., :3]
     r, g, b = pixels[..., 0], pixels[..., 1], pixels[..., 2]
     yellow = (r > 0.9) & (g > 0.85) & (b < 0.3)  # viridis' top: 60 dB
