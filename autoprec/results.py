@@ -156,6 +156,10 @@ def results_table(v: Verification, markdown: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _unit(v: Verification) -> str:
+    return "training step" if v.steps else "forward"
+
+
 def decision(v: Verification, budget: Any) -> str:
     """What was chosen, how fast against fp32 and blanket autocast, how accurate, and why: one paragraph."""
     autocast = f"blanket autocast ({v.autocast_precision})"
@@ -178,7 +182,15 @@ def decision(v: Verification, budget: Any) -> str:
         return (f"**The policy is {autocast} itself**: {speed} faster than fp32, {metric}, within the budget "
                 f"({budget}); no per-layer policy measured faster.")
     rules = len(v.policy.layers)
-    why = (f"{autocast} is over budget on the held-out batches" if not v.within_budget.get("autocast")
-           else f"it measured against {autocast} at {v.speedup_of('tuned', 'autocast')}")
+    versus = v.speedup_of("tuned", "autocast") if "autocast" in v.samples else None
+    if not v.within_budget.get("autocast"):
+        why = f"{autocast} is over budget on the held-out batches"
+    elif v.autocast_excluded and versus is not None and versus.high < 1:
+        # the user's pin (or precisions) kept the faster blanket autocast out: say what that costs
+        cost = v.latency_ms["tuned"] - v.latency_ms["autocast"]
+        why = (f"{autocast} measured faster ({versus} of its speed) and within the budget, but cannot be the "
+               f"policy: {v.autocast_excluded}. That costs {cost:.3g} ms per {_unit(v)}; lift the pin to get it")
+    else:
+        why = f"it measured against {autocast} at {versus}"
     return (f"**autoprec policy: default {v.policy.default.value} with {rules} rule(s)**: {speed} faster than fp32, "
             f"{metric}, within the budget ({budget}); chosen because {why}.")

@@ -7,8 +7,9 @@ with the assignment's policy on the search batches. Candidates the profile shows
 slower than fp32 on this device, or to overflow, are dropped before searching, so a precision
 without a fast kernel here is never picked for speed.
 
-Seed trials come first: all-fp32, all-fastest, and a greedy assignment that lowers units in
-order of sensitivity per millisecond saved while the budget holds. The study lives in an
+Seed trials come first: all-fp32, all-fastest, blanket low precision, all-fastest with the layers the
+search space prefers fp32 kept so, and a greedy assignment that lowers units in order of sensitivity per
+millisecond saved while the budget holds. The study lives in an
 Optuna storage (an SQLite file by default), so an interrupted search resumes and several
 workers can share one study.
 """
@@ -312,6 +313,10 @@ def search(profile: Profile, evaluator: Objective, budget: Budget, space: Search
                 blanket = {u.key: p if p in u.candidates else "fp32" for u in searchable}
                 if blanket != fastest and any(v != "fp32" for v in blanket.values()):
                     run(1, blanket, f"blanket-{p}")
+            preferred = set(space.preferred([layer.name for layer in profile.layers]))
+            kept = {u.key: "fp32" if preferred & set(u.layers) else fastest[u.key] for u in searchable}
+            if kept != fastest and any(v != "fp32" for v in kept.values()):  # the space's preferences, as a seed
+                run(1, kept, "preferred")
             all_fast = latest("fastest")
             # Done when the all-fastest assignment is within budget, unless its many regions make
             # another seed (blanket, all fp32) predicted faster: then keep searching.

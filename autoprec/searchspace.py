@@ -5,11 +5,16 @@ installed as ``autoprec.search_spaces``)::
 
     description: one line
     candidates: {linear: [bf16, fp16, fp8], conv: [bf16, fp16], attention: [bf16, fp16]}
-    pin: ['(.*\\.)?lm_head', last]      # regexes over module paths (full match), or first / last
+    pin: [last]                          # regexes over module paths (full match), or first / last: kept fp32
+    prefer: ['(.*\\.)?lm_head']         # preferred fp32: seeds and ties, lowered where that is measurably faster
     groups: ['(.*)\\.(query|key|value)'] # regexes with a capture group: same captured text, one precision
     structure: true                      # search blocks, then sub-blocks, then layers (default true)
 
-A layer whose kind has no candidates, or that a ``pin`` matches, stays fp32. A ``pin`` or
+A layer whose kind has no candidates, or that a ``pin`` matches, stays fp32. A ``prefer`` pattern is a
+preference, not a pin: the search seeds itself with those layers fp32 and verification keeps them fp32
+among policies that measure the same, but a policy that lowers them is chosen where it is measurably
+faster within the budget. The presets only prefer (an output head is often the largest layer of a
+language model, and safe in bf16); a user's own file pins. A ``pin``, ``prefer`` or
 ``groups`` pattern of the user's file that matches no layer of the model warns
 (:class:`SearchSpaceWarning`), as a policy's unmatched pattern does; the presets' patterns are
 written for many models (``lm_head``, ``classifier``, ...), so theirs stay quiet.
@@ -30,7 +35,7 @@ from .formats import Precision
 
 __all__ = ["SearchSpace", "SearchSpaceError", "SearchSpaceWarning", "Unit", "preset_names", "choose_preset"]
 
-_KEYS = {"description", "candidates", "pin", "groups", "structure"}
+_KEYS = {"description", "candidates", "pin", "prefer", "groups", "structure"}
 _KINDS = {"linear", "conv", "attention", "matmul"}
 _POSITIONS = {"first", "last"}
 
@@ -58,6 +63,7 @@ class SearchSpace:
     description: str = ""
     candidates: dict[str, tuple[str, ...]] = field(default_factory=dict)
     pin: tuple[str, ...] = ()
+    prefer: tuple[str, ...] = ()  # preferred fp32, not pinned: see the module docstring
     groups: tuple[str, ...] = ()
     structure: bool = True  # with repeated blocks in the model: search blocks first, then finer
     preset: bool = False  # a shipped preset: its patterns are generic, so one that matches nothing is quiet
@@ -73,9 +79,10 @@ class SearchSpace:
                     Precision.parse(p)
                 except ValueError as e:
                     raise SearchSpaceError(f"{where}: candidates.{kind}: {e}") from None
-        for pattern in self.pin:
-            if pattern not in _POSITIONS:
-                _compile(pattern, f"{where}: pin")
+        for key in ("pin", "prefer"):
+            for pattern in getattr(self, key):
+                if pattern not in _POSITIONS:
+                    _compile(pattern, f"{where}: {key}")
         for pattern in self.groups:
             if _compile(pattern, f"{where}: groups").groups < 1:
                 raise SearchSpaceError(f"{where}: group pattern {pattern!r} needs a capture group, "
@@ -93,7 +100,7 @@ class SearchSpace:
         if not isinstance(candidates, dict) or not all(isinstance(v, list) for v in candidates.values()):
             raise SearchSpaceError(f"search space {name!r}: 'candidates' must map a layer kind to a list "
                                    "of precisions")
-        for key in ("pin", "groups"):
+        for key in ("pin", "prefer", "groups"):
             if not isinstance(data.get(key) or [], list):
                 raise SearchSpaceError(f"search space {name!r}: {key!r} must be a list of patterns")
         structure = data.get("structure", True)
@@ -102,6 +109,7 @@ class SearchSpace:
         return cls(name=name, description=str(data.get("description", "")), structure=structure, preset=preset,
                    candidates={k: tuple(str(p) for p in v) for k, v in candidates.items()},
                    pin=tuple(str(p) for p in data.get("pin") or ()),
+                   prefer=tuple(str(p) for p in data.get("prefer") or ()),
                    groups=tuple(str(p) for p in data.get("groups") or ()))
 
     @classmethod
@@ -134,13 +142,7 @@ class SearchSpace:
         kind that every layer in it allows (fp32 always).
         """
         names = [n for n, _ in layers]
-        pinned: list[str] = []
-        for pattern in self.pin:
-            if pattern in _POSITIONS:
-                pinned += names[:1] if pattern == "first" else names[-1:]
-            else:
-                regex = re.compile(pattern)
-                pinned += [n for n in names if regex.fullmatch(n)]
+        pinned = _matching(self.pin, names)
         self._warn_unmatched(names)
         keys: dict[str, list[tuple[str, str]]] = {}
         for name, kind in layers:
@@ -157,13 +159,19 @@ class SearchSpace:
         for key, members in keys.items():
             allowed = [p for p in precisions if all(p in self.candidates.get(kind, ()) for _, kind in members)]
             units.append(Unit(key=key, layers=tuple(n for n, _ in members), candidates=("fp32", *allowed)))
-        return units, sorted(set(pinned), key=names.index)
+        return units, pinned
+
+    def preferred(self, names: Sequence[str]) -> list[str]:
+        """The layers of ``names`` (in execution order) this space prefers fp32 (``prefer``), pinned ones left out."""
+        pinned = set(_matching(self.pin, names))
+        return [n for n in _matching(self.prefer, names) if n not in pinned]
 
     def _warn_unmatched(self, names: Sequence[str]) -> None:
         """Warn about each ``pin``/``groups`` pattern of a user's space that matches none of ``names``."""
         if self.preset or not names:
             return
-        unmatched = [f"{key} pattern {pattern!r}" for key, patterns in (("pin", self.pin), ("groups", self.groups))
+        unmatched = [f"{key} pattern {pattern!r}" for key, patterns in (("pin", self.pin), ("prefer", self.prefer),
+                                                                        ("groups", self.groups))
                      for pattern in patterns
                      if pattern not in _POSITIONS and not any(re.fullmatch(pattern, n) for n in names)]
         if unmatched:
@@ -179,6 +187,18 @@ def allows_everywhere(space: SearchSpace, layers: Sequence[tuple[str, str]], pre
     units, pinned = space.units(layers, [precision])
     covered = {n for u in units if precision in u.candidates for n in u.layers}
     return not pinned and covered == {n for n, _ in layers}
+
+
+def _matching(patterns: Sequence[str], names: Sequence[str]) -> list[str]:
+    """The names (in their order, once each) that ``patterns`` (regexes, ``first``, ``last``) match."""
+    found: set[str] = set()
+    for pattern in patterns:
+        if pattern in _POSITIONS:
+            found.update(names[:1] if pattern == "first" else names[-1:])
+        else:
+            regex = re.compile(pattern)
+            found.update(n for n in names if regex.fullmatch(n))
+    return [n for n in names if n in found]
 
 
 def _compile(pattern: str, where: str) -> re.Pattern:

@@ -17,7 +17,7 @@ import math
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -256,8 +256,9 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
             if config.target is not None:
                 estimated_ms = lambda policy: policy_ms(profile, policy)  # noqa: E731
             # blanket autocast is always a baseline, and a candidate only where the user asked for its precision
-            blanket_allowed = autocast.value in config.precisions and allows_everywhere(
-                space, [(layer.name, layer.kind) for layer in profile.layers], autocast.value)
+            # and the search space pins nothing against it
+            layers = [(layer.name, layer.kind) for layer in profile.layers]
+            blanket_allowed = autocast.value in config.precisions and allows_everywhere(space, layers, autocast.value)
             def within_user_budget(c: Candidate) -> bool:
                 return the_budget.violation(Measurement(c.metric, c.sqnr_db, False, 0.0), objective) <= 0
 
@@ -266,7 +267,10 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
             with timed_together(ranks.slowest):  # the ranks of a job time it together (the slowest is the job's)
                 verification = verify(workload, candidates, the_budget, autocast, device, seed=config.seed,
                                       estimated_ms=estimated_ms, estimated_for=config.target, compiled=config.compile,
-                                      dropped_because=result.dropped_because())
+                                      dropped_because=result.dropped_because(),
+                                      prefer_fp32=space.preferred([name for name, _ in layers]),
+                                      autocast_excluded="" if blanket_allowed else _why_not_blanket(
+                                          space, layers, autocast, config.precisions))
             # every rank ran it at once, as the job runs; the first rank's timings decide for all
             verification = ranks.from_first(verification)
             seconds["verify"] = time.perf_counter() - start
@@ -353,10 +357,11 @@ def _verify_candidates(result: SearchResult, profile: Profile, autocast: Precisi
     The ``best`` fastest distinct candidates that met the search's budget, or (``within``) the user's own
     budget on the search batches though not the search's margin inside it: the margin guards against
     batches the search never saw, and the held-out batches are exactly that test, so such a candidate
-    deserves the test too. The all-fastest seed and the best two structured heuristics (e.g. first and
-    last block fp32) always come along, so the tuned policy is never slower than a hand policy that
-    passes. Blanket autocast (every layer in ``autocast``, no rules) is a candidate where the search
-    space lets every layer run in it (``blanket``; else it is a baseline to report, never the policy).
+    deserves the test too. The all-fastest seed, the search space's preferred one (its preferred-fp32 layers
+    kept so) and the best two structured heuristics (e.g. first and last block fp32) always come along, so
+    the tuned policy is never slower than a hand policy that passes. Blanket autocast (every layer in
+    ``autocast``, no rules) is a candidate where the search space lets every layer run in it (``blanket``;
+    the presets only prefer, never pin; else it is a baseline to report, never the policy).
     """
     def ok(c: Candidate) -> bool:
         return c.feasible or (within is not None and not c.error and within(c))
@@ -366,7 +371,7 @@ def _verify_candidates(result: SearchResult, profile: Profile, autocast: Precisi
     chosen, seen = [], set()
     for c in ladder:
         key = (c.default, tuple(sorted(c.assignment.items())), tuple(sorted(c.regions.items())))
-        if key not in seen and (len(chosen) < best or c.seed == "fastest" or c in heuristics):
+        if key not in seen and (len(chosen) < best or c.seed in ("fastest", "preferred") or c in heuristics):
             seen.add(key)
             chosen.append(c)
     assignment = {layer.name: autocast.value for layer in profile.layers}
@@ -378,6 +383,18 @@ def _verify_candidates(result: SearchResult, profile: Profile, autocast: Precisi
         chosen.append(Candidate(number=-1, assignment=assignment, default=autocast.value, predicted_ms=predicted,
                                 metric=math.nan, sqnr_db=math.nan, violation=math.nan, seed="blanket"))
     return sorted(chosen, key=lambda c: c.predicted_ms)
+
+
+def _why_not_blanket(space: SearchSpace, layers: Sequence[tuple[str, str]], autocast: Precision,
+                     precisions: Sequence[str]) -> str:
+    """Why blanket ``autocast`` cannot be the policy, in words the decision quotes."""
+    if autocast.value not in precisions:
+        return f"{autocast.value} is not among the precisions asked for (--precisions {','.join(precisions)})"
+    _, pinned = space.units(layers, [autocast.value])
+    if pinned:
+        more = f" and {len(pinned) - 3} more" if len(pinned) > 3 else ""
+        return f"the search space {space.name!r} pins {', '.join(pinned[:3])}{more} to fp32"
+    return f"the search space {space.name!r} keeps some layers out of {autocast.value} (kinds or groups without it)"
 
 
 def _round(x: float | None, digits: int = 4) -> float | None:

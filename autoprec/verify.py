@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -103,6 +103,9 @@ class Verification:
     # Why nothing was searched or timed: no precision can be faster than fp32 on this device (the profile's
     # one line). Then fp32 alone was timed: blanket autocast has no samples, and the policy is fp32.
     no_gain: str = ""
+    # Why blanket autocast could not be the policy (a pin of the search space, a precision not asked for); "" where
+    # it could. The decision says what that cost where blanket autocast measured faster within budget.
+    autocast_excluded: str = ""
 
     @property
     def latency_ms(self) -> dict[str, float]:
@@ -121,11 +124,12 @@ class Verification:
         return self.speedup_of("tuned", "autocast").ratio if {"tuned", "autocast"} <= set(self.samples) else None
 
 
-def fastest_simplest(options: Sequence[Any], ms: Callable[[Any], float], rules: Callable[[Any], int],
+def fastest_simplest(options: Sequence[Any], ms: Callable[[Any], float], rules: Callable[[Any], Any],
                      slower: Callable[[Any, Any], bool]) -> Any:
     """The option to keep: of those not measurably slower than the fastest (``slower(a, b)``: whether
-    ``a`` is no tie with ``b``), the one with the fewest rules. A simpler policy that measures the same is
-    the better one to keep (and to trust on other batches). Whether it beats fp32 is the caller's check."""
+    ``a`` is no tie with ``b``), the one with the fewest rules (``rules`` may give a tuple: preferences
+    first). A simpler policy that measures the same is the better one to keep (and to trust on other
+    batches). Whether it beats fp32 is the caller's check."""
     fastest = min(options, key=ms)
     close = [o for o in options if o is fastest or not slower(o, fastest)]
     return min(close, key=lambda o: (rules(o), ms(o)))
@@ -158,7 +162,8 @@ def _said(m: Measurement, reference: Objective) -> str:
 def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, autocast_precision: Precision,
            device: str | torch.device = "cpu", *, seed: int = 0,
            estimated_ms: Callable[[Policy], float] | None = None, estimated_for: str | None = None,
-           compiled: bool = False, dropped_because: str = "") -> Verification:
+           compiled: bool = False, dropped_because: str = "", prefer_fp32: Collection[str] = (),
+           autocast_excluded: str = "") -> Verification:
     """Measure ``candidates`` (feasible ones, best first), fp32 and blanket autocast where the search
     never looked, as ``workload`` runs them; keep the fastest within budget there.
 
@@ -166,6 +171,12 @@ def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, 
     of timing here (the metric is still measured). ``compiled``: every timed entry is also timed compiled
     (:mod:`autoprec.compiled`), and the choice follows those times; where compiling fails, a note says so
     and the eager times decide. ``dropped_because``: why the search had no candidate, for the note that says so.
+
+    The choice is never measurably slower than a candidate that passed: blanket autocast is one where the
+    search space allows it (the caller adds it), and ``autocast_excluded`` says why it is not (a pin): then,
+    where blanket autocast measures faster within budget, the decision says what the pin costs.
+    ``prefer_fp32``: layers the search space prefers fp32; among candidates that measure the same, the one
+    that lowers fewest of them is kept, then the one with fewest rules.
     """
     device = torch.device(device)
     autocast = autocast_precision
@@ -198,7 +209,8 @@ def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, 
                      "representative batches, a larger budget, or (training) more steps")
 
     # The ladder: the fastest few that pass by predicted latency, and every heuristic and blanket that passes
-    passing = [c for i, c in enumerate(passing) if i < workload.verify_timed or c.heuristic or c.number < 0]
+    passing = [c for i, c in enumerate(passing)
+               if i < workload.verify_timed or c.heuristic or c.number < 0 or c.seed == "preferred"]
     timed = {k: runners[k] for k in dict.fromkeys(["fp32", "autocast", *(label[c.label] for c in passing)])}
     if estimated_ms is not None:  # one estimate per entry stands in for the timed rounds
         as_policy = {"fp32": Policy(), "autocast": Policy(default=autocast)}
@@ -245,8 +257,10 @@ def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, 
         return ratio.faster or (ratio.high < 1 and ratio.estimate < 1 - TIE_TOLERANCE)
 
     if lowered:
-        best = fastest_simplest(lowered, lambda c: latency[label[c.label]], lambda c: len(c.policy().layers),
-                                decided_slower)
+        def rules(c: Candidate) -> tuple[int, int]:
+            return sum(c.assignment.get(n, "fp32") != "fp32" for n in prefer_fp32), len(c.policy().layers)
+
+        best = fastest_simplest(lowered, lambda c: latency[label[c.label]], rules, decided_slower)
         if beats_fp32(best):
             chosen, tuned = best, label[best.label]
             if tuned == "autocast":
@@ -277,7 +291,7 @@ def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, 
                         estimated_for=estimated_for, notes=notes, prediction_error_pct=errors, losses=losses,
                         steps=getattr(workload, "steps", 0) if workload.name == "training" else 0,
                         metric_kind=_metric_kind(workload, held.reference), compiled_samples=compiled_samples,
-                        compiled_on=compiled_on)
+                        compiled_on=compiled_on, autocast_excluded=autocast_excluded)
 
 
 def _time_compiled(workload: Workload, timed: Mapping[str, Policy | Precision | None], device: torch.device,

@@ -8,7 +8,14 @@ import warnings
 import pytest
 
 from autoprec.formats import Precision
-from autoprec.searchspace import SearchSpace, SearchSpaceError, SearchSpaceWarning, choose_preset, preset_names
+from autoprec.searchspace import (
+    SearchSpace,
+    SearchSpaceError,
+    SearchSpaceWarning,
+    allows_everywhere,
+    choose_preset,
+    preset_names,
+)
 
 LAYERS = [
     ("embeddings.proj", "linear"),
@@ -66,11 +73,30 @@ class TestEveryPreset:
         assert all(set(u.candidates) <= {"fp32", "bf16"} for u in units)
 
 
-def test_transformer_groups_qkv_and_pins_the_head():
-    units, pinned = SearchSpace.load("transformer").units(LAYERS, ALL)
+def test_transformer_groups_qkv_and_prefers_the_head_fp32_without_pinning_it():
+    space = SearchSpace.load("transformer")
+    units, pinned = space.units(LAYERS, ALL)
     qkv = [u for u in units if u.key == "group:encoder.layer.0.attention.self"]
     assert len(qkv) == 1 and len(qkv[0].layers) == 3
-    assert "lm_head" in pinned
+    # an LM's lm_head is often its largest layer and safe in bf16: a preference, searched like any layer
+    assert pinned == [] and any(u.layers == ("lm_head",) and "bf16" in u.candidates for u in units)
+    assert space.preferred([n for n, _ in LAYERS]) == ["lm_head"]
+    assert allows_everywhere(space, LAYERS, "bf16")  # so blanket autocast is a candidate
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_no_preset_pins(name):
+    """A preset's "keep these fp32" is a preference; only a user's own space (or file) pins."""
+    assert SearchSpace.load(name).pin == ()
+
+
+def test_a_users_pin_beats_a_preference(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("candidates: {linear: [bf16]}\npin: [head]\nprefer: [head, fc]\n")
+    space = SearchSpace.load(path)
+    units, pinned = space.units([("fc", "linear"), ("head", "linear")], ["bf16"])
+    assert pinned == ["head"] and space.preferred(["fc", "head"]) == ["fc"]
+    assert not allows_everywhere(space, [("fc", "linear"), ("head", "linear")], "bf16")
 
 
 def test_blocks_preset_groups_whole_blocks():
@@ -81,9 +107,9 @@ def test_blocks_preset_groups_whole_blocks():
     assert "fp8" not in block0[0].candidates
 
 
-def test_cnn_pins_the_last_layer():
-    _, pinned = SearchSpace.load("cnn").units(LAYERS, ALL)
-    assert pinned == ["lm_head"]
+def test_cnn_prefers_the_last_layer_fp32():
+    space = SearchSpace.load("cnn")
+    assert space.units(LAYERS, ALL)[1] == [] and space.preferred([n for n, _ in LAYERS]) == ["lm_head"]
 
 
 def test_choose_preset():
@@ -98,6 +124,8 @@ def test_choose_preset():
     ("candidates: {linear: [int4]}\n", "unknown precision 'int4'"),
     ("candidates: {linear: [bf16]}\ngroups: ['.*query']\n", "needs a capture group"),
     ("candidates: {linear: [bf16]}\npin: ['(']\n", "does not compile"),
+    ("candidates: {linear: [bf16]}\nprefer: ['(']\n", "prefer: pattern '(' does not compile"),
+    ("candidates: {linear: [bf16]}\nprefer: head\n", "'prefer' must be a list"),
     ("candidates: [bf16]\n", "'candidates' must map"),
     ("- a\n- b\n", "expected a mapping"),
     ("candidates: {linear: [bf16]\n", "not valid YAML"),

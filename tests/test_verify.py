@@ -190,3 +190,43 @@ def test_a_candidate_far_slower_than_the_fastest_is_no_tie_even_when_undecided(m
     monkeypatch.setattr(InferenceWorkload, "time", time)
     v = run([candidate(1, {"0": "bf16"}), candidate(2, {"0": "bf16", "2": "bf16", "4": "bf16"})])
     assert v.chosen.number == 2
+
+
+def test_never_slower_than_blanket_autocast_within_budget(timings):
+    """The issue's LM case: a per-layer policy predicted fast (head fp32, blocks bf16) measures slower than blanket
+    autocast, which is within budget: blanket autocast is chosen. With the preset's head preference a hard pin, as
+    it was, blanket autocast was no candidate and the slower policy won."""
+    blocks_low = candidate(1, {"0": "bf16", "2": "bf16"})
+    blanket = candidate(-1, {"0": "bf16", "2": "bf16", "4": "bf16"}, default="bf16")
+    timings(fp32=10.0, autocast=4.0, **{"trial #1": 7.0})
+    v = run([blocks_low, blanket])
+    assert v.chosen is blanket and v.tuned_is_autocast
+    assert v.latency_ms["tuned"] <= v.latency_ms["autocast"]
+
+
+def test_a_preferred_fp32_layer_stays_fp32_among_ties_and_is_lowered_when_measurably_faster(timings):
+    model, batches = model_and_batches()
+    head_fp32 = candidate(1, {"0": "bf16", "2": "bf16"}, default="bf16")  # "4", the head, kept fp32
+    blanket = candidate(-1, {"0": "bf16", "2": "bf16", "4": "bf16"}, default="bf16")
+
+    def choose(head_ms: float):
+        timings(fp32=10.0, autocast=6.0, **{"trial #1": head_ms})
+        return verify(InferenceWorkload(model, batches, holdout_batches=batches), [blanket, head_fp32], FLOOR,
+                      Precision.BF16, prefer_fp32=["4"]).chosen
+
+    assert choose(6.05) is head_fp32  # a tie: the preference decides, though it costs a rule
+    assert choose(8.0) is blanket  # the head costs 33% more in fp32: the preference gives way
+
+
+def test_a_pin_that_keeps_out_a_faster_blanket_autocast_is_named_with_its_cost(timings):
+    from autoprec.results import decision
+
+    model, batches = model_and_batches()
+    head_fp32 = candidate(1, {"0": "bf16", "2": "bf16"}, default="bf16")
+    timings(fp32=10.0, autocast=6.0, **{"trial #1": 8.0})
+    v = verify(InferenceWorkload(model, batches, holdout_batches=batches), [head_fp32], FLOOR, Precision.BF16,
+               autocast_excluded="the search space 'mine' pins 4 to fp32")
+    assert v.chosen is head_fp32
+    said = decision(v, FLOOR)
+    assert "cannot be the policy: the search space 'mine' pins 4 to fp32" in said
+    assert "costs 2 ms per forward" in said and "measured against" not in said
