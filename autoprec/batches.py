@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 
 __all__ = ["BATCH_FORMS", "IN_PLACE_FIX", "IN_PLACE_WHY", "OutputError", "as_batch_list", "batch_args", "call_model",
            "changed_in_place", "describe_batch", "fidelity_outputs", "float_tensors", "output_tensors",
-           "signature_mismatch", "to_device"]
+           "padding_mask", "real_positions", "signature_mismatch", "to_device"]
 
 BATCH_FORMS = "a tensor (model(x)), a tuple/list of tensors (model(*x)) or a dict (model(**x))"
 
@@ -157,6 +157,28 @@ def float_tensors(output: Any) -> list[torch.Tensor]:
 def output_tensors(output: Any) -> list[torch.Tensor]:
     """The floating-point tensors of a model's output, in a stable order, detached."""
     return [t.detach() for t in float_tensors(output)]
+
+
+def padding_mask(batch: Any) -> torch.Tensor | None:
+    """Where a batch's tokens are real, as a bool (batch, seq) tensor: its ``attention_mask`` under the
+    Hugging Face convention (a dict entry of 1 for a token, 0 for padding). None for a batch without one,
+    a mask of other values (an additive mask of 0 and -inf means the reverse) or one with no padding."""
+    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or mask.is_complex():
+        return None
+    real = mask != 0
+    if not ((mask == 0) | (mask == 1)).all() or bool(real.all()):
+        return None
+    return real
+
+
+def real_positions(output: torch.Tensor, mask: torch.Tensor | None, row: int | None = None) -> torch.Tensor:
+    """``output`` at the real tokens only, where its leading dims are the mask's (batch, seq): padded
+    positions hold whatever the model computed for no token (up to 2/3 of a left-padded batch), which
+    says nothing of the model's fidelity. Other outputs whole. ``row``: that row of the batch only."""
+    if mask is None or output.shape[:2] != mask.shape:
+        return output if row is None else output[row]
+    return output[mask] if row is None else output[row][mask[row]]
 
 
 def _is_cache(value: Any) -> bool:

@@ -7,6 +7,9 @@ The written file is ordinary Python for the user to read and change: constants a
 what each is for, ``get_model`` / ``get_batches``, and commented places for ``evaluate`` and
 ``loss``. For ``--hf`` the sequence length and batch size are chosen here, from the text file
 run through the model's own tokenizer, and written as constants with the reason beside them.
+A causal LM (its config's architecture is one AutoModelForCausalLM loads) gets a file of its own:
+the model with its head, perplexity as the metric, the next-token loss, left padding and a greedy
+``generate(model, batch)`` of ``NEW_TOKENS`` tokens; any other model its base (AutoModel) with fidelity.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import json
 import math
 from pathlib import Path
 
-__all__ = ["InitError", "write_hf_model_py", "write_template"]
+__all__ = ["InitError", "causal_lm_architecture", "write_hf_model_py", "write_template"]
 
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 BATCH_SIZE = 16  # samples per batch at most
@@ -80,35 +83,14 @@ def get_batches() -> list:
 '''
 
 # ---- a Hugging Face model on the user's text -------------------------------------------------------------
-HF_TEMPLATE = '''"""A Hugging Face model ({model_type}) on your text: a model.py for autoprec.
-
-    autoprec tune {name}                    # per-layer precision for inference (output fidelity >= 30 dB)
-    autoprec tune {name} --for training     # ... for training (define loss() below first)
-
-Written by `autoprec init --hf`; change anything. Each line of TEXT_FILE is one sample. Nothing
-is downloaded: the model and its tokenizer load from MODEL_DIR.
-"""
-
-from pathlib import Path
-
-import torch
-
-MODEL_DIR = {model_dir!r}
+# What both Hugging Face templates share: the settings read from the folder and the text, and the samples.
+_HF_SETTINGS = '''MODEL_DIR = {model_dir!r}
 TEXT_FILE = {text_file!r}
 SEQ_LEN = {seq_len}  # tokens per sample, padded or cut: {seq_len_why}
 BATCH_SIZE = {batch_size}  # samples per batch
 N_BATCHES = {n_batches}  # batches read from the file ({n_samples} samples); the last {n_holdout} held out to verify
-
-
-def get_model() -> torch.nn.Module:
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    # AutoModel: the base model, whose hidden states autoprec compares against fp32.{head_hint}
-    return transformers.AutoModel.from_pretrained(MODEL_DIR, local_files_only=True).eval()
-
-
+'''
+_HF_SAMPLES = '''
 def samples() -> list[str]:
     lines = Path(TEXT_FILE).read_text(encoding="utf-8").splitlines()
     return [line.strip() for line in lines if line.strip()]
@@ -125,11 +107,36 @@ def get_batches() -> list:
                             max_length=SEQ_LEN, return_tensors="pt")
         batches.append({{"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}})
     return batches
+'''
 
+HF_TEMPLATE = '''"""A Hugging Face model ({model_type}) on your text: a model.py for autoprec.
 
-# The default metric is fidelity: every output tensor's SQNR against fp32 (worst batch) stays above
-# --min-sqnr (30 dB). To tune for your task's metric instead (then --budget bounds its drop), define
-# evaluate(), higher is better (or set HIGHER_IS_BETTER = False):
+    autoprec tune {name}                    # per-layer precision for inference (output fidelity >= 30 dB)
+    autoprec tune {name} --for training     # ... for training (define loss() below first)
+
+Written by `autoprec init --hf`; change anything. Each line of TEXT_FILE is one sample. Nothing
+is downloaded: the model and its tokenizer load from MODEL_DIR.
+"""
+
+from pathlib import Path
+
+import torch
+
+''' + _HF_SETTINGS + '''
+
+def get_model() -> torch.nn.Module:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    # AutoModel: the base model, whose hidden states autoprec compares against fp32.{head_hint}
+    return transformers.AutoModel.from_pretrained(MODEL_DIR, local_files_only=True).eval()
+
+''' + _HF_SAMPLES + '''
+
+# The default metric is fidelity: every output tensor's SQNR against fp32 (worst batch, padded positions left
+# out) stays above --min-sqnr (30 dB). To tune for your task's metric instead (then --budget bounds its drop),
+# define evaluate(), higher is better (or set HIGHER_IS_BETTER = False):
 #
 # def evaluate(model, batches) -> float:
 #     with torch.no_grad():
@@ -144,6 +151,76 @@ def get_batches() -> list:
 # def loss(model, batch):
 #     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
 #     return out.loss
+'''
+
+# A causal LM: perplexity is the metric, the next-token loss trains it, and generate() decodes greedily.
+CAUSAL_LM_TEMPLATE = '''"""A causal language model ({model_type}, {architecture}) on your text: a model.py for autoprec.
+
+    autoprec tune {name}                    # per-layer precision for inference (perplexity within --budget 1%)
+    autoprec tune {name} --for training     # ... for training (loss() below: next-token cross-entropy)
+    autoprec tune {name} --for generation   # ... for generate() below: the prompt and each new token
+
+Written by `autoprec init --hf`; change anything. Each line of TEXT_FILE is one sample, padded on the
+left as generation needs (a prompt ends at its last token). Nothing is downloaded: the model and
+its tokenizer load from MODEL_DIR.
+"""
+
+import math
+from pathlib import Path
+
+import torch
+
+''' + _HF_SETTINGS + '''
+# Generation (generate() below): greedy, exactly NEW_TOKENS after each sample, so every run does the same work.
+NEW_TOKENS = 32  # tokens generated after each prompt
+HIGHER_IS_BETTER = False  # evaluate() returns perplexity: lower is better
+
+
+def get_model() -> torch.nn.Module:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    # AutoModelForCausalLM: the model with its language-model head ({architecture}), whose logits give the
+    # perplexity (the head is often the largest layer, so its precision matters for speed).
+    return transformers.AutoModelForCausalLM.from_pretrained(MODEL_DIR, local_files_only=True).eval()
+
+''' + _HF_SAMPLES.replace("{pad_fix}", "{pad_fix}\n    tokenizer.padding_side = \"left\"  # generation continues "
+                                       "from each sample's last token") + '''
+
+def positions(batch: dict) -> torch.Tensor:
+    """Position ids counted from each sample's first real token (left padding would shift them)."""
+    return (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+
+
+def evaluate(model, batches) -> float:
+    """Perplexity of the samples' tokens, each predicted from the ones before it; padded positions left out."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in batches:
+            logits = model(**batch, position_ids=positions(batch)).logits[:, :-1].float()
+            real = (batch["attention_mask"][:, :-1] * batch["attention_mask"][:, 1:]).bool()
+            total += float(torch.nn.functional.cross_entropy(logits[real], batch["input_ids"][:, 1:][real],
+                                                             reduction="sum"))
+            count += int(real.sum())
+    return math.exp(total / max(count, 1))
+
+
+# For `autoprec tune {name} --for training`: the next-token loss of one batch over the tokens evaluate() scores
+# (label -100: not scored), so that exp(loss) is the batch's perplexity.
+def loss(model, batch) -> torch.Tensor:
+    real = batch["attention_mask"].bool()
+    scored = real & real.roll(1, dims=-1)  # predicted from a real token (column 0 is never a label)
+    labels = batch["input_ids"].masked_fill(~scored, -100)
+    return model(**batch, position_ids=positions(batch), labels=labels).loss
+
+
+def generate(model, batch) -> torch.Tensor:
+    """Greedy generation of NEW_TOKENS tokens after each sample of the batch: what `tune --for generation` times."""
+    config = model.generation_config
+    pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+    return model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=False,
+                          max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=pad)
 '''
 
 
@@ -167,16 +244,29 @@ def write_hf_model_py(model_dir: str | Path, text_file: str | Path, out: str | P
     batch_size = min(BATCH_SIZE, len(texts) // 2)
     n_batches = min(MAX_BATCHES, len(texts) // batch_size)
     architectures = [a for a in config.get("architectures") or [] if isinstance(a, str)]
+    causal = causal_lm_architecture(architectures)
     head = next((a for a in architectures if "For" in a), None)
     head_hint = (f"\n    # The folder's config names {head}; load it with transformers.{_auto_class(head)} to tune "
                  "the head too." if head else "")
     pad_fix = ("\n    tokenizer.pad_token = tokenizer.eos_token  # this tokenizer has no padding token of its own"
                if tokenizer.pad_token is None and tokenizer.eos_token is not None else "")
-    path.write_text(HF_TEMPLATE.format(
-        model_type=config.get("model_type", "a model"), model_dir=str(model_dir), text_file=str(text_file),
-        name=path.name, seq_len=seq_len, seq_len_why=why, batch_size=batch_size, n_batches=n_batches,
-        n_samples=len(texts), n_holdout=max(1, math.ceil(n_batches / 4)), head_hint=head_hint, pad_fix=pad_fix))
+    path.write_text((CAUSAL_LM_TEMPLATE if causal else HF_TEMPLATE).format(
+        model_type=config.get("model_type", "a model"), architecture=causal, model_dir=str(model_dir),
+        text_file=str(text_file), name=path.name, seq_len=seq_len, seq_len_why=why, batch_size=batch_size,
+        n_batches=n_batches, n_samples=len(texts), n_holdout=max(1, math.ceil(n_batches / 4)), head_hint=head_hint,
+        pad_fix=pad_fix))
     return path
+
+
+def causal_lm_architecture(architectures: list[str]) -> str | None:
+    """The first of a config's ``architectures`` that is a causal LM (a class AutoModelForCausalLM loads, as
+    GPT2LMHeadModel or LlamaForCausalLM), else None. The model_type alone cannot say: BERT has a causal-LM
+    class too, but a BERT folder holds an encoder."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    known = {name for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+             for name in ((names,) if isinstance(names, str) else names)}
+    return next((a for a in architectures if a in known or a.endswith("ForCausalLM")), None)
 
 
 def _out_path(out: str | Path, force: bool) -> Path:

@@ -3,7 +3,9 @@
 Shared by the profile, search and verify stages, so that all three measure the same way:
 latency is the median of timed repeats after warm-up (CUDA synchronised around each
 repeat); fidelity is the SQNR of every output tensor against the fp32 reference, worst
-case over batches; the metric is the user's ``evaluate`` or, without one, that fidelity.
+case over batches, over the real tokens only where a batch carries an ``attention_mask``
+(padded positions compute nothing the user keeps); the metric is the user's ``evaluate`` or,
+without one, that fidelity.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from .batches import (
     describe_batch,
     fidelity_outputs,
     output_tensors,
+    padding_mask,
+    real_positions,
     signature_mismatch,
     to_device,
 )
@@ -168,6 +172,7 @@ class Evaluator(Objective):
         self.model = model
         self.device = torch.device(device)
         self.batches = [to_device(b, self.device) for b in batches]
+        self.masks = [padding_mask(b) for b in self.batches]  # fidelity compares real tokens only
         # An exception inside evaluate() is the user's to fix (UserCodeError with file and
         # function), unless it came out of the model under a candidate: that is the candidate's.
         self.evaluate = user_function(evaluate, "evaluate") if evaluate is not None else None
@@ -288,12 +293,13 @@ class Evaluator(Objective):
             return None
         batches = list(zip(self.reference, outputs))
         if len(self.batches) >= MIN_SPREAD_UNITS:
-            return Spread(tuple(_worst_sqnr(ref, out) for ref, out in batches), True, under)
+            return Spread(tuple(_worst_sqnr(ref, out, mask) for (ref, out), mask in zip(batches, self.masks)), True,
+                          under)
         rows = {t.shape[0] if t.ndim else 0 for ref in self.reference for t in ref}
         if len(rows) != 1 or min(rows) < 2:  # rows only where every output of every batch has the same number
             return None
         (k,) = rows
-        values = [_worst_sqnr(ref, out, row) for ref, out in batches for row in range(k)]
+        values = [_worst_sqnr(ref, out, mask, row) for (ref, out), mask in zip(batches, self.masks) for row in range(k)]
         return Spread(tuple(values), True, under, rows_per_batch=k)
 
     def _drop_on(self, batch: Any, policy: Policy) -> float:
@@ -329,15 +335,17 @@ class Evaluator(Objective):
         return as_metric(value, getattr(self.evaluate, "path", "<unknown file>"))
 
     def _sqnr(self, outputs: list[list[torch.Tensor]]) -> float:
-        return min((_worst_sqnr(ref_out, out) for ref_out, out in zip(self.reference, outputs)), default=math.inf)
+        return min((_worst_sqnr(ref_out, out, mask) for ref_out, out, mask in zip(self.reference, outputs, self.masks)),
+                   default=math.inf)
 
 
-def _worst_sqnr(reference: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], row: int | None = None) -> float:
+def _worst_sqnr(reference: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], mask: torch.Tensor | None = None,
+                row: int | None = None) -> float:
     """The lowest SQNR of ``outputs`` against ``reference`` (one batch's output tensors), or of their
-    ``row``; +inf for no tensors."""
-    pick = (lambda t: t) if row is None else (lambda t: t[row])
-    return min((sqnr_db(pick(ref), pick(actual).to(ref.dtype)) for ref, actual in zip(reference, outputs)),
-               default=math.inf)
+    ``row``, over the real tokens of the batch's padding ``mask`` (:func:`~autoprec.batches.real_positions`);
+    +inf for no tensors."""
+    return min((sqnr_db(real_positions(ref, mask, row), real_positions(actual, mask, row).to(ref.dtype))
+                for ref, actual in zip(reference, outputs)), default=math.inf)
 
 
 def _nonfinite_hook(name: str, bad_layers: list[str]) -> Callable:
