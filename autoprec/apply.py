@@ -11,7 +11,18 @@ boundaries cost anything. Regions follow autocast's model of where casts happen:
   its matmul-class and fp32-class ops upcast any low-precision operand they meet (a light
   ``TorchFunctionMode``, active while a policy runs), so values that a low-precision child
   hands back stay low-precision only through cheap elementwise glue, as under autocast;
-- the model hands its caller fp32 outputs.
+- in inference the model hands its caller what its forward computed, as under autocast: a bf16
+  policy's logits are bf16 (casting them to fp32 at every forward would cost a pass over the
+  largest tensor of an LM), an fp32 rule on the output layer gives fp32. ``.float()`` them where
+  a loss or metric needs fp32 (autoprec's own metrics do: fidelity in fp64, a user's
+  ``evaluate`` on fp32 outputs);
+- in training the model hands its caller fp32 outputs: the loss usually runs outside the model
+  and outside any autocast, where a bf16 cross-entropy or MSE would lose precision the fp32
+  model had (autocast would run it in fp32); the cast is small next to a backward pass.
+
+In inference a bf16/fp16 ``nn.Linear`` or convolution casts its weights once and keeps them
+while they do not change (:class:`~autoprec.weights.CastWeights`), where autocast casts them at
+every forward; a weight ``load_state_dict`` or ``weight.data.copy_`` refreshes is cast again.
 
 So any mix just works, and a policy with a rule on every layer costs about what blanket
 autocast costs. FP8, MXFP8 and NVFP4 rules replace each ``nn.Linear`` below them with a
@@ -67,7 +78,7 @@ from .rulecheck import (
     structure_fingerprint,
     takes_precision,
 )
-from .weights import hand_back_parameters
+from .weights import CastWeights, casts_weights, hand_back_parameters
 
 __all__ = ["applied_policy", "apply_policy", "effective_precisions", "remove_policy", "structure_fingerprint",
            "takes_precision"]
@@ -89,6 +100,7 @@ class _Installed:
     ddp_ignored_before: list[str] | None = None  # what the model told DDP to leave unsynced before the policy
     fsdp_float8_all_gather: bool = False
     new_weights: set[int] = field(default_factory=set)  # swapped-in modules with weight Parameters of their own
+    cast_once: list[nn.Module] = field(default_factory=list)  # linears and convs given CastWeights as their forward
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype, only_from: tuple[torch.dtype, ...]) -> Any:
@@ -155,14 +167,16 @@ class _Region:
 
     It is the module's instance ``forward``: an object that holds the module rather than a
     closure over it, so ``copy.deepcopy`` and pickling carry it over to the copy. The model's
-    own region (``is_root``) also turns on :class:`_Fp32Compute` and hands fp32 back to the caller.
+    own region (``is_root``) also turns on :class:`_Fp32Compute` and, in training, hands fp32 back to the caller.
     """
 
-    def __init__(self, module: nn.Module, precision: Precision, is_root: bool, fp32_compute: bool = False) -> None:
+    def __init__(self, module: nn.Module, precision: Precision, is_root: bool, fp32_compute: bool = False,
+                 fp32_outputs: bool = False) -> None:
         self.module = module
         self.precision = precision
         self.is_root = is_root
         self.fp32_compute = fp32_compute  # root only: some region runs in fp32, so turn the mode on
+        self.fp32_outputs = fp32_outputs  # root only (training): the caller's loss gets fp32
         self.inner_forward: Callable | None = module.__dict__.get("forward")  # one the module already had
 
     @property
@@ -188,13 +202,14 @@ class _Region:
                     return forward(*args, **kwargs)
             with _Fp32Compute() if self.fp32_compute else contextlib.nullcontext(), region:
                 out = forward(*args, **kwargs)
-            return _cast_floats(out, torch.float32, _LOW)
+            return _cast_floats(out, torch.float32, _LOW) if self.fp32_outputs else out
         finally:
             in_fp32_region.value = outer
 
 
-def _install_region(module: nn.Module, precision: Precision, is_root: bool, fp32_compute: bool) -> None:
-    object.__setattr__(module, "forward", _Region(module, precision, is_root, fp32_compute))
+def _install_region(module: nn.Module, precision: Precision, is_root: bool, fp32_compute: bool,
+                    fp32_outputs: bool) -> None:
+    object.__setattr__(module, "forward", _Region(module, precision, is_root, fp32_compute, fp32_outputs))
 
 
 def _remove_region(module: nn.Module) -> None:
@@ -238,9 +253,11 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     """Install ``policy`` into ``model`` in place and return the model.
 
     ``mode="inference"`` or ``"training"``: both keep the fp32 master weights and leave
-    train()/eval() as they are. Inference mode lets FP8 linears quantize their weights once
-    and reuse them until the weights change. For training with fp16 layers use
-    ``policy.grad_scaler(device)`` in the loop (a no-op scaler when the policy has no fp16).
+    train()/eval() as they are. Inference mode lets bf16/fp16 linears and convs cast their weights once, and
+    FP8 linears quantize theirs once, and reuse them until the weights change; its outputs are what the forward
+    computed (bf16 logits under a bf16 policy, as under autocast). Training mode hands back fp32 outputs.
+    For training with fp16 layers use ``policy.grad_scaler(device)`` in the loop (a no-op scaler when the
+    policy has no fp16).
 
     ``model`` may be wrapped by DDP or torch.compile (the policy goes into the model inside, whose names
     it uses) and sharded by FSDP2's ``fully_shard``, before or after this call; see the README's
@@ -294,11 +311,17 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     # A region wherever a module's precision differs from its parent's; elsewhere modules run in
     # their parent's region, so only boundaries cost anything.
     # The model itself always gets one when any region exists: it turns on the fp32-compute mode
-    # and hands fp32 back to the caller.
+    # and, in training, hands fp32 back to the caller.
     any_low = any(p is not Precision.FP32 for p in precisions.values())
     # The mode is needed only where fp32 compute can meet low-precision values: some region runs
     # with autocast off (fp32 or fp8). Blanket bf16 (default bf16, no islands) runs without it.
     fp32_compute = any_low and any(p.autocast_dtype is None for p in precisions.values())
+    if mode == "inference":  # before the regions: a region's forward runs the one a module already has
+        for module, names in _aliases(model):
+            dtype = precisions[names[0]].autocast_dtype
+            if dtype is not None and casts_weights(module):
+                object.__setattr__(module, "forward", CastWeights(module, dtype))
+                state.cast_once.append(module)
     for module, names in _aliases(model):
         is_root = "" in names
         # An RNN in an fp32 region may be handed a low-precision value: its own fp32 region upcasts it.
@@ -308,7 +331,8 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
             continue
         if id(module) in own_dtype:  # torchao's MX linears set their own (bf16) compute dtype
             continue
-        _install_region(module, precisions[names[0]], is_root, fp32_compute and is_root)
+        _install_region(module, precisions[names[0]], is_root, fp32_compute and is_root,
+                        is_root and mode == "training")
         state.wrapped.append(module)
 
     object.__setattr__(model, _STATE_ATTR, state)
@@ -399,6 +423,8 @@ def remove_policy(model: nn.Module) -> nn.Module:
                            f"from a checkpoint")
     for module in state.wrapped:
         _remove_region(module)
+    for module in state.cast_once:
+        del module.__dict__["forward"]
     _unswap(state, sharded)
     restore_buffers(model, state.ddp_ignored_before)
     object.__delattr__(model, _STATE_ATTR)

@@ -6,6 +6,11 @@ repeat); fidelity is the SQNR of every output tensor against the fp32 reference,
 case over batches, over the real tokens only where a batch carries an ``attention_mask``
 (padded positions compute nothing the user keeps); the metric is the user's ``evaluate`` or,
 without one, that fidelity.
+
+A policy applied for inference hands back what the model computed (bf16 logits under a bf16
+policy); while a metric is measured its outputs are handed on in fp32 (the same values), so a
+loss the user's ``evaluate`` computes on them runs as precisely as on the fp32 model's, and the
+budget judges the policy, not the metric's arithmetic. Timing runs the model as deployed.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from .apply import apply_policy, remove_policy
 from .batches import (
@@ -155,12 +161,21 @@ def _no_grad(fn: Callable[[], Any]) -> Callable[[], Any]:
     return run
 
 
-def _applied(model: nn.Module, policy: Policy, fn: Callable[[], Any]) -> Any:
+def _applied(model: nn.Module, policy: Policy, fn: Callable[[], Any], fp32_outputs: bool = False) -> Any:
     apply_policy(model, policy)
+    hook = model.register_forward_hook(_upcast_outputs) if fp32_outputs else None
     try:
         return fn()
     finally:
+        if hook is not None:
+            hook.remove()
         remove_policy(model)
+
+
+def _upcast_outputs(_module: nn.Module, _inputs: Any, output: Any) -> Any:
+    """A forward hook: the model's bf16/fp16 outputs in fp32 (exactly their values), for a metric."""
+    low = (torch.bfloat16, torch.float16)
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.float() if t.dtype in low else t, output)
 
 
 class Evaluator(Objective):
@@ -237,7 +252,8 @@ class Evaluator(Objective):
         outputs: list[Any] = []
         bad_layers: list[str] = []
         model = self.model
-        hooks = [model.register_forward_hook(lambda _m, _i, out: outputs.append(output_tensors(out))),
+        hooks = [model.register_forward_hook(_upcast_outputs),  # first: the hooks after it and evaluate() see fp32
+                 model.register_forward_hook(lambda _m, _i, out: outputs.append(output_tensors(out))),
                  model.register_forward_hook(self._note_error, always_call=True)]
         self._model_errors.clear()
         modules = dict(model.named_modules())
@@ -306,7 +322,8 @@ class Evaluator(Objective):
         """How much worse ``evaluate(model, [batch])`` is under ``policy`` than in fp32."""
         with torch.no_grad():
             fp32 = as_metric(self.evaluate(self.model, [batch]), "evaluate")
-            low = _applied(self.model, policy, lambda: as_metric(self.evaluate(self.model, [batch]), "evaluate"))
+            low = _applied(self.model, policy, lambda: as_metric(self.evaluate(self.model, [batch]), "evaluate"),
+                           fp32_outputs=True)
         return self.drop(low) - self.drop(fp32)
 
     def _note_error(self, _module: nn.Module, _inputs: Any, _output: Any) -> None:

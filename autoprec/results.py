@@ -73,7 +73,9 @@ def text_table(header: list[str], rows: list[list[Any]], indent: str = "") -> st
 
 # ---- results of a verification (tune) or a bench ------------------------------------------------------------
 def _labels(v: Verification) -> list[tuple[str, str]]:
-    """(key, label) rows: a policy that computes what fp32 or blanket autocast computes shares its row."""
+    """(key, label) rows: a policy that computes what fp32 or blanket autocast computes shares its row where it was
+    timed as that (a tune times such a candidate once, as ``torch.autocast``); where the policy was timed as
+    applied (``bench``), it has a row of its own, and its label says which computation it is."""
     autocast = f"blanket autocast ({v.autocast_precision})"
     if v.tuned_is_autocast:
         return [("fp32", "fp32"), ("autocast", f"{autocast} = autoprec policy")]
@@ -81,7 +83,9 @@ def _labels(v: Verification) -> list[tuple[str, str]]:
         if "autocast" not in v.samples:  # nothing here is faster (v.no_gain): autocast was not run
             return [("fp32", "fp32 = autoprec policy")]
         return [("fp32", "fp32 = autoprec policy"), ("autocast", autocast)]
-    return [("fp32", "fp32"), ("autocast", autocast), ("tuned", "autoprec policy")]
+    blanket = not v.policy.layers and v.policy.default.value == v.autocast_precision
+    return [("fp32", "fp32"), ("autocast", autocast),
+            ("tuned", f"autoprec policy (blanket {v.autocast_precision}, applied)" if blanket else "autoprec policy")]
 
 
 def results_rows(v: Verification) -> tuple[list[str], list[list[Any]]]:

@@ -325,6 +325,9 @@ def bench_policy(model: nn.Module, batches: Sequence[Any], policy: Policy, budge
                  device: str | torch.device = "cpu", repeats: int = 7, max_seconds: float = 60.0) -> Verification:
     """Time ``policy`` against fp32 and blanket autocast on ``batches[0]`` and score all three.
 
+    The policy is timed as a user runs it (applied, no autocast of the caller's), also when it is blanket
+    autocast's computation: then its row says so and shows its own times beside autocast's.
+
     Timed as verification times: paired interleaved rounds (:func:`autoprec.compare.compare`), each
     policy on its own copy of the model, at least ``repeats`` rounds and on until every ratio to fp32
     is within ±3% or ``max_seconds`` ran; the notes give each ratio with its interval, and say so
@@ -365,7 +368,9 @@ def bench_policy(model: nn.Module, batches: Sequence[Any], policy: Policy, budge
         within_budget={"autocast": budget.violation(blanket, evaluator) <= 0,
                        "tuned": budget.violation(tuned, evaluator) <= 0},
         autocast_precision=autocast.value, predicted_ms=None, timed_on=describe_batch(batch),
-        fidelity=evaluator.uses_fidelity, tuned_is_autocast=is_blanket(policy, autocast),
+        # The policy ran as applied, in rounds of its own: its row shows its own times, also when it is blanket
+        # autocast's computation (the table says so in its label), never autocast's under its name.
+        fidelity=evaluator.uses_fidelity, tuned_is_autocast=False,
         metric_kind="output SQNR dB" if evaluator.uses_fidelity else "metric", notes=notes)
 
 

@@ -7,10 +7,21 @@ in-place write through the Parameter. A write through ``weight.data`` (``weight.
 how many loaders refresh weights in place) bumps no version counter: ``.data`` is a new tensor with
 a counter of its own. So the key also holds a sample of the weight's values, spread evenly over it
 (:data:`SAMPLE` elements, the last one included), compared on every lookup: an in-place refresh
-changes it. Reading it costs about 10 µs on a CPU, where a quantization of a 1024x1024 weight costs
-milliseconds; a compare reads the host, so the cache serves the emulations only (on a GPU with FP8
-tensor cores the weight is quantized every forward, as torchao's ``Float8Linear`` does, and no
-forward waits for the host).
+changes it. The sample is a strided view of the weight, so a lookup is one compare, about 2 µs on a
+CPU when the weight is in cache (a bf16 cast of a 256x256 weight costs 30 µs, of 8192x256 550 µs; a
+quantization milliseconds). In a decode step the weights are not in cache, and each sampled element
+is a cache miss: with 1024 elements the lookups of a small Llama's 29 linears cost 7% of the step,
+with 64 none measurable (``benchmarks/apply_overhead.py --llama``). A compare reads the host, so
+the cache serves the CPU and the emulations only (on a GPU with FP8 tensor cores the weight is
+quantized every forward, as torchao's ``Float8Linear`` does, and no forward waits for the host).
+
+In inference mode, a ``nn.Linear`` or convolution that runs in a bf16 or fp16 region on a CPU takes its weight
+and bias from such a cache too (:class:`CastWeights`), cast once to the region's dtype: under ``torch.autocast``
+they would be cast again at every forward (autocast's own cast cache is emptied whenever the outermost autocast
+exits, i.e. at the end of each forward of a model with a policy). The computation is autocast's, bit for bit:
+the op sees the same bf16 weight, and autocast still casts its input. It costs one bf16/fp16 copy of those
+weights, as autocast around a whole ``generate`` call does. On a GPU, where a compare would make every layer
+wait for the device, the weights are cast at every forward, as autocast casts them.
 
 A module swapped in by a rule shares the original linear's Parameters; a Parameter assigned to it while the
 policy is applied (``load_state_dict(..., assign=True)``, ``layer.weight = nn.Parameter(...)``) goes back to
@@ -19,20 +30,30 @@ the original when the policy is removed (:func:`hand_back_parameters`), so no lo
 
 from __future__ import annotations
 
-from typing import Callable
+import inspect
+from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["SAMPLE", "WeightCache", "hand_back_parameters"]
+__all__ = ["SAMPLE", "CastWeights", "WeightCache", "casts_weights", "hand_back_parameters"]
 
-SAMPLE = 1024  # elements of the weight compared on each lookup
+SAMPLE = 64  # elements of the weight compared on each lookup (each one a cache line read: see above)
 
 
-def _sample(weight: torch.Tensor) -> torch.Tensor:
-    flat = weight.detach().reshape(-1)
-    step = max(1, flat.numel() // SAMPLE)
-    return torch.cat([flat[::step], flat[-1:]])
+def _sample_of(weight: torch.Tensor) -> torch.Tensor:
+    """A view of :data:`SAMPLE` elements spread evenly over ``weight``, its last one included. A view, so that
+    each lookup is one compare (about 2 µs): it reads the weight's memory, where ``weight.data.copy_`` writes.
+    (A weight that is not contiguous is sampled by a copy, on each lookup.)"""
+    weight = weight.detach()
+    numel = weight.numel()
+    if not weight.is_contiguous():
+        step = max(1, numel // SAMPLE)
+        return torch.take(weight, torch.arange(numel - 1, -1, -step, device=weight.device))
+    step = max(1, (numel - 1) // (SAMPLE - 1))
+    count = (numel - 1) // step + 1
+    return weight.view(-1).as_strided((count,), (step,), weight.storage_offset() + numel - 1 - (count - 1) * step)
 
 
 class WeightCache:
@@ -43,23 +64,73 @@ class WeightCache:
     is nothing dynamo can trace; it would break the graph at every layer that asks."""
 
     def __init__(self) -> None:
-        self._entries: dict[str, tuple[tuple, torch.Tensor, tuple[torch.Tensor, ...]]] = {}
+        # kind -> (key, the sample's view (None: copied, see _sample_of), its values when made, the values made)
+        self._entries: dict[str, tuple[tuple, torch.Tensor | None, torch.Tensor, tuple[torch.Tensor, ...]]] = {}
 
     def get(self, weight: torch.Tensor, kind: str, make: Callable[[], tuple[torch.Tensor, ...]],
             enabled: bool = True) -> tuple[torch.Tensor, ...]:
         if not enabled or torch.compiler.is_compiling():
             return make()
-        key = (weight.data_ptr(), weight._version, weight.device, tuple(weight.shape))
-        sample = _sample(weight)
+        key = (weight.data_ptr(), weight._version, weight.device, tuple(weight.shape), weight.dtype)
         hit = self._entries.get(kind)
-        # equal_nan: a weight holding a NaN still matches itself (torch.equal says NaN != NaN)
-        if hit is None or hit[0] != key or not torch.allclose(hit[1], sample, rtol=0, atol=0, equal_nan=True):
-            hit = (key, sample.clone(), make())
-            self._entries[kind] = hit
-        return hit[2]
+        if hit is not None and hit[0] == key:
+            sample = hit[1] if hit[1] is not None else _sample_of(weight)
+            # equal_nan: a weight holding a NaN still matches itself (torch.equal says NaN != NaN)
+            if torch.equal(hit[2], sample) or torch.allclose(hit[2], sample, rtol=0, atol=0, equal_nan=True):
+                return hit[3]
+        sample = _sample_of(weight)
+        hit = (key, sample if sample._is_view() else None, sample.clone(), make())
+        self._entries[kind] = hit
+        return hit[3]
 
     def clear(self) -> None:
         self._entries.clear()
+
+
+# The modules whose weight and bias feed one matmul-class op (cast down by autocast) and nothing else, with that op
+# on given weights. Exact classes only: a subclass may use its weight otherwise.
+_WITH_WEIGHTS: dict[type, Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]] = {
+    nn.Linear: lambda m, x, w, b: F.linear(x, w, b),
+    **{conv: lambda m, x, w, b: m._conv_forward(x, w, b) for conv in (nn.Conv1d, nn.Conv2d, nn.Conv3d)},
+}
+
+
+def casts_weights(module: nn.Module) -> bool:
+    """Whether :class:`CastWeights` can be ``module``'s forward: a plain Linear or Conv without a forward of its own
+    (e.g. one a framework's hook set)."""
+    return type(module) in _WITH_WEIGHTS and "forward" not in module.__dict__
+
+
+class CastWeights:
+    """The inference forward of a Linear or Conv in a bf16/fp16 region: the op on its weight and bias cast to
+    ``dtype`` once, kept while they do not change (:class:`WeightCache`).
+
+    An object holding the module (not a closure), so ``copy.deepcopy`` and pickling carry it. Where the cast copy
+    would not be autocast's computation or could go stale it runs the module's own forward: with gradients
+    wanted, off the CPU, for weights not in fp32 (autocast leaves fp64 as it is), under torch.compile (the cast
+    stays in the graph), where the region's autocast is not on (the model's code turned it off), or once FSDP2
+    took the module over (it gathers the weight every forward)."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
+        self.module = module
+        self.dtype = dtype
+        self.weights, self.biases = WeightCache(), WeightCache()
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(type(self.module).forward.__get__(self.module))
+
+    def __call__(self, input: torch.Tensor) -> Any:
+        module = self.module
+        weight, bias = module.weight, module.bias
+        if (torch.compiler.is_compiling() or type(module) not in _WITH_WEIGHTS or weight.device.type != "cpu"
+                or weight.dtype != torch.float32
+                or (weight.requires_grad and torch.is_grad_enabled()) or not torch.is_autocast_enabled("cpu")
+                or torch.get_autocast_dtype("cpu") != self.dtype):
+            return type(module).forward(module, input)
+        (low_weight,) = self.weights.get(weight, "cast", lambda: (weight.detach().to(self.dtype),))
+        low_bias = None if bias is None else self.biases.get(bias, "cast", lambda: (bias.detach().to(self.dtype),))[0]
+        return _WITH_WEIGHTS[type(module)](module, input, low_weight, low_bias)
 
 
 def hand_back_parameters(swapped: nn.Module, original: nn.Module) -> None:
