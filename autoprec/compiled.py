@@ -22,10 +22,11 @@ import torch
 from torch import nn
 
 from .apply import _Fp32Compute
+from .formats import sqnr_db
 from .userspec import one_line
 
 __all__ = ["BACKEND", "CompileError", "check_captures_graph", "compile_regions", "graph_breaks", "repeated_blocks",
-           "warm_up"]
+           "unfaithful", "warm_up"]
 
 BACKEND = "inductor"  # what users deploy; tests and benchmarks may pass "aot_eager" for speed
 # Blocks whose policies differ (an fp32 island in block 4) each need their own graph of the one block
@@ -34,6 +35,10 @@ RECOMPILE_LIMIT = 64
 # Graphs one block may need (dynamo's default limit for one function): a Hugging Face decoder layer needs one
 # for prefill and one for decoding (its KV cache layer is filled then), and dynamic shapes may add one more.
 GRAPHS_PER_BLOCK = 8
+# A compiled entry may differ from fp32 by at most twice what the same entry does eager (6 dB: fusion rounds
+# differently), counting eager as at most this faithful (fp32 compiled is not bit-exact either).
+COMPILED_SLACK_DB = 6.0
+EXACT_ENOUGH_DB = 60.0
 
 
 class CompileError(RuntimeError):
@@ -167,3 +172,26 @@ def graph_breaks(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[int
     explained = torch._dynamo.explain(fn)(*args, **kwargs)
     reasons = sorted({str(r.reason).strip().splitlines()[0] for r in explained.break_reasons})
     return explained.graph_break_count, reasons
+
+
+def unfaithful(compiled: dict[str, list[torch.Tensor]], eager: dict[str, list[torch.Tensor]],
+               reference: str = "fp32") -> dict[str, str]:
+    """The entries whose compiled outputs are not what they compute eager, each with why in words.
+
+    Outputs are those of one batch, entry by entry, as float tensors; each is compared with ``reference``'s
+    eager outputs (fp32). An entry is refused where an output is non-finite, or where its SQNR against fp32
+    falls more than :data:`COMPILED_SLACK_DB` below the same entry's eager SQNR (capped at
+    :data:`EXACT_ENOUGH_DB`): its eager run is what verification measured within budget."""
+    def worst(outputs: list[torch.Tensor]) -> float:
+        return min((sqnr_db(ref.double(), out.double()) for ref, out in zip(eager[reference], outputs)),
+                   default=float("inf"))
+
+    refused = {}
+    for key, outputs in compiled.items():
+        if not all(bool(torch.isfinite(t).all()) for t in outputs):
+            refused[key] = "non-finite outputs"
+            continue
+        got, want = worst(outputs), min(worst(eager[key]), EXACT_ENOUGH_DB)
+        if got < want - COMPILED_SLACK_DB:
+            refused[key] = f"{got:.1f} dB against fp32 where eager gives {worst(eager[key]):.1f} dB"
+    return refused

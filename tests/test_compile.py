@@ -20,7 +20,10 @@ import autoprec
 from autoprec import Policy, apply_policy
 from autoprec import apply as apply_module
 from autoprec import compiled as compiling
+from autoprec.budget import Budget
 from autoprec.formats import Precision, sqnr_db
+from autoprec.search import Candidate
+from autoprec.verify import verify
 from autoprec.workloads import inference as inference_workload
 
 transformers = pytest.importorskip("transformers")
@@ -366,3 +369,45 @@ def test_compile_is_refused_where_it_cannot_be_timed():
     workload = autoprec.TrainingWorkload(Net(), [torch.randn(4, 64)], loss=lambda m, b: m(b).pow(2).mean())
     with pytest.raises(ValueError, match="--compile times inference only"):
         workload.check(autoprec.TuneConfig(compile=True))
+
+
+def breaks_regions(gm, example_inputs):
+    """A backend that computes wrong outputs for graphs holding a policy's region (an autocast context), and the
+    graph itself elsewhere: a planted compiler bug that only a mixed policy meets."""
+    if not any(node.target is torch.amp.autocast_mode._enter_autocast for node in gm.graph.nodes):
+        return gm.forward
+
+    def wrong(*args):
+        return [-t if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in gm(*args)]
+    return wrong
+
+
+def test_compiled_timing_refuses_an_entry_that_compiles_to_other_outputs(monkeypatch):
+    monkeypatch.setattr(compiling, "BACKEND", breaks_regions)
+    monkeypatch.setattr(inference_workload, "VERIFY_SECONDS", 2.0)
+    workload = autoprec.InferenceWorkload(Net(), [torch.randn(32, 64) for _ in range(4)])
+    runners = {"fp32": None, "autocast": Precision.BF16, "island": Policy(default="bf16", layers={"blocks.1": "fp32"})}
+    workload.time(runners, torch.device("cpu"), compiled=True)
+    assert set(workload.compiled_refused) == {"island"}
+    assert "dB against fp32 where eager gives" in workload.compiled_refused["island"]
+
+
+def test_verification_does_not_choose_a_refused_compiled_entry(monkeypatch):
+    """The compiled times make the policy the fastest by far, but compiled it computes something else: the
+    choice falls to blanket autocast, with one note saying why."""
+    def time(self, runners, device, compiled=False):
+        if compiled:
+            self.compiled_refused = {"trial #1": "non-finite outputs"}
+        fast = {"fp32": 10.0, "autocast": 8.0, "trial #1": 2.0 if compiled else 9.0}
+        return {k: [fast[k] * (1 + 0.01 * (i % 2)) for i in range(8)] for k in runners}, "fake", None
+
+    monkeypatch.setattr(inference_workload.InferenceWorkload, "time", time)
+    model = Net()
+    batches = [torch.randn(8, 64, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    candidate = Candidate(number=1, assignment={"blocks.0": "bf16"}, default="fp32", predicted_ms=1.0, metric=40.0,
+                          sqnr_db=40.0, violation=-1.0)
+    v = verify(autoprec.InferenceWorkload(model, batches, holdout_batches=batches), [candidate],
+               Budget(min_sqnr=20.0), Precision.BF16, compiled=True)
+    assert v.chosen is None or v.chosen.number != 1
+    notes = [n for n in v.notes if "not chosen" in n]
+    assert len(notes) == 1 and "trial #1 gives non-finite outputs" in notes[0], v.notes
