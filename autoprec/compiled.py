@@ -4,7 +4,10 @@ Users deploy compiled models, and fusion changes what a precision boundary costs
 times verification with every entry compiled as :func:`compile_regions` compiles it: regional
 compilation, PyTorch's recommended practice for models built of repeated blocks. Each child of an
 ``nn.ModuleList`` whose children share one class is compiled in place (their code compiles once and is
-reused by every block that shares its guards); a model without such a list is compiled whole.
+reused by every block that shares its guards); a model without such a list is compiled whole. Compiled,
+a policy computes what it computes eager (the fp32-compute mode is entered inside each block's graph, never
+around its kernels: :class:`_CompiledBlock`), and verification checks that it does for every entry it
+times (:func:`unfaithful`): an entry that compiles to other outputs is not chosen.
 
 An applied policy compiles with no graph break the plain model does not have (``tests/test_compile.py``
 checks MiniLM-like BERT, GPT-2 and ViT configs, for inference and training): its regions are
