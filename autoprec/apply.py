@@ -213,7 +213,8 @@ def _install_region(module: nn.Module, precision: Precision, is_root: bool, fp32
 
 
 def _remove_region(module: nn.Module) -> None:
-    region: _Region = module.__dict__.pop("forward")
+    forward = module.__dict__.pop("forward")
+    region: _Region = getattr(forward, "__self__", forward)  # compile_regions makes it a bound method
     if region.inner_forward is not None:
         object.__setattr__(module, "forward", region.inner_forward)
 

@@ -224,6 +224,11 @@ def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, 
             notes.append(verdict)
         if compiled:
             compiled_samples, compiled_on = _time_compiled(workload, timed, device, notes)
+    refused = dict(getattr(workload, "compiled_refused", {})) if compiled_samples else {}
+    if "fp32" in refused:  # the reference itself compiles wrong: no compiled ratio means anything
+        notes.append(f"compiled, fp32 computes other outputs than eager ({refused['fp32']}): the policy was "
+                     "chosen by the eager times only")
+        compiled_samples, compiled_on, refused = {}, "", {}
     eager_latency = {k: _median_finite(v) for k, v in samples.items()}
     decide = compiled_samples or samples  # the choice follows the compiled times: that is how the model will run
     latency = {k: _median_finite(v) for k, v in decide.items()}
@@ -238,6 +243,10 @@ def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, 
     sqnr = {"fp32": math.inf, "autocast": held.measured["autocast"].sqnr_db}
     chosen, tuned = None, "fp32"
     lowered = [c for c in passing if label[c.label] != "fp32"]  # a policy that is fp32 is not a candidate to time
+    if refused:  # compiled, they compute something else than the eager runs measured within budget
+        lowered = [c for c in lowered if label[c.label] not in refused]
+        notes.append("compiled, " + "; ".join(f"{k} gives {why}" for k, why in refused.items())
+                     + ": outside the budget, not chosen")
     def decided_slower(a: Candidate, b: Candidate) -> bool:
         """Not a tie with ``b``: decided slower, or (undecided) an estimate more than TIE_TOLERANCE slower.
         The rounds ran until each entry was decided against fp32, not against each other: an undecided

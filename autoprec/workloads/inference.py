@@ -4,7 +4,7 @@ the constraint, held-out batches as the proof."""
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from .. import compiled as compiled_module
-from ..batches import BATCH_FORMS, as_batch_list, describe_batch, to_device
+from ..batches import BATCH_FORMS, as_batch_list, describe_batch, output_tensors, to_device
 from ..budget import Budget, Margin, choose_budget, search_margin
 from ..capture import LayerTable
 from ..compare import compare
@@ -47,6 +47,8 @@ class InferenceWorkload(Workload):
     timing_batch: Any = None
     path: Path = Path("model.py")
     wrap: Callable[[nn.Module], nn.Module] | None = None  # how the job runs the model (torchrun); None: as it is
+    # entry -> why, from the last compiled timing: its compiled outputs are not what it computes eager
+    compiled_refused: dict[str, str] = field(default_factory=dict, init=False, repr=False)
 
     name = "inference"
 
@@ -141,13 +143,19 @@ class InferenceWorkload(Workload):
         decided or a cap is hit; the verdict says so when the machine was too noisy to decide.
 
         ``compiled``: every entry on its own copy of the model, compiled (:mod:`autoprec.compiled`) and warmed
-        up before the rounds start, so compile time is neither in a sample nor in the time cap."""
+        up before the rounds start, so compile time is neither in a sample nor in the time cap; the entries whose
+        compiled outputs are not what they compute eager are left in :attr:`compiled_refused`."""
         batch = to_device(self.timing_batch if self.timing_batch is not None else self.holdout_batches[0], device)
         timed_on = describe_batch(batch)
         if not runners:
             return {}, timed_on, None
         runs = policy_runs(self.model, batch, runners, device, compile_backend=compiled_module.BACKEND if compiled
                            else None, wrap=self.wrap)
+        if compiled:  # what each compiled entry computes, against the same entry eager, before any is timed
+            eager = policy_runs(self.model, batch, runners, device, wrap=self.wrap)
+            self.compiled_refused = compiled_module.unfaithful(
+                {key: output_tensors(run()) for key, run in runs.items()},
+                {key: output_tensors(run()) for key, run in eager.items()})
         comparison = compare(runs, reference="fp32", device=str(device), max_seconds=VERIFY_SECONDS)
         if compiled:
             timed_on += f", compiled ({compiled_module.BACKEND}; {compiled_module.describe_regions(self.model)})"
