@@ -129,6 +129,15 @@ class Workload:
         compiled refuses the setting in :meth:`check`."""
         raise NotImplementedError
 
+    def fp32_times(self, profile: Profile, device: torch.device) -> tuple[list[float], str]:
+        """fp32's ms per round and what they timed, where nothing else is timed (no precision can pay off
+        here, so the tune ends with fp32): by default the profile's whole-model rounds, on its first batch."""
+        from ..batches import describe_batch, to_device
+
+        fp32 = profile.end_to_end_check.get("samples_ms", {}).get("fp32") or [profile.end_to_end_ms["fp32"]]
+        batches = getattr(self, "batches", None)
+        return list(fp32), describe_batch(to_device(batches[0], device)) if batches else "one forward"
+
     def policy_result(self, result: dict[str, Any], verification: Any) -> dict[str, Any]:
         """policy.json's ``result`` block, as this workload reports it."""
         return result

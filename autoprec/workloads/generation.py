@@ -30,6 +30,7 @@ text, as a whole miss.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import inspect
 import math
@@ -249,6 +250,7 @@ class GenerationWorkload(InferenceWorkload):
     generate: Callable[..., Any] | None = None
     verify_seconds: float = VERIFY_SECONDS
     times: GenerationTimes | None = field(default=None, repr=False)  # the last verification's split, per entry
+    clock: Callable[[], float] = field(default=time.perf_counter, repr=False)  # injected by tests: a fake machine
 
     name = "generation"
     verify_timed = 3  # each round is a whole generation per entry
@@ -310,15 +312,12 @@ class GenerationWorkload(InferenceWorkload):
         if self.generate is None:
             n = self.new_tokens
             return lambda model, batch: hf_generate(model, batch, n)
-        user = user_function(self.generate, "generate", self.path)
         try:
             takes_count = "new_tokens" in inspect.signature(self.generate).parameters
         except (TypeError, ValueError):
             takes_count = False
-        if takes_count:
-            n = self.new_tokens
-            return lambda model, batch: user(model, batch, new_tokens=n)
-        return user
+        fn = functools.partial(self.generate, new_tokens=self.new_tokens) if takes_count else self.generate
+        return user_function(fn, "generate", self.path)
 
     def time(self, runners: Mapping[str, Policy | Precision | None], device: torch.device, compiled: bool = False
              ) -> tuple[dict[str, list[float]], str, str | None]:
@@ -329,14 +328,21 @@ class GenerationWorkload(InferenceWorkload):
         if not runners:
             return {}, timed_on, None
         splits: dict[str, list[Split]] = {}
-        runs = generation_runs(self.model, batch, runners, device, self.generation(), splits)
-        comparison = compare(runs, reference="fp32", device=str(device), max_seconds=self.verify_seconds)
+        runs = generation_runs(self.model, batch, runners, device, self.generation(), splits, self.clock)
+        comparison = compare(runs, reference="fp32", device=str(device), max_seconds=self.verify_seconds,
+                             clock=self.clock)
         self.times = GenerationTimes.of(comparison.samples, splits)
         verdict = comparison.verdict
         if "autocast" in runners and isinstance(runners["autocast"], Precision):
             split = self.times.different_precisions("autocast", f"blanket {runners['autocast'].value}")
             verdict = f"{verdict}; {split}" if split else verdict
         return comparison.samples, timed_on, verdict
+
+    def fp32_times(self, profile: Any, device: torch.device) -> tuple[list[float], str]:
+        """fp32's whole generations, where nothing else is timed (no precision can pay off here): the report
+        still gives fp32's prefill and decode times."""
+        samples, timed_on, _ = self.time({"fp32": None}, device)
+        return samples["fp32"], timed_on
 
     def _timed_on(self, batch: Any) -> str:
         made = f"{self.new_tokens} new tokens" if self.generate is None else "model.py's generate()"
