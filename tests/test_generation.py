@@ -163,8 +163,8 @@ def test_the_choice_follows_the_whole_generation_and_says_when_prefill_and_decod
 
 # ---- the pipeline, end to end ------------------------------------------------------------------------------
 def test_a_tune_for_generation_writes_the_prefill_and_decode_split(tmp_path):
-    """Whatever this CPU makes of bf16: the profile is taken whole (profile_all), the search runs, and verification
-    times whole generations of fp32, blanket bf16 and the candidates."""
+    """Whatever this CPU makes of bf16: the profile is taken whole (profile_all) and priced per generation, the
+    search runs, and verification times whole generations of fp32, blanket bf16 and the candidates."""
     workload = GenerationWorkload(tiny_llama(), prompts(), new_tokens=4, verify_seconds=4.0)
     config = TuneConfig(precisions=("bf16",), trials=4, progress=False, out=tmp_path / "out", profile_all=True)
     result = tune(workload, config, log=lambda _m: None)
@@ -173,6 +173,8 @@ def test_a_tune_for_generation_writes_the_prefill_and_decode_split(tmp_path):
     assert written["metric_kind"] == "prompt perplexity" and written["budget"] == "metric drop <= 1%"
     assert set(written["prefill_ms"]) == {"fp32", "autocast", "tuned"} == set(written["decode_ms_per_token"])
     assert "greedy generation (4 new tokens)" in result.verification.timed_on
+    # the search priced whole generations: the prefill's layer times plus three decode steps'
+    assert result.profile.timed == "generation: a prefill forward and 3 decode steps (one-token forwards)"
     report = (tmp_path / "out" / "report.md").read_text()
     assert "## Prefill and decode" in report and "ms per decode token" in report
     assert "| fp32" in report.split("## Prefill and decode")[1]

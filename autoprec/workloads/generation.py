@@ -17,7 +17,7 @@ ms per decode token for each entry, and says when the two want different precisi
 What the search prices (:meth:`GenerationWorkload.profile`): each layer's time in a whole generation, the
 prefill forward plus ``new_tokens - 1`` decode steps, from a latency profile at the prompts' shapes and one at
 the decode shape (one token per row: a linear sees M = batch rows, as in a decode step; attention over the
-cache is not in it). With ``--target`` both come from the cost model, decode at M = batch rows.
+cache is not in it). ``--target`` is refused: its cost model prices the prompts' shapes only for now.
 
 The default metric (without ``evaluate``) is the perplexity of the held-out prompts, teacher-forced: each
 prompt token predicted from those before it, padded positions (``attention_mask`` 0) never counted; lower is
@@ -303,9 +303,42 @@ class GenerationWorkload(InferenceWorkload):
 
     def profile(self, table: Any, device: torch.device, config: TuneConfig, capture_seconds: float,
                 ranks: Any = None) -> Any:
+        """The prefill profile (sensitivity, and latency at the prompts' shapes), with each layer's latency made
+        that of a whole generation: plus ``new_tokens - 1`` decode steps, timed as a forward of one token per row
+        (the linears' shapes of a decode step; attention over the cache is not in it). Only for token-id prompts
+        run by ``model.generate`` (a model.py generate() may decode otherwise) and where something can pay off."""
         profile = super().profile(table, device, config, capture_seconds)
         profile.fingerprint = self.fingerprint()
+        if self.generate is None and not profile.nothing_pays_off and config.target is None:
+            self._add_decode(profile, device)
         return profile
+
+    def _add_decode(self, profile: Any, device: torch.device) -> None:
+        from ..profile.latency import measure_latency
+
+        batch = to_device(self.batches[0], device)
+        ids, mask = prompt_tokens(batch)
+        step = ({**batch, "input_ids": ids[:, -1:], "attention_mask": mask[:, -1:]} if isinstance(batch, dict)
+                else ids[:, -1:])
+        timed = [p for p in profile.precisions if any(p in layer.latency_ms for layer in profile.layers)]
+        emulated = [Precision(p) for p in timed if profile.capabilities.get(p) == "emulated"]
+        fp8_layers = [layer.name for layer in profile.layers
+                      if any(Precision(p).swaps_linear and p in layer.latency_ms for p in timed)]
+        decode = measure_latency(self.model, step, [layer.name for layer in profile.layers], fp8_layers,
+                                 [Precision(p) for p in timed], device, repeats=5, emulated=emulated,
+                                 end_to_end_seconds=5.0)
+        steps = self.new_tokens - 1
+        for layer in profile.layers:
+            for p in layer.latency_ms:
+                layer.latency_ms[p] += steps * decode.latency_ms.get(layer.name, {}).get(p, 0.0)
+            for p in layer.cast_ms:
+                layer.cast_ms[p] += steps * decode.cast_ms.get(layer.name, {}).get(p, 0.0)
+        for p in profile.remainder_ms:
+            profile.remainder_ms[p] += steps * decode.remainder_ms.get(p, 0.0)
+        for k in profile.end_to_end_ms:
+            profile.end_to_end_ms[k] += steps * decode.end_to_end_ms.get(k, 0.0)
+        profile.prediction_error_pct = {}  # the prefill's check; a generation's is verification's to measure
+        profile.timed = f"generation: a prefill forward and {steps} decode steps (one-token forwards)"
 
     def generation(self) -> Callable[[nn.Module, Any], Any]:
         """``(model, batch) -> output``: one generation as this workload runs it."""
