@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from .apply import structure_fingerprint
-from .batches import as_batch_list, describe_batch, to_device
+from .batches import as_batch_list, to_device
 from .budget import Budget
 from .capture import capture
 from .compare import timed_together
@@ -111,7 +111,8 @@ def tune(workload: Workload | nn.Module, config: TuneConfig | Any = None, evalua
 
     ``tune(model, batches, evaluate=None, **settings)``: the same for a notebook. ``settings`` are
     :class:`TuneConfig`'s fields and the workload's own (``higher_is_better``, ``holdout_batches``,
-    ``timing_batch``; with ``for_="training"``: ``loss``, ``train_batches``, ``optimizer``, ``steps``).
+    ``timing_batch``; with ``for_="training"``: ``loss``, ``train_batches``, ``optimizer``, ``steps``; with
+    ``for_="generation"``: ``new_tokens``, ``generate``, and the batches are prompts).
 
     ``ranks`` (:func:`autoprec.distributed.from_torchrun`, on every rank of a torchrun job): the ranks share the
     sensitivity evaluations and the search's trials, time together, and return the same result; the writing
@@ -143,8 +144,8 @@ def _workload_and_config(model: nn.Module, batches: Any, evaluate: Callable | No
         raise TypeError("tune(model, batches, ...) needs the batches")
     batches = as_batch_list(batches, "tune(model, batches)'s batches")
     for_ = settings.pop("for_", "inference")
-    if for_ not in ("inference", "training"):
-        raise ValueError(f"for_ must be 'inference' or 'training', got {for_!r}")
+    if for_ not in NOTEBOOK_SETTINGS:
+        raise ValueError(f"for_ must be 'inference', 'training' or 'generation', got {for_!r}")
     fields = {f.name for f in dataclasses.fields(TuneConfig)}
     _refuse_unknown(settings, fields | NOTEBOOK_SETTINGS[for_], for_)
     config = TuneConfig(**{k: v for k, v in settings.items() if k in fields})
@@ -161,6 +162,13 @@ def _workload_and_config(model: nn.Module, batches: Any, evaluate: Callable | No
             model, every, own.get("loss"), own.get("train_batches"), own.get("optimizer"), evaluate,
             every if own.get("train_batches") is not None else (holdout or list(batches)), higher_is_better,
             DEFAULT_STEPS if steps is None else steps, Path(path))
+    elif for_ == "generation":
+        from .workloads.generation import DEFAULT_NEW_TOKENS, GenerationWorkload
+
+        new_tokens = own.get("new_tokens")
+        workload = GenerationWorkload(model, list(batches), evaluate, higher_is_better, own.get("holdout_batches"),
+                                      own.get("timing_batch"), Path(path), generate=own.get("generate"),
+                                      new_tokens=DEFAULT_NEW_TOKENS if new_tokens is None else new_tokens)
     else:
         workload = InferenceWorkload(model, list(batches), evaluate, higher_is_better, own.get("holdout_batches"),
                                      own.get("timing_batch"), Path(path))
@@ -171,6 +179,7 @@ def _workload_and_config(model: nn.Module, batches: Any, evaluate: Callable | No
 NOTEBOOK_SETTINGS = {
     "inference": {"higher_is_better", "model_path", "holdout_batches", "timing_batch"},
     "training": {"higher_is_better", "model_path", "holdout_batches", "loss", "train_batches", "optimizer", "steps"},
+    "generation": {"higher_is_better", "model_path", "holdout_batches", "timing_batch", "new_tokens", "generate"},
 }
 
 
@@ -178,9 +187,9 @@ def _refuse_unknown(settings: dict[str, Any], known: set[str], for_: str) -> Non
     """One line for the first setting that is not ``for_``'s: one of the other workload's (say so), or a typo
     (the closest known name)."""
     for name in sorted(set(settings) - known):
-        other = "training" if for_ == "inference" else "inference"
-        if name in NOTEBOOK_SETTINGS[other]:
-            fix = "pass for_='training' to tune for training" if other == "training" else "leave it out"
+        other = next((o for o in NOTEBOOK_SETTINGS if o != for_ and name in NOTEBOOK_SETTINGS[o]), None)
+        if other is not None:
+            fix = f"pass for_={other!r} to tune for {other}" if other != "inference" else "leave it out"
             raise TypeError(f"tune: {name} is a setting for tuning for {other}, and this tune is for {for_}: {fix}")
         close = difflib.get_close_matches(name, sorted(known), n=1)
         hint = f"did you mean {close[0]}?" if close else f"known settings: {', '.join(sorted(known))}"
@@ -310,10 +319,8 @@ def _fp32_answer(profile: Profile, space: SearchSpace, config: TuneConfig, objec
     units, pinned, dropped = plan_units(profile, space, [Precision.parse(p).value for p in config.precisions])
     result = SearchResult(units, pinned, dropped, trials=[], front=[], best=None, study_name="", storage="",
                           seconds=0.0, evaluations=0, stopped_because=profile.nothing_pays_off)
-    fp32 = profile.end_to_end_check.get("samples_ms", {}).get("fp32") or [profile.end_to_end_ms["fp32"]]
+    fp32, timed_on = workload.fp32_times(profile, device)
     autocast = autocast_baseline(device_capabilities(device), profile.end_to_end_ms)
-    batches = getattr(workload, "batches", None)
-    timed_on = describe_batch(to_device(batches[0], device)) if batches else "one forward"
     verification = Verification(
         chosen=None, policy=None, samples={"fp32": list(fp32), "tuned": list(fp32)},
         metric={"fp32": objective.metric_fp32, "tuned": objective.metric_fp32},

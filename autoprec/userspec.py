@@ -103,6 +103,7 @@ class UserSpec:
     evaluate: Callable[[nn.Module, list], float] | None  # None: fidelity against the fp32 model
     higher_is_better: bool = True
     wrap: Callable[[nn.Module], nn.Module] | None = None  # under torchrun: how the job wraps the model (DDP, FSDP2)
+    generate: Callable[..., Any] | None = None  # --for generation: how a generation runs (default: model.generate)
 
     @property
     def batches(self) -> list:
@@ -312,6 +313,8 @@ def load_model_py(path: str | Path, holdout_fraction: float = HOLDOUT_FRACTION, 
         evaluate = user_function(evaluate, "evaluate", path)
     # wrap(model) runs under torchrun only (it needs the process group): found and checked callable here
     wrap = find_function(module, path, "wrap", "wrap(model) -> torch.nn.Module", required=False)
+    # generate(model, batch) is read by --for generation only: found and checked callable here
+    generate = find_function(module, path, "generate", "generate(model, batch)", required=False)
     higher_is_better = getattr(module, "HIGHER_IS_BETTER", True)
     if not isinstance(higher_is_better, bool):
         raise UserCodeError(path, "HIGHER_IS_BETTER", f"is {higher_is_better!r}, not a bool",
@@ -327,7 +330,7 @@ def load_model_py(path: str | Path, holdout_fraction: float = HOLDOUT_FRACTION, 
         raise UserCodeError(path, "get_model()", error.problem, error.fix) from None
     batches = _check_batches(call_user(path, "get_batches", get_batches), path)
 
-    spec = UserSpec(path, model, *split_holdout(batches, holdout_fraction), evaluate, higher_is_better, wrap)
+    spec = UserSpec(path, model, *split_holdout(batches, holdout_fraction), evaluate, higher_is_better, wrap, generate)
     if check:
         _check_model_runs(model, batches, path, fidelity=evaluate is None)
         if evaluate is not None:

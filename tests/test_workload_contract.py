@@ -1,9 +1,9 @@
-"""One pipeline, two workloads: every guarantee the pipeline makes is asserted for each workload.
+"""One pipeline, three workloads: every guarantee the pipeline makes is asserted for each workload.
 
-In the spirit of optuna's shared sampler tests, each test here runs once for inference and once for
-training, through the same ``tune(workload, config)`` and ``verify(workload, ...)``. Timings that a
-decision rests on are set by the test (a shared machine makes real ones noisy); metrics, training
-runs and outputs are real.
+In the spirit of optuna's shared sampler tests, each test here runs once for inference, once for
+training and once for generation, through the same ``tune(workload, config)`` and
+``verify(workload, ...)``. Timings that a decision rests on are set by the test (a shared machine
+makes real ones noisy); metrics, training runs and outputs are real.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from autoprec.outdir import OutDirError
 from autoprec.search import StorageError
 from autoprec.tune import TuneInterrupted, tune
 from autoprec.verify import verify
+from autoprec.workloads.generation import GenerationWorkload
 from autoprec.workloads.inference import InferenceWorkload
 from autoprec.workloads.training import TrainingWorkload
 
 pipeline = importlib.import_module("autoprec.tune")  # the module (autoprec.tune, the attribute, is the function)
-WORKLOADS = ["inference", "training"]
+WORKLOADS = ["inference", "training", "generation"]
 LAYERS = ("0", "2", "4")
 
 
@@ -42,12 +43,24 @@ def mse(model: nn.Module, batch) -> torch.Tensor:
     return F.mse_loss(model(x), y)
 
 
+def output_mean(model: nn.Module, batches: list) -> float:
+    with torch.no_grad():
+        return float(torch.stack([model(x).mean() for x in batches]).mean())
+
+
+def three_forwards(model: nn.Module, x: torch.Tensor, new_tokens: int) -> list[torch.Tensor]:
+    return [model(x) for _ in range(new_tokens)]
+
+
 def make_workload(kind: str, model: nn.Module | None = None):
     model = model or small_model()
     g = torch.Generator().manual_seed(1)
     inputs = [torch.randn(8, 16, generator=g) for _ in range(4)]
     if kind == "inference":
         return InferenceWorkload(model, inputs)
+    if kind == "generation":  # a "generation" of three forwards (a prefill and two steps), with a metric of its own
+        return GenerationWorkload(model, inputs, evaluate=output_mean, generate=three_forwards, new_tokens=3,
+                                  verify_seconds=2.0)
     pairs = [(x, torch.randn(8, 4, generator=g)) for x in inputs]
     return TrainingWorkload(model, inputs, mse, train_batches=pairs, steps=4)
 

@@ -50,12 +50,17 @@ def tune_arguments(parser: argparse.ArgumentParser) -> None:
                              "estimated in time linear in depth, checked against a few exact evaluations)")
     parser.add_argument("--target", help="plan for a GPU that is not here (h100, h200, a100, l4, b200, gb200): latency "
                                          "estimated by a cost model, accuracy measured here")
-    parser.add_argument("--for", dest="for_", choices=("inference", "training"), default="inference",
-                        help="what to tune for: inference (forward latency, output fidelity) or training (step "
+    parser.add_argument("--for", dest="for_", choices=("inference", "training", "generation"), default="inference",
+                        help="what to tune for: inference (forward latency, output fidelity), training (step "
                              "time, training loss; needs loss(model, batch) in model.py; --budget on the loss, "
-                             "default 2%%; --min-sqnr is the gradient floor, default 10 dB)")
+                             "default 2%%; --min-sqnr is the gradient floor, default 10 dB) or generation (the time "
+                             "of a whole greedy generation from the batches as prompts, prefill and decode steps "
+                             "with the KV cache; needs a model with .generate() or generate(model, batch) in "
+                             "model.py; --budget on evaluate() or by default on the prompts' perplexity, default 1%%)")
     parser.add_argument("--steps", type=positive_int, default=None,
                         help="--for training: steps of each verification training run (default 16)")
+    parser.add_argument("--new-tokens", type=positive_int, default=None, metavar="N",
+                        help="--for generation: tokens each timed generation makes (default 32)")
     parser.add_argument("--compile", action="store_true",
                         help="also time verification with the model compiled (torch.compile, regional: each repeated "
                              "block), choose by those times, and report eager and compiled speed-ups side by side")
@@ -78,6 +83,9 @@ def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
     from ..tune import tune as run_tune
 
     check_device(args.device)  # said as --device, before the config says it as device=
+    if args.new_tokens is not None and args.for_ != "generation":
+        raise CommandError(f"--new-tokens is the length of each generation: tune --for generation, or leave it out "
+                           f"(this tune is --for {args.for_})")
     config = _config(args, out=Path(args.out) if args.out else default_out(args.model_py),  # before loading
                      compile=args.compile, profile_all=args.profile_all,
                      exact_sensitivity=args.exact_sensitivity, progress=ranks.writes)
@@ -95,6 +103,11 @@ def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
         train = load_train_spec(args.model_py)
         workload: Any = TrainingWorkload.from_spec(train, args.steps)
         spec = train.spec
+    elif args.for_ == "generation":
+        from ..workloads.generation import GenerationWorkload
+
+        spec = load_spec(args)
+        workload = GenerationWorkload.from_spec(spec, args.new_tokens)
     else:
         from ..workloads.inference import InferenceWorkload
 

@@ -1,6 +1,7 @@
-"""What is tuned for. :class:`Workload` (in :mod:`.base`) is what the one pipeline asks; the two that
-ship are :class:`InferenceWorkload` (:mod:`.inference`) and :class:`TrainingWorkload` (:mod:`.training`),
-imported when first asked for, so that ``import autoprec`` stays light."""
+"""What is tuned for. :class:`Workload` (in :mod:`.base`) is what the one pipeline asks; the three that
+ship are :class:`InferenceWorkload` (:mod:`.inference`), :class:`TrainingWorkload` (:mod:`.training`) and
+:class:`GenerationWorkload` (:mod:`.generation`), imported when first asked for, so that ``import autoprec``
+stays light."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from .base import HeldOut, Workload
 
-__all__ = ["HeldOut", "InferenceWorkload", "TrainingWorkload", "Workload"]
+__all__ = ["GenerationWorkload", "HeldOut", "InferenceWorkload", "TrainingWorkload", "Workload"]
 
 
 def __getattr__(name: str) -> Any:
@@ -16,6 +17,10 @@ def __getattr__(name: str) -> Any:
         from .inference import InferenceWorkload
 
         return InferenceWorkload
+    if name == "GenerationWorkload":
+        from .generation import GenerationWorkload
+
+        return GenerationWorkload
     if name == "TrainingWorkload":
         from .training import TrainingWorkload
 

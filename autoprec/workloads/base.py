@@ -11,8 +11,9 @@ The pipeline (checks -> capture -> profile -> search -> verify -> outputs) is wr
   (:meth:`held_out`, :meth:`time`): held-out batches, or short interleaved training runs;
 - what the outputs add (:meth:`write_extras`, :meth:`report_sections`): e.g. ``loss.png``.
 
-Two workloads ship: :class:`~autoprec.workloads.inference.InferenceWorkload` and
-:class:`~autoprec.workloads.training.TrainingWorkload`. A third (say, generation with a KV cache) is
+Three workloads ship: :class:`~autoprec.workloads.inference.InferenceWorkload`,
+:class:`~autoprec.workloads.training.TrainingWorkload` and
+:class:`~autoprec.workloads.generation.GenerationWorkload` (greedy generation with a KV cache). Another is
 one new module with one new subclass.
 """
 
@@ -69,7 +70,7 @@ class Workload:
     a Policy.
     """
 
-    name = "workload"  # "inference", "training": in the profile, the policy and the study name
+    name = "workload"  # "inference", "training", "generation": in the profile, the policy and the study name
     verify_best = 6  # how many of the search's best candidates verification checks where the search never looked
     verify_timed = 4  # how many of those that pass it times (in predicted order; heuristics and blanket as well)
     latency_key = "latency_ms"  # policy.json's result key for the measured times
@@ -127,6 +128,15 @@ class Workload:
         ``compiled`` (``tune --compile``): each entry compiled with torch.compile; a workload that cannot time
         compiled refuses the setting in :meth:`check`."""
         raise NotImplementedError
+
+    def fp32_times(self, profile: Profile, device: torch.device) -> tuple[list[float], str]:
+        """fp32's ms per round and what they timed, where nothing else is timed (no precision can pay off
+        here, so the tune ends with fp32): by default the profile's whole-model rounds, on its first batch."""
+        from ..batches import describe_batch, to_device
+
+        fp32 = profile.end_to_end_check.get("samples_ms", {}).get("fp32") or [profile.end_to_end_ms["fp32"]]
+        batches = getattr(self, "batches", None)
+        return list(fp32), describe_batch(to_device(batches[0], device)) if batches else "one forward"
 
     def policy_result(self, result: dict[str, Any], verification: Any) -> dict[str, Any]:
         """policy.json's ``result`` block, as this workload reports it."""

@@ -1,0 +1,438 @@
+"""Tuning for generation: the time of a whole greedy generation as the objective, the prompts' perplexity
+(or the user's metric) as the constraint.
+
+The batches are prompts (a dict with ``input_ids`` and ``attention_mask``, or a tensor of token ids). A
+generation is what a user runs to serve the model: ``model.generate`` (Hugging Face causal LMs) greedy, for
+exactly ``new_tokens`` tokens (``min_new_tokens = max_new_tokens``: no entry stops early at an EOS, so every
+entry does the same work), or model.py's own ``generate(model, batch)``. Each timed generation starts from
+the prompt with a fresh KV cache (``generate`` makes one per call), so every round starts from the same state.
+
+What is timed (verification, :meth:`GenerationWorkload.time`): whole generations of fp32, blanket autocast and
+the candidates in paired interleaved rounds (:func:`autoprec.compare.compare`), and the choice follows those
+times: a policy that speeds up prefill but slows decoding down is not chosen for it. Each generation is split
+at the end of its first forward (a hook on the model): the prefill (one forward of the prompt) and the decode
+steps after it (each a forward of one token per row, reading the cache), so the report gives ms per prefill and
+ms per decode token for each entry, and says when the two want different precisions.
+
+What the search prices (:meth:`GenerationWorkload.profile`): each layer's time in a whole generation, the
+prefill forward plus ``new_tokens - 1`` decode steps, from a latency profile at the prompts' shapes and one at
+the decode shape (one token per row: a linear sees M = batch rows, as in a decode step; attention over the
+cache is not in it). ``--target`` is refused: its cost model prices the prompts' shapes only for now.
+
+The default metric (without ``evaluate``) is the perplexity of the held-out prompts, teacher-forced: each
+prompt token predicted from those before it, padded positions (``attention_mask`` 0) never counted; lower is
+better, and the default budget is 1% of fp32's. Perplexity rather than next-token agreement with fp32: it is
+continuous, so a 1% budget means the same on 2 prompts as on 200, while agreement on a few prompts moves in
+steps of one token (1/30 of 2 x 16 tokens) and counts a flip between two near-equal tokens, harmless to the
+text, as a whole miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import inspect
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..apply import apply_policy
+from ..batches import call_model, describe_batch, to_device
+from ..compare import Ratio, compare
+from ..config import TuneConfig
+from ..formats import Precision
+from ..measure import shared_copy
+from ..policy import Policy
+from ..userspec import user_function
+from .inference import VERIFY_SECONDS, InferenceWorkload
+
+__all__ = ["DEFAULT_NEW_TOKENS", "GenerationTimes", "GenerationWorkload", "generation_runs", "hf_generate",
+           "prompt_perplexity"]
+
+DEFAULT_NEW_TOKENS = 32  # a short reply: long enough that decoding, not the prefill, is most of a generation
+CACHE_KEYS = ("past_key_values", "cache", "past")  # a batch holding one would be grown by every timed run
+
+
+def prompt_tokens(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, attention mask) of a prompt batch: a dict's ``input_ids``/``attention_mask``, a tuple's first
+    two, or a tensor of ids (every position real)."""
+    if isinstance(batch, dict):
+        ids, mask = batch.get("input_ids"), batch.get("attention_mask")
+    elif isinstance(batch, (tuple, list)):
+        ids, mask = batch[0], batch[1] if len(batch) > 1 else None
+    else:
+        ids, mask = batch, None
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
+        raise ValueError(f"a prompt batch must hold token ids as an integer tensor [prompts, tokens] (a dict's "
+                         f"input_ids, or the tensor itself), got {describe_batch(batch)}")
+    return ids, torch.ones_like(ids) if mask is None else mask
+
+
+def logits_of(output: Any) -> torch.Tensor | None:
+    """The logits of a causal LM's output: ``.logits``, a dict's ``logits``, a tuple's first, or the tensor."""
+    logits = getattr(output, "logits", None)
+    if logits is None and isinstance(output, dict):
+        logits = output.get("logits")
+    if logits is None and isinstance(output, (tuple, list)) and output:
+        logits = output[0]
+    if logits is None and isinstance(output, torch.Tensor):
+        logits = output
+    return logits if isinstance(logits, torch.Tensor) else None
+
+
+def prompt_perplexity(model: nn.Module, batches: Sequence[Any]) -> float:
+    """The perplexity of the prompts' own tokens, teacher-forced: position t predicts token t + 1, counted only
+    where both are real tokens (a pad, left or right, never counts). Lower is better."""
+    nll, count = 0.0, 0
+    for batch in batches:
+        ids, mask = prompt_tokens(batch)
+        logits = logits_of(call_model(model, batch))
+        keep = (mask[:, :-1] != 0) & (mask[:, 1:] != 0)
+        losses = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
+        nll += float(losses[keep].sum())
+        count += int(keep.sum())
+    return math.exp(nll / count) if count else math.nan
+
+
+def check_prompts(model: nn.Module, batch: Any) -> None:
+    """One line when the default metric cannot read this model's output on a prompt batch."""
+    ids, mask = prompt_tokens(batch)
+    with torch.no_grad():
+        logits = logits_of(call_model(model, batch))
+    if logits is None or logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(ids.shape):
+        got = "no logits" if logits is None else f"logits {'x'.join(map(str, logits.shape))}"
+        raise ValueError(f"the default generation metric (the prompts' perplexity) needs the model's logits as "
+                         f"[prompts, tokens, vocabulary] ({'x'.join(map(str, ids.shape))}xV here); the model gave "
+                         f"{got}: define evaluate(model, batches) in model.py")
+    if int(((mask[:, :-1] != 0) & (mask[:, 1:] != 0)).sum()) == 0:
+        raise ValueError("the prompts have no two real tokens in a row to score (attention_mask): give longer prompts")
+
+
+def hf_generate(model: nn.Module, batch: Any, new_tokens: int) -> torch.Tensor:
+    """Greedy ``model.generate`` for exactly ``new_tokens`` tokens (no early stop at an EOS)."""
+    if isinstance(batch, dict):
+        inputs = dict(batch)
+    else:
+        ids, mask = prompt_tokens(batch)
+        inputs = {"input_ids": ids, "attention_mask": mask}
+    config = getattr(model, "generation_config", None)
+    pad = getattr(config, "pad_token_id", None)
+    if pad is None:
+        eos = getattr(config, "eos_token_id", None)
+        pad = eos[0] if isinstance(eos, (list, tuple)) and eos else eos if isinstance(eos, int) else 0
+    return model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                          num_beams=1, pad_token_id=pad)
+
+
+@dataclass
+class Split:
+    """One timed generation, split at the end of its first forward."""
+
+    prefill_ms: float  # from the start of the call to the end of the prompt's forward
+    decode_ms: float  # the rest: every decode step, with what generate does around each
+    forwards: int  # forwards of the model: 1 prefill + the decode steps
+
+
+def generation_runs(model: nn.Module, batch: Any, runners: Mapping[str, Policy | Precision | None],
+                    device: torch.device, generate: Callable[[nn.Module, Any], Any],
+                    splits: dict[str, list[Split]], clock: Callable[[], float] = time.perf_counter
+                    ) -> dict[str, Callable[[], Any]]:
+    """One whole generation per entry as a callable, for :func:`autoprec.compare.compare`: a Policy on its own
+    copy of the model (sharing the weights, the policy applied once, as a user deploys it), a Precision under
+    blanket ``torch.autocast`` around the generation, None the plain model. Each call appends its
+    :class:`Split` to ``splits[key]``; each starts from the prompt with a fresh cache, so no round sees
+    another's state."""
+    runs = {}
+    for key, how in runners.items():
+        target = model
+        if isinstance(how, Policy):
+            target = shared_copy(model)
+            apply_policy(target, how)
+        runs[key] = _timed_generation(target, batch, how, device, generate, splits.setdefault(key, []), clock)
+    return runs
+
+
+def _timed_generation(model: nn.Module, batch: Any, how: Policy | Precision | None, device: torch.device,
+                      generate: Callable[[nn.Module, Any], Any], record: list[Split], clock: Callable[[], float]
+                      ) -> Callable[[], Any]:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def run() -> Any:
+        seen: dict[str, Any] = {"forwards": 0, "prefill_end": None}
+
+        def after_forward(_module: nn.Module, _inputs: Any, _output: Any) -> None:
+            seen["forwards"] += 1
+            if seen["prefill_end"] is None:
+                sync()
+                seen["prefill_end"] = clock()
+
+        hook = model.register_forward_hook(after_forward)
+        region = (torch.autocast(device.type, dtype=how.autocast_dtype) if isinstance(how, Precision)
+                  else contextlib.nullcontext())
+        start = clock()
+        try:
+            with torch.no_grad(), region:
+                out = generate(model, batch)
+            sync()
+        finally:
+            hook.remove()
+        end = clock()
+        prefill_end = seen["prefill_end"] if seen["prefill_end"] is not None else end
+        record.append(Split((prefill_end - start) * 1e3, (end - prefill_end) * 1e3, seen["forwards"]))
+        return out
+
+    return run
+
+
+@dataclass
+class GenerationTimes:
+    """Per entry and timed round: the prefill's ms, and ms per decode token; ``forwards`` per generation."""
+
+    prefill_ms: dict[str, list[float]]
+    decode_ms: dict[str, list[float]]  # per decode token (empty for an entry whose forwards were not seen)
+    forwards: int
+
+    @classmethod
+    def of(cls, samples: Mapping[str, Sequence[float]], splits: Mapping[str, Sequence[Split]]) -> GenerationTimes:
+        """The splits of the timed rounds (the last ones of each entry: warm-up calls come first)."""
+        prefill, decode, forwards = {}, {}, 0
+        for key, times in samples.items():
+            rounds = list(splits[key])[-len(times):]
+            forwards = max([forwards, *(s.forwards for s in rounds)])
+            if rounds and all(s.forwards > 1 for s in rounds):
+                prefill[key] = [s.prefill_ms for s in rounds]
+                decode[key] = [s.decode_ms / (s.forwards - 1) for s in rounds]
+        return cls(prefill, decode, forwards)
+
+    def ratio(self, part: str, key: str) -> Ratio | None:
+        """``key``'s time over fp32's for ``part`` ("prefill" or "decode"), paired round by round."""
+        times = self.prefill_ms if part == "prefill" else self.decode_ms
+        if key not in times or "fp32" not in times or len(times[key]) < 2:
+            return None
+        return Ratio.of(times[key], times["fp32"])
+
+    def different_precisions(self, key: str, name: str) -> str | None:
+        """One line when ``key`` (``name``, e.g. "blanket bf16") is decided faster than fp32 on one part of a
+        generation and slower on the other; None otherwise."""
+        prefill, decode = self.ratio("prefill", key), self.ratio("decode", key)
+        if prefill is None or decode is None:
+            return None
+        if prefill.faster and decode.slower:
+            return (f"prefill and decode want different precisions: {name} makes the prefill "
+                    f"{1 / prefill.estimate:.2f}x faster than fp32 but each decode step {decode.estimate:.2f}x slower "
+                    "(fp32 decodes faster here)")
+        if decode.faster and prefill.slower:
+            return (f"prefill and decode want different precisions: {name} makes each decode step "
+                    f"{1 / decode.estimate:.2f}x faster than fp32 but the prefill {prefill.estimate:.2f}x slower")
+        return None
+
+
+@dataclass
+class GenerationWorkload(InferenceWorkload):
+    """An :class:`InferenceWorkload` whose batches are prompts and whose latency is a whole generation.
+
+    ``new_tokens``: tokens each generation makes (at least 2: one from the prefill, the rest decode steps).
+    ``generate(model, batch)``: how a generation runs (default: greedy ``model.generate`` for exactly
+    ``new_tokens`` tokens); one that takes a ``new_tokens`` argument is given it. ``evaluate`` defaults to the
+    prompts' perplexity (:func:`prompt_perplexity`, lower is better). ``verify_seconds``: the most verification
+    spends timing (warm-up included)."""
+
+    new_tokens: int = DEFAULT_NEW_TOKENS
+    generate: Callable[..., Any] | None = None
+    verify_seconds: float = VERIFY_SECONDS
+    times: GenerationTimes | None = field(default=None, repr=False)  # the last verification's split, per entry
+    clock: Callable[[], float] = field(default=time.perf_counter, repr=False)  # injected by tests: a fake machine
+
+    name = "generation"
+    verify_timed = 3  # each round is a whole generation per entry
+    latency_key = "generation_ms"
+
+    def __post_init__(self) -> None:
+        self.default_metric = self.evaluate is None
+        if self.default_metric:
+            self.evaluate, self.higher_is_better = prompt_perplexity, False
+        super().__post_init__()
+        if isinstance(self.new_tokens, bool) or not isinstance(self.new_tokens, int) or self.new_tokens < 2:
+            raise ValueError(f"new_tokens must be a whole number >= 2 (one token from the prefill, the rest decode "
+                             f"steps), got {self.new_tokens!r}")
+        if self.generate is not None and not callable(self.generate):
+            raise TypeError(f"generate is {type(self.generate).__name__}, not a function: pass generate(model, batch)")
+        if self.generate is None and not callable(getattr(self.model, "generate", None)):
+            raise ValueError(f"{type(self.model).__name__} has no .generate() and {self.path.name} defines no "
+                             f"generate(model, batch): add `def generate(model, batch)` to {self.path.name} (greedy, "
+                             "a fixed number of new tokens), or tune --for inference")
+        for i, batch in enumerate([*self.batches, *self.holdout_batches]):
+            held = [k for k in CACHE_KEYS if isinstance(batch, dict) and batch.get(k) is not None]
+            if held:
+                raise ValueError(f"prompt batch {i} holds {held[0]}: for generation the batches are prompts, and "
+                                 "each generation makes its own cache; leave the cache out of the batches")
+
+    @classmethod
+    def from_spec(cls, spec: Any, new_tokens: int | None = None) -> GenerationWorkload:  # type: ignore[override]
+        """From a loaded model.py (:func:`autoprec.userspec.load_model_py`), with its ``generate`` if it has one."""
+        return cls(spec.model, spec.search_batches, spec.evaluate, spec.higher_is_better, spec.holdout_batches,
+                   path=spec.path, new_tokens=DEFAULT_NEW_TOKENS if new_tokens is None else new_tokens,
+                   generate=getattr(spec, "generate", None))
+
+    def check(self, config: TuneConfig) -> None:
+        if config.target is not None:
+            raise ValueError("--target estimates a forward at the prompts' shapes, and decode runs on shapes of "
+                             "its own: tune --for generation without --target (it measures on this device)")
+        if config.compile:
+            raise ValueError("--compile times forwards only for now: tune --for generation without it")
+        if self.wrap is not None:
+            raise ValueError("tuning for generation runs in one process for now: run it without torchrun")
+
+    def objective(self, device: torch.device) -> Any:
+        if self.default_metric:  # the one line now, not an error inside the metric later
+            check_prompts(self.model, to_device(self.batches[0], device))
+        return super().objective(device)
+
+    def fingerprint(self) -> str:
+        """The inference fingerprint with what a generation is: a prefill profile is not a generation one."""
+        return hashlib.sha256(f"{super().fingerprint()}:generation:{self.new_tokens}".encode()).hexdigest()[:16]
+
+    def profile(self, table: Any, device: torch.device, config: TuneConfig, capture_seconds: float,
+                ranks: Any = None) -> Any:
+        """The prefill profile (sensitivity, and latency at the prompts' shapes), with each layer's latency made
+        that of a whole generation: plus ``new_tokens - 1`` decode steps, timed as a forward of one token per row
+        (the linears' shapes of a decode step; attention over the cache is not in it). Only for token-id prompts
+        run by ``model.generate`` (a model.py generate() may decode otherwise) and where something can pay off."""
+        profile = super().profile(table, device, config, capture_seconds)
+        profile.fingerprint = self.fingerprint()
+        if self.generate is None and not profile.nothing_pays_off and config.target is None:
+            self._add_decode(profile, device)
+        return profile
+
+    def _add_decode(self, profile: Any, device: torch.device) -> None:
+        from ..profile.latency import measure_latency
+
+        batch = to_device(self.batches[0], device)
+        ids, mask = prompt_tokens(batch)
+        step = ({**batch, "input_ids": ids[:, -1:], "attention_mask": mask[:, -1:]} if isinstance(batch, dict)
+                else ids[:, -1:])
+        timed = [p for p in profile.precisions if any(p in layer.latency_ms for layer in profile.layers)]
+        emulated = [Precision(p) for p in timed if profile.capabilities.get(p) == "emulated"]
+        fp8_layers = [layer.name for layer in profile.layers
+                      if any(Precision(p).swaps_linear and p in layer.latency_ms for p in timed)]
+        decode = measure_latency(self.model, step, [layer.name for layer in profile.layers], fp8_layers,
+                                 [Precision(p) for p in timed], device, repeats=5, emulated=emulated,
+                                 end_to_end_seconds=5.0)
+        steps = self.new_tokens - 1
+        for layer in profile.layers:
+            for p in layer.latency_ms:
+                layer.latency_ms[p] += steps * decode.latency_ms.get(layer.name, {}).get(p, 0.0)
+            for p in layer.cast_ms:
+                layer.cast_ms[p] += steps * decode.cast_ms.get(layer.name, {}).get(p, 0.0)
+        for p in profile.remainder_ms:
+            profile.remainder_ms[p] += steps * decode.remainder_ms.get(p, 0.0)
+        for k in profile.end_to_end_ms:
+            profile.end_to_end_ms[k] += steps * decode.end_to_end_ms.get(k, 0.0)
+        profile.prediction_error_pct = {}  # the prefill's check; a generation's is verification's to measure
+        profile.timed = f"generation: a prefill forward and {steps} decode steps (one-token forwards)"
+
+    def generation(self) -> Callable[[nn.Module, Any], Any]:
+        """``(model, batch) -> output``: one generation as this workload runs it."""
+        if self.generate is None:
+            n = self.new_tokens
+            return lambda model, batch: hf_generate(model, batch, n)
+        try:
+            takes_count = "new_tokens" in inspect.signature(self.generate).parameters
+        except (TypeError, ValueError):
+            takes_count = False
+        fn = functools.partial(self.generate, new_tokens=self.new_tokens) if takes_count else self.generate
+        return user_function(fn, "generate", self.path)
+
+    def time(self, runners: Mapping[str, Policy | Precision | None], device: torch.device, compiled: bool = False
+             ) -> tuple[dict[str, list[float]], str, str | None]:
+        """Whole generations in paired interleaved rounds until every entry's ratio to fp32 is decided or a cap
+        is hit; each round's prefill and decode parts are kept in :attr:`times` for the report."""
+        batch = to_device(self.timing_batch if self.timing_batch is not None else self.holdout_batches[0], device)
+        timed_on = self._timed_on(batch)
+        if not runners:
+            return {}, timed_on, None
+        splits: dict[str, list[Split]] = {}
+        runs = generation_runs(self.model, batch, runners, device, self.generation(), splits, self.clock)
+        comparison = compare(runs, reference="fp32", device=str(device), max_seconds=self.verify_seconds,
+                             clock=self.clock)
+        self.times = GenerationTimes.of(comparison.samples, splits)
+        verdict = comparison.verdict
+        if "autocast" in runners and isinstance(runners["autocast"], Precision):
+            split = self.times.different_precisions("autocast", f"blanket {runners['autocast'].value}")
+            verdict = f"{verdict}; {split}" if split else verdict
+        return comparison.samples, timed_on, verdict
+
+    def fp32_times(self, profile: Any, device: torch.device) -> tuple[list[float], str]:
+        """fp32's whole generations, where nothing else is timed (no precision can pay off here): the report
+        still gives fp32's prefill and decode times."""
+        samples, timed_on, _ = self.time({"fp32": None}, device)
+        return samples["fp32"], timed_on
+
+    def _timed_on(self, batch: Any) -> str:
+        made = f"{self.new_tokens} new tokens" if self.generate is None else "model.py's generate()"
+        return (f"greedy generation ({made}) from prompts {describe_batch(batch)}: the prefill, then decode steps "
+                "with a fresh KV cache per generation")
+
+    def tuned_key(self, verification: Any) -> str:
+        """The timed entry the chosen policy ran as."""
+        v = verification
+        if v.policy is None:
+            return "fp32"
+        return "autocast" if v.tuned_is_autocast else v.chosen.label if v.chosen is not None else "fp32"
+
+    def policy_result(self, result: dict[str, Any], verification: Any) -> dict[str, Any]:
+        out = {"for": "generation", **result, "timing_batch": verification.timed_on, "new_tokens": self.new_tokens}
+        if self.default_metric:
+            out["metric_kind"] = "prompt perplexity"
+        times = self.times
+        if times is not None and times.prefill_ms and verification.estimated_for is None:
+            keys = {"fp32": "fp32", "autocast": "autocast", "tuned": self.tuned_key(verification)}
+            out["prefill_ms"] = {k: round(statistics.median(times.prefill_ms[e]), 4)
+                                 for k, e in keys.items() if e in times.prefill_ms}
+            out["decode_ms_per_token"] = {k: round(statistics.median(times.decode_ms[e]), 4)
+                                          for k, e in keys.items() if e in times.decode_ms}
+        return out
+
+    def report_sections(self, tuned: Any) -> list[str]:
+        from ..results import markdown_table
+
+        v = tuned.verification
+        metric = ("The metric is the perplexity of the held-out prompts (teacher-forced, padded positions left "
+                  "out; lower is better)." if self.default_metric else "The metric is model.py's evaluate().")
+        lines = ["## Prefill and decode", ""]
+        times = self.times
+        if times is None or not times.prefill_ms:
+            why = ("the generations were not split into prefill and decode (the model's forward was not seen "
+                   "during generate())" if times is not None else "generation was not timed")
+            return [*lines, f"Each entry is timed as a whole generation; {why}. {metric}", ""]
+        rows = []
+        entries = [("fp32", "fp32"), ("autocast", f"blanket autocast ({v.autocast_precision})")]
+        tuned_key = self.tuned_key(v)
+        if tuned_key not in ("fp32", "autocast"):
+            entries.append((tuned_key, "autoprec policy"))
+        for key, label in entries:
+            if key not in times.prefill_ms:
+                continue
+            row = [label + (" = autoprec policy" if key == tuned_key and label != "autoprec policy" else "")]
+            for part, values in (("prefill", times.prefill_ms), ("decode", times.decode_ms)):
+                ratio = times.ratio(part, key)
+                row += [statistics.median(values[key]),
+                        "1.00x" if key == "fp32" or ratio is None else f"{1 / ratio.estimate:.2f}x"]
+            rows.append(row)
+        lines += [f"Each timed generation split at the end of its first forward ({times.forwards} forwards: the "
+                  f"prefill and {times.forwards - 1} decode steps); medians over the interleaved rounds, speed-ups "
+                  "against fp32 from the paired rounds.", "",
+                  markdown_table(["", "prefill ms", "prefill speed-up", "ms per decode token", "decode speed-up"],
+                                 rows), ""]
+        notes = [times.different_precisions(key, label) for key, label in entries if key != "fp32"]
+        lines += [f"{n[0].upper()}{n[1:]}." for n in dict.fromkeys(n for n in notes if n)]
+        return [*lines, metric, ""]
