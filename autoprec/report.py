@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 import numpy
 
 from .profile import Profile
-from .results import decision, markdown_table, results_table, text_table
+from .results import decision, results_table
+from .writing import markdown_table, plot_library, save_figure, text_table, write_text_atomic
 
 if TYPE_CHECKING:
     from .results import TuneResult
@@ -70,18 +71,6 @@ def dropped_by_reason(dropped: dict[str, list[str]]) -> dict[str, list[str]]:
         for reason in reasons:
             groups.setdefault(re.sub(r"\s*\(.*\)$", "", reason), []).append(unit)
     return groups
-
-
-def plot_library():
-    """matplotlib.pyplot drawing to files (Agg), or None where matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
 
 
 def sensitivity_heatmap(profile: Profile, path: str | Path, chosen: dict[str, str] | None = None) -> Path | None:
@@ -307,18 +296,3 @@ def write_outputs(result: TuneResult, workload: Any = None) -> dict[str, Path]:
     return written
 
 
-def write_text_atomic(path: Path, text: str) -> Path:
-    """Write ``text`` so that ``path`` holds either its old content or all of the new, never half."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-    return path
-
-
-def save_figure(fig: Any, path: str | Path, **kwargs: Any) -> Path:
-    """Save a matplotlib figure as PNG atomically (as :func:`write_text_atomic` writes text)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png", **kwargs)
-    tmp.replace(path)
-    return path
