@@ -397,7 +397,8 @@ def _why_not_blanket(space: SearchSpace, layers: Sequence[tuple[str, str]], auto
     return f"the search space {space.name!r} keeps some layers out of {autocast.value} (kinds or groups without it)"
 
 
-def _round(x: float | None, digits: int = 4) -> float | None:
-    """A figure for policy.json, which is standard JSON: null for inf or NaN (the metric kind says what it is)."""
+def _round(x: float | None, digits: int = 6) -> float | None:
+    """A figure for policy.json, which is standard JSON: null for inf or NaN (the metric kind says what it is).
+    Kept to significant digits, not decimals: a training loss of 2.09e-05 stays that, not 0.0."""
     x = finite_or_none(x)
-    return None if x is None else round(x, digits)
+    return None if x is None else float(f"{x:.{digits}g}")
