@@ -199,9 +199,12 @@ def _chosen_trial(result: TuneResult) -> Any:
 def _search_section(s: SearchResult) -> list[str]:
     from .search import without_password
 
-    lines = ["## Search", "",
-             f"{len(s.trials)} trials in study `{s.study_name}` ({s.evaluations} evaluations this run); "
-             f"stopped: {s.stopped_because}. Study storage: `{without_password(s.storage)}`.", ""]
+    if not s.study_name:  # the fp32 answer: no study was opened (autoprec dashboard reads this line)
+        lines = ["## Search", "", f"The run ended before searching: {s.stopped_because}. No study was written.", ""]
+    else:
+        lines = ["## Search", "",
+                 f"{len(s.trials)} trials in study `{s.study_name}` ({s.evaluations} evaluations this run); "
+                 f"stopped: {s.stopped_because}. Study storage: `{without_password(s.storage)}`.", ""]
     if s.pinned:
         lines += [f"Kept fp32 by the search space: {', '.join(f'`{n}`' for n in s.pinned)}.", ""]
     groups = dropped_by_reason(s.dropped)
