@@ -119,3 +119,43 @@ def test_profile_profiles_every_precision_asked_for(tmp_path):
     profile = json.loads((tmp_path / "p" / "profile.json").read_text())
     assert not profile["not_profiled"] and not profile["nothing_pays_off"]
     assert all(layer["sensitivity"]["fp16"]["sqnr_db"] > 30 for layer in profile["layers"])
+
+
+def test_one_study_given_to_two_models_at_once_is_always_refused(tmp_path, monkeypatch):
+    """Two tunes of different models on one --storage/--study-name, starting together: both used to read "no
+    owner yet" and both claim it, mixing their trials with exit 0. Who creates the study owns it; the other is
+    refused. (Both reads are made to happen together, as when two machines start at once.)"""
+    import threading
+
+    import optuna
+
+    from autoprec.search import StudyMismatchError, _Study
+
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    first, second = _Study(url, "shared", 0, False), _Study(url, "shared", 0, False)
+    read = optuna.study.Study.user_attrs.fget
+    together = threading.Barrier(2, timeout=1)
+
+    def user_attrs(study):
+        try:
+            together.wait()
+        except threading.BrokenBarrierError:
+            pass
+        return read(study)
+
+    monkeypatch.setattr(optuna.study.Study, "user_attrs", property(user_attrs))
+    refused = []
+
+    def claim(state, model):
+        try:
+            state.claim({"model": model, "budget": "b", "search_space": "s", "precisions": "bf16"})
+        except StudyMismatchError as e:
+            refused.append((model, str(e)))
+
+    threads = [threading.Thread(target=claim, args=(state, model)) for state, model in ((first, "A"), (second, "B"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [model for model, _ in refused] == ["B"], refused
+    assert "belongs to another tune" in refused[0][1]
