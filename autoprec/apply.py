@@ -80,8 +80,8 @@ from .rulecheck import (
 )
 from .weights import CastWeights, casts_weights, hand_back_parameters
 
-__all__ = ["applied_policy", "apply_policy", "effective_precisions", "remove_policy", "structure_fingerprint",
-           "takes_precision"]
+__all__ = ["applied_mode", "applied_policy", "apply_policy", "effective_precisions", "remove_policy",
+           "structure_fingerprint", "takes_precision"]
 
 _MODES = ("inference", "training")
 _STATE_ATTR = "_autoprec_state"
@@ -247,6 +247,12 @@ def applied_policy(model: nn.Module) -> Policy | None:
     """The policy installed in ``model`` (or in the model DDP or torch.compile wraps), or None."""
     state = getattr(unwrap(model), _STATE_ATTR, None)
     return state.policy if state is not None else None
+
+
+def applied_mode(model: nn.Module) -> str | None:
+    """The mode ("inference" or "training") the policy in ``model`` was applied for, or None."""
+    state = getattr(unwrap(model), _STATE_ATTR, None)
+    return state.mode if state is not None else None
 
 
 def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inference",

@@ -120,7 +120,11 @@ def check_device(device: str | torch.device, available: bool = True,
     try:
         dev = torch.device(device)
     except RuntimeError:
-        hint = "'cuda'" if str(device).lower().startswith("gpu") else "'cpu' or 'cuda'"
+        # what this machine has: 'cuda' only where it would pass the check below
+        if not torch.cuda.is_available():
+            hint = "'cpu' (this machine has no CUDA device)"
+        else:
+            hint = "'cuda'" if str(device).lower().startswith("gpu") else "'cpu' or 'cuda'"
         raise ValueError(f"bad {said}: {str(device)!r} is not a device; give {hint}") from None
     if dev.type not in ("cpu", "cuda"):
         why = " (meta tensors hold no data)" if dev.type == "meta" else ""

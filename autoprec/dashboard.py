@@ -30,6 +30,10 @@ def study_storage(run_dir: str | Path) -> str:
     if not path.exists():
         raise DashboardError(f"{path}: no such folder; pass the folder `autoprec tune` wrote (it holds study.db)")
     db = path / "study.db" if path.is_dir() else path
+    ended = _ended_before_searching(db.parent)
+    if ended is not None:  # a study.db may be there, opened before the profile decided: it stays empty
+        raise DashboardError(f"{db.parent}: this run ended before searching ({ended}), so it has no study to show; "
+                             "its policy is fp32 and report.md says why")
     if not db.is_file():
         elsewhere = _storage_named_in_report(path)
         if elsewhere is not None:
@@ -53,6 +57,14 @@ def _storage_with_a_study(url: str, shown: str | None = None) -> str:
         raise DashboardError(f"{shown or without_password(url)}: holds no study yet; it fills as `autoprec tune` "
                              "searches")
     return url
+
+
+def _ended_before_searching(path: Path) -> str | None:
+    """Why the tune in ``path`` ended before its search (report.md says), or None."""
+    report = path / "report.md"
+    text = report.read_text(errors="replace") if report.is_file() else ""
+    found = re.search(r"The run ended before searching: (.*?)\. No study was written\.", text)
+    return found[1] if found else None
 
 
 def _storage_named_in_report(path: Path) -> str | None:

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 import numpy
 
 from .profile import Profile
-from .results import decision, markdown_table, results_table, text_table
+from .results import decision, results_table
+from .writing import markdown_table, plot_library, save_figure, text_table, write_text_atomic
 
 if TYPE_CHECKING:
     from .results import TuneResult
@@ -70,18 +71,6 @@ def dropped_by_reason(dropped: dict[str, list[str]]) -> dict[str, list[str]]:
         for reason in reasons:
             groups.setdefault(re.sub(r"\s*\(.*\)$", "", reason), []).append(unit)
     return groups
-
-
-def plot_library():
-    """matplotlib.pyplot drawing to files (Agg), or None where matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
 
 
 def sensitivity_heatmap(profile: Profile, path: str | Path, chosen: dict[str, str] | None = None) -> Path | None:
@@ -210,9 +199,12 @@ def _chosen_trial(result: TuneResult) -> Any:
 def _search_section(s: SearchResult) -> list[str]:
     from .search import without_password
 
-    lines = ["## Search", "",
-             f"{len(s.trials)} trials in study `{s.study_name}` ({s.evaluations} evaluations this run); "
-             f"stopped: {s.stopped_because}. Study storage: `{without_password(s.storage)}`.", ""]
+    if not s.study_name:  # the fp32 answer: no study was opened (autoprec dashboard reads this line)
+        lines = ["## Search", "", f"The run ended before searching: {s.stopped_because}. No study was written.", ""]
+    else:
+        lines = ["## Search", "",
+                 f"{len(s.trials)} trials in study `{s.study_name}` ({s.evaluations} evaluations this run); "
+                 f"stopped: {s.stopped_because}. Study storage: `{without_password(s.storage)}`.", ""]
     if s.pinned:
         lines += [f"Kept fp32 by the search space: {', '.join(f'`{n}`' for n in s.pinned)}.", ""]
     groups = dropped_by_reason(s.dropped)
@@ -307,18 +299,3 @@ def write_outputs(result: TuneResult, workload: Any = None) -> dict[str, Path]:
     return written
 
 
-def write_text_atomic(path: Path, text: str) -> Path:
-    """Write ``text`` so that ``path`` holds either its old content or all of the new, never half."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-    return path
-
-
-def save_figure(fig: Any, path: str | Path, **kwargs: Any) -> Path:
-    """Save a matplotlib figure as PNG atomically (as :func:`write_text_atomic` writes text)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png", **kwargs)
-    tmp.replace(path)
-    return path

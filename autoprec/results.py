@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .writing import cell, markdown_table, text_table
+
 if TYPE_CHECKING:
     from .budget import Budget, Margin
     from .policy import Policy
@@ -38,37 +40,9 @@ class TuneResult:
         return self.search.front
 
 
-def _fmt(x: Any, spec: str = ".3g") -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, str):
-        return x
-    if isinstance(x, float) and math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if isinstance(x, float) and math.isnan(x):
-        return "nan"
-    return format(x, spec)
-
-
 def _ms(x: float) -> str:
     """A latency as people write it: 1151, 97.1, 0.482 (never 1.15e+03)."""
     return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
-
-
-def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def text_table(header: list[str], rows: list[list[Any]], indent: str = "") -> str:
-    """Columns padded for a terminal: the first left-aligned, the rest right-aligned."""
-    cells = [header] + [[_fmt(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = [indent + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in cells]
-    lines.insert(1, indent + "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 # ---- results of a verification (tune) or a bench ------------------------------------------------------------
@@ -167,7 +141,7 @@ def _unit(v: Verification) -> str:
 def decision(v: Verification, budget: Any) -> str:
     """What was chosen, how fast against fp32 and blanket autocast, how accurate, and why: one paragraph."""
     autocast = f"blanket autocast ({v.autocast_precision})"
-    metric = f"held-out metric {_fmt(v.metric['tuned'], '.4g')}"
+    metric = f"held-out metric {cell(v.metric['tuned'], '.4g')}"
     if v.policy is None and v.no_gain:
         return f"**The policy stays fp32.** {v.no_gain[0].upper()}{v.no_gain[1:]} (budget: {budget})."
     if v.policy is None:

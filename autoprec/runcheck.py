@@ -26,7 +26,7 @@ from .apply import applied_policy, apply_policy, effective_precisions, remove_po
 from .formats import FP8Linear
 from .mx import BlockScaledLinear
 from .policy import Policy, PolicyError
-from .tracing import COMPUTE_OPS, _module_stack
+from .tracing import COMPUTE_OPS, modules_running
 from .userspec import batch_args, one_line
 
 __all__ = ["check_policy_runs", "policy_runs_note"]
@@ -83,7 +83,7 @@ def check_policy_runs(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, 
     storages = {p.untyped_storage().data_ptr(): name for name, module in ruled.items()
                 for p in module.parameters(recurse=False)}
     called: set[str] = set()
-    with _module_stack(model, lambda name, *_: called.add(name)) as module_stack:
+    with modules_running(model, lambda name, *_: called.add(name)) as module_stack:
         watch = _Watch(module_stack, storages)
         with torch.no_grad(), watch:
             model(*args, **kwargs)

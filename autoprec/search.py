@@ -165,6 +165,10 @@ def pareto_front(trials: Sequence[Candidate]) -> list[Candidate]:
     return front
 
 
+# How long a run that found a study another just created waits for the creator to mark it as its own.
+OWNER_WAIT_SECONDS = 10.0
+
+
 class _Study:
     """The Optuna side: storage, resume, seeds, trials as Candidates."""
 
@@ -183,8 +187,15 @@ class _Study:
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=8,
                                                  **extra)
-            self.study = optuna.create_study(storage=open_storage(storage), study_name=study_name,
-                                             direction="minimize", sampler=sampler, load_if_exists=True)
+            # Who creates the study owns it: creating is atomic in every Optuna storage, so of two tunes that
+            # start on one name at once exactly one creates it, and the other compares owners (claim).
+            try:
+                self.study = optuna.create_study(storage=open_storage(storage), study_name=study_name,
+                                                 direction="minimize", sampler=sampler)
+                self.created = True
+            except optuna.exceptions.DuplicatedStudyError:
+                self.study = optuna.load_study(storage=open_storage(storage), study_name=study_name, sampler=sampler)
+                self.created = False
         if fail_stale:  # a single-worker run killed mid-trial: that trial is lost, nothing else
             for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
                 self.study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
@@ -194,8 +205,15 @@ class _Study:
 
         Several workers share a study by giving the same name; a study of another model (or budget, or
         search space) would hand this run its trials as if they were measured here."""
+        if self.created:  # this run made the study: it is its own, marked before any trial runs
+            self.study.set_user_attr("autoprec", owner)
+            return
         found = self.study.user_attrs.get("autoprec")
-        if found is None:
+        deadline = time.monotonic() + OWNER_WAIT_SECONDS
+        while found is None and time.monotonic() < deadline:  # its creator marks it in a moment
+            time.sleep(0.1)
+            found = self.study.user_attrs.get("autoprec")
+        if found is None:  # unmarked: a study of an older autoprec (resumed as it is), or one whose creator died
             if not self.study.get_trials(deepcopy=False):
                 self.study.set_user_attr("autoprec", owner)
             return

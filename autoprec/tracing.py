@@ -28,7 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .userspec import batch_args, describe_batch, one_line
 
 __all__ = ["ATTENTION_OPS", "COMPUTE_OPS", "CONV_OPS", "MATMUL_OPS", "SOFTMAX_OPS", "Op", "Reached", "Trace",
-           "export_trace", "hooks_trace", "reach", "symbolic_trace"]
+           "export_trace", "hooks_trace", "modules_running", "reach", "symbolic_trace"]
 
 MATMUL_OPS = frozenset({"linear", "addmm", "_addmm_activation", "mm", "bmm", "matmul", "baddbmm", "addbmm",
                          "mv", "addmv", "dot", "einsum"})
@@ -258,8 +258,8 @@ class _OpRecorder(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _module_stack(model: nn.Module, on_leave: Callable[[str, tuple, dict, Any], None] | None = None
-                  ) -> Iterator[list[str]]:
+def modules_running(model: nn.Module, on_leave: Callable[[str, tuple, dict, Any], None] | None = None
+                    ) -> Iterator[list[str]]:
     """The paths of the modules running right now, innermost last, kept by forward hooks."""
     module_stack: list[str] = []
 
@@ -290,7 +290,7 @@ def hooks_trace(model: nn.Module, args: tuple, kwargs: dict) -> Trace:
     def leave(name: str, args: tuple, kwargs: dict, output: Any) -> None:
         io.setdefault(name, (_metas((args, kwargs)), _metas(output)))
 
-    with _module_stack(model, leave) as module_stack:
+    with modules_running(model, leave) as module_stack:
         recorder = _OpRecorder(module_stack)
         with torch.no_grad(), recorder:
             model(*args, **kwargs)
@@ -348,7 +348,7 @@ def _autocast_nesting() -> int:
 def reach(model: nn.Module, batch: Any, index: int) -> Reached:
     called: set[str] = set()
     storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    with _module_stack(model, lambda name, *_: called.add(name)) as module_stack:
+    with modules_running(model, lambda name, *_: called.add(name)) as module_stack:
         recorder = _ReachRecorder(module_stack, storages)
         args, kwargs = batch_args(batch)
         try:

@@ -231,9 +231,13 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
 
             space = space or SearchSpace.load(choose_preset([layer.kind for layer in profile.layers]))
             if profile.nothing_pays_off and config.target is None:  # the answer is fp32: say why, skip the rest
-                log(profile.nothing_pays_off)
+                why = profile.nothing_pays_off
+                if config.compile:  # asked for compiled timings and got none: say so, and how to get them
+                    why += (". Decided on eager timings, so --compile timed nothing: compiled, fused casts could "
+                            "change the answer; tune with --profile-all to profile and search every precision anyway")
+                log(why)
                 phase = "outputs"
-                result, verification = _fp32_answer(profile, space, config, objective, workload, device)
+                result, verification = _fp32_answer(profile, space, config, objective, workload, device, why)
                 seconds.update(search=0.0, verify=0.0)
                 return _outputs(verification, profile, the_budget, model, workload, result, out_dir, seconds,
                                 result_budget=the_budget, margin=None)
@@ -313,12 +317,12 @@ def _outputs(verification: Verification, profile: Profile, budget: Budget, model
 
 
 def _fp32_answer(profile: Profile, space: SearchSpace, config: TuneConfig, objective: Any, workload: Workload,
-                 device: torch.device) -> tuple[SearchResult, Verification]:
+                 device: torch.device, why: str) -> tuple[SearchResult, Verification]:
     """The outcome where the profile found nothing faster than fp32 here (``profile.nothing_pays_off``): no
     search, no verification (fp32 against itself), and fp32's times from the profile's paired rounds."""
     units, pinned, dropped = plan_units(profile, space, [Precision.parse(p).value for p in config.precisions])
     result = SearchResult(units, pinned, dropped, trials=[], front=[], best=None, study_name="", storage="",
-                          seconds=0.0, evaluations=0, stopped_because=profile.nothing_pays_off)
+                          seconds=0.0, evaluations=0, stopped_because=why)
     fp32, timed_on = workload.fp32_times(profile, device)
     autocast = autocast_baseline(device_capabilities(device), profile.end_to_end_ms)
     verification = Verification(
@@ -326,9 +330,23 @@ def _fp32_answer(profile: Profile, space: SearchSpace, config: TuneConfig, objec
         metric={"fp32": objective.metric_fp32, "tuned": objective.metric_fp32},
         sqnr_db={"fp32": math.inf, "tuned": math.inf}, within_budget={"tuned": True},
         autocast_precision=autocast.value, predicted_ms=None, timed_on=timed_on, fidelity=objective.uses_fidelity,
-        notes=[], metric_kind="output SQNR dB" if objective.uses_fidelity else "metric",
-        no_gain=profile.nothing_pays_off)
+        notes=[_captured_note(profile, workload.model)], metric_kind="output SQNR dB" if objective.uses_fidelity
+        else "metric",
+        no_gain=why)
     return result, verification
+
+
+def _captured_note(profile: Profile, model: nn.Module) -> str:
+    """What capture found and what it left out (modules with weights of their own that are no tunable layer and
+    inside none, e.g. an LSTM beside linears): a tune that ends before searching still says it."""
+    layers = [layer.name for layer in profile.layers]
+    covered = set(layers) | set(profile.not_exercised)
+    left = [f"`{name}` ({type(module).__name__})" for name, module in model.named_modules()
+            if list(module.parameters(recurse=False)) and name not in covered
+            and not any(name.startswith(layer + ".") for layer in layers if layer)]
+    shown = ", ".join(f"`{n}`" for n in layers[:8]) + (f" and {len(layers) - 8} more" if len(layers) > 8 else "")
+    note = f"Captured {len(layers)} tunable layer(s): {shown or 'none'}"
+    return note + (f"; left out (not tunable, they run fp32): {', '.join(left)}." if left else ".")
 
 
 def _tuned_policy(v: Verification, profile: Profile, budget: Budget, model: nn.Module, workload: Workload) -> Policy:
@@ -404,7 +422,8 @@ def _why_not_blanket(space: SearchSpace, layers: Sequence[tuple[str, str]], auto
     return f"the search space {space.name!r} keeps some layers out of {autocast.value} (kinds or groups without it)"
 
 
-def _round(x: float | None, digits: int = 4) -> float | None:
-    """A figure for policy.json, which is standard JSON: null for inf or NaN (the metric kind says what it is)."""
+def _round(x: float | None, digits: int = 6) -> float | None:
+    """A figure for policy.json, which is standard JSON: null for inf or NaN (the metric kind says what it is).
+    Kept to significant digits, not decimals: a training loss of 2.09e-05 stays that, not 0.0."""
     x = finite_or_none(x)
-    return None if x is None else round(x, digits)
+    return None if x is None else float(f"{x:.{digits}g}")

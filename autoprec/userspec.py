@@ -37,6 +37,7 @@ from .batches import (
     signature_mismatch,
     to_device,
 )
+from .errors import UserError
 
 __all__ = ["HOLDOUT_FRACTION", "ModelDataError", "UserCodeError", "UserSpec", "as_metric", "batch_args", "call_model",
            "call_user", "check_fp32_model", "describe_batch", "find_function", "import_model_py", "kind_of", "line_in",
@@ -45,7 +46,7 @@ __all__ = ["HOLDOUT_FRACTION", "ModelDataError", "UserCodeError", "UserSpec", "a
 HOLDOUT_FRACTION = 0.25  # the last quarter of the batches verifies the winner; the search never sees them
 
 
-class UserCodeError(Exception):
+class UserCodeError(UserError):
     """A problem in the user's model.py, said in one line: the file, the function, the fix."""
 
     def __init__(self, path: str | Path, function: str, problem: str, fix: str):

@@ -90,7 +90,7 @@ CASES = [
     Case("sensitivity-batches-zero", lambda: autoprec.TuneConfig(sensitivity_batches=0), ValueError,
          ["sensitivity_batches", ">= 1"]),
     Case("device-gpu", lambda: autoprec.TuneConfig(device="gpu"), ValueError,
-         ["bad device='gpu'", "give 'cuda'"]),
+         ["bad device='gpu'", "give 'cuda'" if torch.cuda.is_available() else "give 'cpu' (this machine has no CUDA"]),
     Case("device-meta", lambda: autoprec.TuneConfig(device="meta"), ValueError,
          ["device='meta'", "no data", "device='cpu'"]),
     Case("config-a-dict", lambda: autoprec.tune(_workload(), {"trials": 3}), TypeError,

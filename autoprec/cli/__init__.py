@@ -11,8 +11,8 @@
 A subcommand is an entry in :data:`COMMANDS` (its functions live in :mod:`.tuning` for the
 commands that run a model, :mod:`.tools` for the others): its name, one line of help, a function that adds its
 arguments and a function that runs it and returns the exit status. Usage errors print that
-subcommand's help and exit 2; a user error while running (a bad file, a missing layer) prints one
-line ``autoprec <command>: error: <message>`` and exits 1, never a traceback.
+subcommand's help and exit 2; a user error while running (a bad file, a missing layer: the types
+:mod:`autoprec.errors` names) prints one line ``autoprec <command>: error: <message>`` and exits 1, never a traceback.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..userspec import UserCodeError
+from ..errors import USER_ERRORS
 from .options import CommandError
 from .quiet import quiet_third_party
 from .tools import (
@@ -42,12 +42,6 @@ from .tuning import bench, bench_arguments, profile, profile_arguments, tune, tu
 __all__ = ["COMMANDS", "CommandError", "main"]
 
 PROG = "autoprec"
-
-# Errors that are the user's to fix: reported as one line. ValueError covers the library's own user errors
-# (PolicyError, SearchSpaceError, BudgetError, OutDirError, StorageError, ...). AUTOPREC_DEBUG=1 shows the
-# traceback of any of them; anything else is a bug and keeps its traceback.
-_USER_ERRORS = (CommandError, UserCodeError, ValueError)
-
 
 @dataclass(frozen=True)
 class Command:
@@ -124,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.showwarning = lambda message, *_, **__: print(f"{prog}: warning: {message}", file=sys.stderr)
         try:
             return args.run(args)
-        except _USER_ERRORS as e:
+        except USER_ERRORS as e:  # the user's to fix (autoprec.errors): one line
             if os.environ.get("AUTOPREC_DEBUG"):
                 raise
             print(f"{prog}: error: {_one_line(str(e))}", file=sys.stderr)

@@ -7,13 +7,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..errors import UserError
 from ..formats import Precision
 
 __all__ = ["CommandError", "budget_arguments", "check_device", "default_out", "load_spec", "model_arguments",
            "number", "port", "positive_int", "positive_number", "precisions"]
 
 
-class CommandError(Exception):
+class CommandError(UserError):
     """A user error a subcommand reports as one line (exit status 1)."""
 
 

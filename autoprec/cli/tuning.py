@@ -197,7 +197,7 @@ def profile(args: argparse.Namespace) -> int:
     check_device(args.device)
     try:
         config = TuneConfig(device=args.device, precisions=tuple(args.precisions), out=out,
-                            sensitivity_batches=args.sensitivity_batches)
+                            sensitivity_batches=args.sensitivity_batches, profile_all=True)  # every precision asked
     except ValueError as e:
         raise CommandError(str(e)) from None
     workload = InferenceWorkload.from_spec(load_spec(args))

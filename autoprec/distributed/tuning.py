@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from torch import nn
 
+from ..errors import is_users
 from .ranks import RankFailed, Ranks, from_torchrun
 
 __all__ = ["by_layer_names", "device_of_rank", "job_wrap", "on_every_rank"]
@@ -82,7 +83,6 @@ def on_every_rank(run: Callable[[Ranks, Callable[[str], None]], int], device: st
     except KeyboardInterrupt:
         raise
     except BaseException as error:  # noqa: BLE001 - every error of a rank is the job's, said in one line
-        from ..cli import _USER_ERRORS
         from ..userspec import one_line
 
         # stopped by torchrun: whatever the interrupted code raised on the way out, being stopped is what happened
@@ -90,7 +90,7 @@ def on_every_rank(run: Callable[[Ranks, Callable[[str], None]], int], device: st
         if os.environ.get("AUTOPREC_DEBUG"):  # as for one process: the traceback, for a bug report
             traceback.print_exc()
         # said as one process says it: a user's error by its message, anything else with its type
-        said = " ".join(str(error).split()) if isinstance(error, _USER_ERRORS) else one_line(error)
+        said = " ".join(str(error).split()) if is_users(error) else one_line(error)
         line = ranks.fail(error if isinstance(error, RankFailed) else said)
         if _says_it(ranks, line):
             print(f"autoprec tune: error: {line}", file=sys.stderr)

@@ -17,7 +17,7 @@ import warnings
 
 from torch import nn
 
-from ..apply import _STATE_ATTR, applied_policy, apply_policy, remove_policy, structure_fingerprint
+from ..apply import applied_mode, applied_policy, apply_policy, remove_policy, structure_fingerprint
 from ..policy import Policy, PolicyError
 from ..rulecheck import half_precision_parameters
 
@@ -43,7 +43,7 @@ def install_for_training(model: nn.Module, policy: Policy, module: str | None = 
     if applied is not None and applied != policy:
         raise PolicyError(f"{owner}: {where} already runs another policy (applied by an earlier Trainer, plugin "
                           f"or apply_policy); pass that same policy, or call autoprec.remove_policy on it first")
-    if applied is not None and getattr(getattr(target, _STATE_ATTR, None), "mode", "training") != "training":
+    if applied is not None and applied_mode(target) != "training":
         remove_policy(target)  # an inference install may cache quantized weights that training would leave stale
         applied = None
     if applied is None:

@@ -41,9 +41,9 @@ from ..objective import Measurement, Objective
 from ..policy import Policy
 from ..profile import Profile, fingerprint
 from ..profile.training import profile_training
-from ..report import markdown_table, plot_library, save_figure
 from ..training import TrainStep
 from ..trainspec import default_optimizer, run_loss
+from ..writing import markdown_table, plot_library, save_figure
 from .base import HeldOut, Workload, check_settings
 from .inference import VERIFY_SECONDS
 
