@@ -151,7 +151,7 @@ def _holds_low(values: Any) -> bool:
     return False
 
 
-class _Fp32Compute(TorchFunctionMode):
+class Fp32Compute(TorchFunctionMode):
     """While a policy runs: in fp32 regions, upcast the low-precision operands of fp32 compute."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -167,7 +167,7 @@ class _Region:
 
     It is the module's instance ``forward``: an object that holds the module rather than a
     closure over it, so ``copy.deepcopy`` and pickling carry it over to the copy. The model's
-    own region (``is_root``) also turns on :class:`_Fp32Compute` and, in training, hands fp32 back to the caller.
+    own region (``is_root``) also turns on :class:`Fp32Compute` and, in training, hands fp32 back to the caller.
     """
 
     def __init__(self, module: nn.Module, precision: Precision, is_root: bool, fp32_compute: bool = False,
@@ -200,7 +200,7 @@ class _Region:
             if not self.is_root:
                 with region:
                     return forward(*args, **kwargs)
-            with _Fp32Compute() if self.fp32_compute else contextlib.nullcontext(), region:
+            with Fp32Compute() if self.fp32_compute else contextlib.nullcontext(), region:
                 out = forward(*args, **kwargs)
             return _cast_floats(out, torch.float32, _LOW) if self.fp32_outputs else out
         finally:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .apply import _Fp32Compute
+from .apply import Fp32Compute
 from .formats import sqnr_db
 from .userspec import one_line
 
@@ -98,7 +98,7 @@ def compile_regions(model: nn.Module, backend: str | None = None, **options: Any
 class _CompiledBlock:
     """A repeated block's compiled call (its ``_compiled_call_impl``, which ``nn.Module.__call__`` runs).
 
-    A policy with fp32 regions runs under a ``TorchFunctionMode`` (:class:`autoprec.apply._Fp32Compute`)
+    A policy with fp32 regions runs under a ``TorchFunctionMode`` (:class:`autoprec.apply.Fp32Compute`)
     that its model's region enters, outside the blocks. Dynamo traces the mode into a block's graph, but
     the mode stays on the stack while the compiled code runs, and inductor's code calls torch functions
     itself (``extern_kernels.mm(a, b, out=buf)``): the mode, reading a region flag that the compiled code
@@ -114,9 +114,9 @@ class _CompiledBlock:
         if torch.compiler.is_compiling():  # an outer torch.compile traces the block as it is
             return self.block._call_impl(*args, **kwargs)
         stack = torch.overrides._get_current_function_mode_stack()
-        if not any(isinstance(mode, _Fp32Compute) for mode in stack):
+        if not any(isinstance(mode, Fp32Compute) for mode in stack):
             return self.compiled(False, self.block, *args, **kwargs)
-        if not isinstance(stack[-1], _Fp32Compute):  # a mode of the caller's above it: it cannot come off alone
+        if not isinstance(stack[-1], Fp32Compute):  # a mode of the caller's above it: it cannot come off alone
             return self.block._call_impl(*args, **kwargs)
         with torch.overrides._pop_mode_temporarily():
             return self.compiled(True, self.block, *args, **kwargs)
@@ -124,7 +124,7 @@ class _CompiledBlock:
 
 def _run_block(fp32_compute: bool, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """What is compiled for each block: its call, under the fp32-compute mode where the policy's was on."""
-    with _Fp32Compute() if fp32_compute else contextlib.nullcontext():
+    with Fp32Compute() if fp32_compute else contextlib.nullcontext():
         return block._call_impl(*args, **kwargs)
 
 

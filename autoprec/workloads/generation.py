@@ -403,7 +403,7 @@ class GenerationWorkload(InferenceWorkload):
         return out
 
     def report_sections(self, tuned: Any) -> list[str]:
-        from ..results import markdown_table
+        from ..writing import markdown_table
 
         v = tuned.verification
         metric = ("The metric is the perplexity of the held-out prompts (teacher-forced, padded positions left "
