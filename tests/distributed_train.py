@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -163,3 +164,8 @@ if __name__ == "__main__":
     # it and abort the process (SIGABRT, "terminate called without an active exception"): end it while all is alive
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    # That did not remove it (the Lightning FSDP2 case aborted so once more in a full run): the results are written,
+    # so leave without the interpreter's teardown, where the threads' abort happens (flushed first).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
