@@ -224,3 +224,24 @@ def test_the_cli_refuses_what_generation_cannot_do_in_one_line(cli_models, capsy
     assert main(["tune", str(cli_models / "mlp.py"), "--for", "generation"]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("autoprec tune: error: ") and "defines no generate(model, batch)" in err
+
+
+@pytest.mark.parametrize("where", ["timing_batch", "batches"])
+def test_a_decode_step_batch_whose_cache_grows_is_one_line_not_a_silently_longer_cache(where):
+    """The cache-growth bug through the Python API: a decode step (one token on a DynamicCache of 16) as the
+    timing batch, or as a search batch, grew by a token at every forward the tune ran."""
+    from autoprec.measure import BatchError
+    from autoprec.workloads.inference import InferenceWorkload
+
+    model, batch = tiny_llama(), prompts(1)[0]
+    with torch.no_grad():
+        cache = model(**batch, use_cache=True).past_key_values
+    step = {"input_ids": batch["input_ids"][:, -1:], "past_key_values": cache}
+    plain = prompts(3)
+    if where == "timing_batch":
+        workload = InferenceWorkload(model, plain[:2], holdout_batches=plain[2:], timing_batch=step)
+    else:
+        workload = InferenceWorkload(model, [step, plain[0]], holdout_batches=plain[2:])
+    with pytest.raises(BatchError, match=r"DynamicCache of 16 tokens: 17 after one forward.*tune --for generation"):
+        workload.objective(torch.device("cpu"))
+    assert cache.get_seq_length() == (16 if where == "timing_batch" else 17)  # the timing batch is checked on a copy
