@@ -53,8 +53,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from . import torchao_linear
+from .distributed.agree import check_policy_agrees, model_groups
 from .distributed.models import (
+    FSDP_CASTS_FIX,
     Morphed,
+    fsdp_casts,
     fsdp_managed,
     morph,
     own_class,
@@ -301,6 +304,10 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     check_rules_reach(model, policy, precisions)
     check_linear_formats(model, policy, precisions)
     check_shared(_aliases(model), precisions)  # before anything changes: a refused policy leaves no trace
+    casts = fsdp_casts(model)
+    if casts is not None:
+        raise PolicyError(f"apply_policy: {casts}; {FSDP_CASTS_FIX}")
+    check_policy_agrees(policy, model_groups(model, wrapper), "apply_policy")
 
     state = _Installed(policy=policy, mode=mode, fsdp_float8_all_gather=fsdp_float8_all_gather)
     buffers = {name for name, _ in model.named_buffers()}
