@@ -209,8 +209,7 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
     check_fp32_model(workload.model)  # a .half() or meta model: one line now, not wrong labels later
     workload.check(config)
     # every rank profiles the same weights and batches, or the job ends here naming the rank that differs
-    check_same_work(workload.model, [*workload.batches, *(getattr(workload, "holdout_batches", None) or [])], ranks,
-                    train_batches=getattr(workload, "train_batches", None))
+    check_same_work(workload, ranks)
     the_budget = workload.budget(config, getattr(workload, "evaluate", None) is not None)
     space = SearchSpace.load(config.search_space) if config.search_space != "auto" else None
     device = check_device(config.device)  # the config may have been written on another machine

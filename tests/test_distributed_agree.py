@@ -176,3 +176,33 @@ def test_fsdp_own_mixed_precision_in_wrap_ends_the_job_in_one_line(tmp_path):
         "every layer it shards, over the policy's per-layer precisions (an fp32 rule would compute on "
         "bfloat16-rounded weights); fix: drop mp_policy from fully_shard (the policy's bf16 and fp16 layers cast in "
         "their own regions)"), done.stderr[-3000:]
+
+
+def test_the_line_names_the_first_batch_that_differs_or_how_many_each_rank_has():
+    """In one process, with the other rank's digests handed in: which training batch, or how many, differ."""
+    from test_distributed_tune import _OneOfTwo
+
+    from autoprec.distributed import RankFailed
+    from autoprec.distributed.tuning import check_same_work
+    from autoprec.workloads.training import TrainingWorkload
+
+    def workload(seed: int, count: int = 2) -> TrainingWorkload:
+        g = torch.Generator().manual_seed(seed)
+        train = [(torch.randn(2, 32, generator=g), torch.zeros(2, 16)) for _ in range(count)]
+        return TrainingWorkload(Net(), [torch.ones(2, 32)], lambda m, b: m(b[0]).sum(), train_batches=train)
+
+    class Sends(_OneOfTwo):  # what a rank sends, kept; the other rank holds the same
+        def gather(self, result):
+            self.sent = result
+            return [result, result]
+
+    def sent(w: TrainingWorkload) -> tuple:
+        ranks = Sends(0)
+        check_same_work(w, ranks)
+        return ranks.sent
+
+    check_same_work(workload(0), _OneOfTwo(1, sent(workload(0))))  # the same: nothing said
+    with pytest.raises(ValueError, match=r"^its training batch 0 differs from rank 0's: every rank of a tune"):
+        check_same_work(workload(1), _OneOfTwo(1, sent(workload(0))))
+    with pytest.raises(RankFailed, match=r"^rank 1: it has 3 training batches where rank 0 has 2: "):
+        check_same_work(workload(0), _OneOfTwo(0, sent(workload(0, count=3))))

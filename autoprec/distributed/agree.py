@@ -10,6 +10,7 @@ tensor, not a pass over its data), the digests travel in one all-gather of a few
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,12 +26,11 @@ SAMPLE = 1024  # elements read from each tensor, evenly spread: a cheap digest o
 
 def _sample(t: torch.Tensor) -> bytes:
     """Up to SAMPLE evenly spaced elements of ``t`` as bytes (nothing for a tensor without data)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # none is a DTensor before it is imported
+    if dtensor is not None and isinstance(t, dtensor.DTensor):  # each rank's own shard: what this rank holds
+        t = t.to_local()
     if t.device.type == "meta" or not t.numel() or t.layout != torch.strided:
         return b""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):  # each rank's own shard: digest what this rank holds
-        t = t.to_local()
     flat = t.detach().reshape(-1)
     picked = flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE].contiguous().cpu()
     return picked.view(torch.uint8).numpy().tobytes()
@@ -88,11 +88,10 @@ def differs(value: bytes, group: Any = None) -> dict[bytes, list[int]] | None:
 
 
 def disagreement(held: dict[bytes, list[int]], what: str) -> str:
-    """``held`` (from :func:`differs`) in words: "rank 1 applies another policy than ranks 0 and 2"."""
+    """``held`` (from :func:`differs`) in words: "rank 1 holds another policy than ranks 0 and 2"."""
     first, *others = held.values()
-    theirs = "; ".join(f"{_ranks(r)} {'hold' if len(r) > 1 else 'holds'} {'another' if i == 0 else 'yet another'}"
-                       for i, r in enumerate(others))
-    return f"{theirs} {what} than {_ranks(first)}"
+    said = [f"{_ranks(others[0])} {'hold' if len(others[0]) > 1 else 'holds'} another {what} than {_ranks(first)}"]
+    return ", ".join(said + [f"{_ranks(r)} yet another" for r in others[1:]])
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -143,6 +142,8 @@ def check_policy_agrees(policy: Policy, groups: list, owner: str) -> None:
     """Every rank of each of ``groups`` (those holding one model: DDP's, FSDP2's mesh) has ``policy``'s rules,
     or a PolicyError names the ranks that differ. A collective (one all-gather of a digest per group): every
     rank of a job calls ``owner``, as a correct program does."""
+    if not groups:
+        return
     rules = digest([policy.default.value, [(n, p.value) for n, p in policy.layers.items()],
                     policy.fp8.recipe, policy.fp8.amax_history])
     for group in groups:

@@ -61,19 +61,24 @@ def job_wrap(spec: Any, for_training: bool) -> Callable[[nn.Module], nn.Module] 
     return wrapped
 
 
-def check_same_work(model: nn.Module, batches: list, ranks: Ranks, train_batches: list | None = None) -> None:
+def check_same_work(workload: Any, ranks: Ranks) -> None:
     """Every rank of a tune profiles the same model on the same batches (the ranks share the work, not the data):
-    a digest of each rank's weights and of each batch (:func:`~autoprec.distributed.agree.digest`, a strided
-    sample of every tensor), gathered once before any expensive work. The first rank that holds another model or
-    batch than the first rank ends the job in one line naming it, what differs and the fix."""
+    a digest of each rank's weights and of each of the ``workload``'s batches (its ``batches``, then any
+    ``holdout_batches``, as get_batches() gave them, and any ``train_batches`` of their own;
+    :func:`~autoprec.distributed.agree.digest`, a strided sample of every tensor), gathered once before any
+    expensive work. The first rank that holds another model or batch than the first rank ends the job in one
+    line naming it, what differs and the fix."""
     if ranks.world_size < 2:
         return
     import torch
 
+    model, batches = workload.model, [*workload.batches, *(getattr(workload, "holdout_batches", None) or [])]
+    train = getattr(workload, "train_batches", None)
     with torch.no_grad():
         weights = digest([[(name, type(m).__qualname__) for name, m in model.named_modules()],
                           dict(model.named_parameters()), dict(model.named_buffers())])
-        held = (weights, [digest(b) for b in batches], [digest(b) for b in train_batches or []])
+        held = (weights, [digest(b) for b in batches],
+                [digest(b) for b in train] if train is not None and train is not workload.batches else [])
     everyone = ranks.gather(held)
     first = everyone[0]
     rank = next((r for r, theirs in enumerate(everyone) if theirs != first), None)
