@@ -53,8 +53,10 @@ class _Watch(TorchDispatchMode):
         self.storages = {}
         for name, module in self.ruled.items():
             for p in module.parameters(recurse=False):
-                if type(p) in (nn.Parameter, torch.Tensor) and p.layout == torch.strided:
+                try:
                     self.storages[p.untyped_storage().data_ptr()] = name
+                except RuntimeError:  # a shard (DTensor) has no storage of its own
+                    continue
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
