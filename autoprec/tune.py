@@ -28,7 +28,9 @@ from .budget import Budget
 from .capture import capture
 from .compare import timed_together
 from .config import TuneConfig, check_device
+from .distributed.models import unwrap
 from .distributed.ranks import ONE_PROCESS, Ranks
+from .distributed.tuning import check_same_work
 from .fits import check_fits, free_memory
 from .formats import Precision, device_capabilities
 from .jsonsafe import finite_or_none
@@ -200,8 +202,14 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
          ) -> TuneResult:
     """The pipeline, once for every workload: checks, profile, search, verify, outputs."""
     # Cheap checks first: nothing expensive runs before every argument is known to be usable.
+    if unwrap(workload.model) is not workload.model:  # a DDP model from get_model(): the policy names its layers
+        log(f"tuning the model inside {type(workload.model).__name__} (the policy names its layers as apply_policy "
+            "sees them through the wrapper)")
+        workload.model = unwrap(workload.model)
     check_fp32_model(workload.model)  # a .half() or meta model: one line now, not wrong labels later
     workload.check(config)
+    # every rank profiles the same weights and batches, or the job ends here naming the rank that differs
+    check_same_work(workload, ranks)
     the_budget = workload.budget(config, getattr(workload, "evaluate", None) is not None)
     space = SearchSpace.load(config.search_space) if config.search_space != "auto" else None
     device = check_device(config.device)  # the config may have been written on another machine
