@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -200,3 +202,61 @@ def test_profile_and_bench_under_torchrun_say_to_run_them_in_one_process(folder,
     assert done.returncode == 1
     assert _errors(done) == [] and done.stderr.strip().splitlines()[-1].startswith(
         f"autoprec {command}: error: {command} runs in one process, and under torchrun")
+
+
+# ---- signals, concurrent jobs, unclear answers (issue 29) ------------------------------------------------
+def _start(folder: Path, *args: str, ranks: int = 2, **env: str) -> subprocess.Popen:
+    """``_run`` without waiting, in a session of its own, so a test can signal all of it as Ctrl-C does."""
+    environ = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1",
+               "AUTOPREC_DIST_TIMEOUT": "120", **env}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks \
+        else [sys.executable]
+    return subprocess.Popen([*launch, "-m", "autoprec", *args], cwd=folder, env=environ, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_for(path: Path, job: subprocess.Popen) -> None:
+    """Until ``path`` exists (the model's marker); the job ending first or a minute and a half fails the test."""
+    deadline = time.monotonic() + TIMEOUT
+    while not path.exists():
+        if job.poll() is not None:
+            pytest.fail(f"the job ended before {path.name}: {job.communicate()[1][-3000:]}")
+        if time.monotonic() > deadline:
+            os.killpg(job.pid, signal.SIGKILL)
+            pytest.fail(f"no {path.name} in {TIMEOUT} s")
+        time.sleep(0.1)
+
+
+def _finish(job: subprocess.Popen) -> str:
+    """The job's stderr once it ended (killed, with every rank, if it does not end in time)."""
+    try:
+        return job.communicate(timeout=TIMEOUT)[1]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
+
+
+@pytest.mark.parametrize("how, to_all, said", [
+    (signal.SIGINT, True, "interrupted"),  # Ctrl-C: the terminal signals torchrun and every rank
+    (signal.SIGINT, False, "interrupted"),  # SIGINT to torchrun, which passes it on to the ranks
+    (signal.SIGTERM, False, "stopped by SIGTERM")])  # a scheduler stopping the job
+def test_a_signal_during_the_search_is_one_line_saying_what_was_kept(folder, how, to_all, said):
+    # every forward is slow once a trial is saved, and the model says so in a file
+    job = _start(folder, *ARGS, "--out", "run", RUN_DIR="run", HOLD_S="0.3")
+    _wait_for(folder / "run" / "holding", job)
+    os.killpg(job.pid, how) if to_all else os.kill(job.pid, how)
+    ours = [line for line in _finish(job).splitlines() if "autoprec" in line.lower() or "during" in line
+            or "[rank" in line or "mismatch" in line]
+    assert ours == [f"{said} during search: the profile and every finished trial are saved; run the same command "
+                    "to go on (run)"], ours  # not once per rank, and no rank's traceback or gloo abort
+    assert _trials(folder / "run")  # what it said was kept is
+
+
+def test_one_process_stopped_by_sigterm_says_what_was_kept(folder):
+    job = _start(folder, *ARGS, "--out", "run", ranks=0, RUN_DIR="run", HOLD_S="0.3", RANK="0")
+    _wait_for(folder / "run" / "holding", job)
+    job.send_signal(signal.SIGTERM)
+    assert _finish(job).strip().splitlines()[-1] == ("stopped by SIGTERM during search: the profile and every "
+                                                     "finished trial are saved; run the same command to go on (run)")
+    assert job.returncode == 143

@@ -12,6 +12,10 @@ the ranks: torchrun's agent holds it), when a rank's process is gone, when torch
 after ``AUTOPREC_DIST_TIMEOUT`` seconds (default an hour: ranks wait at a gather while the slowest one
 finishes its share). Each ends in :class:`RankFailed`, one line naming the rank and its error. The job's
 own collectives (inside a DDP or FSDP step) give up after :data:`STEP_TIMEOUT_S`.
+
+Ctrl-C and SIGTERM stop a rank as they stop one process (a ``KeyboardInterrupt``; :class:`~autoprec.errors.Terminated`
+for SIGTERM), and :meth:`Ranks.interrupted` puts that in the store too: the other ranks stop the same way at their
+next wait, so the job ends as one process would, and no rank starts another collective with a rank that left.
 """
 
 from __future__ import annotations
@@ -24,11 +28,14 @@ import time
 from datetime import timedelta
 from typing import Any, Sequence, TypeVar
 
+from ..errors import Terminated
+
 __all__ = ["ONE_PROCESS", "RankFailed", "Ranks", "from_torchrun", "under_torchrun"]
 
 T = TypeVar("T")
 
 _FAILED = "autoprec/failed"  # store key: "rank R: <error>", set by the first rank that fails
+_INTERRUPTED = "autoprec/interrupted"  # store key: "SIGINT" or "SIGTERM", set by the first rank a signal stopped
 _POLL_S = 0.05
 # The job's own collectives (DDP's all-reduce, FSDP's all-gathers) happen inside one step, with every rank in
 # step: ten minutes without an answer is a hang. Gathers of results wait for the slowest rank's share instead.
@@ -81,6 +88,12 @@ class Ranks:
         """Say this rank failed (so the others stop at their next wait) and return the line that says it."""
         return str(error)
 
+    def interrupted(self, signal_name: str) -> None:
+        """Say that Ctrl-C (``"SIGINT"``) or SIGTERM stopped this rank, so the others stop as it did."""
+        self.left = True
+
+    left = False  # whether this rank stopped on a signal: it starts no collective any more
+
 
 ONE_PROCESS = Ranks()
 
@@ -119,7 +132,8 @@ class _TorchrunRanks(Ranks):
             time.sleep(_POLL_S)
         try:
             work.wait()
-        except RuntimeError as e:  # a peer's connection closed: it died before it could say why
+        except RuntimeError as e:  # a peer's connection closed: it stopped on a signal, or died before it could say why
+            self._stop_if_interrupted()
             why = self._why_stopped()
             grace = time.monotonic() + 3.0  # its last words (or its exit) may reach the store a moment later
             while why is None and time.monotonic() < grace:
@@ -132,6 +146,23 @@ class _TorchrunRanks(Ranks):
         said = self._failure()
         if said is not None:
             raise RankFailed(said)
+        self._stop_if_interrupted()
+
+    def _stop_if_interrupted(self) -> None:
+        """Stop as another rank did when a signal stopped it: Ctrl-C or SIGTERM."""
+        try:
+            by = self.store.get(_INTERRUPTED).decode() if self.store.check([_INTERRUPTED]) else None
+        except Exception:  # the store is gone: torchrun is ending the job
+            return
+        if by:
+            raise Terminated() if by == "SIGTERM" else KeyboardInterrupt()
+
+    def interrupted(self, signal_name: str) -> None:
+        self.left = True
+        try:
+            self.store.compare_set(_INTERRUPTED, "", signal_name)
+        except Exception:
+            pass
 
     def _failure(self) -> str | None:
         try:
@@ -206,7 +237,8 @@ class Stopped(RankFailed):
 
 def from_torchrun(device: str) -> Ranks:
     """Join the torchrun job this process belongs to: NCCL on GPU with a gloo group for Python objects,
-    gloo on CPU. SIGTERM (torchrun stopping the job) becomes :class:`Stopped`, so the rank can say why."""
+    gloo on CPU. SIGTERM becomes :class:`Stopped` when torchrun stops the job because another rank failed (so the
+    rank can say why), else :class:`~autoprec.errors.Terminated`: the job stops as on Ctrl-C."""
     import torch
     import torch.distributed as dist
 
@@ -219,7 +251,11 @@ def from_torchrun(device: str) -> Ranks:
     ranks = _TorchrunRanks(timeout_s)
 
     def stop(_signum: int, _frame: Any) -> None:
-        ranks.stopped = Stopped(ranks._why_stopped() or f"rank {ranks.rank}: stopped by SIGTERM")
+        ranks._stop_if_interrupted()  # torchrun ends the others when one rank left on Ctrl-C: stop as it did
+        why = ranks._why_stopped()
+        if why is None:  # nobody failed: the user or a scheduler stopped the job, as Ctrl-C would
+            raise Terminated()
+        ranks.stopped = Stopped(why)
         raise ranks.stopped
 
     signal.signal(signal.SIGTERM, stop)

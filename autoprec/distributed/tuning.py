@@ -80,6 +80,8 @@ def on_every_rank(run: Callable[[Ranks, Callable[[str], None]], int], device: st
 
     try:
         status = run(ranks, log)
+        if ranks.left:  # a signal stopped it, maybe inside a collective: another would not match the others'
+            return status
     except KeyboardInterrupt:
         raise
     except BaseException as error:  # noqa: BLE001 - every error of a rank is the job's, said in one line
