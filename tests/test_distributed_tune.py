@@ -48,13 +48,30 @@ def _trials(run: Path) -> list[tuple[int, dict]]:
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory) -> tuple[str, dict]:
-    """The policy one process chooses."""
+def single_run(tmp_path_factory) -> Path:
+    """The run folder of one process's tune."""
     folder = tmp_path_factory.mktemp("single")
     shutil.copy(MODEL, folder / "model.py")
     done = _run(folder, *ARGS, "--out", "one")
     assert done.returncode == 0, done.stderr[-2000:]
-    return _rules(folder / "one")
+    return folder / "one"
+
+
+@pytest.fixture(scope="module")
+def single(single_run) -> tuple[str, dict]:
+    """The policy one process chooses."""
+    return _rules(single_run)
+
+
+def _walk(run: Path) -> list[tuple[str, dict]]:
+    """The seed walk's finished trials, in order: each seed's kind and parameters."""
+    import optuna
+
+    storage = f"sqlite:///{run / 'study.db'}"
+    name = optuna.get_all_study_summaries(storage)[0].study_name
+    trials = optuna.load_study(study_name=name, storage=storage).get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+    return [(t.user_attrs["seed"], t.params) for t in sorted(trials, key=lambda t: t.user_attrs.get("walk", -1))
+            if t.user_attrs.get("seed")]
 
 
 @pytest.fixture
@@ -260,3 +277,33 @@ def test_one_process_stopped_by_sigterm_says_what_was_kept(folder):
     assert _finish(job).strip().splitlines()[-1] == ("stopped by SIGTERM during search: the profile and every "
                                                      "finished trial are saved; run the same command to go on (run)")
     assert job.returncode == 143
+
+
+@pytest.mark.parametrize("ranks", [0, 2])
+def test_a_seed_walk_cut_short_goes_on_where_it_stopped(folder, single_run, ranks):
+    """The first rank (the one that walks the seeds), or one process, is killed once the walk has a trial: the rerun
+    finishes the walk and chooses what an uncut tune chooses."""
+    done = _run(folder, *ARGS, "--out", "run", ranks=ranks, RUN_DIR="run", KILL_RANK="0", RANK="0")
+    assert done.returncode != 0 and not (folder / "run" / "policy.json").exists()
+    cut = _walk(folder / "run")
+    assert 0 < len(cut) < len(_walk(single_run)), done.stderr[-3000:]
+
+    again = _run(folder, *ARGS, "--out", "run", ranks=ranks)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _walk(folder / "run") == _walk(single_run)  # each seed once, in the walk's order
+    assert _rules(folder / "run") == _rules(single_run)
+
+
+def test_two_jobs_on_one_study_share_the_seed_walk_and_the_trial_budget(folder, single_run):
+    shared = ["--storage", "sqlite:///shared.db", "--study-name", "shared"]
+    jobs = [_start(folder, *ARGS, *shared, "--out", out) for out in ("a", "b")]
+    for job in jobs:
+        err = _finish(job)
+        assert job.returncode == 0, err[-3000:]
+    import optuna
+
+    study = optuna.load_study(study_name="shared", storage=f"sqlite:///{folder / 'shared.db'}")
+    done = study.get_trials(states=(optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL))
+    assert len(done) <= 8  # --trials: the study's, whichever job ran them
+    walk = sorted((t for t in done if "seed" in t.user_attrs), key=lambda t: t.user_attrs["walk"])
+    assert [(t.user_attrs["seed"], t.params) for t in walk] == _walk(single_run)  # each seed once
