@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 MODEL = Path(__file__).parent / "torchrun_models" / "model.py"
 ARGS = ["tune", "model.py", "--target", "h100", "--trials", "8"]
@@ -81,7 +83,7 @@ def folder(tmp_path) -> Path:
 
 
 def _errors(done: subprocess.CompletedProcess) -> list[str]:
-    return [line for line in done.stderr.splitlines() if line.startswith("autoprec tune: error:")]
+    return re.findall(r"autoprec tune: error: [^\r\n]*", done.stderr)  # also after a progress bar's last \r
 
 
 def test_two_ranks_choose_the_single_process_policy_and_one_writes(folder, single):
@@ -307,3 +309,28 @@ def test_two_jobs_on_one_study_share_the_seed_walk_and_the_trial_budget(folder, 
     assert len(done) <= 8  # --trials: the study's, whichever job ran them
     walk = sorted((t for t in done if "seed" in t.user_attrs), key=lambda t: t.user_attrs["walk"])
     assert [(t.user_attrs["seed"], t.params) for t in walk] == _walk(single_run)  # each seed once
+
+
+def test_a_bad_wait_limit_is_one_line_naming_the_variable(folder):
+    done = _run(folder, *ARGS, ranks=2, AUTOPREC_DIST_TIMEOUT="ten")
+    assert done.returncode != 0
+    assert _errors(done) == ["autoprec tune: error: AUTOPREC_DIST_TIMEOUT='ten': must be a number of seconds above 0, "
+                             "how long a rank waits for the others; e.g. AUTOPREC_DIST_TIMEOUT=600, or unset it for "
+                             "the default 3600"], done.stderr[-3000:]
+
+
+def test_a_wait_past_the_limit_is_one_line_and_nothing_after_it(folder):
+    # every forward takes two seconds once a trial is saved: the ranks waiting for the seed walk give up after one
+    done = _run(folder, *ARGS, "--out", "run", ranks=2, RUN_DIR="run", HOLD_S="2", AUTOPREC_DIST_TIMEOUT="1")
+    assert done.returncode != 0
+    errors = _errors(done)
+    assert len(errors) == 1 and re.fullmatch(r"autoprec tune: error: rank \d: no answer from the other ranks in 1 s "
+                                             r"while exchanging results \(AUTOPREC_DIST_TIMEOUT sets the limit\)",
+                                             errors[0]), done.stderr[-3000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: --device cuda works")
+def test_device_cuda_without_a_gpu_is_the_one_process_line_once(folder):
+    alone, job = _run(folder, *ARGS, "--device", "cuda"), _run(folder, *ARGS, "--device", "cuda", ranks=2)
+    assert alone.returncode == 1 and job.returncode != 0
+    assert _errors(job) == _errors(alone) and len(_errors(alone)) == 1, job.stderr[-3000:]

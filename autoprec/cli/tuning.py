@@ -77,8 +77,10 @@ def tune(args: argparse.Namespace) -> int:
     if under_torchrun():  # one of the ranks of `torchrun --nproc_per_node N -m autoprec tune ...`
         from ..distributed.tuning import device_of_rank, on_every_rank
 
-        args.device = device_of_rank(args.device)
-        return on_every_rank(lambda ranks, log: _tune(args, ranks, log), args.device)
+        device = args.device
+        args.device = device_of_rank(device)
+        return on_every_rank(lambda ranks, log: _tune(args, ranks, log), args.device,
+                             check=lambda: check_device(device))  # before NCCL: --device cuda without a GPU
     with _sigterm_as_interrupt():
         return _tune(args, ONE_PROCESS, lambda msg: print(msg, file=sys.stderr))
 
