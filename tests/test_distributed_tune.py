@@ -334,3 +334,12 @@ def test_device_cuda_without_a_gpu_is_the_one_process_line_once(folder):
     alone, job = _run(folder, *ARGS, "--device", "cuda"), _run(folder, *ARGS, "--device", "cuda", ranks=2)
     assert alone.returncode == 1 and job.returncode != 0
     assert _errors(job) == _errors(alone) and len(_errors(alone)) == 1, job.stderr[-3000:]
+
+
+def test_a_killed_rank_is_blamed_whichever_rank_answers_last(folder):
+    """Rank 2 of three is killed; torchrun stops the others, and rank 1 leaves at once while rank 0 answers only
+    after its forward: by then rank 1 is gone too, but rank 2 is the one that was killed."""
+    done = _run(folder, *ARGS, "--out", "run", ranks=3, RUN_DIR="run", KILL_RANK="2", DEAF_RANK="0", DEAF_S="2")
+    assert done.returncode != 0
+    assert _errors(done) == ["autoprec tune: error: rank 2: its process ended without saying why (killed, or out "
+                             "of memory?)"], done.stderr[-3000:]
