@@ -343,3 +343,14 @@ def test_a_killed_rank_is_blamed_whichever_rank_answers_last(folder):
     assert done.returncode != 0
     assert _errors(done) == ["autoprec tune: error: rank 2: its process ended without saying why (killed, or out "
                              "of memory?)"], done.stderr[-3000:]
+
+
+def test_a_wrap_that_raises_is_told_a_fix_that_can_work_once(folder):
+    (folder / "model.py").write_text(MODEL.read_text() + "\n\ndef wrap(model):\n    raise RuntimeError('no mesh')\n")
+    done = _run(folder, "tune", "model.py", "--trials", "8", ranks=2)  # timed here: the profile runs wrap
+    assert done.returncode != 0
+    errors = _errors(done)
+    assert len(errors) == 1 and "wrap(): raised RuntimeError: no mesh" in errors[0], done.stderr[-3000:]
+    assert "Python shell" not in errors[0] and "under `torchrun --nproc_per_node 2`" in errors[0]
+    # the other rank, stopped by torchrun wherever it was (inside torch.export's fallback), says nothing more
+    assert "autoprec tune: warning" not in done.stderr, done.stderr[-3000:]

@@ -253,6 +253,12 @@ class Stopped(RankFailed):
     """torchrun (or the user) ended this rank with SIGTERM, usually because another rank failed."""
 
 
+class _Leaving(BaseException):
+    """What the SIGTERM handler raises when another rank failed (``Ranks.stopped`` says why): no ``except Exception``
+    on the way out (torch.export's fallback to symbolic tracing, a retry) mistakes it for an error of its own and
+    says it as a second line, or goes on."""
+
+
 def wait_limit_s() -> float:
     """``AUTOPREC_DIST_TIMEOUT``: how many seconds a rank waits for the others (default 3600)."""
     text = os.environ.get("AUTOPREC_DIST_TIMEOUT", "3600")
@@ -287,7 +293,7 @@ def from_torchrun(device: str) -> Ranks:
         if why is None:  # nobody failed: the user or a scheduler stopped the job, as Ctrl-C would
             raise Terminated()
         ranks.stopped = Stopped(why)
-        raise ranks.stopped
+        raise _Leaving  # not ranks.stopped itself: code on the way out that catches Exception would take it for its own
 
     signal.signal(signal.SIGTERM, stop)
     return ranks

@@ -43,7 +43,11 @@ def job_wrap(spec: Any, for_training: bool) -> Callable[[nn.Module], nn.Module] 
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel
-    wrap = user_function(spec.wrap, "wrap", spec.path)
+    # not one a Python shell can try: wrap runs on every rank of the job, on a copy of the model
+    wrap = user_function(spec.wrap, "wrap", spec.path,
+                         "make wrap() run without errors on every rank: it is called under torchrun, process group "
+                         "joined, on a copy of get_model()'s model (with a policy applied); try it in a small script "
+                         "under `torchrun --nproc_per_node 2`, or rerun with AUTOPREC_DEBUG=1 for its traceback")
 
     def wrapped(model: nn.Module) -> nn.Module:
         job = wrap(model)
