@@ -372,9 +372,10 @@ def search(profile: Profile, evaluator: Objective, budget: Budget, space: Search
     last: dict[str, int] = {}  # seed kind -> the trial number of this walk's latest step of that kind
 
     def taken() -> int:
-        """Trials spent so far as the walk counts them: its steps, and any trial in the study not of the walk."""
+        """Trials spent so far as the walk counts them: its steps, the trials of earlier steps that failed (a step
+        cut short by a kill, measured again) and any trial not of the walk; not the later steps a study holds."""
         return len(walked) + sum(1 for t in study.get_trials(deepcopy=False, states=finished)
-                                 if "walk" not in t.user_attrs)
+                                 if t.number not in walked and t.user_attrs.get("walk", -1) < len(walked))
 
     def run(n: int, params: Mapping[str, str] | None = None, seed_name: str | None = None) -> None:
         for _ in range(min(n, trials - taken())):  # seed trials count: --trials is the most the study runs

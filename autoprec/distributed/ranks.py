@@ -53,6 +53,8 @@ class Ranks:
 
     rank = 0
     world_size = 1
+    said: str | None = None  # the job's failure line, where this rank is the one that says it
+    left = False  # whether a signal stopped this rank: it starts no collective any more
 
     @property
     def writes(self) -> bool:
@@ -86,8 +88,6 @@ class Ranks:
         """Returns when every rank has called it."""
         self.gather(None)
 
-    said: str | None = None  # the job's failure line, where this rank is the one that says it
-
     def fail(self, error: BaseException | str) -> str:
         """Say this rank failed (so the others stop at their next wait) and return the job's failure line: the
         first that any rank said. :attr:`said` is that line where this rank is the one to print it."""
@@ -97,8 +97,6 @@ class Ranks:
     def interrupted(self, signal_name: str) -> None:
         """Say that Ctrl-C (``"SIGINT"``) or SIGTERM stopped this rank, so the others stop as it did."""
         self.left = True
-
-    left = False  # whether this rank stopped on a signal: it starts no collective any more
 
     def leave(self, status: int) -> int:
         """End this rank now with exit ``status``, in the middle of whatever the others are doing (it failed, or a
