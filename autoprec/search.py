@@ -255,7 +255,8 @@ class _Study:
                     number=-1, state=S.RUNNING, value=None, datetime_start=datetime.now(), datetime_complete=None,
                     params={}, distributions={}, user_attrs={**attrs, "walk": step}, system_attrs=fixed,
                     intermediate_values={}, trial_id=-1)))
-            if self._first_of_step(step).number != trial.number:  # another worker made one for this step first
+            first = self._first_of_step(step)
+            if first is None or first.number != trial.number:  # another worker made one for this step first
                 self.study.tell(trial, state=S.PRUNED, skip_if_finished=True)
                 continue
             try:
