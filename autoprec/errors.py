@@ -10,7 +10,7 @@ in autoprec names a bad input and its fix). Anything else is a bug and keeps its
 
 from __future__ import annotations
 
-__all__ = ["USER_ERRORS", "UserError", "is_users"]
+__all__ = ["USER_ERRORS", "Terminated", "UserError", "is_users"]
 
 
 class UserError(Exception):
@@ -19,6 +19,10 @@ class UserError(Exception):
 
 # The types whose instances are the user's: for ``except USER_ERRORS:``.
 USER_ERRORS: tuple[type[Exception], ...] = (UserError, ValueError)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler, or torchrun ending the job): the run stops as on Ctrl-C and says what it kept."""
 
 
 def is_users(error: BaseException) -> bool:

@@ -21,6 +21,7 @@ import re
 import time
 import warnings
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Callable, Mapping, Sequence
 
 from .budget import Budget
@@ -167,6 +168,9 @@ def pareto_front(trials: Sequence[Candidate]) -> list[Candidate]:
 
 # How long a run that found a study another just created waits for the creator to mark it as its own.
 OWNER_WAIT_SECONDS = 10.0
+# A step of the seed walk that another worker has been measuring this long (or ten times the longest finished
+# trial, if more) is taken for lost with its worker, and measured again.
+STALE_STEP_S = 120.0
 
 
 class _Study:
@@ -198,7 +202,7 @@ class _Study:
                 self.created = False
         if fail_stale:  # a single-worker run killed mid-trial: that trial is lost, nothing else
             for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-                self.study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+                self._finish(t._trial_id, optuna.trial.TrialState.FAIL)
 
     def claim(self, owner: dict[str, str]) -> None:
         """Mark a new study as this model's, budget's and space's; refuse one that belongs to another.
@@ -225,6 +229,66 @@ class _Study:
 
     def completed(self) -> list:
         return self.study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.COMPLETE,))
+
+    def walk_step(self, step: int, objective: Callable[[Any], float], params: Mapping[str, str] | None,
+                  attrs: dict[str, Any]) -> Any:
+        """The finished trial of step ``step`` of the seed walk, measured once in the study however many walk it:
+        the one it holds (a walk that was stopped and resumes, or another job's walking it at once: waited for while
+        it runs), else one measured here with ``params`` (sampled where None).
+
+        Each step's trial is made RUNNING with its step number in one write (never queued as WAITING: two
+        processes can both take one queued trial from SQLite, and the second to finish it got Optuna's "Cannot tell
+        a COMPLETE trial"). Of two made for one step at once the lower number measures; the other is PRUNED."""
+        S = self.optuna.trial.TrialState
+        while True:
+            first = self._first_of_step(step)
+            if first is not None and first.state == S.COMPLETE:
+                return first
+            if first is not None:  # another worker is measuring this step, or died doing it: wait, or take it over
+                if self._stale(first):
+                    self._finish(first._trial_id, S.FAIL)
+                time.sleep(0.2)
+                continue
+            fixed = {} if params is None else {"fixed_params": dict(params)}
+            trial = self.optuna.trial.Trial(self.study, self.study._storage.create_new_trial(
+                self.study._study_id, template_trial=self.optuna.trial.FrozenTrial(
+                    number=-1, state=S.RUNNING, value=None, datetime_start=datetime.now(), datetime_complete=None,
+                    params={}, distributions={}, user_attrs={**attrs, "walk": step}, system_attrs=fixed,
+                    intermediate_values={}, trial_id=-1)))
+            first = self._first_of_step(step)
+            if first is None or first.number != trial.number:  # another worker made one for this step first
+                self.study.tell(trial, state=S.PRUNED, skip_if_finished=True)
+                continue
+            try:
+                value = objective(trial)
+            except BaseException:
+                self.study.tell(trial, state=S.FAIL, skip_if_finished=True)
+                raise
+            # skip_if_finished: a worker that took this step for stale may have failed it meanwhile
+            self.study.tell(trial, value, skip_if_finished=True)
+
+    def ahead_of(self, trial: Any) -> int:
+        """How many trials of the study count against --trials before ``trial``: finished or running, not pruned."""
+        S = self.optuna.trial.TrialState
+        return sum(1 for t in self.study.get_trials(deepcopy=False, states=(S.RUNNING, S.COMPLETE, S.FAIL))
+                   if t.number < trial.number)
+
+    def _first_of_step(self, step: int) -> Any:
+        S = self.optuna.trial.TrialState
+        return next((t for t in self.study.get_trials(deepcopy=False, states=(S.RUNNING, S.COMPLETE))
+                     if t.user_attrs.get("walk") == step), None)
+
+    def _stale(self, trial: Any) -> bool:
+        """Whether a RUNNING trial has run far longer than any finished one: its worker is gone."""
+        took = [(t.datetime_complete - t.datetime_start).total_seconds() for t in self.completed()
+                if t.datetime_complete and t.datetime_start]
+        return (datetime.now() - trial.datetime_start).total_seconds() > max([STALE_STEP_S, *(10 * s for s in took)])
+
+    def _finish(self, trial_id: int, state: Any) -> None:
+        try:
+            self.study._storage.set_trial_state_values(trial_id, state)
+        except self.optuna.exceptions.UpdateFinishedTrialError:  # it finished meanwhile
+            pass
 
     def n_trials(self) -> int:
         states = (self.optuna.trial.TrialState.COMPLETE, self.optuna.trial.TrialState.FAIL)
@@ -271,6 +335,10 @@ def search(profile: Profile, evaluator: Objective, budget: Budget, space: Search
     evaluations_before = evaluator.evaluations
 
     def objective(trial: Any) -> float:
+        if "walk" not in trial.user_attrs and state.ahead_of(trial) >= trials:
+            # --trials caps the study: workers that start trials at once would each start one past it
+            study.stop()
+            raise optuna.TrialPruned("beyond --trials")
         keys = trial.user_attrs.get("keys") or list(sampled)  # a seed names its own parameters
         params = {key: trial.suggest_categorical(key, list(every[key].choices)) for key in keys}
         assignment, regions = structure.assignment(params)
@@ -297,22 +365,41 @@ def search(profile: Profile, evaluator: Objective, budget: Budget, space: Search
             trial.set_constraint("budget", _num(values["violation"]))
         return predicted
 
+    # The walk's steps, numbered in order: a step the study holds already (the walk was stopped and resumes, or
+    # another job walks it at once) is read back, not measured again, so the walk goes on where it was.
+    walked: list[int] = []  # the trial number of each step so far
+    finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
+    before = {t.number for t in study.get_trials(deepcopy=False)}  # counted in the progress bar already
+    last: dict[str, int] = {}  # seed kind -> the trial number of this walk's latest step of that kind
+
+    def taken() -> int:
+        """Trials spent so far as the walk counts them: its steps, the trials of earlier steps that failed (a step
+        cut short by a kill, measured again) and any trial not of the walk; not the later steps a study holds."""
+        return len(walked) + sum(1 for t in study.get_trials(deepcopy=False, states=finished)
+                                 if t.number not in walked and t.user_attrs.get("walk", -1) < len(walked))
+
     def run(n: int, params: Mapping[str, str] | None = None, seed_name: str | None = None) -> None:
-        n = min(n, trials - state.n_trials())  # seed trials count: --trials is the most the study runs
-        if n <= 0:
-            return
-        probe = seed_name in ("greedy", "refine")  # these walks read back the trial they asked for
-        if params is not None:
-            study.enqueue_trial(dict(params), user_attrs={"seed": seed_name, "keys": list(params)},
-                                skip_if_exists=not probe)
-        # No `catch`: the model failing under a candidate is recorded on the candidate by the
-        # evaluator (Measurement.error); anything else raised here is a bug or the user's evaluate()
-        # and must stop the search with its own message.
-        study.optimize(objective, n_trials=n, timeout=None, gc_after_trial=False)
-        bar.update(n)
+        for _ in range(min(n, trials - taken())):  # seed trials count: --trials is the most the study runs
+            probe = seed_name in ("greedy", "refine")  # these walks read back the trial they asked for
+            # a seed the study has tried already gives its step to a sampled trial (as Optuna's skip_if_exists did)
+            sampled = not probe and params is not None and any(
+                t.params == params or t.system_attrs.get("fixed_params") == params
+                for t in study.get_trials(deepcopy=False) if t.user_attrs.get("walk") != len(walked))
+            attrs = {} if sampled or params is None else {"seed": seed_name, "keys": list(params)}
+            # No `catch`: the model failing under a candidate is recorded on the candidate by the
+            # evaluator (Measurement.error); anything else raised here is a bug or the user's evaluate()
+            # and must stop the search with its own message.
+            measured = state.walk_step(len(walked), objective, None if sampled else params, attrs)
+            walked.append(measured.number)
+            if measured.user_attrs.get("seed") == seed_name:
+                last[seed_name] = measured.number
+            bar.update(measured.number not in before)
+
+    def walk_so_far() -> list[Candidate]:
+        return [c for c in _candidates(state.completed(), structure.assignment) if c.number in walked]
 
     def latest(seed_name: str | None = None) -> Candidate | None:
-        done = [c for c in _candidates(state.completed(), structure.assignment) if seed_name in (None, c.seed)]
+        done = [c for c in walk_so_far() if c.number == last.get(seed_name)]
         return done[-1] if done else None
 
     stopped = "trials"
@@ -322,7 +409,7 @@ def search(profile: Profile, evaluator: Objective, budget: Budget, space: Search
             pass  # another rank walks the seeds; this one joins the sampled trials after it
         elif not searchable:
             stopped = "nothing to search: every layer's only candidate is fp32"
-        elif state.n_trials() == 0:
+        else:  # every time: a walk the study holds in part goes on where it stopped
             fastest = {u.key: min(u.candidates, key=lambda p, u=u: sum(latency[n][p] for n in u.layers))
                        for u in searchable}
             run(1, {u.key: "fp32" for u in searchable}, "fp32")
@@ -338,12 +425,11 @@ def search(profile: Profile, evaluator: Objective, budget: Budget, space: Search
             all_fast = latest("fastest")
             # Done when the all-fastest assignment is within budget, unless its many regions make
             # another seed (blanket, all fp32) predicted faster: then keep searching.
-            if all_fast is not None and all_fast.feasible and all_fast.predicted_ms <= _best_ms(state.completed()):
+            if all_fast is not None and all_fast.feasible and all_fast.predicted_ms <= _best_ms(
+                    [t for t in state.completed() if t.number in walked]):
                 stopped = "the fastest assignment is within budget"
             elif structured:
-                coarse_to_fine(structure, profile, run, latest,
-                               lambda: _candidates(state.completed(), structure.assignment),
-                               lambda: trials - state.n_trials())
+                coarse_to_fine(structure, profile, run, latest, walk_so_far, lambda: trials - taken())
             else:
                 greedy(searchable, fastest, profile, lambda params: run(1, params, "greedy"), latest, trials - 2)
         stopped = ranks.from_first(stopped)  # the walk's verdict, for every rank

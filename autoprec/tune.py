@@ -31,6 +31,7 @@ from .config import TuneConfig, check_device
 from .distributed.models import unwrap
 from .distributed.ranks import ONE_PROCESS, Ranks
 from .distributed.tuning import check_same_work
+from .errors import Terminated
 from .fits import check_fits, free_memory
 from .formats import Precision, device_capabilities
 from .jsonsafe import finite_or_none
@@ -51,11 +52,17 @@ __all__ = ["NothingToTune", "TuneConfig", "TuneInterrupted", "TuneResult", "load
 
 
 class TuneInterrupted(KeyboardInterrupt):
-    """Ctrl-C during a tune, with the phase it stopped in (so the user is told what was kept)."""
+    """Ctrl-C (or SIGTERM) during a tune, with the phase it stopped in (so the user is told what was kept)."""
 
-    def __init__(self, phase: str):
+    def __init__(self, phase: str, signal: str = "SIGINT"):
         super().__init__(phase)
         self.phase = phase
+        self.signal = signal  # "SIGINT" (Ctrl-C) or "SIGTERM"
+
+    @property
+    def status(self) -> int:
+        """The exit status of a process that a signal ended: 128 + its number."""
+        return 143 if self.signal == "SIGTERM" else 130
 
 
 class NothingToTune(ValueError):
@@ -306,8 +313,8 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
             phase = "outputs"
             return _outputs(verification, profile, the_budget, model, workload, result, out_dir, seconds,
                             result_budget=search_budget, margin=margin)
-    except KeyboardInterrupt:
-        raise TuneInterrupted(phase) from None
+    except KeyboardInterrupt as stop:
+        raise TuneInterrupted(phase, "SIGTERM" if isinstance(stop, Terminated) else "SIGINT") from None
 
 
 def _outputs(verification: Verification, profile: Profile, budget: Budget, model: nn.Module, workload: Workload,

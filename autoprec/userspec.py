@@ -144,22 +144,22 @@ def _folder_on_path(path: Path) -> Iterator[None]:
             sys.path.remove(folder)
 
 
-def call_user(path: Path, name: str, fn: Callable, *args: Any) -> Any:
+def call_user(path: Path, name: str, fn: Callable, *args: Any, fix: str = "") -> Any:
     with _folder_on_path(path):
         try:
             return fn(*args)
         except Exception as error:
             raise UserCodeError(
                 path, f"{name}()", f"raised {one_line(error)}{line_in(error, path)}",
-                f"make {name}() run without errors (try calling it in a Python shell)",
+                fix or f"make {name}() run without errors (try calling it in a Python shell)",
             ) from error
 
 
-def user_function(fn: Callable, name: str, path: str | Path | None = None) -> Callable:
+def user_function(fn: Callable, name: str, path: str | Path | None = None, fix: str = "") -> Callable:
     """``fn`` as the pipeline calls it: an exception inside becomes a :class:`UserCodeError` naming
-    the file (``path``, default the file that defines ``fn``), the function and the fix, raised
-    ``from`` the original, so that a caller can still tell an error of the model it passed in
-    apart from one of the function itself. Wrapping twice wraps once."""
+    the file (``path``, default the file that defines ``fn``), the function and the fix (``fix``, default: make it
+    run, trying it in a Python shell), raised ``from`` the original, so that a caller can still tell an error of
+    the model it passed in apart from one of the function itself. Wrapping twice wraps once."""
     if getattr(fn, "_autoprec_user_function", None) == name:
         return fn
     if path is None:
@@ -170,7 +170,7 @@ def user_function(fn: Callable, name: str, path: str | Path | None = None) -> Ca
     where = Path(path).resolve() if not str(path).startswith("<") else Path(path)
 
     def call(*args: Any) -> Any:
-        return call_user(where, name, fn, *args)
+        return call_user(where, name, fn, *args, fix=fix)
 
     call._autoprec_user_function = name  # type: ignore[attr-defined]
     call.path = where  # type: ignore[attr-defined]

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..errors import Terminated
 from ..formats import DEFAULT_PRECISIONS
 from ..policy import Policy
 from .options import (
@@ -72,9 +77,29 @@ def tune(args: argparse.Namespace) -> int:
     if under_torchrun():  # one of the ranks of `torchrun --nproc_per_node N -m autoprec tune ...`
         from ..distributed.tuning import device_of_rank, on_every_rank
 
-        args.device = device_of_rank(args.device)
-        return on_every_rank(lambda ranks, log: _tune(args, ranks, log), args.device)
-    return _tune(args, ONE_PROCESS, lambda msg: print(msg, file=sys.stderr))
+        device = args.device
+        args.device = device_of_rank(device)
+        return on_every_rank(lambda ranks, log: _tune(args, ranks, log), args.device,
+                             check=lambda: check_device(device))  # before NCCL: --device cuda without a GPU
+    with _sigterm_as_interrupt():
+        return _tune(args, ONE_PROCESS, lambda msg: print(msg, file=sys.stderr))
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a scheduler ending the run) stops a tune as Ctrl-C does, so it says what was kept."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set a handler
+        yield
+        return
+
+    def stop(_signum: int, _frame: Any) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
@@ -120,7 +145,8 @@ def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
     try:
         result = run_tune(workload, config, log=log, ranks=ranks)
     except TuneInterrupted as stop:
-        return _interrupted(stop, config.out) if ranks.writes else 130
+        ranks.interrupted(stop.signal)  # the other ranks of a job stop as this one did
+        return _interrupted(stop, config.out) if ranks.writes else stop.status
     if not ranks.writes:  # the first rank prints the result and wrote the outputs
         return 0
     return _print_tuned(results_table(result.verification), result, config.out)
@@ -151,14 +177,15 @@ def _print_tuned(table: str, result: Any, out: Path) -> int:
 
 
 def _interrupted(stop: Any, out: Path) -> int:
-    """Ctrl-C: say what was kept and how to go on (exit 130)."""
+    """Ctrl-C or SIGTERM: say what was kept and how to go on (exit 130, or 143 for SIGTERM)."""
     kept = {"checking": "nothing was started",
             "profile": "nothing is saved yet (the profile is written when it is complete)",
             "search": "the profile and every finished trial are saved",
             "verify": "the profile and the search are saved; only the verification runs again",
             "outputs": "the search is saved; the outputs are written again"}[stop.phase]
-    print(f"\ninterrupted during {stop.phase}: {kept}; run the same command to go on ({out})", file=sys.stderr)
-    return 130
+    how = "stopped by SIGTERM" if stop.signal == "SIGTERM" else "interrupted"
+    print(f"\n{how} during {stop.phase}: {kept}; run the same command to go on ({out})", file=sys.stderr)
+    return stop.status
 
 
 # ---- profile -------------------------------------------------------------------------------------------

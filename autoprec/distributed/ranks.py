@@ -12,23 +12,32 @@ the ranks: torchrun's agent holds it), when a rank's process is gone, when torch
 after ``AUTOPREC_DIST_TIMEOUT`` seconds (default an hour: ranks wait at a gather while the slowest one
 finishes its share). Each ends in :class:`RankFailed`, one line naming the rank and its error. The job's
 own collectives (inside a DDP or FSDP step) give up after :data:`STEP_TIMEOUT_S`.
+
+Ctrl-C and SIGTERM stop a rank as they stop one process (a ``KeyboardInterrupt``; :class:`~autoprec.errors.Terminated`
+for SIGTERM), and :meth:`Ranks.interrupted` puts that in the store too: the other ranks stop the same way at their
+next wait, so the job ends as one process would, and no rank starts another collective with a rank that left.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import signal
 import socket
+import sys
 import time
 from datetime import timedelta
 from typing import Any, Sequence, TypeVar
+
+from ..errors import Terminated
 
 __all__ = ["ONE_PROCESS", "RankFailed", "Ranks", "from_torchrun", "under_torchrun"]
 
 T = TypeVar("T")
 
-_FAILED = "autoprec/failed"  # store key: "rank R: <error>", set by the first rank that fails
+_FAILED = "autoprec/failed"  # store key: "S|rank R: <error>", set by the first rank S that says a failure
+_INTERRUPTED = "autoprec/interrupted"  # store key: "SIGINT" or "SIGTERM", set by the first rank a signal stopped
 _POLL_S = 0.05
 # The job's own collectives (DDP's all-reduce, FSDP's all-gathers) happen inside one step, with every rank in
 # step: ten minutes without an answer is a hang. Gathers of results wait for the slowest rank's share instead.
@@ -44,6 +53,8 @@ class Ranks:
 
     rank = 0
     world_size = 1
+    said: str | None = None  # the job's failure line, where this rank is the one that says it
+    left = False  # whether a signal stopped this rank: it starts no collective any more
 
     @property
     def writes(self) -> bool:
@@ -78,8 +89,19 @@ class Ranks:
         self.gather(None)
 
     def fail(self, error: BaseException | str) -> str:
-        """Say this rank failed (so the others stop at their next wait) and return the line that says it."""
-        return str(error)
+        """Say this rank failed (so the others stop at their next wait) and return the job's failure line: the
+        first that any rank said. :attr:`said` is that line where this rank is the one to print it."""
+        self.said = str(error)
+        return self.said
+
+    def interrupted(self, signal_name: str) -> None:
+        """Say that Ctrl-C (``"SIGINT"``) or SIGTERM stopped this rank, so the others stop as it did."""
+        self.left = True
+
+    def leave(self, status: int) -> int:
+        """End this rank now with exit ``status``, in the middle of whatever the others are doing (it failed, or a
+        signal stopped it); returns ``status`` where there is nothing to leave (one process)."""
+        return status
 
 
 ONE_PROCESS = Ranks()
@@ -97,13 +119,13 @@ class _TorchrunRanks(Ranks):
         self.dist = dist
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.timeout_s = timeout_s
-        # results travel on a gloo group of their own, whose limit is the long one (see the module docstring)
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        # results travel on a gloo group of their own, whose limit is the long one (see the module docstring); gloo's
+        # own, past ours, so that a wait gives up with our line naming the variable, not gloo's transport error
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=2 * timeout_s + 30))
         from torch.distributed.distributed_c10d import _get_default_store
 
         self.store = dist.PrefixStore("autoprec", _get_default_store())
         self.store.set(f"pid/{self.rank}", f"{socket.gethostname()}:{os.getpid()}")
-        self.said: str | None = None  # this rank's own failure line, once said
         # Set when torchrun stopped this rank: the exception that surfaces may be another, raised by library code
         # that the SIGTERM interrupted (optuna asserts when its tell is cut short), and this says what happened.
         self.stopped: Stopped | None = None
@@ -119,7 +141,8 @@ class _TorchrunRanks(Ranks):
             time.sleep(_POLL_S)
         try:
             work.wait()
-        except RuntimeError as e:  # a peer's connection closed: it died before it could say why
+        except RuntimeError as e:  # a peer's connection closed: it stopped on a signal, or died before it could say why
+            self._stop_if_interrupted()
             why = self._why_stopped()
             grace = time.monotonic() + 3.0  # its last words (or its exit) may reach the store a moment later
             while why is None and time.monotonic() < grace:
@@ -132,11 +155,35 @@ class _TorchrunRanks(Ranks):
         said = self._failure()
         if said is not None:
             raise RankFailed(said)
+        self._stop_if_interrupted()
+
+    def _stop_if_interrupted(self) -> None:
+        """Stop as another rank did when a signal stopped it: Ctrl-C or SIGTERM."""
+        try:
+            by = self.store.get(_INTERRUPTED).decode() if self.store.check([_INTERRUPTED]) else None
+        except Exception:  # the store is gone: torchrun is ending the job
+            return
+        if by:
+            raise Terminated() if by == "SIGTERM" else KeyboardInterrupt()
+
+    def leave(self, status: int) -> int:
+        # An exchange this rank started and will not finish would hold its exit until gloo's own limit (that of
+        # the group, past AUTOPREC_DIST_TIMEOUT): end the process now; what it wrote is committed, its lines flushed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+    def interrupted(self, signal_name: str) -> None:
+        self.left = True
+        try:
+            self.store.compare_set(_INTERRUPTED, "", signal_name)
+        except Exception:
+            pass
 
     def _failure(self) -> str | None:
         try:
             if self.store.check([_FAILED]):
-                return self.store.get(_FAILED).decode()
+                return self.store.get(_FAILED).decode().partition("|")[2]
         except Exception:  # the store itself is gone: torchrun is ending the job
             return None
         return None
@@ -172,17 +219,17 @@ class _TorchrunRanks(Ranks):
         return [pickle.loads(t[:int(s.item())].numpy().tobytes()) for t, s in zip(everyone, sizes)]
 
     def fail(self, error: BaseException | str) -> str:
-        if isinstance(error, RankFailed):  # another rank's failure, already said
-            return str(error)
-        mine = f"rank {self.rank}: {' '.join(str(error).split()) or type(error).__name__}"
-        try:  # the first failure is the one the others report
-            self.store.compare_set(_FAILED, "", mine)
-            first = self.store.get(_FAILED).decode()
-        except Exception:
-            first = mine
-        if first == mine:
-            self.said = mine
-        return first
+        # a RankFailed names its rank already: another's failure, a rank found gone, a wait that gave up
+        mine = str(error) if isinstance(error, RankFailed) else \
+            f"rank {self.rank}: {' '.join(str(error).split()) or type(error).__name__}"
+        try:  # the first line any rank says is the job's, printed by the rank that said it: once, however many
+            # ranks reach the same conclusion (two that find one rank gone write the same words)
+            first = self.store.compare_set(_FAILED, "", f"{self.rank}|{mine}").decode()
+        except Exception:  # the store is gone: this rank's own line, the only one it knows
+            first = f"{self.rank}|{mine}"
+        by, _, line = first.partition("|")
+        self.said = line if by == str(self.rank) else None
+        return line
 
 
 def _alive(pid: int) -> bool:
@@ -204,13 +251,33 @@ class Stopped(RankFailed):
     """torchrun (or the user) ended this rank with SIGTERM, usually because another rank failed."""
 
 
+class _Leaving(BaseException):
+    """What the SIGTERM handler raises when another rank failed (``Ranks.stopped`` says why): no ``except Exception``
+    on the way out (torch.export's fallback to symbolic tracing, a retry) mistakes it for an error of its own and
+    says it as a second line, or goes on."""
+
+
+def wait_limit_s() -> float:
+    """``AUTOPREC_DIST_TIMEOUT``: how many seconds a rank waits for the others (default 3600)."""
+    text = os.environ.get("AUTOPREC_DIST_TIMEOUT", "3600")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"AUTOPREC_DIST_TIMEOUT={text!r}: must be a number of seconds above 0, how long a rank "
+                         "waits for the others; e.g. AUTOPREC_DIST_TIMEOUT=600, or unset it for the default 3600")
+    return seconds
+
+
 def from_torchrun(device: str) -> Ranks:
     """Join the torchrun job this process belongs to: NCCL on GPU with a gloo group for Python objects,
-    gloo on CPU. SIGTERM (torchrun stopping the job) becomes :class:`Stopped`, so the rank can say why."""
+    gloo on CPU. SIGTERM becomes :class:`Stopped` when torchrun stops the job because another rank failed (so the
+    rank can say why), else :class:`~autoprec.errors.Terminated`: the job stops as on Ctrl-C."""
     import torch
     import torch.distributed as dist
 
-    timeout_s = float(os.environ.get("AUTOPREC_DIST_TIMEOUT", "3600"))
+    timeout_s = wait_limit_s()
     if not dist.is_initialized():
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if backend == "nccl":
@@ -219,8 +286,12 @@ def from_torchrun(device: str) -> Ranks:
     ranks = _TorchrunRanks(timeout_s)
 
     def stop(_signum: int, _frame: Any) -> None:
-        ranks.stopped = Stopped(ranks._why_stopped() or f"rank {ranks.rank}: stopped by SIGTERM")
-        raise ranks.stopped
+        ranks._stop_if_interrupted()  # torchrun ends the others when one rank left on Ctrl-C: stop as it did
+        why = ranks._why_stopped()
+        if why is None:  # nobody failed: the user or a scheduler stopped the job, as Ctrl-C would
+            raise Terminated()
+        ranks.stopped = Stopped(why)
+        raise _Leaving  # not ranks.stopped itself: code on the way out that catches Exception would take it for its own
 
     signal.signal(signal.SIGTERM, stop)
     return ranks

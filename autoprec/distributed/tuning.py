@@ -14,14 +14,13 @@ command resumes: the profile and the study are in the run folder, as for one pro
 from __future__ import annotations
 
 import os
-import re
 import sys
 import traceback
 from typing import Any, Callable
 
 from torch import nn
 
-from ..errors import is_users
+from ..errors import USER_ERRORS, is_users
 from .agree import digest
 from .models import FSDP_CASTS_FIX, fsdp_casts
 from .ranks import RankFailed, Ranks, from_torchrun
@@ -46,7 +45,11 @@ def job_wrap(spec: Any, for_training: bool) -> Callable[[nn.Module], nn.Module] 
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel
-    wrap = user_function(spec.wrap, "wrap", spec.path)
+    # not one a Python shell can try: wrap runs on every rank of the job, on a copy of the model
+    wrap = user_function(spec.wrap, "wrap", spec.path,
+                         "make wrap() run without errors on every rank: it is called under torchrun, process group "
+                         "joined, on a copy of get_model()'s model (with a policy applied); try it in a small script "
+                         "under `torchrun --nproc_per_node 2`, or rerun with AUTOPREC_DEBUG=1 for its traceback")
 
     def wrapped(model: nn.Module) -> nn.Module:
         job = wrap(model)
@@ -115,12 +118,21 @@ def by_layer_names(job: nn.Module, model: nn.Module) -> nn.Module:
     return inner
 
 
-def on_every_rank(run: Callable[[Ranks, Callable[[str], None]], int], device: str) -> int:
-    """Join the job, then ``run(ranks, log)`` on this rank (``log`` prints on the first rank only).
+def on_every_rank(run: Callable[[Ranks, Callable[[str], None]], int], device: str,
+                  check: Callable[[], None] = lambda: None) -> int:
+    """``check()`` (the settings), join the job, then ``run(ranks, log)`` on this rank (``log`` prints on the first
+    rank only).
 
     Returns the exit status. Any error becomes one line naming the rank that failed, printed once for the
-    job; a KeyboardInterrupt stays one (the tune says what was kept)."""
-    ranks = from_torchrun(device)
+    job; a KeyboardInterrupt stays one (the tune says what was kept). A setting that ``check`` or joining refuses
+    is every rank's: the first says it, as one process would."""
+    try:
+        check()
+        ranks = from_torchrun(device)
+    except USER_ERRORS as error:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"autoprec tune: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 1
 
     def log(message: str) -> None:
         if ranks.writes:
@@ -128,6 +140,8 @@ def on_every_rank(run: Callable[[Ranks, Callable[[str], None]], int], device: st
 
     try:
         status = run(ranks, log)
+        if ranks.left:  # a signal stopped it, maybe inside a collective: another would not match the others'
+            return ranks.leave(status)
     except KeyboardInterrupt:
         raise
     except BaseException as error:  # noqa: BLE001 - every error of a rank is the job's, said in one line
@@ -142,7 +156,7 @@ def on_every_rank(run: Callable[[Ranks, Callable[[str], None]], int], device: st
         line = ranks.fail(error if isinstance(error, RankFailed) else said)
         if _says_it(ranks, line):
             print(f"autoprec tune: error: {line}", file=sys.stderr)
-        return 1
+        return ranks.leave(1)
     import torch.distributed as dist
 
     ranks.barrier()  # no rank leaves while another still needs it
@@ -151,13 +165,6 @@ def on_every_rank(run: Callable[[Ranks, Callable[[str], None]], int], device: st
 
 
 def _says_it(ranks: Ranks, line: str) -> bool:
-    """Whether this rank prints the job's failure: the rank it names, or (when that rank was killed and said
-    nothing) the lowest other rank, so the line appears once."""
-    named = re.match(r"rank (\d+):", line)
-    if named is None or int(named.group(1)) == ranks.rank:
-        return True
-    if getattr(ranks, "said", None) == line:  # this rank put the line in the store
-        return True
-    if "ended without saying why" in line:
-        return ranks.rank == min(r for r in range(ranks.world_size) if r != int(named.group(1)))
-    return False
+    """Whether this rank prints the job's failure: the rank that said it first (its own failure, or a rank it
+    found gone), so the line appears once."""
+    return ranks.said == line

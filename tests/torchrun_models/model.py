@@ -4,11 +4,15 @@ products) loses its output in any low precision, so the search has a layer to ke
 A test plants a fault on one rank once the profile and a finished trial are saved (the run folder named by
 ``RUN_DIR`` holds profile.json, and its study.db a COMPLETE trial) and the model has run ``FAULT_AFTER`` more
 times there (default 0): ``FAIL_RANK=R`` makes the
-model raise on rank R, ``KILL_RANK=R`` kills rank R's process.
+model raise on rank R, ``KILL_RANK=R`` kills rank R's process, ``HOLD_S=S`` makes every forward on every rank
+take S seconds more and writes ``RUN_DIR/holding`` (a test waits for that file before it sends a signal),
+``DEAF_RANK=R`` makes every forward on rank R take ``DEAF_S`` seconds more with SIGTERM held back (a rank busy in
+native code, which answers a signal only when it is done).
 """
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -55,6 +59,13 @@ def _plant_fault():
     _runs_after_profile += 1
     if _runs_after_profile <= int(os.environ.get("FAULT_AFTER", "0")):
         return
+    if os.environ.get("DEAF_RANK") == rank:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        time.sleep(float(os.environ.get("DEAF_S", "1")))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    if os.environ.get("HOLD_S"):
+        Path(run, "holding").touch()
+        time.sleep(float(os.environ["HOLD_S"]))
     if os.environ.get("KILL_RANK") == rank:
         os.kill(os.getpid(), signal.SIGKILL)
     if os.environ.get("FAIL_RANK") == rank:
