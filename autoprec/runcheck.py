@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .apply import applied_policy, apply_policy, effective_precisions, remove_policy
+from .distributed.models import storage_of
 from .formats import FP8Linear
 from .mx import BlockScaledLinear
 from .policy import Policy, PolicyError
@@ -49,7 +50,7 @@ class _Watch(TorchDispatchMode):
         running = self.module_stack[-1] if self.module_stack else ""
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         for t in tensors:
-            owner = self.storages.get(t.untyped_storage().data_ptr()) if t.layout == torch.strided else None
+            owner = self.storages.get(storage_of(t))
             if owner is not None:
                 self.read_by.setdefault(owner, set()).add(running)
         dtype = next((t.dtype for t in tensors if t.is_floating_point()), None)
@@ -80,8 +81,8 @@ def check_policy_runs(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, 
         raise PolicyError("check_policy_runs needs a model with a policy applied; call autoprec.apply_policy first")
     precisions = effective_precisions(model, policy)
     ruled = {name: module for name, module in model.named_modules() if policy.rule_for(name) is not None}
-    storages = {p.untyped_storage().data_ptr(): name for name, module in ruled.items()
-                for p in module.parameters(recurse=False)}
+    storages = {storage_of(p): name for name, module in ruled.items() for p in module.parameters(recurse=False)}
+    storages.pop(None, None)
     called: set[str] = set()
     with modules_running(model, lambda name, *_: called.add(name)) as module_stack:
         watch = _Watch(module_stack, storages)

@@ -28,6 +28,7 @@ from .budget import Budget
 from .capture import capture
 from .compare import timed_together
 from .config import TuneConfig, check_device
+from .distributed.models import sharded
 from .distributed.ranks import ONE_PROCESS, Ranks
 from .fits import check_fits, free_memory
 from .formats import Precision, device_capabilities
@@ -201,6 +202,11 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
     """The pipeline, once for every workload: checks, profile, search, verify, outputs."""
     # Cheap checks first: nothing expensive runs before every argument is known to be usable.
     check_fp32_model(workload.model)  # a .half() or meta model: one line now, not wrong labels later
+    if sharded(workload.model):  # one model, a part on each rank: every rank runs every forward (see Ranks.together)
+        if workload.name != "inference":
+            raise ValueError(f"a sharded model (fully_shard) is tuned for inference only for now, not for "
+                             f"{workload.name}: build the model whole in get_model() (wrap may still shard it)")
+        ranks = ranks.together()
     workload.check(config)
     the_budget = workload.budget(config, getattr(workload, "evaluate", None) is not None)
     space = SearchSpace.load(config.search_space) if config.search_space != "auto" else None
@@ -253,12 +259,11 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
                 caps = device_capabilities(device)
             autocast = autocast_baseline(caps, profile.end_to_end_ms)
             search_budget, margin = workload.search_budget(the_budget, objective, autocast)
-            result = search(profile, objective, search_budget, space, config.precisions, trials=config.trials,
-                            timeout=config.timeout, patience=config.patience, storage=storage,
-                            study_name=config.study_name or
-                            f"{prefix}-{profile.fingerprint}-{space.name}-{search_budget.tag()}",
-                            seed=config.seed, fail_stale=fail_stale, progress=config.progress,
-                            ranks=ranks)
+            result = ranks.led(lambda evaluator, searching: search(
+                profile, evaluator, search_budget, space, config.precisions, trials=config.trials,
+                timeout=config.timeout, patience=config.patience, storage=storage,
+                study_name=config.study_name or f"{prefix}-{profile.fingerprint}-{space.name}-{search_budget.tag()}",
+                seed=config.seed, fail_stale=fail_stale, progress=config.progress, ranks=searching), objective)
             seconds["search"] = time.perf_counter() - start
             objective.release()  # verification measures on its own (training: a gradient run's worth per batch)
             free_memory(device)
