@@ -202,11 +202,15 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
     """The pipeline, once for every workload: checks, profile, search, verify, outputs."""
     # Cheap checks first: nothing expensive runs before every argument is known to be usable.
     check_fp32_model(workload.model)  # a .half() or meta model: one line now, not wrong labels later
+    cache_was = torch.is_autocast_cache_enabled()  # as it was, when the tune ends
     if sharded(workload.model):  # one model, a part on each rank: every rank runs every forward (see Ranks.together)
         if workload.name != "inference":
             raise ValueError(f"a sharded model (fully_shard) is tuned for inference only for now, not for "
                              f"{workload.name}: build the model whole in get_model() (wrap may still shard it)")
         ranks = ranks.together()
+        # autocast's cast cache would keep a low-precision copy of every gathered weight until the forward ends
+        # (half the model again in bf16 or fp16); the casts are the same without it
+        torch.set_autocast_cache_enabled(False)
     workload.check(config)
     the_budget = workload.budget(config, getattr(workload, "evaluate", None) is not None)
     space = SearchSpace.load(config.search_space) if config.search_space != "auto" else None
@@ -305,6 +309,8 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
                             result_budget=search_budget, margin=margin)
     except KeyboardInterrupt:
         raise TuneInterrupted(phase) from None
+    finally:
+        torch.set_autocast_cache_enabled(cache_was)
 
 
 def _outputs(verification: Verification, profile: Profile, budget: Budget, model: nn.Module, workload: Workload,

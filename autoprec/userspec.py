@@ -291,6 +291,21 @@ def run_evaluate(spec: UserSpec, model: nn.Module, batches: list) -> float:
     return as_metric(value, spec.path)  # non-finite is a finding about the precision, not a user error
 
 
+def _return_large_frees() -> None:
+    """From now on, have glibc hand every block of 128 KiB or more back to the system when it is freed. A sharded
+    model's forwards allocate and free each unit's gathered weights in turn; by default glibc raises that threshold
+    to the largest block freed so far and keeps such blocks on its heap, where they add up: a 288 MiB model sharded
+    on 2 ranks held 0.8 GiB more per rank after loading, 0.1 GiB with this. (Nothing elsewhere than glibc.)"""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD; a fixed one ends its rise
+    except (OSError, AttributeError):
+        pass
+
+
 def _on_meta(model: nn.Module) -> list[str]:
     """The names of ``model``'s parameters and buffers on the meta device (no data)."""
     return [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
@@ -299,6 +314,7 @@ def _on_meta(model: nn.Module) -> list[str]:
 def materialise(model: nn.Module, wrap: Callable[[nn.Module], Any], path: Path) -> nn.Module:
     """``wrap(model)`` on a model built on the meta device: the sharded model it returns, every tensor of it holding
     this rank's data. A tensor left on meta is one line naming it and the fix, never a tune on a part of a model."""
+    _return_large_frees()
     job = user_function(wrap, "wrap", path)(model)
     if not isinstance(job, nn.Module):
         raise UserCodeError(path, "wrap()", f"returned {kind_of(job)}, not a torch.nn.Module",
