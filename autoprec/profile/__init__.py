@@ -82,8 +82,8 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
         if not profile_all:
             # each rank probes its own replica, or all probe the one sharded model together (the largest layer
             # gathers its weights from every rank); the first rank's decision stands for all
-            together = timed_together(ranks.slowest) if not ranks.divides_work else contextlib.nullcontext()
-            with together:
+            one_model = ranks.world_size > 1 and not ranks.divides_work
+            with timed_together(ranks.slowest) if one_model else contextlib.nullcontext():
                 probes = ranks.from_first(probe_precisions(model, table, first, low, caps, device))
             not_profiled = {p: probe.why for p, probe in probes.items() if not probe.pays_off}
             nothing = nothing_pays_off(probes, device)
