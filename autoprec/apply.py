@@ -53,8 +53,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from . import torchao_linear
+from .distributed.agree import check_policy_agrees, model_groups
 from .distributed.models import (
+    FSDP_CASTS_FIX,
     Morphed,
+    fsdp_casts,
     fsdp_managed,
     morph,
     own_class,
@@ -268,7 +271,10 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
 
     ``model`` may be wrapped by DDP or torch.compile (the policy goes into the model inside, whose names
     it uses) and sharded by FSDP2's ``fully_shard``, before or after this call; see the README's
-    "Many GPUs" for the order each precision needs.
+    "Many GPUs" for the order each precision needs. On such a model in a job of several processes the ranks
+    compare their policies (a collective: every rank calls this, as a training script does) and ranks that differ
+    are refused in one line; FSDP2's own ``MixedPrecisionPolicy`` with a low ``param_dtype`` or ``reduce_dtype``
+    is refused (it would cast every layer, fp32 rules included).
 
     A layer the policy names but the model lacks is an error (every such layer is named); a
     ``re:`` pattern that matches no module warns, or is an error with ``strict=True``. A policy
@@ -301,6 +307,10 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     check_rules_reach(model, policy, precisions)
     check_linear_formats(model, policy, precisions)
     check_shared(_aliases(model), precisions)  # before anything changes: a refused policy leaves no trace
+    casts = fsdp_casts(model)
+    if casts is not None:
+        raise PolicyError(f"apply_policy: {casts}; {FSDP_CASTS_FIX}")
+    check_policy_agrees(policy, model_groups(model, wrapper), "apply_policy")
 
     state = _Installed(policy=policy, mode=mode, fsdp_float8_all_gather=fsdp_float8_all_gather)
     buffers = {name for name, _ in model.named_buffers()}

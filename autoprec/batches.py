@@ -13,9 +13,9 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-__all__ = ["BATCH_FORMS", "IN_PLACE_FIX", "IN_PLACE_WHY", "OutputError", "as_batch_list", "batch_args", "call_model",
-           "changed_in_place", "describe_batch", "fidelity_outputs", "float_tensors", "output_tensors",
-           "padding_mask", "real_positions", "signature_mismatch", "to_device"]
+__all__ = ["BATCH_FORMS", "CACHE_FIX", "Changed", "IN_PLACE_FIX", "IN_PLACE_WHY", "OutputError", "as_batch_list",
+           "batch_args", "call_model", "changed_in_place", "describe_batch", "fidelity_outputs", "float_tensors",
+           "holds_cache", "output_tensors", "padding_mask", "real_positions", "signature_mismatch", "to_device"]
 
 BATCH_FORMS = "a tensor (model(x)), a tuple/list of tensors (model(*x)) or a dict (model(**x))"
 
@@ -93,21 +93,66 @@ def to_device(batch: Any, device: torch.device | str) -> Any:
     return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
 
 
-def changed_in_place(batches: list, run: Callable[[], Any]) -> str | None:
+class Changed(str):
+    """What :func:`changed_in_place` found changed (the string), and ``fix``: how to leave it as it was."""
+
+    fix: str
+
+
+def changed_in_place(batches: list, run: Callable[[], Any]) -> Changed | None:
     """Run ``run`` (which reads ``batches``) and say which batch input it changed in place, e.g.
     ``"batch 0's [0] (8x16)"``; None when every input is as it was.
 
     A forward that modifies its input (``x.mul_(1.5)``) gives every later run other data, and autoprec
     runs each batch many times (the fp32 reference, every candidate, every timing round): each would be
     measured on different inputs. Checked once, on the fp32 reference run, for the price of one copy.
+    So is a KV cache in a batch (an object with ``get_seq_length()``, as Hugging Face's caches): a
+    ``DynamicCache`` grows by the batch's tokens at every forward, so each run would see a longer cache.
     """
     before = [pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), b) for b in batches]
+    lengths = _cache_lengths(batches)
     run()
     for i, (old, new) in enumerate(zip(before, batches)):
         for (path, a), b in zip(pytree.tree_flatten_with_path(old)[0], pytree.tree_leaves(new)):
             if isinstance(a, torch.Tensor) and not _same(a, b.detach()):
-                return f"batch {i}'s input{pytree.keystr(path)} ({describe_batch(a)})"
+                return _changed(f"batch {i}'s input{pytree.keystr(path)} ({describe_batch(a)})", IN_PLACE_FIX)
+    for (i, path, name), length in _cache_lengths(batches).items():
+        if length != lengths[i, path, name]:
+            return _changed(f"batch {i}'s {path} (a {name} of {lengths[i, path, name]} tokens: {length} after one "
+                            "forward)", CACHE_FIX)
     return None
+
+
+def holds_cache(batch: Any) -> bool:
+    """Whether ``batch`` holds a KV cache object (one with ``get_seq_length()``, as Hugging Face's caches)."""
+    return bool(_cache_lengths([batch]))
+
+
+def _cache_lengths(batches: list) -> dict[tuple[int, str, str], int]:
+    """(batch, where in it, class) -> the tokens each KV cache object in ``batches`` holds."""
+    found = {}
+    for i, batch in enumerate(batches):
+        for path, leaf in pytree.tree_flatten_with_path(batch)[0]:
+            length = _cache_length(leaf)
+            if length is not None:
+                found[i, pytree.keystr(path), type(leaf).__name__] = length
+    return found
+
+
+def _changed(where: str, fix: str) -> Changed:
+    changed = Changed(where)
+    changed.fix = fix
+    return changed
+
+
+def _cache_length(leaf: Any) -> int | None:
+    """The tokens a KV cache object holds (``get_seq_length()``); None for anything else."""
+    if isinstance(leaf, torch.Tensor) or not callable(getattr(leaf, "get_seq_length", None)):
+        return None
+    try:
+        return int(leaf.get_seq_length())
+    except Exception:  # noqa: BLE001 - not a cache after all: nothing to compare
+        return None
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -120,6 +165,8 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 IN_PLACE_WHY = ("autoprec runs every batch many times (the fp32 reference, each candidate, each timing round), so each "
                 "run would see other inputs")
 IN_PLACE_FIX = "leave forward's inputs as they are (x = x * 1.5, not x.mul_(1.5)), or copy them first (x = x.clone())"
+CACHE_FIX = ("leave the KV cache out of the batches and tune --for generation: it times prefill and decode steps, "
+             "each generation on a cache of its own")
 
 
 def describe_batch(batch: Any) -> str:

@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .apply import apply_policy, remove_policy
-from .batches import IN_PLACE_FIX, IN_PLACE_WHY, changed_in_place
+from .batches import IN_PLACE_WHY, changed_in_place
 from .objective import Measurement, Objective
 from .policy import Policy
 from .trainspec import require_trainable, run_loss
@@ -182,7 +182,7 @@ def check_losses(model: nn.Module, batches: Sequence[Any], loss: Callable, path:
         changed = changed_in_place(list(batches), losses)
     if changed is not None:
         raise UserCodeError(path, "loss()", f"changed training {changed} in place (in loss() or the model's forward): "
-                            f"{IN_PLACE_WHY}", IN_PLACE_FIX)
+                            f"{IN_PLACE_WHY}", changed.fix)
     for i, value in enumerate(values):
         if not torch.isfinite(value):
             raise UserCodeError(path, "loss()", f"returned {value.item()} on training batch {i} for the unchanged "

@@ -28,7 +28,6 @@ import torch.utils._pytree as pytree
 
 from .apply import apply_policy, remove_policy
 from .batches import (
-    IN_PLACE_FIX,
     IN_PLACE_WHY,
     OutputError,
     call_model,
@@ -207,7 +206,7 @@ class Evaluator(Objective):
         changed = changed_in_place(self.batches, reference_run)
         if changed is not None:
             raise BatchError(f"the model changed {changed} in place when run in fp32: {IN_PLACE_WHY}; "
-                             f"fix: {IN_PLACE_FIX}")
+                             f"fix: {changed.fix}")
         if fp32 is None:
             self.metric_fp32 = self._sqnr(self.reference)
             return

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .apply import applied_policy, apply_policy, effective_precisions, remove_policy
-from .distributed.models import storage_of
+from .distributed.models import FSDP_CASTS_FIX, fsdp_casts, unwrap
 from .formats import FP8Linear
 from .mx import BlockScaledLinear
 from .policy import Policy, PolicyError
@@ -38,19 +38,32 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 class _Watch(TorchDispatchMode):
     """Each compute op's module and dtype, and the parameter storages every op read, by module running."""
 
-    def __init__(self, module_stack: list[str], storages: dict[int, str]) -> None:
+    def __init__(self, module_stack: list[str], ruled: dict[str, nn.Module]) -> None:
         super().__init__()
         self.module_stack = module_stack
-        self.storages = storages  # parameter storage -> the module owning the parameter
+        self.ruled = ruled
+        self.storages: dict[int, str] = {}  # parameter storage -> the module owning the parameter
+        self.find_weights()
         self.ran: dict[str, set[str]] = {}  # module -> dtypes its compute ops ran in
         self.read_by: dict[str, set[str]] = {}  # module owning a parameter -> modules running when an op read it
+
+    def find_weights(self) -> None:
+        """Where each ruled module's weights are now: FSDP2 sets gathered ones (plain tensors) for its forward and
+        frees them after, so this runs as each module starts and ends. Its shards (DTensors) are not what ops read."""
+        self.storages = {}
+        for name, module in self.ruled.items():
+            for p in module.parameters(recurse=False):
+                try:
+                    self.storages[p.untyped_storage().data_ptr()] = name
+                except RuntimeError:  # a shard (DTensor) has no storage of its own
+                    continue
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         running = self.module_stack[-1] if self.module_stack else ""
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         for t in tensors:
-            owner = self.storages.get(storage_of(t))
+            owner = self.storages.get(t.untyped_storage().data_ptr()) if t.layout == torch.strided else None
             if owner is not None:
                 self.read_by.setdefault(owner, set()).add(running)
         dtype = next((t.dtype for t in tensors if t.is_floating_point()), None)
@@ -75,17 +88,22 @@ def check_policy_runs(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, 
     """Run ``model`` (a policy applied with :func:`autoprec.apply_policy`) once on ``args``/``kwargs`` without
     gradients and return, for each module with a rule of its own that ran a compute op, the precision it
     ran in. Raises :class:`PolicyError` naming every such module that did not run in its rule's precision,
-    or whose forward never ran while an op read its weights (the rule cannot take effect there)."""
+    or whose forward never ran while an op read its weights (the rule cannot take effect there).
+
+    A model in DDP or torch.compile is checked by running the model inside (eager, without DDP's collectives);
+    one sharded by FSDP2 runs a forward of the job, which gathers weights: every rank calls it."""
     policy = applied_policy(model)
     if policy is None:
         raise PolicyError("check_policy_runs needs a model with a policy applied; call autoprec.apply_policy first")
+    model = unwrap(model)  # DDP's replica runs its own forward: checked without DDP's collectives
+    casts = fsdp_casts(model)
+    if casts is not None:
+        raise PolicyError(f"check_policy_runs: {casts}; {FSDP_CASTS_FIX}")
     precisions = effective_precisions(model, policy)
     ruled = {name: module for name, module in model.named_modules() if policy.rule_for(name) is not None}
-    storages = {storage_of(p): name for name, module in ruled.items() for p in module.parameters(recurse=False)}
-    storages.pop(None, None)
     called: set[str] = set()
-    with modules_running(model, lambda name, *_: called.add(name)) as module_stack:
-        watch = _Watch(module_stack, storages)
+    with modules_running(model, lambda name, *_: called.add(name), lambda: watch.find_weights()) as module_stack:
+        watch = _Watch(module_stack, ruled)
         with torch.no_grad(), watch:
             model(*args, **kwargs)
     ran, wrong = {}, []

@@ -259,17 +259,24 @@ class _OpRecorder(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def modules_running(model: nn.Module, on_leave: Callable[[str, tuple, dict, Any], None] | None = None
-                    ) -> Iterator[list[str]]:
-    """The paths of the modules running right now, innermost last, kept by forward hooks."""
+def modules_running(model: nn.Module, on_leave: Callable[[str, tuple, dict, Any], None] | None = None,
+                    on_change: Callable[[], None] | None = None) -> Iterator[list[str]]:
+    """The paths of the modules running right now, innermost last, kept by forward hooks. ``on_change()`` runs
+    as each module starts and ends (after FSDP2's own hooks have set or freed its gathered weights)."""
     module_stack: list[str] = []
 
     def enter(name: str) -> Callable:
-        return lambda module, args, kwargs: module_stack.append(name)
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            module_stack.append(name)
+            if on_change is not None:
+                on_change()
+        return hook
 
     def leave(name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             module_stack.pop()
+            if on_change is not None:
+                on_change()
             if on_leave is not None:
                 on_leave(name, args, kwargs, output)
         return hook

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .distributed.agree import check_policy_agrees, training_groups
 from .formats import FP8Linear
 from .policy import Policy
 
@@ -20,11 +21,16 @@ __all__ = ["TrainStep", "fp8_layers"]
 
 
 class TrainStep:
-    """``step(loss)``: backward, optimizer step and zero_grad, with loss scaling when needed."""
+    """``step(loss)``: backward, optimizer step and zero_grad, with loss scaling when needed.
+
+    In a job of several processes every rank makes its TrainStep (as every rank trains): they compare their
+    policies once, and a rank with another policy is refused in one line that names it."""
 
     def __init__(self, policy: Policy, optimizer: torch.optim.Optimizer, device: str | torch.device = "cpu",
                  max_grad_norm: float | None = None) -> None:
         self.optimizer = optimizer
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        check_policy_agrees(policy, training_groups(params), "TrainStep")  # a collective, on every rank
         self.scaler = policy.grad_scaler(device)
         self.max_grad_norm = max_grad_norm
 

@@ -28,8 +28,9 @@ from .budget import Budget
 from .capture import capture
 from .compare import timed_together
 from .config import TuneConfig, check_device
-from .distributed.models import sharded
+from .distributed.models import sharded, unwrap
 from .distributed.ranks import ONE_PROCESS, Ranks
+from .distributed.tuning import check_same_work
 from .fits import check_fits, free_memory
 from .formats import Precision, device_capabilities
 from .jsonsafe import finite_or_none
@@ -201,6 +202,10 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
          ) -> TuneResult:
     """The pipeline, once for every workload: checks, profile, search, verify, outputs."""
     # Cheap checks first: nothing expensive runs before every argument is known to be usable.
+    if unwrap(workload.model) is not workload.model:  # a DDP model from get_model(): the policy names its layers
+        log(f"tuning the model inside {type(workload.model).__name__} (the policy names its layers as apply_policy "
+            "sees them through the wrapper)")
+        workload.model = unwrap(workload.model)
     check_fp32_model(workload.model)  # a .half() or meta model: one line now, not wrong labels later
     cache_was = torch.is_autocast_cache_enabled()  # as it was, when the tune ends
     if sharded(workload.model):  # one model, a part on each rank: every rank runs every forward (see Ranks.together)
@@ -208,16 +213,19 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
             raise ValueError(f"a sharded model (fully_shard) is tuned for inference only for now, not for "
                              f"{workload.name}: build the model whole in get_model() (wrap may still shard it)")
         ranks = ranks.together()
-        # autocast's cast cache would keep a low-precision copy of every gathered weight until the forward ends
-        # (half the model again in bf16 or fp16); the casts are the same without it
-        torch.set_autocast_cache_enabled(False)
     workload.check(config)
+    # every rank profiles the same weights and batches, or the job ends here naming the rank that differs
+    check_same_work(workload, ranks)
     the_budget = workload.budget(config, getattr(workload, "evaluate", None) is not None)
     space = SearchSpace.load(config.search_space) if config.search_space != "auto" else None
     device = check_device(config.device)  # the config may have been written on another machine
     out_dir = config.out if ranks.writes else None  # one rank writes the outputs
     phase = "checking"
     try:
+        if ranks.world_size > 1 and not ranks.divides_work:  # one sharded model
+            # autocast's cast cache would keep a low-precision copy of every gathered weight until the forward ends
+            # (half the model again in bf16 or fp16); the casts are the same without it
+            torch.set_autocast_cache_enabled(False)
         with claim_out_dir(out_dir) if out_dir is not None else contextlib.nullcontext():
             # a single worker owns its study (one rank fails its stale trials before the others start);
             # other workers' running trials are theirs

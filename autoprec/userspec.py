@@ -26,7 +26,6 @@ from torch import nn
 
 from .batches import (
     BATCH_FORMS,
-    IN_PLACE_FIX,
     IN_PLACE_WHY,
     OutputError,
     batch_args,
@@ -262,7 +261,7 @@ def _check_model_runs(model: nn.Module, batches: list, path: Path, fidelity: boo
                 ) from error
             if changed is not None:
                 raise UserCodeError(path, "get_model()", f"its forward changed {changed} in place: {IN_PLACE_WHY}",
-                                    IN_PLACE_FIX)
+                                    changed.fix)
             if fidelity:
                 try:
                     fidelity_outputs(output, batch_index=i)

@@ -56,6 +56,12 @@ def _sample_of(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(-1).as_strided((count,), (step,), weight.storage_offset() + numel - 1 - (count - 1) * step)
 
 
+def _same(kept: torch.Tensor, sample: torch.Tensor) -> bool:
+    """Whether a weight's sample still holds the values ``kept``: equal_nan, so that a weight holding a NaN still
+    matches itself (torch.equal says NaN != NaN)."""
+    return torch.equal(kept, sample) or torch.allclose(kept, sample, rtol=0, atol=0, equal_nan=True)
+
+
 class WeightCache:
     """Values made from a weight, by kind ("emulated", ...), remade when the weight changes.
 
@@ -74,12 +80,9 @@ class WeightCache:
         key = (weight.data_ptr(), weight._version, weight.device, tuple(weight.shape), weight.dtype)
         hit = self._entries.get(kind)
         if hit is not None and hit[0] == key:
-            sample = hit[1] if hit[1] is not None else _sample_of(weight)
-            # equal_nan: a weight holding a NaN still matches itself (torch.equal says NaN != NaN)
-            if torch.equal(hit[2], sample) or torch.allclose(hit[2], sample, rtol=0, atol=0, equal_nan=True):
+            if _same(hit[2], hit[1] if hit[1] is not None else _sample_of(weight)):
                 return hit[3]
-        sample = _sample_of(weight)
-        hit = (key, sample if sample._is_view() else None, sample.clone(), make())
+        hit = (key, *_kept_sample(weight), make())
         self._entries[kind] = hit
         return hit[3]
 
@@ -95,10 +98,19 @@ _WITH_WEIGHTS: dict[type, Callable[[nn.Module, torch.Tensor, torch.Tensor, torch
 }
 
 
+def _conv1d(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """transformers' ``Conv1D`` (GPT-2's linears: the weight is [in, out]), its forward on given weights."""
+    return torch.addmm(bias, x.view(-1, x.size(-1)), weight).view(*x.shape[:-1], weight.shape[-1])
+
+
 def casts_weights(module: nn.Module) -> bool:
-    """Whether :class:`CastWeights` can be ``module``'s forward: a plain Linear or Conv without a forward of its own
-    (e.g. one a framework's hook set)."""
-    return type(module) in _WITH_WEIGHTS and "forward" not in module.__dict__
+    """Whether :class:`CastWeights` can be ``module``'s forward: a plain Linear or Conv, or transformers' Conv1D
+    (GPT-2's linears), without a forward of its own (e.g. one a framework's hook set)."""
+    cls = type(module)
+    if cls.__name__ == "Conv1D" and cls.__module__ == "transformers.pytorch_utils" and cls not in _WITH_WEIGHTS \
+            and getattr(module, "bias", None) is not None:
+        _WITH_WEIGHTS[cls] = _conv1d  # registered when first met: transformers is never imported here
+    return cls in _WITH_WEIGHTS and "forward" not in module.__dict__
 
 
 class CastWeights:
@@ -114,23 +126,53 @@ class CastWeights:
     def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
         self.module = module
         self.dtype = dtype
-        self.weights, self.biases = WeightCache(), WeightCache()
+        self.cast: _Cast | None = None
 
     @property
     def __signature__(self) -> inspect.Signature:
         return inspect.signature(type(self.module).forward.__get__(self.module))
 
     def __call__(self, input: torch.Tensor) -> Any:
+        # Every decode step runs this once per linear: each check below is a fraction of a microsecond, and the
+        # whole call costs a few microseconds more than autocast's own cast-cache lookup (apply_overhead.py --llama).
         module = self.module
         weight, bias = module.weight, module.bias
-        if (torch.compiler.is_compiling() or type(module) not in _WITH_WEIGHTS or weight.device.type != "cpu"
-                or weight.dtype != torch.float32
-                or (weight.requires_grad and torch.is_grad_enabled()) or not torch.is_autocast_enabled("cpu")
-                or torch.get_autocast_dtype("cpu") != self.dtype):
+        if (torch.compiler.is_compiling() or weight.dtype is not torch.float32 or not weight.is_cpu
+                or not torch.is_autocast_enabled("cpu") or torch.get_autocast_dtype("cpu") is not self.dtype
+                or (weight.requires_grad and torch.is_grad_enabled()) or type(module) not in _WITH_WEIGHTS):
             return type(module).forward(module, input)
-        (low_weight,) = self.weights.get(weight, "cast", lambda: (weight.detach().to(self.dtype),))
-        low_bias = None if bias is None else self.biases.get(bias, "cast", lambda: (bias.detach().to(self.dtype),))[0]
-        return _WITH_WEIGHTS[type(module)](module, input, low_weight, low_bias)
+        cast = self.cast
+        if cast is None or not cast.holds(weight, bias):
+            cast = self.cast = _Cast(weight, bias, self.dtype)
+        return _WITH_WEIGHTS[type(module)](module, input, cast.weight, cast.bias)
+
+
+class _Cast:
+    """A weight and bias cast to a dtype, with what tells whether they still hold the values cast: the very
+    Parameters, their storage and version counter, and a sample of their values (see the module's docstring)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        self.source, self.source_bias = weight, bias
+        self.key = (weight.data_ptr(), weight._version)
+        self.bias_key = None if bias is None else (bias.data_ptr(), bias._version)
+        self.sample, self.kept = _kept_sample(weight)
+        self.bias_sample, self.bias_kept = (None, None) if bias is None else _kept_sample(bias)
+        self.weight = weight.detach().to(dtype)
+        self.bias = None if bias is None else bias.detach().to(dtype)
+
+    def holds(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether ``weight`` and ``bias`` are the ones cast, with the values cast (one line: this runs per call)."""
+        return (weight is self.source and bias is self.source_bias
+                and (weight.data_ptr(), weight._version) == self.key
+                and _same(self.kept, self.sample if self.sample is not None else _sample_of(weight))
+                and (bias is None or ((bias.data_ptr(), bias._version) == self.bias_key and _same(
+                    self.bias_kept, self.bias_sample if self.bias_sample is not None else _sample_of(bias)))))
+
+
+def _kept_sample(weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(the sample's view of ``weight``, or None where it is a copy; the sample's values now)."""
+    sample = _sample_of(weight)
+    return (sample if sample._is_view() else None), sample.clone()
 
 
 def hand_back_parameters(swapped: nn.Module, original: nn.Module) -> None:

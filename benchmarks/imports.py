@@ -41,9 +41,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # a policy in a model: installing it, training with it, checking where it runs
     ("apply", ("apply", "training", "rulecheck", "regionstate", "torchao_linear")),
     # precisions, the policy file, model.py and its batches, errors, how text is written; ``distributed.models``
-    # (the names of a model DDP, FSDP2 or torch.compile wrapped) is here, as every layer that names a layer needs it
+    # (the names of a model DDP, FSDP2 or torch.compile wrapped) is here, as every layer that names a layer needs it,
+    # and ``distributed.agree`` (what the ranks must hold alike), as applying a policy compares it across ranks
     ("base", ("formats", "mx", "weights", "policy", "jsonsafe", "version", "errors", "writing", "userspec",
-              "batches", "distributed.models")),
+              "batches", "distributed.models", "distributed.agree")),
 ]
 LAYER_ORDER = [layer for layer, _ in LAYERS]
 

@@ -13,7 +13,10 @@ reused), timed end to end, then:
 - training: the three train copies of the same weights on the same batches, one step each in
   turn; the ratio of step times is paired by step (median of the steps after warm-up, with its
   interval); perplexity of each after training.
-- generation (batch 1 and 4): the hook below, for `tune --for generation`.
+- generation (batch 1 and 4): `tune --for generation` on prompt batches of 1 and 4 rows (held-out documents
+  of 16-63 tokens, cut to 32), then whole greedy generations of 32 tokens (a fresh KV cache each) of fp32,
+  blanket autocast around generate and the tuned policy, in paired rounds on prompts no tune saw; the
+  prefill and per-token decode ratios apart; the share of generated tokens equal to fp32's.
 
 Prints a markdown table: time against fp32 (lower is faster), the interval, the tune's wall time,
 and held-out perplexity (fp32's, and each row's).
@@ -47,11 +50,11 @@ UNSEEN = tiny.N_BATCHES  # the first batch after the tune's: timing; the ones af
 PERPLEXITY_BATCHES = 4
 
 
-def run_tune(out: Path, *flags: str) -> tuple[autoprec.Policy, float, str]:
+def run_tune(out: Path, *flags: str, model_py: Path = MODEL_PY) -> tuple[autoprec.Policy, float, str]:
     """`autoprec tune model.py [flags]` in a subprocess as a user runs it: (policy, wall seconds, last lines)."""
     shutil.rmtree(out, ignore_errors=True)
     start = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "autoprec", "tune", str(MODEL_PY), "--out", str(out), *flags],
+    run = subprocess.run([sys.executable, "-m", "autoprec", "tune", str(model_py), "--out", str(out), *flags],
                          capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - start
     if run.returncode != 0:
@@ -111,13 +114,55 @@ def training_row(out: Path, steps: int) -> dict:
             "perplexity": perplexity}
 
 
-# ---- generation rows: the hook for `autoprec tune --for generation` --------------------------------------------
-# TODO(generation): for batch 1 and 4, run_tune(out, "--for", "generation") on tiny.get_prompts(n, batch_size=B),
-# then time tiny.generate(model, prompts) (prefill + tiny.NEW_TOKENS decode steps) for fp32, blanket autocast
-# around generate, and the tuned policy in paired rounds (compare() over three callables), and score the
-# continuation perplexity; return a dict shaped as prefill_row's, keyed "generation b1" / "generation b4".
+# ---- generation rows: `autoprec tune --for generation` at batch 1 and 4 ------------------------------------------
+GENERATION_MODEL_PY = '''"""benchmarks/llm.py's generation row: tiny_llm's model.py with batches of {batch} prompts."""
+import sys
+
+sys.path.insert(0, {folder!r})
+import model as tiny  # noqa: E402
+from model import HIGHER_IS_BETTER, evaluate, generate, get_model  # noqa: E402,F401
+
+
+def get_batches():
+    return tiny.get_prompts(tiny.N_BATCHES, batch_size={batch})
+'''
+
+
+def generation_row(out: Path, batch_size: int, seconds: float) -> dict:
+    """`autoprec tune --for generation` on prompts of ``batch_size`` rows, then whole greedy generations
+    (prefill + tiny.NEW_TOKENS - 1 decode steps, a fresh KV cache each) of fp32, blanket autocast around
+    generate, and the tuned policy, in paired rounds on a prompt batch no tune saw."""
+    from autoprec.workloads.generation import GenerationTimes, generation_runs
+
+    out.mkdir(parents=True, exist_ok=True)
+    model_py = out.parent / f"tiny_llm_generation_b{batch_size}.py"
+    model_py.write_text(GENERATION_MODEL_PY.format(folder=str(MODEL_PY.parent), batch=batch_size))
+    policy, tune_s, tail = run_tune(out, "--for", "generation", "--new-tokens", str(tiny.NEW_TOKENS),
+                                    model_py=model_py)
+    print(tail)
+    model = tiny.get_model()
+    prompts = tiny.get_prompts(1, batch_size=batch_size, start=tiny.N_BATCHES)[0]
+    scored = tiny.get_batches(PERPLEXITY_BATCHES, start=UNSEEN + 1)
+    runners = {"fp32": None, "autocast": Precision.BF16, "tuned": policy}
+    splits: dict = {}
+    runs = generation_runs(model, prompts, runners, torch.device("cpu"), tiny.generate, splits)
+    timing = compare(runs, reference="fp32", until="precise", rel_precision=0.02, max_rounds=100,
+                     max_seconds=seconds)
+    parts = GenerationTimes.of({k: timing.samples[k] for k in runners}, splits)
+    texts = {k: run()[:, prompts["input_ids"].shape[1]:] for k, run in runs.items()}
+    return {"tune_s": tune_s, "policy": policy.to_dict(), "verdict": timing.verdict, "batch": batch_size,
+            "new_tokens": tiny.NEW_TOKENS,
+            "ms": {k: timing.ms(k).estimate for k in runners},
+            "ratio": {k: vars(timing.ratio(k, "fp32")) for k in ("autocast", "tuned")},
+            "tuned_over_autocast": vars(timing.ratio("tuned", "autocast")),
+            "prefill_ratio": {k: vars(r) for k in ("autocast", "tuned") if (r := parts.ratio("prefill", k))},
+            "decode_ratio": {k: vars(r) for k in ("autocast", "tuned") if (r := parts.ratio("decode", k))},
+            "tokens_as_fp32": {k: float((t == texts["fp32"]).float().mean()) for k, t in texts.items()},
+            "perplexity": {k: perplexity_under(model, how, scored) for k, how in runners.items()}}
+
+
 def generation_rows(out: Path, seconds: float) -> dict:
-    raise NotImplementedError("tune --for generation is not in this autoprec yet")
+    return {f"generation b{b} x {tiny.NEW_TOKENS} tokens": generation_row(out / f"b{b}", b, seconds) for b in (1, 4)}
 
 
 def table(rows: dict, trained: dict) -> str:
@@ -127,18 +172,30 @@ def table(rows: dict, trained: dict) -> str:
              f"{trained['held_out_perplexity']:.1f}. Time / fp32: lower is faster; [95% interval].", "",
              "| row | tune time | blanket autocast / fp32 | tuned / fp32 | tuned / autocast | perplexity fp32 / "
              "autocast / tuned |", "|---|---|---|---|---|---|"]
+    def show(d: dict) -> str:
+        return f"{d['estimate']:.2f}x [{d['low']:.2f}, {d['high']:.2f}]"
+
     for name, r in rows.items():
-        def show(d: dict) -> str:
-            return f"{d['estimate']:.2f}x [{d['low']:.2f}, {d['high']:.2f}]"
         p = r["perplexity"]
         lines.append(f"| {name} | {r['tune_s']:.0f} s | {show(r['ratio']['autocast'])} | {show(r['ratio']['tuned'])} | "
                      f"{show(r['tuned_over_autocast'])} | {p['fp32']:.1f} / {p['autocast']:.1f} / {p['tuned']:.1f} |")
+    generation = {name: r for name, r in rows.items() if "decode_ratio" in r}
+    if generation:
+        lines += ["", "| generation row | prefill: autocast / fp32 | prefill: tuned / fp32 | decode step: autocast / "
+                  "fp32 | decode step: tuned / fp32 | tokens as fp32's: autocast / tuned |",
+                  "|---|---|---|---|---|---|"]
+        for name, r in generation.items():
+            cells = [show(r[part][k]) if k in r[part] else "-" for part in ("prefill_ratio", "decode_ratio")
+                     for k in ("autocast", "tuned")]
+            same = r["tokens_as_fp32"]
+            lines.append(f"| {name} | {' | '.join(cells)} | {same['autocast']:.0%} / {same['tuned']:.0%} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="prefill,training", help="comma-separated: prefill, training, generation")
+    parser.add_argument("--rows", default="prefill,generation,training",
+                        help="comma-separated: prefill, generation, training")
     parser.add_argument("--seconds", type=float, default=90.0, help="prefill timing cap (default 90)")
     parser.add_argument("--steps", type=int, default=16, help="training steps of the side-by-side run")
     parser.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "autoprec-llm-bench"))

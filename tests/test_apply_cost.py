@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoprec import Policy, apply_policy, remove_policy
 from autoprec.budget import Budget
+from autoprec.formats import Capability, Precision
 from autoprec.measure import Evaluator
 from autoprec.results import results_table
 from autoprec.verify import bench_policy
@@ -104,7 +105,31 @@ def test_convs_cast_once_and_match_autocast():
     assert casts.count == 0 and torch.equal(got, want)
 
 
-@pytest.mark.parametrize("refresh", ["load_state_dict", "data.copy_", "bias.data.copy_"])
+def small_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    with seeded(0):
+        return GPT2LMHeadModel(config).eval()
+
+
+def test_gpt2_conv1d_linears_cast_once_and_match_autocast():
+    reference, model = small_gpt2(), small_gpt2()
+    conv1d = [m.weight for m in model.modules() if type(m).__name__ == "Conv1D"]
+    assert len(conv1d) == 8  # c_attn, c_proj, mlp.c_fc, mlp.c_proj in each of 2 blocks
+    apply_policy(model, Policy(default="bf16"))
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids)
+        with WeightCasts(conv1d) as casts:
+            got = model(input_ids=ids).logits
+        with BF16:
+            want = reference(input_ids=ids).logits
+    assert casts.count == 0  # under autocast alone every Conv1D weight is cast at every forward
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("refresh", ["load_state_dict", "data.copy_", "bias.data.copy_", "data =", "new Parameter"])
 def test_a_weight_refresh_is_cast_again(refresh):
     model, new, x = TinyMLP(seed=0), TinyMLP(seed=1), torch.randn(4, 16)
     apply_policy(model, Policy(default="bf16"))
@@ -117,6 +142,13 @@ def test_a_weight_refresh_is_cast_again(refresh):
                 if isinstance(mine, nn.Linear):
                     mine.weight.data.copy_(theirs.weight)
                     mine.bias.data.copy_(theirs.bias)
+        elif refresh in ("data =", "new Parameter"):  # the same Parameter on new storage, or another Parameter
+            for mine, theirs in zip(model.modules(), new.modules()):
+                if isinstance(mine, nn.Linear):
+                    if refresh == "data =":
+                        mine.weight.data, mine.bias.data = theirs.weight.clone(), theirs.bias.clone()
+                    else:
+                        mine.weight, mine.bias = nn.Parameter(theirs.weight.clone()), nn.Parameter(theirs.bias.clone())
         else:  # the bias alone
             for mine, theirs in zip(model.modules(), new.modules()):
                 if isinstance(mine, nn.Linear):
@@ -225,7 +257,16 @@ def test_a_users_evaluate_is_handed_fp32_outputs():
     assert seen == [torch.float32, torch.float32]  # fp32's run, then the policy's: the same values, in fp32
 
 
-def test_bench_of_a_blanket_policy_shows_its_own_times_under_its_own_label():
+def test_bench_of_a_blanket_policy_shows_its_own_times_under_its_own_label(monkeypatch):
+    import autoprec.verify as verify_module
+
+    def bf16_only(device: torch.device) -> dict:  # the baseline is the faster of bf16 and fp16, measured: keep it bf16
+        caps = dict(real_capabilities(device))
+        caps[Precision.FP16] = Capability.EMULATED
+        return caps
+
+    real_capabilities = verify_module.device_capabilities
+    monkeypatch.setattr(verify_module, "device_capabilities", bf16_only)
     model, batches = TinyMLP(), [torch.randn(8, 16)]
     v = bench_policy(model, batches, Policy(default="bf16"), Budget(min_sqnr=10), repeats=3, max_seconds=3.0)
     table = results_table(v)

@@ -14,6 +14,7 @@ import os
 import socket
 import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -385,14 +386,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, port: int, folder: str) -> None:
+def _worker(rank: int, port: int, folder: str, checks: Callable[[str], dict], world: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # A check that fails on one rank leaves the other waiting in a collective: the timeout ends that wait.
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     torch.set_num_threads(1)
     results = {}
     try:
-        for name, (check, *args) in _checks(folder).items():
+        for name, (check, *args) in checks(folder).items():
             try:
                 check(*args, rank)
                 results[name] = "ok"
@@ -406,20 +407,25 @@ def _worker(rank: int, port: int, folder: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[str, dict[int, str]]:
+def spawn_checks(folder: Path, checks: Callable[[str], dict], world: int, limit_s: float) -> dict[str, dict[int, str]]:
+    """Every check of ``checks(folder)`` (name -> (function, its arguments before the rank)) run in turn on
+    ``world`` gloo processes: check name -> rank -> "ok", "skip: why" or the error."""
     if not dist.is_available():
         pytest.skip("this torch has no torch.distributed")
-    folder = tmp_path_factory.mktemp("dist")
-    ranks = mp.spawn(_worker, args=(_free_port(), str(folder)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + 900
-    while not ranks.join(timeout=5):
+    ranks = mp.spawn(_worker, args=(_free_port(), str(folder), checks, world), nprocs=world, join=False)
+    deadline = time.monotonic() + limit_s
+    while not ranks.join(timeout=2):
         if time.monotonic() > deadline:
             for process in ranks.processes:
                 process.kill()
-            pytest.fail("the 2-process checks did not finish within 900 s")
-    by_rank = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(WORLD)]
-    return {name: {r: by_rank[r][name] for r in range(WORLD)} for name in by_rank[0]}
+            pytest.fail(f"the {world}-process checks did not finish within {limit_s:.0f} s")
+    by_rank = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(world)]
+    return {name: {r: by_rank[r][name] for r in range(world)} for name in by_rank[0]}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict[int, str]]:
+    return spawn_checks(tmp_path_factory.mktemp("dist"), _checks, WORLD, 900)
 
 
 def _check(results: dict, name: str) -> None:

@@ -200,12 +200,35 @@ def test_a_model_that_cannot_generate_is_one_line_naming_the_fix():
         GenerationWorkload(torch.nn.Sequential(torch.nn.Embedding(512, 8)), prompts())
 
 
-@pytest.mark.parametrize("setting, said", [({"target": "h100"}, "without --target"),
-                                           ({"compile": True}, "without it")])
-def test_settings_generation_cannot_time_are_refused_before_any_work(setting, said, tmp_path):
+@pytest.mark.parametrize("workload, setting, said", [
+    (lambda: GenerationWorkload(tiny_gpt2(), prompts()), {"compile": True}, "without it"),
+    (lambda: GenerationWorkload(tiny_gpt2(), prompts(), generate=lambda m, b: hf_generate(m, b, 3)),
+     {"target": "h100"}, "without generate"),
+])
+def test_settings_generation_cannot_time_are_refused_before_any_work(workload, setting, said, tmp_path):
     with pytest.raises(ValueError, match=said):
-        tune(GenerationWorkload(tiny_gpt2(), prompts()), TuneConfig(out=tmp_path / "out", **setting))
+        tune(workload(), TuneConfig(out=tmp_path / "out", **setting))
     assert not (tmp_path / "out" / "profile.json").exists()
+
+
+def test_target_prices_the_decode_steps_at_their_own_shapes(tmp_path):
+    """--target for generation: each layer's estimate is its prefill at the prompts' shapes plus new_tokens - 1
+    decode steps at one token per row, where the linears are memory-bound (bf16 about halves their time)."""
+    from autoprec.costmodel import linear_ms
+
+    profiles = {}
+    for n in (2, 9):
+        out = tune(GenerationWorkload(tiny_llama(), prompts(), new_tokens=n),
+                   TuneConfig(out=tmp_path / f"out{n}", target="h100", trials=2, progress=False))
+        profiles[n] = json.loads((tmp_path / f"out{n}" / "profile.json").read_text())
+        assert out.policy.result["estimated_for"] == "h100"
+        assert "Estimated for h100 by the cost model" in (tmp_path / f"out{n}" / "report.md").read_text()
+    layers = {n: {layer["name"]: layer for layer in p["layers"]} for n, p in profiles.items()}
+    name = "model.layers.0.mlp.up_proj"  # 64 -> 128, the decode step's 2 rows
+    for precision in ("fp32", "bf16"):
+        seven_steps = layers[9][name]["latency_ms"][precision] - layers[2][name]["latency_ms"][precision]
+        assert seven_steps == pytest.approx(7 * linear_ms("h100", 2, 64, 128, precision, activation_bytes=4), rel=1e-6)
+    assert "decode steps" in profiles[9]["timed"] and "estimated for h100" in profiles[9]["timed"]
 
 
 def test_prompts_holding_a_cache_and_too_few_tokens_are_refused():
@@ -224,3 +247,24 @@ def test_the_cli_refuses_what_generation_cannot_do_in_one_line(cli_models, capsy
     assert main(["tune", str(cli_models / "mlp.py"), "--for", "generation"]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("autoprec tune: error: ") and "defines no generate(model, batch)" in err
+
+
+@pytest.mark.parametrize("where", ["timing_batch", "batches"])
+def test_a_decode_step_batch_whose_cache_grows_is_one_line_not_a_silently_longer_cache(where):
+    """The cache-growth bug through the Python API: a decode step (one token on a DynamicCache of 16) as the
+    timing batch, or as a search batch, grew by a token at every forward the tune ran."""
+    from autoprec.measure import BatchError
+    from autoprec.workloads.inference import InferenceWorkload
+
+    model, batch = tiny_llama(), prompts(1)[0]
+    with torch.no_grad():
+        cache = model(**batch, use_cache=True).past_key_values
+    step = {"input_ids": batch["input_ids"][:, -1:], "past_key_values": cache}
+    plain = prompts(3)
+    if where == "timing_batch":
+        workload = InferenceWorkload(model, plain[:2], holdout_batches=plain[2:], timing_batch=step)
+    else:
+        workload = InferenceWorkload(model, [step, plain[0]], holdout_batches=plain[2:])
+    with pytest.raises(BatchError, match=r"DynamicCache of 16 tokens: 17 after one forward.*tune --for generation"):
+        workload.objective(torch.device("cpu"))
+    assert cache.get_seq_length() == (16 if where == "timing_batch" else 17)  # the timing batch is checked on a copy

@@ -21,8 +21,8 @@ from functools import cache
 import torch
 from torch import nn
 
-__all__ = ["Morphed", "fsdp_managed", "local_part", "morph", "own_class", "per_rank_buffers",
-           "restore_buffers", "sharded", "storage_of", "unmorph", "unwrap"]
+__all__ = ["FSDP_CASTS_FIX", "Morphed", "fsdp_casts", "fsdp_managed", "local_part", "morph", "own_class",
+           "per_rank_buffers", "restore_buffers", "sharded", "storage_of", "unmorph", "unwrap"]
 
 
 def _outer_wrappers() -> dict[type, str]:
@@ -109,6 +109,34 @@ def fsdp_managed(model: nn.Module) -> set[int]:
     if not bases:
         return set()
     return {id(m) for sharded in model.modules() if isinstance(sharded, bases[0]) for m in sharded.modules()}
+
+
+def fsdp_casts(model: nn.Module) -> str | None:
+    """Where FSDP2's own mixed precision casts ``model``'s weights or gradients, in words that name the call as
+    the user wrote it; None where every ``fully_shard`` computes and reduces in fp32. Its casts reach every
+    layer it shards, over a policy's per-layer precisions: a policy's fp32 layer would compute on rounded
+    weights and still count as fp32. :data:`FSDP_CASTS_FIX` is the fix."""
+    bases = _composable_bases()
+    for name, module in model.named_modules():
+        if not bases or not isinstance(module, bases[0]):
+            continue
+        try:  # FSDP2 keeps the policy on its state only; looked up softly (a private attribute)
+            mp = module._get_fsdp_state()._mp_policy
+        except (AttributeError, AssertionError):  # pragma: no cover - a torch that moved it
+            continue
+        harm = {"param_dtype": "an fp32 rule would compute on {}-rounded weights",
+                "reduce_dtype": "an fp32 rule's gradients would be averaged in {}"}
+        casts = {field: str(dtype).removeprefix("torch.") for field in harm
+                 if (dtype := getattr(mp, field, None)) not in (None, torch.float32)}
+        if casts:
+            return (f"fully_shard({f'model.{name}' if name else 'model'}, mp_policy=MixedPrecisionPolicy("
+                    f"{', '.join(f'{field}=torch.{dtype}' for field, dtype in casts.items())})) casts every layer it "
+                    f"shards, over the policy's per-layer precisions "
+                    f"({'; '.join(harm[field].format(dtype) for field, dtype in casts.items())})")
+    return None
+
+
+FSDP_CASTS_FIX = "drop mp_policy from fully_shard (the policy's bf16 and fp16 layers cast in their own regions)"
 
 
 _morphed_classes: dict[tuple[type, type], type] = {}

@@ -22,9 +22,11 @@ from typing import Any, Callable
 from torch import nn
 
 from ..errors import is_users
+from .agree import digest
+from .models import FSDP_CASTS_FIX, fsdp_casts, sharded
 from .ranks import RankFailed, Ranks, from_torchrun
 
-__all__ = ["by_layer_names", "device_of_rank", "job_wrap", "on_every_rank"]
+__all__ = ["by_layer_names", "check_same_work", "device_of_rank", "job_wrap", "on_every_rank"]
 
 
 def device_of_rank(device: str) -> str:
@@ -52,8 +54,55 @@ def job_wrap(spec: Any, for_training: bool) -> Callable[[nn.Module], nn.Module] 
             raise UserCodeError(spec.path, "wrap()", f"returned {kind_of(job)}, not a torch.nn.Module",
                                 "return the wrapped model, e.g. `fully_shard(model); return model` or "
                                 "`return DistributedDataParallel(model)`")
+        casts = fsdp_casts(job)
+        if casts is not None:  # the tune's fp32 baseline and fp32 rules would run on rounded weights
+            raise UserCodeError(spec.path, "wrap()", casts, FSDP_CASTS_FIX)
         return job
     return wrapped
+
+
+def check_same_work(workload: Any, ranks: Ranks) -> None:
+    """Every rank of a tune profiles the same model on the same batches (the ranks share the work, not the data):
+    a digest of each rank's weights and of each of the ``workload``'s batches (its ``batches``, then any
+    ``holdout_batches``, as get_batches() gave them, and any ``train_batches`` of their own;
+    :func:`~autoprec.distributed.agree.digest`, a strided sample of every tensor), gathered once before any
+    expensive work. The first rank that holds another model or batch than the first rank ends the job in one
+    line naming it, what differs and the fix."""
+    if ranks.world_size < 2:
+        return
+    import torch
+
+    model, batches = workload.model, [*workload.batches, *(getattr(workload, "holdout_batches", None) or [])]
+    train = getattr(workload, "train_batches", None)
+    with torch.no_grad():
+        # a sharded model's ranks hold different shards of it, by design: its structure is compared, not its weights
+        tensors = [] if sharded(model) else [dict(model.named_parameters()), dict(model.named_buffers())]
+        weights = digest([[(name, type(m).__qualname__) for name, m in model.named_modules()], *tensors])
+        held = (weights, [digest(b) for b in batches],
+                [digest(b) for b in train] if train is not None and train is not workload.batches else [])
+    everyone = ranks.gather(held)
+    first = everyone[0]
+    rank = next((r for r, theirs in enumerate(everyone) if theirs != first), None)
+    if rank is None:
+        return
+    theirs = everyone[rank]
+    if theirs[0] != first[0]:
+        what = ("its model (get_model()) differs from rank 0's: every rank of a tune profiles the same model; seed "
+                "its initialisation (torch.manual_seed in get_model) or load the same weights on every rank")
+    else:
+        same = "every rank of a tune profiles the same batches (the ranks share the work, not the data)"
+        fix = "give every rank all of them (seed random data; leave DistributedSampler to your training job)"
+        for kind, mine, first_ in (("batch", theirs[1], first[1]), ("training batch", theirs[2], first[2])):
+            if len(mine) != len(first_):
+                what = f"it has {len(mine)} {kind}es where rank 0 has {len(first_)}: {same}; {fix}"
+                break
+            index = next((i for i, (a, b) in enumerate(zip(mine, first_)) if a != b), None)
+            if index is not None:
+                what = f"its {kind} {index} differs from rank 0's: {same}; {fix}"
+                break
+    if ranks.rank == rank:
+        raise ValueError(what)
+    raise RankFailed(f"rank {rank}: {what}")  # said by that rank, once
 
 
 def by_layer_names(job: nn.Module, model: nn.Module) -> nn.Module:

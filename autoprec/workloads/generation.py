@@ -17,7 +17,9 @@ ms per decode token for each entry, and says when the two want different precisi
 What the search prices (:meth:`GenerationWorkload.profile`): each layer's time in a whole generation, the
 prefill forward plus ``new_tokens - 1`` decode steps, from a latency profile at the prompts' shapes and one at
 the decode shape (one token per row: a linear sees M = batch rows, as in a decode step; attention over the
-cache is not in it). ``--target`` is refused: its cost model prices the prompts' shapes only for now.
+cache is not in it). With ``--target`` both are the cost model's estimates for that GPU at the same shapes: a
+decode step's linears read all their weights for a few rows, so there weight bytes set the time (bf16 halves
+it, FP8 quarters it), where the prefill's are compute-bound.
 
 The default metric (without ``evaluate``) is the perplexity of the held-out prompts, teacher-forced: each
 prompt token predicted from those before it, padded positions (``attention_mask`` 0) never counted; lower is
@@ -284,9 +286,10 @@ class GenerationWorkload(InferenceWorkload):
                    generate=getattr(spec, "generate", None))
 
     def check(self, config: TuneConfig) -> None:
-        if config.target is not None:
-            raise ValueError("--target estimates a forward at the prompts' shapes, and decode runs on shapes of "
-                             "its own: tune --for generation without --target (it measures on this device)")
+        if config.target is not None and self.generate is not None:
+            raise ValueError("--target prices decode steps from model.generate's one-token forwards, and a model.py "
+                             "generate() may decode otherwise: tune --for generation --target without generate() in "
+                             f"{self.path.name} (greedy model.generate is used), or without --target")
         if config.compile:
             raise ValueError("--compile times forwards only for now: tune --for generation without it")
         if self.wrap is not None:
@@ -309,24 +312,33 @@ class GenerationWorkload(InferenceWorkload):
         run by ``model.generate`` (a model.py generate() may decode otherwise) and where something can pay off."""
         profile = super().profile(table, device, config, capture_seconds)
         profile.fingerprint = self.fingerprint()
-        if self.generate is None and not profile.nothing_pays_off and config.target is None:
-            self._add_decode(profile, device)
+        if self.generate is None and (not profile.nothing_pays_off or config.target is not None):
+            self._add_decode(profile, device, config.target)
         return profile
 
-    def _add_decode(self, profile: Any, device: torch.device) -> None:
-        from ..profile.latency import measure_latency
-
+    def _add_decode(self, profile: Any, device: torch.device, target: str | None = None) -> None:
+        """Each layer's time in ``new_tokens - 1`` decode steps added to its prefill time: measured here, or with
+        ``target`` estimated by the cost model at the decode step's own shapes (one token per row: the linears
+        read all their weights for a few rows, so weight bytes, not FLOPs, set their time)."""
         batch = to_device(self.batches[0], device)
         ids, mask = prompt_tokens(batch)
         step = ({**batch, "input_ids": ids[:, -1:], "attention_mask": mask[:, -1:]} if isinstance(batch, dict)
                 else ids[:, -1:])
         timed = [p for p in profile.precisions if any(p in layer.latency_ms for layer in profile.layers)]
-        emulated = [Precision(p) for p in timed if profile.capabilities.get(p) == "emulated"]
         fp8_layers = [layer.name for layer in profile.layers
                       if any(Precision(p).swaps_linear and p in layer.latency_ms for p in timed)]
-        decode = measure_latency(self.model, step, [layer.name for layer in profile.layers], fp8_layers,
-                                 [Precision(p) for p in timed], device, repeats=5, emulated=emulated,
-                                 end_to_end_seconds=5.0)
+        if target is not None:
+            from ..capture import capture
+            from ..costmodel import estimated_latency
+
+            decode = estimated_latency(target, capture(self.model, [step]), timed, fp8_layers)
+        else:
+            from ..profile.latency import measure_latency
+
+            emulated = [Precision(p) for p in timed if profile.capabilities.get(p) == "emulated"]
+            decode = measure_latency(self.model, step, [layer.name for layer in profile.layers], fp8_layers,
+                                     [Precision(p) for p in timed], device, repeats=5, emulated=emulated,
+                                     end_to_end_seconds=5.0)
         steps = self.new_tokens - 1
         for layer in profile.layers:
             for p in layer.latency_ms:
@@ -338,7 +350,8 @@ class GenerationWorkload(InferenceWorkload):
         for k in profile.end_to_end_ms:
             profile.end_to_end_ms[k] += steps * decode.end_to_end_ms.get(k, 0.0)
         profile.prediction_error_pct = {}  # the prefill's check; a generation's is verification's to measure
-        profile.timed = f"generation: a prefill forward and {steps} decode steps (one-token forwards)"
+        profile.timed = (f"generation: a prefill forward and {steps} decode steps (one-token forwards)"
+                         + (f", estimated for {target} by the cost model" if target is not None else ""))
 
     def generation(self) -> Callable[[nn.Module, Any], Any]:
         """``(model, batch) -> output``: one generation as this workload runs it."""
@@ -410,6 +423,11 @@ class GenerationWorkload(InferenceWorkload):
                   "out; lower is better)." if self.default_metric else "The metric is model.py's evaluate().")
         lines = ["## Prefill and decode", ""]
         times = self.times
+        if v.estimated_for is not None:
+            return [*lines, f"Estimated for {v.estimated_for} by the cost model, not timed: each layer's time is its "
+                    f"prefill forward at the prompts' shapes plus {self.new_tokens - 1} decode steps at their own "
+                    "(one token per row, where reading the weights sets a linear's time); attention over the KV "
+                    f"cache is not priced. {metric}", ""]
         if times is None or not times.prefill_ms:
             why = ("the generations were not split into prefill and decode (the model's forward was not seen "
                    "during generate())" if times is not None else "generation was not timed")

@@ -12,14 +12,23 @@ import torch
 import torch.nn as nn
 
 from .. import compiled as compiled_module
-from ..batches import BATCH_FORMS, as_batch_list, describe_batch, output_tensors, to_device
+from ..batches import (
+    BATCH_FORMS,
+    as_batch_list,
+    call_model,
+    changed_in_place,
+    describe_batch,
+    holds_cache,
+    output_tensors,
+    to_device,
+)
 from ..budget import Budget, Margin, choose_budget, search_margin
 from ..capture import LayerTable
 from ..compare import compare
 from ..config import TuneConfig
 from ..distributed.ranks import ONE_PROCESS, Ranks
 from ..formats import Precision
-from ..measure import Evaluator, policy_runs
+from ..measure import BatchError, Evaluator, policy_runs
 from ..objective import Measurement, Objective
 from ..policy import Policy
 from ..profile import Profile, fingerprint, profile_model
@@ -75,7 +84,15 @@ class InferenceWorkload(Workload):
         return choose_budget(has_metric, config.budget, config.min_sqnr)
 
     def objective(self, device: torch.device) -> Evaluator:
-        return Evaluator(self.model, self.batches, self.evaluate, self.higher_is_better, device)
+        evaluator = Evaluator(self.model, self.batches, self.evaluate, self.higher_is_better, device)
+        if self.timing_batch is not None and holds_cache(self.timing_batch):  # on a copy: the user's stays as it is
+            batch = to_device(copy.deepcopy(self.timing_batch), device)
+            with torch.no_grad():
+                changed = changed_in_place([batch], lambda: call_model(self.model, batch))
+            if changed is not None:
+                raise BatchError(f"timing_batch: the model changed {changed.replace('batch 0', 'its', 1)} in place: "
+                                 f"every timed forward would see a longer cache; fix: {changed.fix}")
+        return evaluator
 
     def search_budget(self, budget: Budget, objective: Evaluator, low: Precision) -> tuple[Budget, Margin]:
         """A margin inside the budget from the metric's spread across the search batches under blanket

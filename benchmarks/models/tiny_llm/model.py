@@ -80,12 +80,13 @@ def get_batches(n_batches: int = N_BATCHES, batch_size: int = BATCH_SIZE, start:
     return [padded(chosen[i:i + batch_size], SEQ_LEN, pad_id) for i in range(0, len(chosen), batch_size)]
 
 
-def get_prompts(n_batches: int = N_BATCHES, batch_size: int = BATCH_SIZE) -> list:
-    """Prompt batches for generation: held-out documents of 16 to 63 tokens, cut to PROMPT_TOKENS."""
+def get_prompts(n_batches: int = N_BATCHES, batch_size: int = BATCH_SIZE, start: int = 0) -> list:
+    """Prompt batches for generation, from the ``start``-th batch on: held-out documents of 16 to 63 tokens, cut
+    to PROMPT_TOKENS."""
     docs = held_out(16, MIN_TOKENS)
     pad_id = tokenizer().pad_token_id
     return [padded(docs[i:i + batch_size], PROMPT_TOKENS, pad_id)
-            for i in range(0, n_batches * batch_size, batch_size)]
+            for i in range(start * batch_size, (start + n_batches) * batch_size, batch_size)]
 
 
 def get_train_batches(n_batches: int = 8, batch_size: int = BATCH_SIZE) -> list:
