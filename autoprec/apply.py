@@ -334,9 +334,10 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     # with autocast off (fp32 or fp8). Blanket bf16 (default bf16, no islands) runs without it.
     fp32_compute = any_low and any(p.autocast_dtype is None for p in precisions.values())
     if mode == "inference":  # before the regions: a region's forward runs the one a module already has
+        gathered = fsdp_managed(model)  # FSDP2 gathers their weights anew at each forward: a cast copy of one is waste
         for module, names in _aliases(model):
             dtype = precisions[names[0]].autocast_dtype
-            if dtype is not None and casts_weights(module):
+            if dtype is not None and casts_weights(module) and id(module) not in gathered:
                 object.__setattr__(module, "forward", CastWeights(module, dtype))
                 state.cast_once.append(module)
     for module, names in _aliases(model):

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .distributed.models import sharded, storage_of
 from .tracing import (
     ATTENTION_OPS,
     CONV_OPS,
@@ -217,7 +218,7 @@ def _add_later_layers(model: nn.Module, table: LayerTable, batches: list, reache
     table.not_exercised = [
         name for name, module in model.named_modules()
         if (own := list(module.parameters(recurse=False))) and name not in called
-        and not any(p.untyped_storage().data_ptr() in read for p in own)]
+        and not any(storage_of(p) in read for p in own)]
     table.n_batches = len(batches)
     by_model = set().union(*(r.fp32_by_model for r in reached))
     table.fp32_by_model = [name for name in table.names() if name in by_model]
@@ -361,6 +362,8 @@ def capture(model: nn.Module, batches: Any, method: str = "auto") -> LayerTable:
     if not batches:
         raise ValueError("capture needs at least one batch")
     args, kwargs = batch_args(batches[0])
+    if method == "auto" and sharded(model):  # export and symbolic_trace see a DTensor's shard, not the weight
+        method = "hooks"
     training = {module: module.training for module in model.modules()}
     model.eval()
     try:

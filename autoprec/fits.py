@@ -19,15 +19,18 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from .distributed.models import local_part
+
 __all__ = ["check_fits", "free_memory", "model_bytes", "shortfall"]
 
 GiB = 2**30
 
 
 def model_bytes(model: nn.Module) -> int:
-    """The model's parameters and buffers in fp32 (what a tune holds; a half model is refused elsewhere)."""
+    """The model's parameters and buffers in fp32 (what a tune holds; a half model is refused elsewhere): this
+    process's shard of them where the model is sharded (FSDP2's DTensors)."""
     return sum(4 * t.numel() if t.is_floating_point() else t.numel() * t.element_size()
-               for t in [*model.parameters(), *model.buffers()])
+               for t in map(local_part, [*model.parameters(), *model.buffers()]))
 
 
 def batch_bytes(batch: Any) -> int:

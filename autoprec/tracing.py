@@ -25,6 +25,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .distributed.models import storage_of
 from .userspec import batch_args, describe_batch, one_line
 
 __all__ = ["ATTENTION_OPS", "COMPUTE_OPS", "CONV_OPS", "MATMUL_OPS", "SOFTMAX_OPS", "Op", "Reached", "Trace",
@@ -329,10 +330,9 @@ class _ReachRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         for tensor in pytree.tree_leaves((args, kwargs)):
-            if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:  # sparse ones have no storage
-                storage = tensor.untyped_storage().data_ptr()
-                if storage in self.parameter_storages:
-                    self.storages.add(storage)
+            storage = storage_of(tensor) if isinstance(tensor, torch.Tensor) else None
+            if storage is not None and storage in self.parameter_storages:
+                self.storages.add(storage)
         name = func.overloadpacket.__name__
         if name in COMPUTE_OPS and self.module_stack:
             shapes = pytree.tree_map_only(torch.Tensor, lambda t: tuple(t.shape), [*args, *kwargs.values()])
@@ -354,7 +354,7 @@ def _autocast_nesting() -> int:
 
 def reach(model: nn.Module, batch: Any, index: int) -> Reached:
     called: set[str] = set()
-    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {storage_of(p) for p in model.parameters()} - {None}
     with modules_running(model, lambda name, *_: called.add(name)) as module_stack:
         recorder = _ReachRecorder(module_stack, storages)
         args, kwargs = batch_args(batch)

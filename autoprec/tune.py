@@ -28,7 +28,7 @@ from .budget import Budget
 from .capture import capture
 from .compare import timed_together
 from .config import TuneConfig, check_device
-from .distributed.models import unwrap
+from .distributed.models import sharded, unwrap
 from .distributed.ranks import ONE_PROCESS, Ranks
 from .distributed.tuning import check_same_work
 from .errors import Terminated
@@ -214,6 +214,12 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
             "sees them through the wrapper)")
         workload.model = unwrap(workload.model)
     check_fp32_model(workload.model)  # a .half() or meta model: one line now, not wrong labels later
+    cache_was = torch.is_autocast_cache_enabled()  # as it was, when the tune ends
+    if sharded(workload.model):  # one model, a part on each rank: every rank runs every forward (see Ranks.together)
+        if workload.name != "inference":
+            raise ValueError(f"a sharded model (fully_shard) is tuned for inference only for now, not for "
+                             f"{workload.name}: build the model whole in get_model() (wrap may still shard it)")
+        ranks = ranks.together()
     workload.check(config)
     # every rank profiles the same weights and batches, or the job ends here naming the rank that differs
     check_same_work(workload, ranks)
@@ -223,6 +229,10 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
     out_dir = config.out if ranks.writes else None  # one rank writes the outputs
     phase = "checking"
     try:
+        if ranks.world_size > 1 and not ranks.divides_work:  # one sharded model
+            # autocast's cast cache would keep a low-precision copy of every gathered weight until the forward ends
+            # (half the model again in bf16 or fp16); the casts are the same without it
+            torch.set_autocast_cache_enabled(False)
         with claim_out_dir(out_dir) if out_dir is not None else contextlib.nullcontext():
             # a single worker owns its study (one rank fails its stale trials before the others start);
             # other workers' running trials are theirs
@@ -268,12 +278,11 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
                 caps = device_capabilities(device)
             autocast = autocast_baseline(caps, profile.end_to_end_ms)
             search_budget, margin = workload.search_budget(the_budget, objective, autocast)
-            result = search(profile, objective, search_budget, space, config.precisions, trials=config.trials,
-                            timeout=config.timeout, patience=config.patience, storage=storage,
-                            study_name=config.study_name or
-                            f"{prefix}-{profile.fingerprint}-{space.name}-{search_budget.tag()}",
-                            seed=config.seed, fail_stale=fail_stale, progress=config.progress,
-                            ranks=ranks)
+            result = ranks.led(lambda evaluator, searching: search(
+                profile, evaluator, search_budget, space, config.precisions, trials=config.trials,
+                timeout=config.timeout, patience=config.patience, storage=storage,
+                study_name=config.study_name or f"{prefix}-{profile.fingerprint}-{space.name}-{search_budget.tag()}",
+                seed=config.seed, fail_stale=fail_stale, progress=config.progress, ranks=searching), objective)
             seconds["search"] = time.perf_counter() - start
             objective.release()  # verification measures on its own (training: a gradient run's worth per batch)
             free_memory(device)
@@ -315,6 +324,8 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
                             result_budget=search_budget, margin=margin)
     except KeyboardInterrupt as stop:
         raise TuneInterrupted(phase, "SIGTERM" if isinstance(stop, Terminated) else "SIGINT") from None
+    finally:
+        torch.set_autocast_cache_enabled(cache_was)
 
 
 def _outputs(verification: Verification, profile: Profile, budget: Budget, model: nn.Module, workload: Workload,

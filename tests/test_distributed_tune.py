@@ -121,6 +121,54 @@ def test_a_failing_rank_names_itself_and_its_error_once(folder):
         errors[0], done.stderr[-3000:]
 
 
+# ---- a model that only fits sharded: built on meta, sharded and materialised by wrap -----------------------
+SHARDED = Path(__file__).parents[1] / "benchmarks" / "models" / "sharded_mlp" / "model.py"
+SHARDED_ARGS = ["tune", "model.py", "--target", "h100", "--trials", "4", "--precisions", "bf16"]
+
+
+@pytest.fixture
+def sharded_folder(tmp_path, monkeypatch) -> Path:
+    """benchmarks/models/sharded_mlp at a tiny size: two blocks of width 256, 0.8 MB."""
+    monkeypatch.setenv("MLP_WIDTH", "256")
+    monkeypatch.setenv("MLP_DEPTH", "2")
+    shutil.copy(SHARDED, tmp_path / "model.py")
+    return tmp_path
+
+
+def test_a_model_built_on_meta_and_sharded_by_wrap_gets_the_one_process_policy(sharded_folder):
+    """Under torchrun get_model() builds the model on meta and wrap() shards it (fully_shard, each block a unit) and
+    materialises each rank's shard; in one process the same model is built whole. Every rank runs every forward of
+    the tune on the one sharded model (the first rank leads the search), and the policy is the one process's."""
+    whole = _run(sharded_folder, *SHARDED_ARGS, "--out", "one")
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    done = _run(sharded_folder, *SHARDED_ARGS, "--out", "two", ranks=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _rules(sharded_folder / "two") == _rules(sharded_folder / "one") == ("bf16", {"cancel": "fp32"})
+    profile = json.loads((sharded_folder / "two" / "profile.json").read_text())
+    assert profile["cost"]["evaluations"] == json.loads((sharded_folder / "one" / "profile.json").read_text())[
+        "cost"]["evaluations"]  # each evaluation ran once, by both ranks together
+    assert done.stdout.count("outputs: two/") == 1
+
+
+def test_a_layer_wrap_leaves_on_meta_is_one_line_naming_it(sharded_folder):
+    done = _run(sharded_folder, *SHARDED_ARGS, "--out", "run", ranks=2, LEAVE_ON_META="head")
+    assert done.returncode != 0
+    errors = _errors(done)
+    assert len(errors) == 1 and "wrap(): left 2 of the model's 8 tensors on the meta device, e.g. 'head.weight'" \
+        in errors[0] and "to_empty" in errors[0], done.stderr[-3000:]
+    assert not (sharded_folder / "run" / "profile.json").exists()
+
+
+def test_a_meta_model_in_one_process_says_to_shard_it_under_torchrun(sharded_folder):
+    from autoprec.userspec import UserCodeError, load_model_py
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WORLD_SIZE", "2")  # get_model() builds on meta, as under torchrun
+        with pytest.raises(UserCodeError, match=r"get_model\(\): the model's weights are on the 'meta' device.*"
+                                                r"under torchrun, with a wrap\(model\)"):
+            load_model_py(sharded_folder / "model.py")
+
+
 # ---- the parts, in one process ---------------------------------------------------------------------------
 def test_a_rank_torchrun_stopped_says_why_whatever_the_interrupted_code_raised(monkeypatch, capsys):
     """torchrun's SIGTERM raises Stopped wherever the rank is; inside optuna's tell that turns into optuna's own

@@ -73,13 +73,14 @@ def default_out(model_py: str) -> Path:
     return Path("autoprec-runs") / (name or "model")
 
 
-def load_spec(args: argparse.Namespace):
-    """The model.py named on the command line, after the device check."""
+def load_spec(args: argparse.Namespace, shard: bool = False):
+    """The model.py named on the command line, after the device check; ``shard`` (torchrun): a model built on the
+    meta device is sharded and materialised by its ``wrap`` (:func:`autoprec.userspec.load_model_py`)."""
     from ..userspec import load_model_py
 
     check_device(args.device)
     print(f"loading {args.model_py}", file=sys.stderr)
-    return load_model_py(args.model_py)
+    return load_model_py(args.model_py, shard=shard)
 
 
 def check_device(device: str) -> None:

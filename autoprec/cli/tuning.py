@@ -136,9 +136,9 @@ def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
     else:
         from ..workloads.inference import InferenceWorkload
 
-        spec = load_spec(args)
+        spec = load_spec(args, shard=ranks.world_size > 1)  # a model built on meta: sharded by its wrap
         workload = InferenceWorkload.from_spec(spec)
-    if ranks.world_size > 1:  # verification times the job as it runs: wrapped by model.py, or DDP replicas
+    if ranks.world_size > 1 and not spec.sharded:  # verification times the job as it runs: wrapped, or DDP replicas
         from ..distributed.tuning import job_wrap
 
         workload.wrap = job_wrap(spec, args.for_ == "training")

@@ -21,8 +21,8 @@ from functools import cache
 import torch
 from torch import nn
 
-__all__ = ["FSDP_CASTS_FIX", "Morphed", "fsdp_casts", "fsdp_managed", "morph", "own_class", "per_rank_buffers",
-           "restore_buffers", "unmorph", "unwrap"]
+__all__ = ["FSDP_CASTS_FIX", "Morphed", "fsdp_casts", "fsdp_managed", "local_part", "morph", "own_class",
+           "per_rank_buffers", "restore_buffers", "sharded", "storage_of", "unmorph", "unwrap"]
 
 
 def _outer_wrappers() -> dict[type, str]:
@@ -79,6 +79,28 @@ def own_class(module: nn.Module) -> type:
     while _generated(cls):
         cls = cls.__bases__[1]
     return cls
+
+
+def sharded(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded by FSDP2 (``fully_shard``): every rank holds a part of its weights, gathered
+    inside each forward, so every rank must run each forward with the others."""
+    bases = _composable_bases()
+    return bool(bases) and any(isinstance(m, bases[0]) for m in model.modules())
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``t``: a sharded parameter's (FSDP2's DTensor) local shard, read without a
+    collective; any other tensor as it is."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def storage_of(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage, to tell which weights an op read; None for a tensor without one of its own:
+    a sparse one, or FSDP2's sharded parameter (a DTensor: a forward reads the gathered copy, another storage)."""
+    if t.layout != torch.strided or hasattr(t, "to_local"):
+        return None
+    return t.untyped_storage().data_ptr()
 
 
 def fsdp_managed(model: nn.Module) -> set[int]:

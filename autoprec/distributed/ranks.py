@@ -5,6 +5,11 @@ of work (:meth:`Ranks.share`), everyone's results (:meth:`Ranks.gather`), and th
 result that must be the same everywhere (:meth:`Ranks.from_first`). :data:`ONE_PROCESS` answers them for
 a plain ``python -m autoprec`` run, so the stages read the same either way.
 
+Ranks that hold one sharded model (FSDP2: a collective inside every forward) cannot split the forwards between
+them: every rank runs every forward, in the same order. :meth:`Ranks.together` is the ``Ranks`` for that (each
+rank's share of any work is all of it), and :meth:`Ranks.led` runs a search on the first rank while the others
+run each of its evaluations with it.
+
 Under ``torchrun`` the answers come from torch.distributed: Python objects travel as pickled bytes over
 a gloo group of their own (beside the job's default group: gloo on CPU, NCCL on GPU). Every wait polls, so
 it can give up: when another rank has said that it failed (a key in the rendezvous store, which outlives
@@ -28,7 +33,11 @@ import socket
 import sys
 import time
 from datetime import timedelta
-from typing import Any, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+
+if TYPE_CHECKING:
+    from ..objective import Measurement, Objective
+    from ..policy import Policy
 
 from ..errors import Terminated
 
@@ -103,8 +112,63 @@ class Ranks:
         signal stopped it); returns ``status`` where there is nothing to leave (one process)."""
         return status
 
+    # -- one sharded model ---------------------------------------------------------------------------------
+    divides_work = False  # whether :meth:`share` hands each rank a part of the work (True: ranks of replicas)
+
+    def together(self) -> Ranks:
+        """These ranks running one sharded model: each rank's share of any work is all of it (every forward
+        gathers weights from every rank); gathering, the first rank's copy and the slowest time are as here."""
+        return self
+
+    def count(self, n: int) -> int:
+        """How many of something the job did, from this rank's ``n``: the sum over ranks that divide the work."""
+        return sum(self.gather(n)) if self.divides_work else n
+
+    def led(self, run: Callable[[Objective, Ranks], T], objective: Objective) -> T:
+        """``run(objective, ranks)``, a search, as these ranks search: each rank with its share of the trials
+        (``ranks`` is this); on one sharded model the first rank alone (``ranks`` is :data:`ONE_PROCESS`) while
+        every other rank runs each of its ``objective.measure`` calls with it. ``run``'s result on every rank."""
+        return run(objective, self)
+
+    def lockstep(self, run: Callable[[Objective], T], objective: Objective) -> T:
+        """``run(objective)`` on the first rank; the others run each of its measurements with it (see :meth:`led`)."""
+        return run(objective)
+
 
 ONE_PROCESS = Ranks()
+
+
+class _Together(Ranks):
+    """The ranks of a job that runs one sharded model: see :meth:`Ranks.together`."""
+
+    def __init__(self, ranks: Ranks) -> None:
+        self.ranks, self.rank, self.world_size = ranks, ranks.rank, ranks.world_size
+
+    def share(self, work: Sequence[T]) -> list[T]:
+        return list(work)
+
+    def gather(self, result: Any) -> list:
+        return self.ranks.gather(result)
+
+    def fail(self, error: BaseException | str) -> str:
+        return self.ranks.fail(error)
+
+    def led(self, run: Callable[[Objective, Ranks], T], objective: Objective) -> T:
+        return self.ranks.lockstep(lambda leading: run(leading, ONE_PROCESS), objective)
+
+
+class _Leading:
+    """The first rank's ``objective`` in :meth:`Ranks.led`: each measurement is first sent to the other ranks."""
+
+    def __init__(self, objective: Objective, ranks: Ranks) -> None:
+        self._objective, self._ranks = objective, ranks
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._objective, name)
+
+    def measure(self, policy: Policy | None, watch: Sequence[str] = ()) -> Measurement:
+        self._ranks.from_first((policy, tuple(watch)))
+        return self._objective.measure(policy, watch)
 
 
 def under_torchrun() -> bool:
@@ -204,6 +268,23 @@ class _TorchrunRanks(Ranks):
         return None
 
     # -- the answers ---------------------------------------------------------------------------------
+    divides_work = True
+
+    def together(self) -> Ranks:
+        return _Together(self)
+
+    def lockstep(self, run: Callable[[Objective], T], objective: Objective) -> T:
+        if self.writes:
+            result = run(_Leading(objective, self))  # type: ignore[arg-type]
+            self.from_first(None)  # no more measurements
+        else:
+            request = self.from_first(None)
+            while request is not None:
+                objective.measure(*request)
+                request = self.from_first(None)
+            result = None
+        return self.from_first(result)
+
     def gather(self, result: Any) -> list:
         import torch
 

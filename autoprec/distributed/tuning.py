@@ -22,7 +22,7 @@ from torch import nn
 
 from ..errors import USER_ERRORS, is_users
 from .agree import digest
-from .models import FSDP_CASTS_FIX, fsdp_casts
+from .models import FSDP_CASTS_FIX, fsdp_casts, sharded
 from .ranks import RankFailed, Ranks, from_torchrun
 
 __all__ = ["by_layer_names", "check_same_work", "device_of_rank", "job_wrap", "on_every_rank"]
@@ -78,8 +78,9 @@ def check_same_work(workload: Any, ranks: Ranks) -> None:
     model, batches = workload.model, [*workload.batches, *(getattr(workload, "holdout_batches", None) or [])]
     train = getattr(workload, "train_batches", None)
     with torch.no_grad():
-        weights = digest([[(name, type(m).__qualname__) for name, m in model.named_modules()],
-                          dict(model.named_parameters()), dict(model.named_buffers())])
+        # a sharded model's ranks hold different shards of it, by design: its structure is compared, not its weights
+        tensors = [] if sharded(model) else [dict(model.named_parameters()), dict(model.named_buffers())]
+        weights = digest([[(name, type(m).__qualname__) for name, m in model.named_modules()], *tensors])
         held = (weights, [digest(b) for b in batches],
                 [digest(b) for b in train] if train is not None and train is not workload.batches else [])
     everyone = ranks.gather(held)

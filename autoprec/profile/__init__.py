@@ -5,6 +5,7 @@ Public: :func:`profile_model` and the :class:`Profile` it returns (saved as prof
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable, Sequence
 
@@ -79,8 +80,11 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
         caps = device_capabilities(device)
         first = to_device(batches[0], device)
         if not profile_all:
-            # each rank probes its own replica; the first rank's decision stands for all
-            probes = ranks.from_first(probe_precisions(model, table, first, low, caps, device))
+            # each rank probes its own replica, or all probe the one sharded model together (the largest layer
+            # gathers its weights from every rank); the first rank's decision stands for all
+            one_model = ranks.world_size > 1 and not ranks.divides_work
+            with timed_together(ranks.slowest) if one_model else contextlib.nullcontext():
+                probes = ranks.from_first(probe_precisions(model, table, first, low, caps, device))
             not_profiled = {p: probe.why for p, probe in probes.items() if not probe.pays_off}
             nothing = nothing_pays_off(probes, device)
         emulated = [p for p in low if caps[p] is Capability.EMULATED]
@@ -123,7 +127,7 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
                     latency.prediction_error_pct,
                     metric={"kind": "fidelity" if evaluator.uses_fidelity else "user", "fp32": evaluator.metric_fp32,
                             "higher_is_better": evaluator.higher_is_better, "batches": len(sens_batches)},
-                    cost={"evaluations": sum(ranks.gather(evaluator.evaluations)), "seconds": seconds,
+                    cost={"evaluations": ranks.count(evaluator.evaluations), "seconds": seconds,
                           **({"sensitivity": how[0].removeprefix("sensitivity: ")} if how else {})},
                     autocast_untuned=latency.autocast_untuned, not_runnable=latency.not_runnable,
                     latency_ratio=latency.ratio, end_to_end_check=latency.end_to_end_comparison,

@@ -20,6 +20,7 @@ import torch.nn as nn
 from ..batches import call_model
 from ..capture import LayerTable
 from ..compare import Ratio, compare
+from ..distributed.models import sharded
 from ..formats import Capability, Precision
 from .latency import SPEED_MARGIN
 
@@ -59,13 +60,17 @@ class _Reached(Exception):
 
 
 def layer_inputs(model: nn.Module, name: str, batch: Any) -> tuple[tuple, dict] | None:
-    """The args and kwargs ``name`` is called with on ``batch`` (the forward stops there), or None."""
+    """The args and kwargs ``name`` is called with on ``batch`` (the forward stops there, unless the model is
+    sharded: FSDP2 must end each forward it began, on every rank), or None."""
     module = model.get_submodule(name)
     got: dict[str, Any] = {}
+    stop = not sharded(model)
 
     def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-        got["inputs"] = (args, kwargs)
-        raise _Reached
+        if "inputs" not in got:
+            got["inputs"] = (args, kwargs)
+        if stop:
+            raise _Reached
 
     handle = module.register_forward_pre_hook(hook, with_kwargs=True)
     try:

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from ..distributed.models import local_part
 from ..jsonsafe import tag_nonfinite, untag_nonfinite
 
 __all__ = ["Sensitivity", "LayerProfile", "Profile", "ProfileError", "fingerprint", "device_name",
@@ -152,13 +153,16 @@ class Profile:
 
 
 def fingerprint(model: nn.Module, batches: Sequence[Any]) -> str:
-    """A hash of the model's structure and weights and of the profiling batches."""
+    """A hash of the model's structure and weights and of the profiling batches. Of a sharded model (FSDP2), the
+    weights of this rank's shard: a fingerprint is taken by one rank alone (a collective there would wait for
+    the others), and a sharded profile is reused by a job of as many ranks only."""
     h = hashlib.sha256()
     for name, module in model.named_modules():
         h.update(f"{name}:{type(module).__qualname__};".encode())
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+            t = local_part(t)
             if t.is_floating_point() and t.numel():
                 h.update(f"{float(t.double().sum()):.9e},{float(t.double().abs().sum()):.9e}".encode())
         for t in pytree.tree_leaves(list(batches)):
