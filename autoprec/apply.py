@@ -18,7 +18,10 @@ boundaries cost anything. Regions follow autocast's model of where casts happen:
   ``evaluate`` on fp32 outputs);
 - in training the model hands its caller fp32 outputs: the loss usually runs outside the model
   and outside any autocast, where a bf16 cross-entropy or MSE would lose precision the fp32
-  model had (autocast would run it in fp32); the cast is small next to a backward pass.
+  model had (autocast would run it in fp32); the cast is small next to a backward pass. A model that
+  computes its own loss (an output named ``loss``: Hugging Face models given ``labels``) hands back that
+  loss in fp32 and its other outputs as computed, as under autocast: an LM's logits cast to fp32 and
+  back at every step would cost several percent of the step.
 
 In inference a bf16/fp16 ``nn.Linear`` or convolution casts its weights once and keeps them
 while they do not change (:class:`~autoprec.weights.CastWeights`), where autocast casts them at
@@ -205,9 +208,20 @@ class _Region:
                     return forward(*args, **kwargs)
             with Fp32Compute() if self.fp32_compute else contextlib.nullcontext(), region:
                 out = forward(*args, **kwargs)
-            return _cast_floats(out, torch.float32, _LOW) if self.fp32_outputs else out
+            return _training_outputs(out) if self.fp32_outputs else out
         finally:
             in_fp32_region.value = outer
+
+
+def _training_outputs(out: Any) -> Any:
+    """What a training forward hands its caller: fp32 outputs, for a loss computed outside the model; but where
+    the model computed its own loss (an output named ``loss``, as Hugging Face models give with ``labels``), that
+    loss in fp32 and the rest as computed: casting an LM's logits (its largest tensor) to fp32 and their
+    gradient back would cost a pass over them both ways at every step, for a loss already made."""
+    if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
+        out["loss"] = out["loss"].float()  # a ModelOutput keeps its attribute in step with its key
+        return out
+    return _cast_floats(out, torch.float32, _LOW)
 
 
 def _install_region(module: nn.Module, precision: Precision, is_root: bool, fp32_compute: bool,

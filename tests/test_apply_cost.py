@@ -184,6 +184,21 @@ def test_output_dtypes_follow_what_the_forward_computed():
     assert model(x).dtype == torch.float32
 
 
+def test_in_training_a_model_that_computes_its_own_loss_hands_back_that_loss_in_fp32_and_the_logits_as_computed():
+    reference, model = small_llama().train(), small_llama().train()
+    apply_policy(model, Policy(default="bf16"), mode="training")
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    out = model(input_ids=ids, labels=ids)
+    with BF16:
+        want = reference(input_ids=ids, labels=ids)
+    assert out.loss.dtype == torch.float32 and out.logits.dtype == torch.bfloat16  # no pass over the logits
+    assert torch.equal(out.loss, want.loss) and torch.equal(out.logits, want.logits)  # autocast's, bit for bit
+    out.loss.backward()
+    want.loss.backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters()))
+    assert model(input_ids=ids).logits.dtype == torch.float32  # no loss of its own: the caller's loss gets fp32
+
+
 def test_training_mode_casts_at_every_forward_and_trains_the_weights():
     model, x = TinyMLP(), torch.randn(4, 16)
     apply_policy(model, Policy(default="bf16"), mode="training")
