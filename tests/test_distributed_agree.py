@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_distributed_apply import Net, _check, _wrap, spawn_checks
-from test_distributed_tune import ARGS, MODEL, _errors, _rules, _run, single  # noqa: F401 - single: a fixture
+from test_distributed_tune import ARGS, MODEL, _errors, _rules, _run, single, single_run  # noqa: F401 - fixtures
 from torch import nn
 
 import autoprec
