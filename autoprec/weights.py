@@ -148,25 +148,31 @@ class CastWeights:
 
 
 class _Cast:
-    """A weight and bias cast to a dtype, with what tells whether they still hold the values cast: the very
-    Parameters, their storage and version counter, and a sample of their values (see the module's docstring)."""
+    """A layer's weight and bias cast to a dtype, and what tells whether they still hold the values cast."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        self.source, self.source_bias = weight, bias
-        self.key = (weight.data_ptr(), weight._version)
-        self.bias_key = None if bias is None else (bias.data_ptr(), bias._version)
-        self.sample, self.kept = _kept_sample(weight)
-        self.bias_sample, self.bias_kept = (None, None) if bias is None else _kept_sample(bias)
+        self.kept = (_Kept(weight), None if bias is None else _Kept(bias))
         self.weight = weight.detach().to(dtype)
         self.bias = None if bias is None else bias.detach().to(dtype)
 
     def holds(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether ``weight`` and ``bias`` are the ones cast, with the values cast (one line: this runs per call)."""
-        return (weight is self.source and bias is self.source_bias
-                and (weight.data_ptr(), weight._version) == self.key
-                and _same(self.kept, self.sample if self.sample is not None else _sample_of(weight))
-                and (bias is None or ((bias.data_ptr(), bias._version) == self.bias_key and _same(
-                    self.bias_kept, self.bias_sample if self.bias_sample is not None else _sample_of(bias)))))
+        kept_weight, kept_bias = self.kept
+        return kept_weight.holds(weight) and (bias is None if kept_bias is None else kept_bias.holds(bias))
+
+
+class _Kept:
+    """A tensor as it was when cast: the very object, its storage and version counter, and a sample of its values
+    (see the module's docstring)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.source = tensor
+        self.key = (tensor.data_ptr(), tensor._version)
+        self.sample, self.values = _kept_sample(tensor)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is the one kept, with the values kept (this runs at every call of a cast layer)."""
+        return (tensor is self.source and (tensor.data_ptr(), tensor._version) == self.key
+                and _same(self.values, self.sample if self.sample is not None else _sample_of(tensor)))
 
 
 def _kept_sample(weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
