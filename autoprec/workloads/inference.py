@@ -84,15 +84,15 @@ class InferenceWorkload(Workload):
         return choose_budget(has_metric, config.budget, config.min_sqnr)
 
     def objective(self, device: torch.device) -> Evaluator:
-        evaluator = Evaluator(self.model, self.batches, self.evaluate, self.higher_is_better, device)
-        if self.timing_batch is not None and holds_cache(self.timing_batch):  # on a copy: the user's stays as it is
+        # One forward on the timing batch, before the fp32 reference runs on every batch: a copy, the user's stays
+        if self.timing_batch is not None and holds_cache(self.timing_batch):
             batch = to_device(copy.deepcopy(self.timing_batch), device)
             with torch.no_grad():
                 changed = changed_in_place([batch], lambda: call_model(self.model, batch))
             if changed is not None:
                 raise BatchError(f"timing_batch: the model changed {changed.replace('batch 0', 'its', 1)} in place: "
                                  f"every timed forward would see a longer cache; fix: {changed.fix}")
-        return evaluator
+        return Evaluator(self.model, self.batches, self.evaluate, self.higher_is_better, device)
 
     def search_budget(self, budget: Budget, objective: Evaluator, low: Precision) -> tuple[Budget, Margin]:
         """A margin inside the budget from the metric's spread across the search batches under blanket
