@@ -1,5 +1,5 @@
 """`python -m autoprec`: the same as the `autoprec` command."""
 
-from .cli import main
+from autoprec.cli import main
 
 raise SystemExit(main())

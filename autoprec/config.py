@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .formats import DEFAULT_PRECISIONS, Precision
+from autoprec.runtime.precision import DEFAULT_PRECISIONS, Precision
 
 __all__ = ["TuneConfig", "check_device"]
 
@@ -44,7 +44,7 @@ class TuneConfig:
     10 dB of gradient fidelity for training). ``target``: plan for that GPU with its cost model
     instead of measuring here. ``out``: the run folder (None: nothing is written, the study lives in
     ``./study.db`` unless ``storage`` says otherwise). ``compile``: verification times every entry both eager
-    and compiled with torch.compile (regionally: :mod:`autoprec.compiled`), and chooses by the compiled times.
+    and compiled with torch.compile (regionally: :mod:`autoprec.runtime.compiled`), and chooses by the compiled times.
     """
 
     budget: str | float | None = None
@@ -100,11 +100,11 @@ class TuneConfig:
         if self.out is not None:
             object.__setattr__(self, "out", Path(self.out))
         if self.target is not None:
-            from .costmodel import get_target
+            from autoprec.profile.costmodel import get_target
 
             object.__setattr__(self, "target", get_target(self.target).name)  # an unknown name lists the known
         if self.search_space != "auto":
-            from .searchspace import SearchSpace
+            from autoprec.search.space import SearchSpace
 
             SearchSpace.load(self.search_space)  # a missing or bad file is one line now, not after profiling
 

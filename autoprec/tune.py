@@ -22,31 +22,31 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from .apply import structure_fingerprint
-from .batches import as_batch_list, to_device
-from .budget import Budget
-from .capture import capture
-from .compare import timed_together
-from .config import TuneConfig, check_device
-from .distributed.models import sharded, unwrap
-from .distributed.ranks import ONE_PROCESS, Ranks
-from .distributed.tuning import check_same_work
-from .errors import Terminated
-from .fits import check_fits, free_memory
-from .formats import Precision, device_capabilities
-from .jsonsafe import finite_or_none
-from .objective import Measurement
-from .outdir import claim_out_dir
-from .policy import Policy
-from .profile import Profile, ProfileError, device_name, predict_ms
-from .results import TuneResult
-from .runcheck import policy_runs_note
-from .search import Candidate, SearchResult, open_storage, plan_units, search
-from .searchspace import SearchSpace, allows_everywhere, choose_preset
-from .userspec import check_fp32_model
-from .verify import Verification, autocast_baseline, verify
-from .version import __version__
-from .workloads import Workload
+from autoprec.capture.layers import capture
+from autoprec.common.jsonsafe import finite_or_none
+from autoprec.config import TuneConfig, check_device
+from autoprec.distributed.models import sharded, unwrap
+from autoprec.distributed.ranks import ONE_PROCESS, Ranks
+from autoprec.distributed.tuning import check_same_work
+from autoprec.errors import Terminated
+from autoprec.inputs.batches import as_batch_list, to_device
+from autoprec.inputs.fits import check_fits, free_memory
+from autoprec.inputs.userspec import check_fp32_model
+from autoprec.measuring.budget import Budget
+from autoprec.measuring.compare import timed_together
+from autoprec.measuring.objective import Measurement
+from autoprec.outputs.outdir import claim_out_dir
+from autoprec.outputs.results import TuneResult
+from autoprec.profile import Profile, ProfileError, device_name, predict_ms
+from autoprec.runtime.apply import structure_fingerprint
+from autoprec.runtime.policy import Policy
+from autoprec.runtime.precision import Precision, device_capabilities
+from autoprec.search.space import SearchSpace, allows_everywhere, choose_preset
+from autoprec.search.study import Candidate, SearchResult, open_storage, plan_units, search
+from autoprec.verify.end_to_end import Verification, autocast_baseline, verify
+from autoprec.verify.runcheck import policy_runs_note
+from autoprec.version import __version__
+from autoprec.workloads import Workload
 
 __all__ = ["NothingToTune", "TuneConfig", "TuneInterrupted", "TuneResult", "load_or_profile", "tune"]
 
@@ -144,8 +144,8 @@ def tune(workload: Workload | nn.Module, config: TuneConfig | Any = None, evalua
 
 def _workload_and_config(model: nn.Module, batches: Any, evaluate: Callable | None,
                          settings: dict[str, Any]) -> tuple[Workload, TuneConfig]:
-    from .workloads.inference import InferenceWorkload
-    from .workloads.training import DEFAULT_STEPS, TrainingWorkload
+    from autoprec.workloads.inference import InferenceWorkload
+    from autoprec.workloads.training import DEFAULT_STEPS, TrainingWorkload
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"tune takes a workload and a config, or a model and its batches; got {type(model).__name__}")
@@ -172,7 +172,7 @@ def _workload_and_config(model: nn.Module, batches: Any, evaluate: Callable | No
             every if own.get("train_batches") is not None else (holdout or list(batches)), higher_is_better,
             DEFAULT_STEPS if steps is None else steps, Path(path))
     elif for_ == "generation":
-        from .workloads.generation import DEFAULT_NEW_TOKENS, GenerationWorkload
+        from autoprec.workloads.generation import DEFAULT_NEW_TOKENS, GenerationWorkload
 
         new_tokens = own.get("new_tokens")
         workload = GenerationWorkload(model, list(batches), evaluate, higher_is_better, own.get("holdout_batches"),
@@ -271,7 +271,7 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
             start = time.perf_counter()
             prefix = "autoprec" if workload.name == "inference" else f"autoprec-{workload.name}"
             if config.target is not None:
-                from .costmodel import get_target, policy_ms
+                from autoprec.profile.costmodel import get_target, policy_ms
 
                 caps = get_target(config.target).capabilities()
             else:
@@ -336,7 +336,7 @@ def _outputs(verification: Verification, profile: Profile, budget: Budget, model
                        out_dir=out_dir, seconds=seconds, workload=workload.name, searched_to=result_budget,
                        margin=margin)
     if out_dir is not None:
-        from .report import write_outputs
+        from autoprec.outputs.report import write_outputs
 
         write_outputs(tuned, workload)
     return tuned

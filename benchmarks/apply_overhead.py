@@ -16,7 +16,7 @@ random tokens, eval, torch.no_grad. Variants:
 and, to explain policy-layers' cost, the Python cost of entering one region times the number of
 regions a forward enters. The goal is policy-layers / autocast <= 1.05.
 
-Timed with :func:`autoprec.compare.compare`: every variant once per round, the order reversed or rotated
+Timed with :func:`autoprec.measuring.compare.compare`: every variant once per round, the order reversed or rotated
 each round, so noise from the machine lands on all variants alike; each ratio to autocast is paired
 round by round, with its 95% interval, until every interval is within +-2% or ``--seconds``. The goal
 is judged by the interval: met when its upper end is <= 1.05, "??" when it straddles 1.05.
@@ -48,8 +48,8 @@ import transformers
 from torch import nn
 
 from autoprec import Policy, apply_policy
-from autoprec.apply import applied_policy
-from autoprec.compare import compare
+from autoprec.measuring.compare import compare
+from autoprec.runtime.apply import applied_policy
 
 BATCH, TOKENS = 64, 128
 GOAL = 1.05

@@ -4,7 +4,7 @@
 
 The pretrained all-MiniLM-L6-v2 (examples/minilm/model.py, as benchmarks/tune_minilm.py loads it),
 one batch of 16 x 128 tokens of real text, eval, torch.no_grad. Entries, each eager and compiled
-(``autoprec.compiled.compile_regions``: regional compilation, each of the 6 ``encoder.layer`` blocks
+(``autoprec.runtime.compiled.compile_regions``: regional compilation, each of the 6 ``encoder.layer`` blocks
 compiled in place with inductor, every entry on its own copy of the model, compiled and warmed up
 before any timing):
 
@@ -13,7 +13,7 @@ before any timing):
   policy bf16   apply_policy(Policy(default="bf16")): the blanket policy, one region around the model
   policy mixed  apply_policy: bf16 with blocks 4 and 5 fp32 (the hand policy of the README's 45 dB runs)
 
-All eight run in one paired, interleaved :func:`autoprec.compare.compare` run (``until="precise"``:
+All eight run in one paired, interleaved :func:`autoprec.measuring.compare.compare` run (``until="precise"``:
 rounds go on until every ratio is known to within 3%, or the time cap). Graph breaks are counted per
 entry with ``torch._dynamo.explain`` over its whole forward. Each entry's output SQNR against eager
 fp32 shows that compiling did not change what it computes.
@@ -42,12 +42,12 @@ sys.path.insert(0, str(ROOT))
 from reproducibility import machine  # noqa: E402  (benchmarks/reproducibility.py)
 
 import autoprec  # noqa: E402
-from autoprec import compiled as compiling  # noqa: E402
-from autoprec.batches import fidelity_outputs  # noqa: E402
-from autoprec.compare import compare  # noqa: E402
-from autoprec.formats import sqnr_db  # noqa: E402
-from autoprec.jsonsafe import dumps  # noqa: E402
-from autoprec.measure import call_model, policy_runs  # noqa: E402
+from autoprec.common.jsonsafe import dumps  # noqa: E402
+from autoprec.common.sqnr import sqnr_db  # noqa: E402
+from autoprec.inputs.batches import fidelity_outputs  # noqa: E402
+from autoprec.measuring.compare import compare  # noqa: E402
+from autoprec.measuring.measure import call_model, policy_runs  # noqa: E402
+from autoprec.runtime import compiled as compiling  # noqa: E402
 
 MINILM = ROOT / "examples" / "minilm" / "model.py"
 BATCH, TOKENS = 16, 128

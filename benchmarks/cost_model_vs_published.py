@@ -1,4 +1,4 @@
-"""The cost model (autoprec/costmodel.py) against published measured speed-ups, per format and target.
+"""The cost model (autoprec/profile/costmodel.py) against published measured speed-ups, per format and target.
 
     python benchmarks/cost_model_vs_published.py        # the table; writes results/cost_model_vs_published.json
     python benchmarks/cost_model_vs_published.py --fit  # redo the grid fit of the efficiency constants
@@ -38,8 +38,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autoprec import costmodel  # noqa: E402
-from autoprec.costmodel import elementwise_ms, gemm_ms, get_target, linear_ms, mx_cast_ms  # noqa: E402
+from autoprec.profile import costmodel  # noqa: E402
+from autoprec.profile.costmodel import elementwise_ms, gemm_ms, get_target, linear_ms, mx_cast_ms  # noqa: E402
 
 DATA = Path(__file__).with_name("published_gemm_speedups.csv")
 TORCHAO_MX = ("https://github.com/pytorch/ao/blob/09f13255fdcdb9d3a1b3c5c1c723cd9e41e2d5cb/"

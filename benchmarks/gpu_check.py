@@ -23,7 +23,7 @@ Sections, each recorded in the JSON:
 2. ``native_fp8``: ``torch._scaled_mm`` against the emulation: tensorwise and rowwise scales, the
    layouts it accepts and refuses, shapes it cannot take (FP8Linear falls back to the emulation); SQNR.
 3. ``latency``: per-layer fp32/bf16/fp16/FP8 (FP8Linear, native) forward and forward+backward times
-   with CUDA events (synchronised, warmed, median), with autoprec.costmodel's estimate beside each,
+   with CUDA events (synchronised, warmed, median), with autoprec.profile.costmodel's estimate beside each,
    for GPT-2-medium's linears and an MLP-heavy stack at a few batch sizes.
 5. ``blackwell`` (compute capability 10.x only; elsewhere skipped with the reason): MXFP8 and NVFP4 on
    torchao's kernels, as ``apply_policy`` installs them, against autoprec's exact emulation (SQNR) and
@@ -115,7 +115,9 @@ def cuda_tests(timeout_s: float) -> dict:
 def native_fp8(device: str, shapes: list[tuple[int, int, int]]) -> dict:
     import torch
 
-    from autoprec.formats import E4M3_MAX, FP8Linear, FP8Recipe, fp8_fake_quantize, fp8_quantize, fp8_scale, sqnr_db
+    from autoprec.common.sqnr import sqnr_db
+    from autoprec.runtime.fp8 import E4M3_MAX, FP8Recipe, fp8_fake_quantize, fp8_quantize, fp8_scale
+    from autoprec.runtime.fp8_linear import FP8Linear
 
     native = device == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
     rows = []
@@ -203,8 +205,9 @@ def layer_latency(device: str, target: str, shapes: dict[str, list[tuple[int, in
     import torch
     import torch.nn.functional as F
 
-    from autoprec.costmodel import linear_ms
-    from autoprec.formats import FP8Linear, FP8Recipe
+    from autoprec.profile.costmodel import linear_ms
+    from autoprec.runtime.fp8 import FP8Recipe
+    from autoprec.runtime.fp8_linear import FP8Linear
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     rows = []
@@ -259,8 +262,8 @@ def blackwell(device: str, shapes: list[tuple[int, int, int]], warmup: int, repe
     if importlib.util.find_spec("torchao") is None:
         return {"skipped": "torchao is not installed (bring its wheel in .whl/)"}
     from autoprec import Policy, apply_policy
-    from autoprec.costmodel import linear_ms
-    from autoprec.formats import sqnr_db
+    from autoprec.common.sqnr import sqnr_db
+    from autoprec.profile.costmodel import linear_ms
 
     rows = []
     for m, k, n in shapes:

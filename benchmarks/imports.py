@@ -22,31 +22,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from autoprec.layering import LAYER_ORDER, layer_of
+
 ROOT = Path(__file__).resolve().parents[1] / "autoprec"
 PACKAGE = "autoprec"
 
-# The layers, top to bottom: a module may import only from its own layer or below. Named by module prefix,
-# the longest matching prefix decides; a module no prefix names is a stage (a new one lands in the middle).
-LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("cli", ("__main__", "cli")),
-    # adapters for Lightning and Hugging Face, on top of applying a policy; beside the CLI, not under it
-    ("integrations", ("integrations",)),
-    ("pipeline", ("tune",)),
-    # what a tune writes and shows; the pipeline and the CLI read them, nothing below does
-    ("outputs", ("report", "results", "dashboard")),
-    ("workloads", ("workloads",)),
-    ("stages", ()),
-    # many processes, handed to the stages as a Ranks
-    ("service", ("distributed",)),
-    # a policy in a model: installing it, training with it, checking where it runs
-    ("apply", ("apply", "training", "rulecheck", "regionstate", "torchao_linear")),
-    # precisions, the policy file, model.py and its batches, errors, how text is written; ``distributed.models``
-    # (the names of a model DDP, FSDP2 or torch.compile wrapped) is here, as every layer that names a layer needs it,
-    # and ``distributed.agree`` (what the ranks must hold alike), as applying a policy compares it across ranks
-    ("base", ("formats", "mx", "weights", "policy", "jsonsafe", "version", "errors", "writing", "userspec",
-              "batches", "distributed.models", "distributed.agree")),
-]
-LAYER_ORDER = [layer for layer, _ in LAYERS]
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -110,15 +90,6 @@ def imports(known: dict[str, Path]) -> dict[str, list[tuple[str, str | None]]]:
                     edges.append((sub, None) if sub in known else (target, alias.name))
         graph[name] = edges
     return graph
-
-
-def layer_of(module: str) -> str:
-    best, best_len = "stages", -1
-    for layer, prefixes in LAYERS:
-        for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
-                best, best_len = layer, len(prefix)
-    return best
 
 
 def module_edges(graph: dict[str, list[tuple[str, str | None]]]) -> dict[str, set[str]]:

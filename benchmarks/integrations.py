@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from minilm_finetune import model as finetune  # noqa: E402
 
 from autoprec import Policy, TrainStep, apply_policy  # noqa: E402
-from autoprec.apply import effective_precisions, structure_fingerprint  # noqa: E402
+from autoprec.runtime.apply import effective_precisions, structure_fingerprint  # noqa: E402
 
 GOAL_OVERHEAD = 1.05
 GOAL_CURVE = 0.01

@@ -8,7 +8,7 @@ Each row runs `autoprec tune` through the CLI with the defaults (a fresh output 
 reused), timed end to end, then:
 
 - prefill: fp32, blanket torch.autocast(bfloat16) and the tuned policy time one forward of a
-  left-padded 8 x 128 batch no tune saw, in paired interleaved rounds (autoprec.compare), each
+  left-padded 8 x 128 batch no tune saw, in paired interleaved rounds (autoprec.measuring.compare), each
   ratio with its 95% interval; perplexity of each on held-out documents no tune saw.
 - training: the three train copies of the same weights on the same batches, one step each in
   turn; the ratio of step times is paired by step (median of the steps after warm-up, with its
@@ -42,9 +42,9 @@ sys.path.insert(0, str(MODEL_PY.parent))
 import model as tiny  # noqa: E402  (benchmarks/models/tiny_llm/model.py)
 
 import autoprec  # noqa: E402
-from autoprec.compare import Ratio, compare  # noqa: E402
-from autoprec.formats import Precision  # noqa: E402
-from autoprec.measure import policy_runs, shared_copy  # noqa: E402
+from autoprec.measuring.compare import Ratio, compare  # noqa: E402
+from autoprec.measuring.measure import policy_runs, shared_copy  # noqa: E402
+from autoprec.runtime.precision import Precision  # noqa: E402
 
 UNSEEN = tiny.N_BATCHES  # the first batch after the tune's: timing; the ones after it: perplexity
 PERPLEXITY_BATCHES = 4
@@ -91,7 +91,7 @@ def prefill_row(out: Path, seconds: float) -> dict:
 
 
 def training_row(out: Path, steps: int) -> dict:
-    from autoprec.trainspec import load_train_spec
+    from autoprec.inputs.trainspec import load_train_spec
     from autoprec.workloads.training import train_runs
 
     policy, tune_s, tail = run_tune(out, "--for", "training")

@@ -9,7 +9,7 @@ the rest bf16" (the cheapest heuristic close to the floor), it adds, one at a ti
 (attention, attention output, MLP up, MLP down of blocks 0-4) whose fp32 buys the most measured
 noise reduction (output SQNR on the search batches) per unit of its matmul work, until the search
 batches are 0.5 dB above the floor. Every step's policy is then checked on the unseen text and
-timed against fp32 and the hand policy in one paired comparison (:func:`autoprec.compare.compare`,
+timed against fp32 and the hand policy in one paired comparison (:func:`autoprec.measuring.compare.compare`,
 until +-2% or ``--seconds``). It measures many more policies than a tune does (a bound, not a tuner):
 what it finds says how much a perfect search could gain over the hand policy here.
 """
@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT / "examples" / "minilm"))
 import model as minilm  # noqa: E402  (examples/minilm/model.py)
 
 from autoprec import Policy  # noqa: E402
-from autoprec.compare import compare  # noqa: E402
-from autoprec.measure import Evaluator, policy_runs  # noqa: E402
+from autoprec.measuring.compare import compare  # noqa: E402
+from autoprec.measuring.measure import Evaluator, policy_runs  # noqa: E402
 
 # A sub-block's share of a block's matmul work at 128 tokens, hidden 384, MLP 1536 (q/k/v 3, scores and
 # values about 1.3, attention output 1, MLP up 4, MLP down 4): the cost the greedy divides by.

@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT / "examples" / "minilm"))
 
 import model as minilm  # noqa: E402  (examples/minilm/model.py)
 
-from autoprec.capture import capture  # noqa: E402
+from autoprec.capture.layers import capture  # noqa: E402
+from autoprec.outputs.report import profile_summary, profile_table  # noqa: E402
 from autoprec.profile import profile_model  # noqa: E402
-from autoprec.report import profile_summary, profile_table  # noqa: E402
 
 
 def main() -> None:

@@ -8,7 +8,7 @@
    one busy thread, 1.5 s on / 1 s off, stopped with each tune).
 2. The pretrained MiniLM (examples/minilm/model.py): the same tune three times at
    ``--min-sqnr 45``, and once at the default 30 dB for the wall time.
-3. Per model, one interleaved :func:`autoprec.compare.compare` run on batches no tune saw:
+3. Per model, one interleaved :func:`autoprec.measuring.compare.compare` run on batches no tune saw:
    fp32, blanket autocast (bf16 and fp16), the structured heuristics (as autoprec's search builds them,
    plus the hand policies: planted "traps fp32, the rest bf16" (and fp16), MiniLM "blocks 4 and 5 fp32")
    and every chosen policy; each policy's latency ratio to fp32 with its interval, and its
@@ -43,12 +43,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import autoprec  # noqa: E402
-from autoprec.apply import effective_precisions  # noqa: E402
-from autoprec.capture import capture  # noqa: E402
-from autoprec.compare import Comparison, Ratio, compare  # noqa: E402
-from autoprec.jsonsafe import dumps  # noqa: E402
-from autoprec.measure import Evaluator, call_model  # noqa: E402
-from autoprec.structure import Structure, find_parts  # noqa: E402
+from autoprec.capture.layers import capture  # noqa: E402
+from autoprec.common.jsonsafe import dumps  # noqa: E402
+from autoprec.measuring.compare import Comparison, Ratio, compare  # noqa: E402
+from autoprec.measuring.measure import Evaluator, call_model  # noqa: E402
+from autoprec.runtime.apply import effective_precisions  # noqa: E402
+from autoprec.search.structure import Structure, find_parts  # noqa: E402
 
 PLANTED = ROOT / "benchmarks" / "models" / "planted" / "model.py"
 MINILM = ROOT / "examples" / "minilm" / "model.py"

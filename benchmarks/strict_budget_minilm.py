@@ -7,7 +7,7 @@ policy. For each floor:
 
 1. ``autoprec tune examples/minilm/model.py --min-sqnr FLOOR`` in a fresh folder, timed end to end
    (goal: under 5 minutes on 2 cores).
-2. One paired interleaved run (:func:`autoprec.compare.compare`, until every ratio to fp32 is within
+2. One paired interleaved run (:func:`autoprec.measuring.compare.compare`, until every ratio to fp32 is within
    +-2% or ``--seconds``) on a 64 x 128 token batch of text the tune never saw: fp32, blanket
    autocast, every structured heuristic (first/last blocks fp32, attention fp32, MLP fp32,
    embeddings and pooler fp32, ...; the hand policy of issue 8 among them) and the tuned
@@ -36,12 +36,12 @@ sys.path.insert(0, str(ROOT / "examples" / "minilm"))
 import model as minilm  # noqa: E402  (examples/minilm/model.py)
 
 import autoprec  # noqa: E402
-from autoprec.compare import compare  # noqa: E402
-from autoprec.formats import Precision  # noqa: E402
-from autoprec.measure import Evaluator, policy_runs  # noqa: E402
-from autoprec.search import choose_default  # noqa: E402
-from autoprec.searchspace import SearchSpace  # noqa: E402
-from autoprec.structure import Structure, predict_policy_ms, region_cost_ms  # noqa: E402
+from autoprec.measuring.compare import compare  # noqa: E402
+from autoprec.measuring.measure import Evaluator, policy_runs  # noqa: E402
+from autoprec.runtime.precision import Precision  # noqa: E402
+from autoprec.search.space import SearchSpace  # noqa: E402
+from autoprec.search.structure import Structure, predict_policy_ms, region_cost_ms  # noqa: E402
+from autoprec.search.study import choose_default  # noqa: E402
 
 # Issue 8's four-rule hand policy: bf16, with the first and last encoder blocks, the embeddings and the pooler fp32.
 HAND = autoprec.Policy(default=Precision.BF16, layers={

@@ -7,7 +7,7 @@
    minutes on 2 cores). A fresh output folder each run, so nothing is reused.
 2. On 64 x 128 token batches of real text (not seen by the tune): fp32, blanket
    torch.autocast(bfloat16) and the tuned policy, timed side by side in paired interleaved rounds
-   (:func:`autoprec.compare.compare`, until every ratio is within +-2% or 4 minutes), each ratio
+   (:func:`autoprec.measuring.compare.compare`, until every ratio is within +-2% or 4 minutes), each ratio
    with its 95% interval, and the tuned policy's output SQNR against fp32.
    Goal: tuned at least as fast as blanket autocast (a tie counts); fidelity within the budget.
 """
@@ -27,9 +27,9 @@ sys.path.insert(0, str(ROOT / "examples" / "minilm"))
 import model as minilm  # noqa: E402  (examples/minilm/model.py)
 
 import autoprec  # noqa: E402
-from autoprec.compare import compare  # noqa: E402
-from autoprec.formats import Precision  # noqa: E402
-from autoprec.measure import Evaluator, policy_runs  # noqa: E402
+from autoprec.measuring.compare import compare  # noqa: E402
+from autoprec.measuring.measure import Evaluator, policy_runs  # noqa: E402
+from autoprec.runtime.precision import Precision  # noqa: E402
 
 
 def main() -> None:

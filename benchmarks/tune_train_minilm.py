@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL_PY = ROOT / "examples" / "minilm_finetune" / "model.py"
 
 import autoprec  # noqa: E402
-from autoprec.formats import Precision  # noqa: E402
-from autoprec.trainspec import load_train_spec  # noqa: E402
+from autoprec.inputs.trainspec import load_train_spec  # noqa: E402
+from autoprec.runtime.precision import Precision  # noqa: E402
 from autoprec.workloads.training import metric_after, train_runs  # noqa: E402
 
 

@@ -23,8 +23,8 @@ import transformers
 from minilm_finetune import model as finetune
 
 from autoprec import Policy
-from autoprec.apply import structure_fingerprint
 from autoprec.integrations.hf import AutoprecCallback
+from autoprec.runtime.apply import structure_fingerprint
 
 
 class ForTrainer(torch.nn.Module):

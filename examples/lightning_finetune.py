@@ -21,8 +21,8 @@ import torch
 from minilm_finetune import model as finetune
 
 from autoprec import Policy
-from autoprec.apply import structure_fingerprint
 from autoprec.integrations.lightning import AutoprecPrecision
+from autoprec.runtime.apply import structure_fingerprint
 
 
 class DocstringModule(pl.LightningModule):

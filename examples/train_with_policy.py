@@ -19,7 +19,7 @@ from digits_cnn.model import DigitsCNN
 from sklearn.datasets import load_digits
 
 from autoprec import Policy, apply_policy
-from autoprec.training import TrainStep
+from autoprec.runtime.training import TrainStep
 
 # The convolutions and fc1 in bf16 (fast on CPUs with AMX-BF16 and on recent GPUs); the classifier
 # an fp32 island, so the logits and the loss keep full precision.

@@ -49,9 +49,9 @@ def bf16_speed():
     small layers not at all). A test that needs bf16 to be faster measures first, never assumes it."""
     import torch
 
-    from autoprec.compare import compare
-    from autoprec.formats import Precision
-    from autoprec.measure import policy_runs
+    from autoprec.measuring.compare import compare
+    from autoprec.measuring.measure import policy_runs
+    from autoprec.runtime.precision import Precision
 
     def check(model, batch) -> None:
         runs = policy_runs(model, batch, {"fp32": None, "bf16": Precision.BF16})

@@ -24,7 +24,7 @@ from integration_models import DtypeLog, data
 from models import VOCAB, seeded
 
 import autoprec
-from autoprec.apply import applied_policy
+from autoprec.runtime.apply import applied_policy
 
 STEPS, GLOBAL_BATCH = 4, 16
 
@@ -158,7 +158,7 @@ if __name__ == "__main__":
     parser.add_argument("--own-bf16", action="store_true")
     options = parser.parse_args()
     torch.set_num_threads(1)  # as torchrun sets it: the same kernels on one process and on many
-    autoprec.apply  # noqa: B018  (imported before the framework, as a user script would)
+    autoprec.runtime.apply  # noqa: B018  (imported before the framework, as a user script would)
     run(options.framework, None if options.own_bf16 else options.policy, options.out)
     # the frameworks leave their process group to the interpreter's exit, where gloo's worker threads can outlive
     # it and abort the process (SIGABRT, "terminate called without an active exception"): end it while all is alive

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from autoprec import Policy
-from autoprec.apply import effective_precisions, structure_fingerprint
+from autoprec.runtime.apply import effective_precisions, structure_fingerprint
 
 
 def tiny_net(seed: int = 0) -> nn.Sequential:

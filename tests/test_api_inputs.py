@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import autoprec
-from autoprec.measure import BatchError
+from autoprec.measuring.measure import BatchError
 
 
 def _model() -> nn.Module:
@@ -159,7 +159,7 @@ def test_training_batches_changed_in_place_are_one_line(tmp_path):
         return (model(x) - target.mul_(0.5)).pow(2).mean()  # halves the batch's targets on every run
 
     batches = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(3)]
-    with pytest.raises(autoprec.userspec.UserCodeError, match=r"loss\(\): changed training batch 0's input\[1\] "
+    with pytest.raises(autoprec.inputs.userspec.UserCodeError, match=r"loss\(\): changed training batch 0's input\[1\] "
                                                               r"\(8x4\) in place.*x\.clone\(\)"):
         autoprec.tune(_model(), [b[0] for b in batches], for_="training", loss=loss, train_batches=batches,
                       out=tmp_path / "run", progress=False, log=lambda _: None)

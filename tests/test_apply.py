@@ -12,8 +12,8 @@ import torch.nn as nn
 from matmuls import MatmulLog, ModuleStack
 
 from autoprec import FP8Linear, Policy, PolicyError, Precision, apply_policy, remove_policy
-from autoprec.apply import applied_policy, effective_precisions, structure_fingerprint
-from autoprec.formats import fp8_scale
+from autoprec.runtime.apply import applied_policy, effective_precisions, structure_fingerprint
+from autoprec.runtime.fp8 import fp8_scale
 
 # FP8 is emulated on these devices: an fp32 matmul on values quantized to FP8.
 MATMUL_DTYPE = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16,
@@ -312,8 +312,8 @@ def test_a_policy_for_this_model_or_without_a_record_applies_silently():
 
 
 def test_bench_warns_for_a_policy_of_another_model():
-    from autoprec.budget import Budget
-    from autoprec.verify import bench_policy
+    from autoprec.measuring.budget import Budget
+    from autoprec.verify.end_to_end import bench_policy
 
     model, x = make_net(), torch.randn(2, 4, 8)
     policy = Policy(layers={"head": "bf16"}, model={"type": "Net", "structure": "0" * 16})

@@ -12,12 +12,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoprec import Policy, apply_policy, remove_policy
-from autoprec.budget import Budget
-from autoprec.formats import Capability, Precision
-from autoprec.measure import Evaluator
-from autoprec.results import results_table
-from autoprec.verify import bench_policy
-from autoprec.weights import CastWeights, WeightCache
+from autoprec.measuring.budget import Budget
+from autoprec.measuring.measure import Evaluator
+from autoprec.outputs.results import results_table
+from autoprec.runtime.precision import Capability, Precision
+from autoprec.runtime.weights import CastWeights, WeightCache
+from autoprec.verify.end_to_end import bench_policy
 
 BF16 = torch.autocast("cpu", dtype=torch.bfloat16)
 
@@ -273,7 +273,7 @@ def test_a_users_evaluate_is_handed_fp32_outputs():
 
 
 def test_bench_of_a_blanket_policy_shows_its_own_times_under_its_own_label(monkeypatch):
-    import autoprec.verify as verify_module
+    import autoprec.verify.end_to_end as verify_module
 
     def bf16_only(device: torch.device) -> dict:  # the baseline is the faster of bf16 and fp16, measured: keep it bf16
         caps = dict(real_capabilities(device))

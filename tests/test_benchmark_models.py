@@ -6,7 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import autoprec
-from autoprec.measure import Evaluator
+from autoprec.measuring.measure import Evaluator
 
 PLANTED = Path(__file__).resolve().parents[1] / "benchmarks" / "models" / "planted" / "model.py"
 FLOOR_DB = 30.0  # the benchmark's --min-sqnr

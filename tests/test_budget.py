@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from autoprec.budget import (
+from autoprec.measuring.budget import (
     DEFAULT_MIN_SQNR,
     MARGIN_Z,
     Budget,

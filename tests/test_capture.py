@@ -23,7 +23,7 @@ from models import (
 )
 from torch import nn
 
-from autoprec.capture import METHODS, CaptureFallbackWarning, Layer, LayerTable, capture
+from autoprec.capture.layers import METHODS, CaptureFallbackWarning, Layer, LayerTable, capture
 
 KINDS = {"linear", "conv", "attention", "matmul"}
 MIN_SQNR_DB = 30.0  # an ordinary layer in bf16 is well above this

@@ -85,7 +85,7 @@ def test_help_exits_0(capsys):
 
 
 def test_show_warns_in_one_line_on_an_old_policy(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("autoprec.policy.VERSION", 2)  # pretend a newer autoprec reads today's file
+    monkeypatch.setattr("autoprec.runtime.policy.VERSION", 2)  # pretend a newer autoprec reads today's file
     assert main(["show", str(ASSETS / "policy_v1.json")]) == 0
     out, err = capsys.readouterr()
     assert err.startswith("autoprec show: warning: ") and "version 1 is older than 2" in err

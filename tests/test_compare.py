@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from autoprec.compare import Interval, Ratio, compare, median_interval, round_orders, shift_interval
+from autoprec.measuring.compare import Interval, Ratio, compare, median_interval, round_orders, shift_interval
 
 
 class FakeMachine:
@@ -195,7 +195,7 @@ def test_until_precise_measures_every_ratio_to_the_asked_precision():
 
 
 def test_signed_rank_interval_is_exact_for_few_rounds_and_approximate_for_many():
-    from autoprec.compare import _EXACT_UP_TO, _signed_rank_cdf
+    from autoprec.measuring.compare import _EXACT_UP_TO, _signed_rank_cdf
 
     assert _signed_rank_cdf(6)(0) == 1 / 64 and _signed_rank_cdf(6)(21) == 1.0
     n = _EXACT_UP_TO

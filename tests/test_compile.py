@@ -18,12 +18,13 @@ import torch.nn.functional as F
 
 import autoprec
 from autoprec import Policy, apply_policy
-from autoprec import apply as apply_module
-from autoprec import compiled as compiling
-from autoprec.budget import Budget
-from autoprec.formats import Precision, sqnr_db
-from autoprec.search import Candidate
-from autoprec.verify import verify
+from autoprec.common.sqnr import sqnr_db
+from autoprec.measuring.budget import Budget
+from autoprec.runtime import apply as apply_module
+from autoprec.runtime import compiled as compiling
+from autoprec.runtime.precision import Precision
+from autoprec.search.study import Candidate
+from autoprec.verify.end_to_end import verify
 from autoprec.workloads import inference as inference_workload
 
 transformers = pytest.importorskip("transformers")

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import autoprec
-from autoprec.measure import Evaluator
+from autoprec.measuring.measure import Evaluator
 from autoprec.profile.latency import LatencyResult, layers_not_faster
 from autoprec.profile.sensitivity import measure_sensitivity, merge_sensitivity, sensitivity_work
 
@@ -57,7 +57,7 @@ def test_where_nothing_is_faster_the_tune_ends_with_fp32_and_says_why(tmp_path):
 def test_profile_all_still_profiles_what_cannot_pay_off():
     model = slow_model()
     batches = [torch.randn(16, 32) for _ in range(2)]
-    table = autoprec.capture.capture(model, batches)
+    table = autoprec.capture.layers.capture(model, batches)
     profile = autoprec.profile.profile_model(model, table, batches, precisions=["bf16"], repeats=2, progress=False,
                                              profile_all=True)
     assert profile.not_profiled == {} and not profile.nothing_pays_off
@@ -88,8 +88,8 @@ def test_shares_of_the_sensitivity_work_merge_into_the_whole():
 
 
 def test_timed_candidates_share_the_models_weights():
-    from autoprec.apply import applied_policy
-    from autoprec.measure import policy_runs
+    from autoprec.measuring.measure import policy_runs
+    from autoprec.runtime.apply import applied_policy
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
@@ -118,7 +118,7 @@ def _closure_modules(fn):
 
 
 def test_a_model_that_does_not_fit_is_one_line_with_the_need_and_the_fix():
-    from autoprec.fits import GiB, shortfall
+    from autoprec.inputs.fits import GiB, shortfall
 
     assert shortfall(30 * GiB, GiB // 2, 80 * GiB, "cuda:0") is None
     line = shortfall(32 * GiB, GiB, 20 * GiB, "cuda:0")
@@ -137,8 +137,8 @@ def test_a_tune_for_training_that_cannot_hold_a_training_copy_is_refused_before_
 
     import pytest
 
-    from autoprec import fits
-    from autoprec.fits import model_bytes
+    from autoprec.inputs import fits
+    from autoprec.inputs.fits import model_bytes
 
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
     batches = [(torch.randn(8, 64), torch.randn(8, 4)) for _ in range(2)]
@@ -158,7 +158,7 @@ def test_the_sensitivity_heatmap_draws_each_layer_in_its_row_and_what_was_not_pr
     import matplotlib.image
     from test_search import make_profile
 
-    from autoprec.report import sensitivity_heatmap
+    from autoprec.outputs.report import sensitivity_heatmap
 
     profile = make_profile({"safe": {"ms": {"fp32": 1.0}, "sqnr": {"bf16": 60.0, "fp16": 60.0}},
                             "sensitive": {"ms": {"fp32": 1.0}, "sqnr": {"bf16": 10.0}}})  # no fp16 cell

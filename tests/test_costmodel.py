@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from autoprec.costmodel import TARGETS, UnknownTargetError, estimate, gemm_ms, get_target, linear_ms, parse_gemm
-from autoprec.formats import Capability, Precision, emulated_for_shape
+from autoprec.profile.costmodel import TARGETS, UnknownTargetError, estimate, gemm_ms, get_target, linear_ms, parse_gemm
+from autoprec.runtime.precision import Capability, Precision, emulated_for_shape
 
 SIZES = (16, 64, 256, 1024, 4096, 16384)
 
@@ -186,7 +186,7 @@ class PlantedFP8Net(torch.nn.Module):
 @pytest.mark.slow
 def test_tune_target_h100_picks_fp8_only_for_large_tolerant_linears(tmp_path):
     from autoprec import tune
-    from autoprec.policy import Policy
+    from autoprec.runtime.policy import Policy
 
     model = PlantedFP8Net().eval()
     generator = torch.Generator().manual_seed(1)
@@ -265,7 +265,7 @@ def test_tune_cli_with_target_labels_every_latency_estimated(cli_models, autopre
 
 
 def test_estimate_leaves_out_precisions_whose_tensors_do_not_fit_and_refuses_a_gemm_that_never_fits():
-    from autoprec.costmodel import estimate, gemm_gb
+    from autoprec.profile.costmodel import estimate, gemm_gb
 
     assert gemm_gb(1000, 1000, 1000, "fp32") == pytest.approx(0.012)
     assert gemm_gb(1000, 1000, 1000, "fp8", "training") == pytest.approx(2 * 0.004)

@@ -16,11 +16,11 @@ import pytest
 from test_search import Chain, batches, chain_profile
 
 from autoprec import Policy, Precision
-from autoprec.apply import effective_precisions
-from autoprec.budget import Budget
-from autoprec.measure import Evaluator
-from autoprec.search import search
-from autoprec.searchspace import SearchSpace
+from autoprec.measuring.budget import Budget
+from autoprec.measuring.measure import Evaluator
+from autoprec.runtime.apply import effective_precisions
+from autoprec.search.space import SearchSpace
+from autoprec.search.study import search
 
 AUTOPREC = [sys.executable, "-m", "autoprec"]
 

@@ -23,9 +23,9 @@ from torch import nn
 
 import autoprec
 from autoprec import Policy, PolicyError
-from autoprec.apply import applied_policy
-from autoprec.runcheck import check_policy_runs
-from autoprec.training import TrainStep
+from autoprec.runtime.apply import applied_policy
+from autoprec.runtime.training import TrainStep
+from autoprec.verify.runcheck import check_policy_runs
 
 WORLD = 3
 RULES = {"blocks.1.fc1": "bf16", "blocks.1.fc2": "fp16", "head": "fp32"}

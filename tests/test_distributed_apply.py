@@ -26,11 +26,11 @@ from torch import nn
 
 import autoprec
 from autoprec import Policy
-from autoprec.apply import applied_policy
 from autoprec.distributed.models import own_class, unwrap
-from autoprec.formats import FP8Linear
-from autoprec.mx import BlockScaledLinear
-from autoprec.training import TrainStep
+from autoprec.runtime.apply import applied_policy
+from autoprec.runtime.fp8_linear import FP8Linear
+from autoprec.runtime.mx import BlockScaledLinear
+from autoprec.runtime.training import TrainStep
 
 WORLD = 2
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4")
@@ -334,7 +334,7 @@ def _training_verification(how: str, rank: int) -> None:
     wraps it (losses as one process gets them: both ranks see the same batches, so the averaged gradients
     are the one process's), then the entries' steps take turns on one wrapped copy, each with its policy
     installed after wrapping (fp8 included: autoprec's linears change class in place under FSDP2)."""
-    from autoprec.compare import timed_together
+    from autoprec.measuring.compare import timed_together
     from autoprec.workloads.training import TrainingWorkload
 
     g = torch.Generator().manual_seed(3)

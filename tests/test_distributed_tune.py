@@ -160,7 +160,7 @@ def test_a_layer_wrap_leaves_on_meta_is_one_line_naming_it(sharded_folder):
 
 
 def test_a_meta_model_in_one_process_says_to_shard_it_under_torchrun(sharded_folder):
-    from autoprec.userspec import UserCodeError, load_model_py
+    from autoprec.inputs.userspec import UserCodeError, load_model_py
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("WORLD_SIZE", "2")  # get_model() builds on meta, as under torchrun
@@ -206,7 +206,7 @@ class _OneOfTwo:
 def test_two_ranks_share_the_sensitivity_evaluations_and_gather_what_one_process_measures():
     import torch
 
-    from autoprec.measure import Evaluator
+    from autoprec.measuring.measure import Evaluator
     from autoprec.profile.sensitivity import measure_sensitivity
 
     torch.manual_seed(0)
@@ -237,7 +237,7 @@ def test_two_ranks_share_the_sensitivity_evaluations_and_gather_what_one_process
 
 
 def test_ranks_timing_together_take_the_slowest_rank_s_times():
-    from autoprec.compare import compare, timed_together
+    from autoprec.measuring.compare import compare, timed_together
 
     clock = iter(range(0, 10**6, 1)).__next__  # 1 ms per call
     runs = {"fp32": lambda: None, "bf16": lambda: None}
@@ -249,7 +249,7 @@ def test_ranks_timing_together_take_the_slowest_rank_s_times():
 
 def test_wrap_is_checked_like_the_other_functions(tmp_path):
     from autoprec.distributed.tuning import job_wrap
-    from autoprec.userspec import UserCodeError, load_model_py
+    from autoprec.inputs.userspec import UserCodeError, load_model_py
 
     body = MODEL.read_text()
     (tmp_path / "not_callable.py").write_text(body + "\nwrap = 3\n")

@@ -10,12 +10,12 @@ import torch
 import torch.nn as nn
 from models import seeded, token_batch
 
-from autoprec.capture import capture
-from autoprec.formats import Precision
-from autoprec.measure import Evaluator
+from autoprec.capture.layers import capture
+from autoprec.measuring.measure import Evaluator
 from autoprec.profile.estimate import AGREE_DB, CEILING_DB, CHECKS, worth_estimating
 from autoprec.profile.frame import layer_candidates
 from autoprec.profile.sensitivity import measure_sensitivity, sensitivity_work
+from autoprec.runtime.precision import Precision
 
 LOW = [Precision.BF16, Precision.FP16, Precision.FP8]
 

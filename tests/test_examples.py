@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from autoprec.userspec import load_model_py
+from autoprec.inputs.userspec import load_model_py
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

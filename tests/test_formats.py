@@ -10,19 +10,10 @@ import torch
 import torch.nn as nn
 from matmuls import MatmulLog
 
-from autoprec.formats import (
-    E4M3_MAX,
-    E5M2_MAX,
-    Capability,
-    FP8Linear,
-    FP8Recipe,
-    Precision,
-    device_capabilities,
-    fp8_fake_quantize,
-    fp8_quantize,
-    fp8_scale,
-    sqnr_db,
-)
+from autoprec.common.sqnr import sqnr_db
+from autoprec.runtime.fp8 import E4M3_MAX, E5M2_MAX, FP8Recipe, fp8_fake_quantize, fp8_quantize, fp8_scale
+from autoprec.runtime.fp8_linear import FP8Linear
+from autoprec.runtime.precision import Capability, Precision, device_capabilities
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 

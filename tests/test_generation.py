@@ -16,14 +16,14 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from autoprec.budget import Budget
-from autoprec.candidate import Candidate
 from autoprec.cli import main
 from autoprec.config import TuneConfig
-from autoprec.formats import Precision
-from autoprec.policy import Policy
+from autoprec.measuring.budget import Budget
+from autoprec.measuring.candidate import Candidate
+from autoprec.runtime.policy import Policy
+from autoprec.runtime.precision import Precision
 from autoprec.tune import tune
-from autoprec.verify import verify
+from autoprec.verify.end_to_end import verify
 from autoprec.workloads.generation import GenerationWorkload, generation_runs, hf_generate, prompt_perplexity
 
 NEW_TOKENS = 5
@@ -214,7 +214,7 @@ def test_settings_generation_cannot_time_are_refused_before_any_work(workload, s
 def test_target_prices_the_decode_steps_at_their_own_shapes(tmp_path):
     """--target for generation: each layer's estimate is its prefill at the prompts' shapes plus new_tokens - 1
     decode steps at one token per row, where the linears are memory-bound (bf16 about halves their time)."""
-    from autoprec.costmodel import linear_ms
+    from autoprec.profile.costmodel import linear_ms
 
     profiles = {}
     for n in (2, 9):
@@ -253,7 +253,7 @@ def test_the_cli_refuses_what_generation_cannot_do_in_one_line(cli_models, capsy
 def test_a_decode_step_batch_whose_cache_grows_is_one_line_not_a_silently_longer_cache(where):
     """The cache-growth bug through the Python API: a decode step (one token on a DynamicCache of 16) as the
     timing batch, or as a search batch, grew by a token at every forward the tune ran."""
-    from autoprec.measure import BatchError
+    from autoprec.measuring.measure import BatchError
     from autoprec.workloads.inference import InferenceWorkload
 
     model, batch = tiny_llama(), prompts(1)[0]

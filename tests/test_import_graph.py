@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "imports.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "imports.py"  # the reader; the layers: autoprec/layering.py
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +61,8 @@ def test_user_errors_are_a_property_of_their_types():
     """Which errors are said in one line is defined once, at the bottom (autoprec.errors), not in the CLI."""
     from autoprec.cli.options import CommandError
     from autoprec.errors import UserError, is_users
-    from autoprec.policy import PolicyError
-    from autoprec.userspec import UserCodeError
+    from autoprec.inputs.userspec import UserCodeError
+    from autoprec.runtime.policy import PolicyError
 
     assert issubclass(CommandError, UserError) and issubclass(UserCodeError, UserError)
     assert is_users(PolicyError("x")) and is_users(ValueError("x")) and is_users(CommandError("x"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from autoprec import Policy, apply_policy
-from autoprec.userspec import load_model_py
+from autoprec.inputs.userspec import load_model_py
 
 SAMPLES = [
     "Return a new sorted list from the items in iterable.",
@@ -102,8 +102,8 @@ def test_hf_model_py_for_a_causal_lm_scores_perplexity_trains_and_generates(tmp_
     pytest.importorskip("transformers")
     import importlib.util
 
-    from autoprec.init import write_hf_model_py
-    from autoprec.trainspec import load_train_spec
+    from autoprec.cli.scaffold import write_hf_model_py
+    from autoprec.inputs.trainspec import load_train_spec
 
     save_causal_lm(tmp_path / arch, arch)
     text = tmp_path / "samples.txt"
@@ -141,7 +141,7 @@ def test_hf_model_py_for_a_causal_lm_scores_perplexity_trains_and_generates(tmp_
 
 def test_hf_model_py_for_an_encoder_keeps_the_base_model_and_fidelity(tmp_path):
     """A BERT folder is not a causal LM although BERT has a causal-LM class (BertLMHeadModel)."""
-    from autoprec.init import causal_lm_architecture
+    from autoprec.cli.scaffold import causal_lm_architecture
 
     assert causal_lm_architecture(["BertModel"]) is None and causal_lm_architecture(["BertForMaskedLM"]) is None
     assert causal_lm_architecture(["GPT2LMHeadModel"]) == "GPT2LMHeadModel"

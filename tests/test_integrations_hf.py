@@ -63,7 +63,8 @@ def test_policy_tuned_on_the_encoder_trains_inside_the_classifier(tmp_path):
     policy = tuned_policy(model.bert, default="bf16", **{"pooler": "fp32"})
     log = DtypeLog(model)
     trainer = train(model, policy, tmp_path)
-    assert autoprec.apply.applied_policy(model.bert) is policy and autoprec.apply.applied_policy(model) is None
+    applied = autoprec.runtime.apply.applied_policy
+    assert applied(model.bert) is policy and applied(model) is None
     expected = {n: ({torch.bfloat16} if n.startswith("bert.encoder") else {torch.float32}) for n in log.seen}
     assert dict(log.seen) == expected and "classifier" in expected and "bert.pooler.dense" in expected
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -102,7 +103,7 @@ def test_blanket_precision_flags_are_one_line(tmp_path, flag):
     with pytest.raises(ValueError, match=rf"TrainingArguments\({flag}=True .*drop {flag}=True") as e:
         transformers.Trainer(model=model, args=arguments(tmp_path, **{flag: True}), train_dataset=Samples(),
                              callbacks=[AutoprecCallback(tuned_policy(model.bert))])
-    assert "\n" not in str(e.value) and autoprec.apply.applied_policy(model.bert) is None
+    assert "\n" not in str(e.value) and autoprec.runtime.apply.applied_policy(model.bert) is None
 
 
 def test_policy_for_another_model_is_one_line(tmp_path):
@@ -115,7 +116,7 @@ def test_policy_for_another_model_is_one_line(tmp_path):
 def test_hand_written_policy_goes_on_the_trainer_model(tmp_path):
     model = classifier()
     trainer = train(model, Policy(default="bf16", layers={"classifier": "fp32"}), tmp_path)
-    assert autoprec.apply.applied_policy(model) is not None
+    assert autoprec.runtime.apply.applied_policy(model) is not None
     assert trainer.state.global_step == STEPS
 
 
@@ -133,7 +134,7 @@ def test_model_init_builds_the_model_that_trains_and_that_one_gets_the_policy(tm
     for runs in (1, 2):  # every train() builds a fresh model
         trainer.train()
         assert len(built) == 1 + runs and trainer.model is built[-1]
-        assert autoprec.apply.applied_policy(built[-1].bert) is policy
+        assert autoprec.runtime.apply.applied_policy(built[-1].bert) is policy
         assert built[-1].log.seen["bert.encoder.layer.0.attention.self.query"] == {torch.bfloat16}
 
 
@@ -173,7 +174,7 @@ def test_model_loaded_in_fp16_with_keep_in_fp32_modules_is_one_line(tmp_path):
                                           r"master weights; load or build the model in fp32") as e:
         transformers.Trainer(model=model, args=arguments(tmp_path), train_dataset=Samples(),
                              callbacks=[AutoprecCallback(tuned_policy(model, default="fp32", **{"encoder": "bf16"}))])
-    assert "\n" not in str(e.value) and autoprec.apply.applied_policy(model) is None
+    assert "\n" not in str(e.value) and autoprec.runtime.apply.applied_policy(model) is None
 
 
 def test_hyperparameter_search_trains_every_trial_with_the_policy_and_its_own_scaler(tmp_path):

@@ -37,7 +37,7 @@ def test_trainer_runs_every_layer_in_the_policy_precision_with_fp32_master_weigh
     policy = tuned_policy(module.net, default="bf16", **{"4": "fp32"})  # the head an fp32 island
     log = DtypeLog(module.net)
     trainer(AutoprecPrecision(policy)).fit(module, loader())
-    assert autoprec.apply.applied_policy(module.net) is policy  # installed on the submodule, not the wrapper
+    assert autoprec.runtime.apply.applied_policy(module.net) is policy  # installed on the submodule, not the wrapper
     assert dict(log.seen) == log.expected(policy) == {"0": {torch.bfloat16}, "2": {torch.bfloat16},
                                                       "4": {torch.float32}}
     assert all(p.dtype == torch.float32 for p in module.parameters())
@@ -98,7 +98,7 @@ def test_policy_for_another_model_is_refused_without_touching_the_model():
     other = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
     with pytest.raises(PolicyError, match="no submodule of the Classifier is the model this policy was tuned on"):
         trainer(AutoprecPrecision(tuned_policy(other))).fit(module, loader())
-    assert autoprec.apply.applied_policy(module.net) is None and "forward" not in module.__dict__
+    assert autoprec.runtime.apply.applied_policy(module.net) is None and "forward" not in module.__dict__
 
 
 def test_hand_written_policy_needs_module_and_module_names_the_submodule():
@@ -124,7 +124,8 @@ def test_two_copies_of_the_tuned_model_need_module():
         trainer(AutoprecPrecision(policy)).fit(Twins(), loader())
     module = Twins()
     trainer(AutoprecPrecision(policy, module="net")).fit(module, loader())
-    assert autoprec.apply.applied_policy(module.net) is policy and autoprec.apply.applied_policy(module.teacher) is None
+    applied = autoprec.runtime.apply.applied_policy
+    assert applied(module.net) is policy and applied(module.teacher) is None
 
 
 def test_a_policy_module_that_never_runs_warns():
@@ -167,7 +168,7 @@ def test_fabric_module_without_a_record_takes_the_policy_itself():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out = model(torch.randn(4, 8))
-    assert out.dtype == torch.float32 and autoprec.apply.applied_policy(net) is policy
+    assert out.dtype == torch.float32 and autoprec.runtime.apply.applied_policy(net) is policy
 
 
 def test_fit_then_validate_test_predict_with_new_trainers_and_the_same_policy_file(tmp_path):
@@ -201,4 +202,4 @@ def test_half_precision_model_is_one_line():
     with pytest.raises(PolicyError, match=r"AutoprecPrecision: 6 parameters of 'net' are float16 \(e.g. '0.weight'\), "
                                           r"so training would have no fp32 master weights") as e:
         trainer(AutoprecPrecision(tuned_policy(module.net))).fit(module, loader())
-    assert "\n" not in str(e.value) and autoprec.apply.applied_policy(module.net) is None
+    assert "\n" not in str(e.value) and autoprec.runtime.apply.applied_policy(module.net) is None

@@ -15,9 +15,9 @@ import torch.nn as nn
 
 import autoprec
 import autoprec.profile.latency as latency_stage
-from autoprec.apply import applied_policy
-from autoprec.formats import Precision
 from autoprec.profile.latency import measure_latency
+from autoprec.runtime.apply import applied_policy
+from autoprec.runtime.precision import Precision
 
 LOW = [Precision.BF16, Precision.FP16, Precision.FP8]
 

@@ -11,8 +11,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autoprec import Policy, apply_policy, remove_policy
-from autoprec.formats import FP8Linear, FP8Recipe, Precision, device_capabilities, sqnr_db
-from autoprec.mx import (
+from autoprec.common.sqnr import sqnr_db
+from autoprec.runtime.fp8 import FP8Recipe
+from autoprec.runtime.fp8_linear import FP8Linear
+from autoprec.runtime.mx import (
     BlockScaledLinear,
     block_fake_quantize,
     e2m1_round,
@@ -21,6 +23,7 @@ from autoprec.mx import (
     nvfp4_fake_quantize,
     nvfp4_quantize,
 )
+from autoprec.runtime.precision import Precision, device_capabilities
 
 # SQNR floors in dB for gaussian data, each a little under its measurement (a wrong scale, block or
 # format costs far more): MXFP8 keeps E4M3's 3 mantissa bits per element (one tensor ~31 dB, a matmul of
@@ -112,7 +115,7 @@ def test_unknown_format_and_rounding_are_one_line_errors():
 @pytest.fixture(scope="module")
 def torchao_mx():
     pytest.importorskip("torchao")
-    from autoprec.torchao_linear import _import
+    from autoprec.runtime.torchao_linear import _import
 
     return _import("torchao.prototype.mx_formats.mx_tensor"), _import("torchao.prototype.mx_formats.nvfp4_tensor")
 
@@ -217,7 +220,7 @@ def test_kernels_must_be_one_of_the_three():
 @pytest.fixture
 def float8_linear():
     pytest.importorskip("torchao")
-    from autoprec.torchao_linear import _import
+    from autoprec.runtime.torchao_linear import _import
 
     return _import("torchao.float8.float8_linear").Float8Linear
 
@@ -259,10 +262,10 @@ def test_torchao_modules_keep_state_dict_optimizer_and_remove_policy(float8_line
 
 # ---- profiled for accuracy everywhere, timed never when emulated, estimated under --target ----------------
 def test_block_scaled_formats_are_profiled_for_accuracy_but_not_timed_on_cpu_and_estimated_for_b200():
-    from autoprec.capture import capture
+    from autoprec.capture.layers import capture
     from autoprec.profile import profile_model
-    from autoprec.search import plan_units
-    from autoprec.searchspace import SearchSpace
+    from autoprec.search.space import SearchSpace
+    from autoprec.search.study import plan_units
 
     model = small_model().eval()
     batches = [gaussian(32, 64, seed=s) for s in range(2)]
@@ -303,7 +306,7 @@ def test_torchao_mxfp8_inference_linear_is_autoprecs_emulation_on_bf16_operands(
 
 def test_a_kernel_that_fails_to_install_leaves_the_model_as_it_was(monkeypatch):
     pytest.importorskip("torchao")
-    from autoprec import torchao_linear
+    from autoprec.runtime import torchao_linear
 
     def refuse(*_args, **_kwargs):
         raise RuntimeError("no kernel for this device")

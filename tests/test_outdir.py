@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autoprec.outdir import LOCK_NAME, MARKER_NAME, OutDirError, claim_out_dir
+from autoprec.outputs.outdir import LOCK_NAME, MARKER_NAME, OutDirError, claim_out_dir
 
 
 def test_a_new_folder_is_claimed_and_marked_and_can_be_claimed_again(tmp_path):

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from autoprec import Policy
-from autoprec.batches import padding_mask, real_positions
-from autoprec.formats import sqnr_db
-from autoprec.measure import Evaluator
+from autoprec.common.sqnr import sqnr_db
+from autoprec.inputs.batches import padding_mask, real_positions
+from autoprec.measuring.measure import Evaluator
 
 FLOOR_DB = 30.0  # the default --min-sqnr
 OFFSET = 1e4  # far from zero: bf16 (8 bits of mantissa, steps of 64 there) rounds the token's features away

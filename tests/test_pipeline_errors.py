@@ -18,12 +18,12 @@ from test_capture import Routed, routed_batches
 from test_search import FAST_BF16, SAFE, RaisesInBf16, batches, make_profile
 
 from autoprec import Policy, tune
-from autoprec.measure import BatchError, Evaluator, OutputError
+from autoprec.inputs.userspec import UserCodeError
+from autoprec.measuring.measure import BatchError, Evaluator, OutputError
 from autoprec.profile import Profile
 from autoprec.profile.sensitivity import measure_sensitivity
-from autoprec.search import Budget, search
-from autoprec.searchspace import SearchSpace
-from autoprec.userspec import UserCodeError
+from autoprec.search.space import SearchSpace
+from autoprec.search.study import Budget, search
 
 # The fp32 reference (Python API).
 
@@ -128,7 +128,7 @@ def test_the_model_raising_inside_evaluate_is_the_candidate_s_error(storage):
 
 # Layers on branches only some batches take, through tune().
 
-@pytest.mark.filterwarnings("ignore::autoprec.capture.CaptureFallbackWarning")
+@pytest.mark.filterwarnings("ignore::autoprec.capture.layers.CaptureFallbackWarning")
 def test_tune_profiles_and_assigns_every_branch(tmp_path):
     model = Routed(width=256)  # big enough that timing it is not all noise
     search_batches, holdout = routed_batches("+-+", rows=256), routed_batches("-+", rows=256)
@@ -203,7 +203,7 @@ def test_cli_says_one_line(tmp_path: Path, case: str):
     assert len(errors) == 1 and all(w in errors[0] for w in words), run.stderr
 
 
-@pytest.mark.filterwarnings("ignore::autoprec.capture.CaptureFallbackWarning")
+@pytest.mark.filterwarnings("ignore::autoprec.capture.layers.CaptureFallbackWarning")
 def test_a_layer_only_held_out_batches_run_stays_fp32(tmp_path):
     """Its sensitivity cannot be measured on the search batches (it is idle there): never lowered."""
     result = tune(Routed(width=256), routed_batches("++", rows=256), holdout_batches=routed_batches("-", rows=256),

@@ -7,9 +7,9 @@ import torch
 import torch.nn as nn
 from models import seeded
 
-from autoprec.apply import effective_precisions
 from autoprec.config import TuneConfig
-from autoprec.formats import Precision
+from autoprec.runtime.apply import effective_precisions
+from autoprec.runtime.precision import Precision
 from autoprec.tune import tune
 from autoprec.workloads.inference import InferenceWorkload
 

@@ -89,7 +89,7 @@ def test_the_fp32_fast_path_lists_what_capture_found_and_left_out(fp32_run):
 
 
 def test_dashboard_on_a_run_that_ended_before_searching_says_so(fp32_run):
-    from autoprec.dashboard import DashboardError, study_storage
+    from autoprec.cli.dashboard import DashboardError, study_storage
 
     with pytest.raises(DashboardError) as e:
         study_storage(fp32_run[0])
@@ -129,7 +129,7 @@ def test_one_study_given_to_two_models_at_once_is_always_refused(tmp_path, monke
 
     import optuna
 
-    from autoprec.search import StudyMismatchError, _Study
+    from autoprec.search.study import StudyMismatchError, _Study
 
     url = f"sqlite:///{tmp_path / 'shared.db'}"
     first, second = _Study(url, "shared", 0, False), _Study(url, "shared", 0, False)

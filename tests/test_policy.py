@@ -16,9 +16,9 @@ import torch
 import torch.nn as nn
 
 from autoprec import FP8Recipe, Policy, PolicyError, Precision
-from autoprec.apply import effective_precisions
-from autoprec.jsonsafe import dumps, finite_or_none, json_safe
-from autoprec.policy import MAX_FILE_BYTES
+from autoprec.common.jsonsafe import dumps, finite_or_none, json_safe
+from autoprec.runtime.apply import effective_precisions
+from autoprec.runtime.policy import MAX_FILE_BYTES
 
 ASSETS = Path(__file__).parent / "assets"
 

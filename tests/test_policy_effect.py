@@ -118,7 +118,7 @@ def test_weights_loaded_with_assign_while_applied_stay_after_remove_policy(preci
 
 def torchao_mx():
     pytest.importorskip("torchao")
-    from autoprec.torchao_linear import _import
+    from autoprec.runtime.torchao_linear import _import
 
     try:
         _import("torchao.prototype.mx_formats")
@@ -163,7 +163,7 @@ class AutocastOff(nn.Module):
 
 
 def test_a_layer_the_model_runs_with_autocast_off_is_planned_as_the_fp32_it_runs_in():
-    from autoprec.capture import capture
+    from autoprec.capture.layers import capture
     from autoprec.profile import profile_model
 
     torch.manual_seed(0)
@@ -206,7 +206,7 @@ class SwitchesAutocastOff(nn.Module):
                                           "fp32"),
 ])
 def test_a_rule_that_did_not_take_effect_is_named_after_a_forward(first, rule, words):
-    from autoprec.runcheck import check_policy_runs
+    from autoprec.verify.runcheck import check_policy_runs
 
     model = nn.Sequential(first(), nn.Linear(16, 4))
     apply_policy(model, Policy(layers={**rule, "1": "bf16"}))
@@ -216,7 +216,7 @@ def test_a_rule_that_did_not_take_effect_is_named_after_a_forward(first, rule, w
 
 
 def test_rules_that_took_effect_say_what_they_ran_in():
-    from autoprec.runcheck import check_policy_runs
+    from autoprec.verify.runcheck import check_policy_runs
 
     model = nn.Sequential(ComputesWithChildWeight(), nn.Linear(16, 16), nn.Linear(16, 4))
     apply_policy(model, Policy(layers={"0": "bf16", "1": "fp8", "2": "fp32"}))
@@ -235,8 +235,8 @@ class NeverCompiled(nn.Module):
 
 
 def test_compiled_timing_of_a_model_dynamo_captures_no_graph_of_is_refused_not_labelled_compiled():
-    from autoprec.compiled import CompileError
-    from autoprec.measure import policy_runs
+    from autoprec.measuring.measure import policy_runs
+    from autoprec.runtime.compiled import CompileError
 
     with pytest.raises(CompileError, match=r"captures no graph of the model \(NeverCompiled\).*torch.compiler.disable"):
         policy_runs(NeverCompiled(), torch.randn(4, 16), {"fp32": None, "bf16": Policy(default="bf16")},
@@ -244,8 +244,8 @@ def test_compiled_timing_of_a_model_dynamo_captures_no_graph_of_is_refused_not_l
 
 
 def test_the_tuner_notes_a_chosen_rule_that_does_not_run_and_leaves_the_model_plain():
-    from autoprec.apply import applied_policy
-    from autoprec.runcheck import policy_runs_note
+    from autoprec.runtime.apply import applied_policy
+    from autoprec.verify.runcheck import policy_runs_note
 
     model, batch = nn.Sequential(SwitchesAutocastOff(), nn.Linear(16, 4)), torch.randn(3, 16)
     note = policy_runs_note(model, Policy(layers={"0": "bf16", "1": "bf16"}), batch)

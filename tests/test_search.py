@@ -14,12 +14,12 @@ import torch
 import torch.nn as nn
 from models import Cancel, seeded
 
-from autoprec.budget import Budget
-from autoprec.measure import Evaluator, Measurement
-from autoprec.policy import PolicyError
+from autoprec.measuring.budget import Budget
+from autoprec.measuring.measure import Evaluator, Measurement
 from autoprec.profile import LayerProfile, Profile, Sensitivity
-from autoprec.search import Candidate, StudyMismatchError, choose_default, pareto_front, plan_units, search
-from autoprec.searchspace import SearchSpace
+from autoprec.runtime.policy import PolicyError
+from autoprec.search.space import SearchSpace
+from autoprec.search.study import Candidate, StudyMismatchError, choose_default, pareto_front, plan_units, search
 
 
 def make_profile(layers: dict[str, dict], kind: str = "linear") -> Profile:

@@ -7,8 +7,8 @@ import warnings
 
 import pytest
 
-from autoprec.formats import Precision
-from autoprec.searchspace import (
+from autoprec.runtime.precision import Precision
+from autoprec.search.space import (
     SearchSpace,
     SearchSpaceError,
     SearchSpaceWarning,

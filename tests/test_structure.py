@@ -11,14 +11,14 @@ import torch
 import torch.nn as nn
 from models import Cancel, seeded, tiny_bert, token_batch
 
-from autoprec.capture import capture
-from autoprec.formats import Precision
-from autoprec.measure import Evaluator
-from autoprec.policy import Policy
+from autoprec.capture.layers import capture
+from autoprec.measuring.measure import Evaluator
 from autoprec.profile import LayerProfile, Profile, Sensitivity, predict_ms
-from autoprec.search import Budget, search
-from autoprec.searchspace import SearchSpace
-from autoprec.structure import count_regions, find_parts, region_cost_ms
+from autoprec.runtime.policy import Policy
+from autoprec.runtime.precision import Precision
+from autoprec.search.space import SearchSpace
+from autoprec.search.structure import count_regions, find_parts, region_cost_ms
+from autoprec.search.study import Budget, search
 
 MS = {"fp32": 10.0, "bf16": 2.0}
 REGION_MS = 0.5

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from autoprec import Policy, apply_policy
-from autoprec.training import TrainStep, fp8_layers
+from autoprec.runtime.training import TrainStep, fp8_layers
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 from train_with_policy import DigitsCNN, load_data, train  # noqa: E402  (the example is tested here too)

@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 
 from autoprec import Policy
-from autoprec.apply import applied_policy
-from autoprec.formats import Precision
+from autoprec.runtime.apply import applied_policy
+from autoprec.runtime.precision import Precision
 from autoprec.workloads import training
 from autoprec.workloads.training import TrainingWorkload, time_steps, train_runs
 

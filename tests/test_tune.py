@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from models import Cancel, seeded
 
 import autoprec
-from autoprec.apply import effective_precisions
-from autoprec.formats import Precision, sqnr_db
-from autoprec.measure import Evaluator
+from autoprec.common.sqnr import sqnr_db
+from autoprec.measuring.measure import Evaluator
 from autoprec.profile.result import PROFILE_VERSION
+from autoprec.runtime.apply import effective_precisions
+from autoprec.runtime.precision import Precision
 
 FLOOR_DB = 25.0  # all ordinary layers in bf16 stay near 40 dB; the cancel trap in bf16 is below 0 dB
 

@@ -12,10 +12,10 @@ from models import Cancel, seeded
 from test_search import Chain, batches, chain_profile
 
 import autoprec
-from autoprec.budget import Budget
-from autoprec.measure import Evaluator
-from autoprec.search import search
-from autoprec.searchspace import SearchSpace
+from autoprec.measuring.budget import Budget
+from autoprec.measuring.measure import Evaluator
+from autoprec.search.space import SearchSpace
+from autoprec.search.study import search
 
 
 def slow(evaluate, seconds):
@@ -132,7 +132,7 @@ def test_a_tuned_policy_at_the_edge_of_the_floor_gets_a_note_that_says_so():
 
     from models import TinyMLP
 
-    from autoprec.budget import Margin
+    from autoprec.measuring.budget import Margin
     from autoprec.workloads import InferenceWorkload
 
     workload = InferenceWorkload(TinyMLP(), [torch.randn(4, 16) for _ in range(3)])

@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from autoprec import Policy, TrainStep, tune
-from autoprec.budget import Budget
-from autoprec.capture import capture
-from autoprec.formats import Capability, Precision, device_capabilities
-from autoprec.gradients import GradientObjective
+from autoprec.capture.layers import capture
+from autoprec.measuring.budget import Budget
+from autoprec.measuring.gradients import GradientObjective
 from autoprec.profile import Profile
 from autoprec.profile.training import profile_training
-from autoprec.search import Candidate
-from autoprec.verify import verify
+from autoprec.runtime.precision import Capability, Precision, device_capabilities
+from autoprec.search.study import Candidate
+from autoprec.verify.end_to_end import verify
 from autoprec.workloads.training import TrainingWorkload
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -175,7 +175,7 @@ def test_cli_tunes_for_training_and_writes_its_outputs(tmp_path):
 
 
 def test_minilm_finetune_example_loads_for_training():
-    from autoprec.trainspec import load_train_spec
+    from autoprec.inputs.trainspec import load_train_spec
 
     train = load_train_spec(EXAMPLES / "minilm_finetune" / "model.py")
     assert len(train.train_batches) == 16 and len(train.spec.batches) == 6
@@ -216,7 +216,7 @@ def test_a_loss_that_runs_only_in_train_mode_tunes_and_dropout_is_no_noise(tmp_p
                           "--trials", "3", "--precisions", "bf16", "--out", str(tmp_path / "out")],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    from autoprec.trainspec import load_train_spec
+    from autoprec.inputs.trainspec import load_train_spec
 
     train = load_train_spec(path)
     model = train.spec.model.eval()

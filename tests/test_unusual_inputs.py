@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 import autoprec
-from autoprec.budget import Budget
-from autoprec.costmodel import estimate
-from autoprec.formats import Capability, Precision, emulated_for_shape
-from autoprec.results import results_rows
-from autoprec.torchao_linear import torchao_takes
-from autoprec.verify import Verification, bench_policy, emulated_here
+from autoprec.measuring.budget import Budget
+from autoprec.outputs.results import results_rows
+from autoprec.profile.costmodel import estimate
+from autoprec.runtime.precision import Capability, Precision, emulated_for_shape
+from autoprec.runtime.torchao_linear import torchao_takes
+from autoprec.verify.end_to_end import Verification, bench_policy, emulated_here
 
 
 def _mlp(width: int = 64) -> nn.Module:
@@ -111,7 +111,7 @@ def test_the_training_table_shows_the_final_loss_once(metric_kind, columns):
 def test_the_dashboard_takes_the_storage_url_a_tune_was_given(tmp_path):
     import optuna
 
-    from autoprec.dashboard import study_storage
+    from autoprec.cli.dashboard import study_storage
 
     url = f"sqlite:///{tmp_path / 'shared.db'}"
     optuna.create_study(storage=url, study_name="shared").optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=1)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from autoprec.userspec import (
+from autoprec.inputs.userspec import (
     ModelDataError,
     UserCodeError,
     UserSpec,
@@ -252,7 +252,7 @@ def test_to_device_keeps_structure() -> None:
 # Every batch checked at load time; fidelity's outputs checked before any work.
 
 def test_describe_batch() -> None:
-    from autoprec.userspec import describe_batch
+    from autoprec.inputs.userspec import describe_batch
 
     ids = torch.zeros(16, 128, dtype=torch.long)
     assert describe_batch({"input_ids": ids, "attention_mask": ids}) == "input_ids 16x128, attention_mask 16x128"

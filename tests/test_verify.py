@@ -15,11 +15,11 @@ import torch
 import torch.nn as nn
 from models import seeded
 
-from autoprec.budget import Budget
-from autoprec.formats import Capability, Precision
-from autoprec.report import results_table
-from autoprec.search import Candidate
-from autoprec.verify import Speedup, autocast_baseline, verify
+from autoprec.measuring.budget import Budget
+from autoprec.outputs.report import results_table
+from autoprec.runtime.precision import Capability, Precision
+from autoprec.search.study import Candidate
+from autoprec.verify.end_to_end import Speedup, autocast_baseline, verify
 from autoprec.workloads.inference import InferenceWorkload
 
 
@@ -157,7 +157,7 @@ def test_after_the_round_cap_a_clear_gain_is_kept_and_a_marginal_one_is_not(monk
     # and no real gain (the interval straddles 1): fp32.
     import random
 
-    from autoprec.compare import Ratio
+    from autoprec.measuring.compare import Ratio
 
     rng = random.Random(0)
     fp32 = [10.0 * rng.uniform(0.7, 1.6) for _ in range(8)]
@@ -219,7 +219,7 @@ def test_a_preferred_fp32_layer_stays_fp32_among_ties_and_is_lowered_when_measur
 
 
 def test_a_pin_that_keeps_out_a_faster_blanket_autocast_is_named_with_its_cost(timings):
-    from autoprec.results import decision
+    from autoprec.outputs.results import decision
 
     model, batches = model_and_batches()
     head_fp32 = candidate(1, {"0": "bf16", "2": "bf16"}, default="bf16")

@@ -16,14 +16,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from models import seeded
 
-from autoprec.budget import Budget, BudgetError
-from autoprec.candidate import Candidate
 from autoprec.config import TuneConfig
-from autoprec.formats import Precision
-from autoprec.outdir import OutDirError
-from autoprec.search import StorageError
+from autoprec.measuring.budget import Budget, BudgetError
+from autoprec.measuring.candidate import Candidate
+from autoprec.outputs.outdir import OutDirError
+from autoprec.runtime.precision import Precision
+from autoprec.search.study import StorageError
 from autoprec.tune import TuneInterrupted, tune
-from autoprec.verify import verify
+from autoprec.verify.end_to_end import verify
 from autoprec.workloads.generation import GenerationWorkload
 from autoprec.workloads.inference import InferenceWorkload
 from autoprec.workloads.training import TrainingWorkload
@@ -160,7 +160,7 @@ def test_outputs_are_written_whole_or_not_at_all(kind, tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("the report broke")
 
-    monkeypatch.setattr("autoprec.report.report_markdown", broken)
+    monkeypatch.setattr("autoprec.outputs.report.report_markdown", broken)
     with pytest.raises(RuntimeError):
         tune(make_workload(kind), config(tmp_path))
     assert (out / "report.md").read_text() == before  # an interrupted write never leaves half a report

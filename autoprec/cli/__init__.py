@@ -24,10 +24,9 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..errors import USER_ERRORS
-from .options import CommandError
-from .quiet import quiet_third_party
-from .tools import (
+from autoprec.cli.options import CommandError
+from autoprec.cli.quiet import quiet_third_party
+from autoprec.cli.tools import (
     dashboard,
     dashboard_arguments,
     estimate,
@@ -37,7 +36,8 @@ from .tools import (
     show,
     show_arguments,
 )
-from .tuning import bench, bench_arguments, profile, profile_arguments, tune, tune_arguments
+from autoprec.cli.tuning import bench, bench_arguments, profile, profile_arguments, tune, tune_arguments
+from autoprec.errors import USER_ERRORS
 
 __all__ = ["COMMANDS", "CommandError", "main"]
 

@@ -7,8 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..errors import UserError
-from ..formats import Precision
+from autoprec.errors import UserError
+from autoprec.runtime.precision import Precision
 
 __all__ = ["CommandError", "budget_arguments", "check_device", "default_out", "load_spec", "model_arguments",
            "number", "port", "positive_int", "positive_number", "precisions"]
@@ -75,8 +75,8 @@ def default_out(model_py: str) -> Path:
 
 def load_spec(args: argparse.Namespace, shard: bool = False):
     """The model.py named on the command line, after the device check; ``shard`` (torchrun): a model built on the
-    meta device is sharded and materialised by its ``wrap`` (:func:`autoprec.userspec.load_model_py`)."""
-    from ..userspec import load_model_py
+    meta device is sharded and materialised by its ``wrap`` (:func:`autoprec.inputs.userspec.load_model_py`)."""
+    from autoprec.inputs.userspec import load_model_py
 
     check_device(args.device)
     print(f"loading {args.model_py}", file=sys.stderr)
@@ -84,7 +84,7 @@ def load_spec(args: argparse.Namespace, shard: bool = False):
 
 
 def check_device(device: str) -> None:
-    from ..config import check_device as check
+    from autoprec.config import check_device as check
 
     try:
         check(device, setting="--device {}")

@@ -7,8 +7,8 @@ import json
 import sys
 from typing import Any
 
-from ..policy import Policy
-from .options import CommandError, port
+from autoprec.cli.options import CommandError, port
+from autoprec.runtime.policy import Policy
 
 __all__ = ["dashboard", "dashboard_arguments", "estimate", "estimate_arguments", "init", "init_arguments", "show",
            "show_arguments"]
@@ -46,8 +46,8 @@ def estimate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def estimate(args: argparse.Namespace) -> int:
-    from ..costmodel import estimate as cost_estimate
-    from ..costmodel import get_target, parse_gemm
+    from autoprec.profile.costmodel import estimate as cost_estimate
+    from autoprec.profile.costmodel import get_target, parse_gemm
 
     try:
         target = get_target(args.target)
@@ -86,7 +86,7 @@ def init_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def init(args: argparse.Namespace) -> int:
-    from ..init import write_hf_model_py, write_template
+    from autoprec.cli.scaffold import write_hf_model_py, write_template
 
     if args.text is not None and args.hf is None:
         raise CommandError("--text goes with --hf MODEL_DIR (the model the samples are for)")
@@ -113,8 +113,8 @@ def dashboard_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def dashboard(args: argparse.Namespace) -> int:
-    from ..dashboard import serve, study_storage
-    from ..search import without_password
+    from autoprec.cli.dashboard import serve, study_storage
+    from autoprec.search.study import without_password
 
     url = study_storage(args.run_dir)
     shown = without_password(url).removeprefix("sqlite:///")

@@ -12,10 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..errors import Terminated
-from ..formats import DEFAULT_PRECISIONS
-from ..policy import Policy
-from .options import (
+from autoprec.cli.options import (
     CommandError,
     budget_arguments,
     check_device,
@@ -26,6 +23,9 @@ from .options import (
     positive_number,
     precisions,
 )
+from autoprec.errors import Terminated
+from autoprec.runtime.policy import Policy
+from autoprec.runtime.precision import DEFAULT_PRECISIONS
 
 __all__ = ["bench", "bench_arguments", "profile", "profile_arguments", "tune", "tune_arguments"]
 
@@ -72,10 +72,10 @@ def tune_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def tune(args: argparse.Namespace) -> int:
-    from ..distributed import ONE_PROCESS, under_torchrun
+    from autoprec.distributed import ONE_PROCESS, under_torchrun
 
     if under_torchrun():  # one of the ranks of `torchrun --nproc_per_node N -m autoprec tune ...`
-        from ..distributed.tuning import device_of_rank, on_every_rank
+        from autoprec.distributed.tuning import device_of_rank, on_every_rank
 
         device = args.device
         args.device = device_of_rank(device)
@@ -103,9 +103,9 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
-    from ..results import results_table
-    from ..tune import TuneInterrupted
-    from ..tune import tune as run_tune
+    from autoprec.outputs.results import results_table
+    from autoprec.tune import TuneInterrupted
+    from autoprec.tune import tune as run_tune
 
     check_device(args.device)  # said as --device, before the config says it as device=
     if args.new_tokens is not None and args.for_ != "generation":
@@ -115,8 +115,8 @@ def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
                      compile=args.compile, profile_all=args.profile_all,
                      exact_sensitivity=args.exact_sensitivity, progress=ranks.writes)
     if args.for_ == "training":
-        from ..trainspec import load_train_spec
-        from ..workloads.training import COMPILE_REFUSED, TrainingWorkload
+        from autoprec.inputs.trainspec import load_train_spec
+        from autoprec.workloads.training import COMPILE_REFUSED, TrainingWorkload
 
         if args.target is not None:
             raise CommandError("--target plans inference latency only for now; drop --target to tune for "
@@ -129,17 +129,17 @@ def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
         workload: Any = TrainingWorkload.from_spec(train, args.steps)
         spec = train.spec
     elif args.for_ == "generation":
-        from ..workloads.generation import GenerationWorkload
+        from autoprec.workloads.generation import GenerationWorkload
 
         spec = load_spec(args)
         workload = GenerationWorkload.from_spec(spec, args.new_tokens)
     else:
-        from ..workloads.inference import InferenceWorkload
+        from autoprec.workloads.inference import InferenceWorkload
 
         spec = load_spec(args, shard=ranks.world_size > 1)  # a model built on meta: sharded by its wrap
         workload = InferenceWorkload.from_spec(spec)
     if ranks.world_size > 1 and not spec.sharded:  # verification times the job as it runs: wrapped, or DDP replicas
-        from ..distributed.tuning import job_wrap
+        from autoprec.distributed.tuning import job_wrap
 
         workload.wrap = job_wrap(spec, args.for_ == "training")
     try:
@@ -154,7 +154,7 @@ def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
 
 def _config(args: argparse.Namespace, **fields: Any) -> Any:
     """The TuneConfig of a tune's arguments: every setting checked before the model is loaded."""
-    from ..config import TuneConfig
+    from autoprec.config import TuneConfig
 
     try:
         return TuneConfig(budget=args.budget, min_sqnr=args.min_sqnr, device=args.device,
@@ -200,7 +200,7 @@ def profile_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _one_process(command: str) -> None:
     """``profile`` and ``bench`` run in one process: under torchrun every rank would run all of it."""
-    from ..distributed import under_torchrun
+    from autoprec.distributed import under_torchrun
 
     if under_torchrun():
         if os.environ.get("RANK", "0") != "0":  # the first rank says it, once for the job
@@ -213,11 +213,11 @@ def _one_process(command: str) -> None:
 def profile(args: argparse.Namespace) -> int:
     import torch
 
-    from ..config import TuneConfig
-    from ..outdir import claim_out_dir
-    from ..report import profile_summary, profile_table, sensitivity_heatmap
-    from ..tune import load_or_profile
-    from ..workloads.inference import InferenceWorkload
+    from autoprec.config import TuneConfig
+    from autoprec.outputs.outdir import claim_out_dir
+    from autoprec.outputs.report import profile_summary, profile_table, sensitivity_heatmap
+    from autoprec.tune import load_or_profile
+    from autoprec.workloads.inference import InferenceWorkload
 
     _one_process("profile")
     out = Path(args.out) if args.out else default_out(args.model_py)
@@ -251,9 +251,9 @@ def bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def bench(args: argparse.Namespace) -> int:
-    from ..budget import choose_budget
-    from ..results import results_table
-    from ..verify import bench_policy
+    from autoprec.measuring.budget import choose_budget
+    from autoprec.outputs.results import results_table
+    from autoprec.verify.end_to_end import bench_policy
 
     _one_process("bench")
     policy = Policy.load(args.policy)

@@ -8,6 +8,6 @@ handed a :class:`Ranks`.
 
 from __future__ import annotations
 
-from .ranks import ONE_PROCESS, RankFailed, Ranks, from_torchrun, under_torchrun
+from autoprec.distributed.ranks import ONE_PROCESS, RankFailed, Ranks, from_torchrun, under_torchrun
 
 __all__ = ["ONE_PROCESS", "RankFailed", "Ranks", "from_torchrun", "under_torchrun"]

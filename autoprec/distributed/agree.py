@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from ..policy import Policy, PolicyError
+from autoprec.runtime.policy import Policy, PolicyError
 
 __all__ = ["SAMPLE", "check_policy_agrees", "differs", "digest", "disagreement", "model_groups", "training_groups"]
 

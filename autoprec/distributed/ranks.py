@@ -36,10 +36,10 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 if TYPE_CHECKING:
-    from ..objective import Measurement, Objective
-    from ..policy import Policy
+    from autoprec.measuring.objective import Measurement, Objective
+    from autoprec.runtime.policy import Policy
 
-from ..errors import Terminated
+from autoprec.errors import Terminated
 
 __all__ = ["ONE_PROCESS", "RankFailed", "Ranks", "from_torchrun", "under_torchrun"]
 

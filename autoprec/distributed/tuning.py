@@ -20,10 +20,10 @@ from typing import Any, Callable
 
 from torch import nn
 
-from ..errors import USER_ERRORS, is_users
-from .agree import digest
-from .models import FSDP_CASTS_FIX, fsdp_casts, sharded
-from .ranks import RankFailed, Ranks, from_torchrun
+from autoprec.distributed.agree import digest
+from autoprec.distributed.models import FSDP_CASTS_FIX, fsdp_casts, sharded
+from autoprec.distributed.ranks import RankFailed, Ranks, from_torchrun
+from autoprec.errors import USER_ERRORS, is_users
 
 __all__ = ["by_layer_names", "check_same_work", "device_of_rank", "job_wrap", "on_every_rank"]
 
@@ -37,7 +37,7 @@ def job_wrap(spec: Any, for_training: bool) -> Callable[[nn.Module], nn.Module] 
     """How the job runs a copy of the model, for verification to time it so: model.py's ``wrap(model)``
     (checked: it must return a module), else DDP replicas for training (gradients all-reduced in each step),
     else nothing for inference (DDP's forward is the replica's own)."""
-    from ..userspec import UserCodeError, kind_of, user_function
+    from autoprec.inputs.userspec import UserCodeError, kind_of, user_function
 
     if spec.wrap is None:
         if not for_training:
@@ -146,7 +146,7 @@ def on_every_rank(run: Callable[[Ranks, Callable[[str], None]], int], device: st
     except KeyboardInterrupt:
         raise
     except BaseException as error:  # noqa: BLE001 - every error of a rank is the job's, said in one line
-        from ..userspec import one_line
+        from autoprec.inputs.userspec import one_line
 
         # stopped by torchrun: whatever the interrupted code raised on the way out, being stopped is what happened
         error = getattr(ranks, "stopped", None) or error

@@ -12,6 +12,6 @@ Both install the policy with :func:`autoprec.apply_policy` on the submodule it w
 
 from __future__ import annotations
 
-from .install import install_for_training
+from autoprec.integrations.install import install_for_training
 
 __all__ = ["install_for_training"]

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from ..policy import Policy
-from .install import FirstRunCheck, install_for_training
+from autoprec.integrations.install import FirstRunCheck, install_for_training
+from autoprec.runtime.policy import Policy
 
 try:
     from accelerate.optimizer import AcceleratedOptimizer

@@ -4,7 +4,7 @@ A policy is tuned on the model ``get_model()`` returns; a framework hands over t
 holds it (a ``LightningModule`` with ``self.model = ...``, a Trainer's model with a head). Its names
 are relative to the tuned model, so it is installed on that submodule: the one named by
 ``module=``, else the one whose structure fingerprint (module paths and types, parameter names and
-shapes, as :func:`autoprec.apply.structure_fingerprint` hashes them) is the one ``autoprec tune``
+shapes, as :func:`autoprec.runtime.apply.structure_fingerprint` hashes them) is the one ``autoprec tune``
 recorded in ``policy.model["structure"]``. It is never applied under shifted names: a policy's
 ``re:`` patterns could match a wrapper's paths while its default would sit on a forward the
 framework never calls.
@@ -17,9 +17,9 @@ import warnings
 
 from torch import nn
 
-from ..apply import applied_mode, applied_policy, apply_policy, remove_policy, structure_fingerprint
-from ..policy import Policy, PolicyError
-from ..rulecheck import half_precision_parameters
+from autoprec.runtime.apply import applied_mode, applied_policy, apply_policy, remove_policy, structure_fingerprint
+from autoprec.runtime.policy import Policy, PolicyError
+from autoprec.runtime.rulecheck import half_precision_parameters
 
 __all__ = ["FirstRunCheck", "install_for_training"]
 

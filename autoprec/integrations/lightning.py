@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..policy import Policy
-from .install import FirstRunCheck, install_for_training
+from autoprec.integrations.install import FirstRunCheck, install_for_training
+from autoprec.runtime.policy import Policy
 
 try:
     from lightning_fabric.plugins import Precision as _FabricPrecision

@@ -13,16 +13,16 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from ..capture import LayerTable
-from ..compare import timed_together
-from ..distributed.ranks import ONE_PROCESS, Ranks
-from ..formats import DEFAULT_PRECISIONS, Capability, Precision, device_capabilities
-from ..measure import Evaluator, to_device
-from .frame import assemble, device_label, layer_candidates, low_precisions
-from .latency import fp32_latency, layers_not_faster, measure_latency, predict_ms
-from .probe import nothing_pays_off, probe_precisions
-from .result import LayerProfile, Profile, ProfileError, Sensitivity, device_name, fingerprint
-from .sensitivity import measure_sensitivity, sensitivity_work
+from autoprec.capture.layers import LayerTable
+from autoprec.distributed.ranks import ONE_PROCESS, Ranks
+from autoprec.measuring.compare import timed_together
+from autoprec.measuring.measure import Evaluator, to_device
+from autoprec.profile.frame import assemble, device_label, layer_candidates, low_precisions
+from autoprec.profile.latency import fp32_latency, layers_not_faster, measure_latency, predict_ms
+from autoprec.profile.probe import nothing_pays_off, probe_precisions
+from autoprec.profile.result import LayerProfile, Profile, ProfileError, Sensitivity, device_name, fingerprint
+from autoprec.profile.sensitivity import measure_sensitivity, sensitivity_work
+from autoprec.runtime.precision import DEFAULT_PRECISIONS, Capability, Precision, device_capabilities
 
 __all__ = ["Profile", "LayerProfile", "Sensitivity", "ProfileError", "profile_model", "fingerprint", "predict_ms",
            "device_name"]
@@ -38,7 +38,7 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
 
     ``batches`` are the search batches: sensitivity uses the first ``sensitivity_batches``
     of them (all when None), latency the first one. With ``target`` (a GPU name, see
-    :mod:`autoprec.costmodel`) latency is estimated for that GPU instead of measured here.
+    :mod:`autoprec.profile.costmodel`) latency is estimated for that GPU instead of measured here.
 
     Latency is measured before sensitivity, and what cannot pay off here is not profiled for
     sensitivity: a precision not faster than fp32 anywhere (:mod:`.probe`: never timed either), and a
@@ -72,7 +72,7 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
     not_faster: dict[str, list[str]] = {}
     nothing = ""
     if target is not None:  # planning for a GPU that is not here: the cost model's estimate
-        from ..costmodel import estimated_latency, get_target
+        from autoprec.profile.costmodel import estimated_latency, get_target
 
         caps = get_target(target).capabilities()
         latency = estimated_latency(target, table, [p.value for p in low], fp8_layers)

@@ -16,8 +16,8 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn as nn
 
-from ..batches import output_tensors
-from ..measure import median_ms
+from autoprec.inputs.batches import output_tensors
+from autoprec.measuring.measure import median_ms
 
 __all__ = ["LayerClock", "cast_ms"]
 

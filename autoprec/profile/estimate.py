@@ -37,12 +37,12 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from ..apply import apply_policy, remove_policy
-from ..batches import call_model, float_tensors, output_tensors
-from ..measure import Evaluator
-from ..policy import Policy
-from ..userspec import one_line
-from .result import Sensitivity
+from autoprec.inputs.batches import call_model, float_tensors, output_tensors
+from autoprec.inputs.userspec import one_line
+from autoprec.measuring.measure import Evaluator
+from autoprec.profile.result import Sensitivity
+from autoprec.runtime.apply import apply_policy, remove_policy
+from autoprec.runtime.policy import Policy
 
 __all__ = ["AGREE_DB", "CEILING_DB", "CHECKS", "PROBES", "Unusable", "estimate_sensitivity", "worth_estimating"]
 

@@ -8,11 +8,11 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from ..apply import takes_precision
-from ..capture import LayerTable
-from ..formats import Capability, Precision
-from ..version import __version__
-from .result import LayerProfile, Profile, Sensitivity, device_name, fingerprint
+from autoprec.capture.layers import LayerTable
+from autoprec.profile.result import LayerProfile, Profile, Sensitivity, device_name, fingerprint
+from autoprec.runtime.apply import takes_precision
+from autoprec.runtime.precision import Capability, Precision
+from autoprec.version import __version__
 
 __all__ = ["assemble", "layer_candidates", "low_precisions"]
 

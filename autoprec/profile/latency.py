@@ -26,14 +26,14 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from ..apply import apply_policy, remove_policy
-from ..batches import call_model
-from ..compare import compare, median_interval, rotations
-from ..formats import Precision
-from ..measure import median_ms, policy_runs, settle
-from ..policy import Policy
-from .clock import LayerClock, cast_ms
-from .runnable import autocast_untuned, runnable_policy
+from autoprec.inputs.batches import call_model
+from autoprec.measuring.compare import compare, median_interval, rotations
+from autoprec.measuring.measure import median_ms, policy_runs, settle
+from autoprec.profile.clock import LayerClock, cast_ms
+from autoprec.profile.runnable import autocast_untuned, runnable_policy
+from autoprec.runtime.apply import apply_policy, remove_policy
+from autoprec.runtime.policy import Policy
+from autoprec.runtime.precision import Precision
 
 __all__ = ["LatencyResult", "blanket_policy", "fp32_latency", "layers_not_faster", "measure_latency", "predict_ms"]
 
@@ -176,7 +176,7 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
     precision run in turn (:func:`_interleaved_layers`); a layer's time is its median over the rounds,
     and its ratio to fp32 is taken round by round (``ratio``: median and a distribution-free interval).
     The whole-model checks (fp32, each blanket precision, and a mixed policy that makes many region
-    boundaries) are then one :func:`autoprec.compare.compare` of plain runs, until each ratio to fp32 is
+    boundaries) are then one :func:`autoprec.measuring.compare.compare` of plain runs, until each ratio to fp32 is
     known to ±3% or ``end_to_end_seconds`` pass, so the region cost derived from them is a paired figure.
     The ``emulated`` ones go last, timed once in a block each: never a speed-up, they need no pairing.
 

@@ -17,12 +17,12 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from ..batches import call_model
-from ..capture import LayerTable
-from ..compare import Ratio, compare
-from ..distributed.models import sharded
-from ..formats import Capability, Precision
-from .latency import SPEED_MARGIN
+from autoprec.capture.layers import LayerTable
+from autoprec.distributed.models import sharded
+from autoprec.inputs.batches import call_model
+from autoprec.measuring.compare import Ratio, compare
+from autoprec.profile.latency import SPEED_MARGIN
+from autoprec.runtime.precision import Capability, Precision
 
 __all__ = ["PrecisionProbe", "device_words", "probe_precisions"]
 

@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from ..distributed.models import local_part
-from ..jsonsafe import tag_nonfinite, untag_nonfinite
+from autoprec.common.jsonsafe import tag_nonfinite, untag_nonfinite
+from autoprec.distributed.models import local_part
 
 __all__ = ["Sensitivity", "LayerProfile", "Profile", "ProfileError", "fingerprint", "device_name",
            "PROFILE_SCHEMA", "PROFILE_VERSION"]
@@ -96,7 +96,7 @@ class Profile:
     timed: str = "forward"
     # layer -> precision -> [median, low, high] of the layer's time over fp32's, round by round in paired
     # interleaved rounds (95% distribution-free interval); and the whole-model check as one paired
-    # comparison (autoprec.compare.Comparison.to_dict(): rounds, noise, verdict, ratios). Older profiles
+    # comparison (autoprec.measuring.compare.Comparison.to_dict(): rounds, noise, verdict, ratios). Older profiles
     # and training profiles lack them: read as empty.
     latency_ratio: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     end_to_end_check: dict[str, Any] = field(default_factory=dict)

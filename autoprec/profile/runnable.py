@@ -9,10 +9,10 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from ..apply import apply_policy, remove_policy
-from ..policy import Policy
-from ..rulecheck import AUTOCAST_LOWERED
-from ..userspec import one_line
+from autoprec.inputs.userspec import one_line
+from autoprec.runtime.apply import apply_policy, remove_policy
+from autoprec.runtime.policy import Policy
+from autoprec.runtime.rulecheck import AUTOCAST_LOWERED
 
 __all__ = ["autocast_untuned", "runnable_policy"]
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
-from ..measure import Evaluator
-from ..policy import Policy
-from .estimate import Unusable, estimate_sensitivity, worth_estimating
-from .result import Sensitivity
+from autoprec.measuring.measure import Evaluator
+from autoprec.profile.estimate import Unusable, estimate_sensitivity, worth_estimating
+from autoprec.profile.result import Sensitivity
+from autoprec.runtime.policy import Policy
 
 if TYPE_CHECKING:
-    from ..distributed import Ranks
+    from autoprec.distributed import Ranks
 
 __all__ = ["SensitivityWork", "evaluate_one", "measure_sensitivity", "merge_sensitivity", "sensitivity_work"]
 

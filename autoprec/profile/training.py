@@ -13,7 +13,7 @@ twice each layer's forward time (the two GEMMs of a linear's backward) and the p
 ``latency_ms`` holds forward + backward, so the search, unchanged, optimises step time; the
 remainder is the measured step minus the layers; a cast at a precision boundary is paid twice
 (the activation forward, its gradient backward). Steps run in ``train()`` mode with the same
-dropout masks every time, as the sensitivity runs do (:func:`autoprec.gradients.as_in_training`),
+dropout masks every time, as the sensitivity runs do (:func:`autoprec.measuring.gradients.as_in_training`),
 and BatchNorm statistics are not moved by profiling.
 
 **Sensitivity.** From the same weights and batch as the fp32 run, each layer alone in each
@@ -35,11 +35,11 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from ..apply import apply_policy, remove_policy
-from ..capture import LayerTable
-from ..distributed.ranks import ONE_PROCESS, Ranks
-from ..formats import DEFAULT_PRECISIONS, Capability, Precision, device_capabilities
-from ..gradients import (
+from autoprec.capture.layers import LayerTable
+from autoprec.distributed.ranks import ONE_PROCESS, Ranks
+from autoprec.inputs.trainspec import run_loss
+from autoprec.inputs.userspec import UserCodeError, to_device
+from autoprec.measuring.gradients import (
     FP16_FLUSH,
     GradRun,
     as_in_training,
@@ -49,16 +49,16 @@ from ..gradients import (
     requires_grad_inputs,
     sqnr_of_noise,
 )
-from ..measure import settle
-from ..policy import Policy
-from ..trainspec import run_loss
-from ..userspec import UserCodeError, to_device
-from .clock import LayerClock, cast_ms
-from .frame import assemble, layer_candidates, low_precisions
-from .latency import blanket_policy, predict_ms
-from .result import Profile, Sensitivity, device_name
-from .runnable import autocast_untuned, runnable_policy
-from .sensitivity import sensitivity_work
+from autoprec.measuring.measure import settle
+from autoprec.profile.clock import LayerClock, cast_ms
+from autoprec.profile.frame import assemble, layer_candidates, low_precisions
+from autoprec.profile.latency import blanket_policy, predict_ms
+from autoprec.profile.result import Profile, Sensitivity, device_name
+from autoprec.profile.runnable import autocast_untuned, runnable_policy
+from autoprec.profile.sensitivity import sensitivity_work
+from autoprec.runtime.apply import apply_policy, remove_policy
+from autoprec.runtime.policy import Policy
+from autoprec.runtime.precision import DEFAULT_PRECISIONS, Capability, Precision, device_capabilities
 
 __all__ = ["profile_training", "UNDERFLOW_FLAG"]
 

@@ -7,22 +7,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import HeldOut, Workload
+from autoprec.workloads.base import HeldOut, Workload
 
 __all__ = ["GenerationWorkload", "HeldOut", "InferenceWorkload", "TrainingWorkload", "Workload"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "InferenceWorkload":
-        from .inference import InferenceWorkload
+        from autoprec.workloads.inference import InferenceWorkload
 
         return InferenceWorkload
     if name == "GenerationWorkload":
-        from .generation import GenerationWorkload
+        from autoprec.workloads.generation import GenerationWorkload
 
         return GenerationWorkload
     if name == "TrainingWorkload":
-        from .training import TrainingWorkload
+        from autoprec.workloads.training import TrainingWorkload
 
         return TrainingWorkload
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,14 +27,14 @@ if TYPE_CHECKING:
     import torch
     import torch.nn as nn
 
-    from ..budget import Budget, Margin
-    from ..capture import LayerTable
-    from ..config import TuneConfig
-    from ..distributed import Ranks
-    from ..formats import Precision
-    from ..objective import Measurement, Objective
-    from ..policy import Policy
-    from ..profile import Profile
+    from autoprec.capture.layers import LayerTable
+    from autoprec.config import TuneConfig
+    from autoprec.distributed import Ranks
+    from autoprec.measuring.budget import Budget, Margin
+    from autoprec.measuring.objective import Measurement, Objective
+    from autoprec.profile import Profile
+    from autoprec.runtime.policy import Policy
+    from autoprec.runtime.precision import Precision
 
 __all__ = ["HeldOut", "Workload", "check_settings"]
 
@@ -132,7 +132,7 @@ class Workload:
     def fp32_times(self, profile: Profile, device: torch.device) -> tuple[list[float], str]:
         """fp32's ms per round and what they timed, where nothing else is timed (no precision can pay off
         here, so the tune ends with fp32): by default the profile's whole-model rounds, on its first batch."""
-        from ..batches import describe_batch, to_device
+        from autoprec.inputs.batches import describe_batch, to_device
 
         fp32 = profile.end_to_end_check.get("samples_ms", {}).get("fp32") or [profile.end_to_end_ms["fp32"]]
         batches = getattr(self, "batches", None)

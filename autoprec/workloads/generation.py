@@ -8,7 +8,7 @@ entry does the same work), or model.py's own ``generate(model, batch)``. Each ti
 the prompt with a fresh KV cache (``generate`` makes one per call), so every round starts from the same state.
 
 What is timed (verification, :meth:`GenerationWorkload.time`): whole generations of fp32, blanket autocast and
-the candidates in paired interleaved rounds (:func:`autoprec.compare.compare`), and the choice follows those
+the candidates in paired interleaved rounds (:func:`autoprec.measuring.compare.compare`), and the choice follows those
 times: a policy that speeds up prefill but slows decoding down is not chosen for it. Each generation is split
 at the end of its first forward (a hook on the model): the prefill (one forward of the prompt) and the decode
 steps after it (each a forward of one token per row, reading the cache), so the report gives ms per prefill and
@@ -45,15 +45,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..apply import apply_policy
-from ..batches import call_model, describe_batch, to_device
-from ..compare import Ratio, compare
-from ..config import TuneConfig
-from ..formats import Precision
-from ..measure import shared_copy
-from ..policy import Policy
-from ..userspec import user_function
-from .inference import VERIFY_SECONDS, InferenceWorkload
+from autoprec.config import TuneConfig
+from autoprec.inputs.batches import call_model, describe_batch, to_device
+from autoprec.inputs.userspec import user_function
+from autoprec.measuring.compare import Ratio, compare
+from autoprec.measuring.measure import shared_copy
+from autoprec.runtime.apply import apply_policy
+from autoprec.runtime.policy import Policy
+from autoprec.runtime.precision import Precision
+from autoprec.workloads.inference import VERIFY_SECONDS, InferenceWorkload
 
 __all__ = ["DEFAULT_NEW_TOKENS", "GenerationTimes", "GenerationWorkload", "generation_runs", "hf_generate",
            "prompt_perplexity"]
@@ -146,7 +146,7 @@ def generation_runs(model: nn.Module, batch: Any, runners: Mapping[str, Policy |
                     device: torch.device, generate: Callable[[nn.Module, Any], Any],
                     splits: dict[str, list[Split]], clock: Callable[[], float] = time.perf_counter
                     ) -> dict[str, Callable[[], Any]]:
-    """One whole generation per entry as a callable, for :func:`autoprec.compare.compare`: a Policy on its own
+    """One whole generation per entry as a callable, for :func:`autoprec.measuring.compare.compare`: a Policy on its own
     copy of the model (sharing the weights, the policy applied once, as a user deploys it), a Precision under
     blanket ``torch.autocast`` around the generation, None the plain model. Each call appends its
     :class:`Split` to ``splits[key]``; each starts from the prompt with a fresh cache, so no round sees
@@ -280,7 +280,8 @@ class GenerationWorkload(InferenceWorkload):
 
     @classmethod
     def from_spec(cls, spec: Any, new_tokens: int | None = None) -> GenerationWorkload:  # type: ignore[override]
-        """From a loaded model.py (:func:`autoprec.userspec.load_model_py`), with its ``generate`` if it has one."""
+        """From a loaded model.py (:func:`autoprec.inputs.userspec.load_model_py`), with its ``generate`` if it
+        has one."""
         return cls(spec.model, spec.search_batches, spec.evaluate, spec.higher_is_better, spec.holdout_batches,
                    path=spec.path, new_tokens=DEFAULT_NEW_TOKENS if new_tokens is None else new_tokens,
                    generate=getattr(spec, "generate", None))
@@ -328,12 +329,12 @@ class GenerationWorkload(InferenceWorkload):
         fp8_layers = [layer.name for layer in profile.layers
                       if any(Precision(p).swaps_linear and p in layer.latency_ms for p in timed)]
         if target is not None:
-            from ..capture import capture
-            from ..costmodel import estimated_latency
+            from autoprec.capture.layers import capture
+            from autoprec.profile.costmodel import estimated_latency
 
             decode = estimated_latency(target, capture(self.model, [step]), timed, fp8_layers)
         else:
-            from ..profile.latency import measure_latency
+            from autoprec.profile.latency import measure_latency
 
             emulated = [Precision(p) for p in timed if profile.capabilities.get(p) == "emulated"]
             decode = measure_latency(self.model, step, [layer.name for layer in profile.layers], fp8_layers,
@@ -416,7 +417,7 @@ class GenerationWorkload(InferenceWorkload):
         return out
 
     def report_sections(self, tuned: Any) -> list[str]:
-        from ..writing import markdown_table
+        from autoprec.common.writing import markdown_table
 
         v = tuned.verification
         metric = ("The metric is the perplexity of the held-out prompts (teacher-forced, padded positions left "

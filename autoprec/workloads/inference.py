@@ -11,8 +11,10 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn as nn
 
-from .. import compiled as compiled_module
-from ..batches import (
+from autoprec.capture.layers import LayerTable
+from autoprec.config import TuneConfig
+from autoprec.distributed.ranks import ONE_PROCESS, Ranks
+from autoprec.inputs.batches import (
     BATCH_FORMS,
     as_batch_list,
     call_model,
@@ -22,18 +24,16 @@ from ..batches import (
     output_tensors,
     to_device,
 )
-from ..budget import Budget, Margin, choose_budget, search_margin
-from ..capture import LayerTable
-from ..compare import compare
-from ..config import TuneConfig
-from ..distributed.ranks import ONE_PROCESS, Ranks
-from ..formats import Precision
-from ..measure import BatchError, Evaluator, policy_runs
-from ..objective import Measurement, Objective
-from ..policy import Policy
-from ..profile import Profile, fingerprint, profile_model
-from ..userspec import split_holdout
-from .base import HeldOut, Workload, check_settings
+from autoprec.inputs.userspec import split_holdout
+from autoprec.measuring.budget import Budget, Margin, choose_budget, search_margin
+from autoprec.measuring.compare import compare
+from autoprec.measuring.measure import BatchError, Evaluator, policy_runs
+from autoprec.measuring.objective import Measurement, Objective
+from autoprec.profile import Profile, fingerprint, profile_model
+from autoprec.runtime import compiled as compiled_module
+from autoprec.runtime.policy import Policy
+from autoprec.runtime.precision import Precision
+from autoprec.workloads.base import HeldOut, Workload, check_settings
 
 __all__ = ["InferenceWorkload", "VERIFY_SECONDS"]
 
@@ -76,7 +76,7 @@ class InferenceWorkload(Workload):
 
     @classmethod
     def from_spec(cls, spec: Any) -> InferenceWorkload:
-        """From a loaded model.py (:func:`autoprec.userspec.load_model_py`)."""
+        """From a loaded model.py (:func:`autoprec.inputs.userspec.load_model_py`)."""
         return cls(spec.model, spec.search_batches, spec.evaluate, spec.higher_is_better, spec.holdout_batches,
                    path=spec.path)
 
@@ -96,7 +96,8 @@ class InferenceWorkload(Workload):
 
     def search_budget(self, budget: Budget, objective: Evaluator, low: Precision) -> tuple[Budget, Margin]:
         """A margin inside the budget from the metric's spread across the search batches under blanket
-        ``low`` (:func:`autoprec.budget.search_margin`), so what the search finds holds on the held-out batches."""
+        ``low`` (:func:`autoprec.measuring.budget.search_margin`), so what the search finds holds on the held-out
+        batches."""
         spread = objective.spread(Policy(default=low), f"blanket {low.value}")
         allowed = budget.allowed_drop(objective.metric_fp32)
         margin = search_margin(spread, len(self.batches), len(self.holdout_batches), allowed)
@@ -139,7 +140,7 @@ class InferenceWorkload(Workload):
         names of the model; None: the model itself is timed."""
         if self.wrap is None:
             return None
-        from ..distributed.tuning import by_layer_names
+        from autoprec.distributed.tuning import by_layer_names
 
         return by_layer_names(self.wrap(copy.deepcopy(self.model)), self.model)
 
@@ -156,10 +157,10 @@ class InferenceWorkload(Workload):
 
     def time(self, runners: Mapping[str, Policy | Precision | None], device: torch.device, compiled: bool = False
              ) -> tuple[dict[str, list[float]], str, str | None]:
-        """Paired interleaved rounds (:func:`autoprec.compare.compare`) until every entry's ratio to fp32 is
+        """Paired interleaved rounds (:func:`autoprec.measuring.compare.compare`) until every entry's ratio to fp32 is
         decided or a cap is hit; the verdict says so when the machine was too noisy to decide.
 
-        ``compiled``: every entry on its own copy of the model, compiled (:mod:`autoprec.compiled`) and warmed
+        ``compiled``: every entry on its own copy of the model, compiled (:mod:`autoprec.runtime.compiled`) and warmed
         up before the rounds start, so compile time is neither in a sample nor in the time cap; the entries whose
         compiled outputs are not what they compute eager are left in :attr:`compiled_refused`."""
         batch = to_device(self.timing_batch if self.timing_batch is not None else self.holdout_batches[0], device)

@@ -8,7 +8,7 @@ per step (so dropout draws the same masks). The runs go one after the other, eac
 next is made, so verification holds one training run whatever the number of entries. Within budget: with
 ``evaluate``, the metric of the trained copy on the evaluation batches; without, the mean loss over the
 last quarter of the steps. Step time (forward, loss, backward, optimizer, as
-:class:`~autoprec.training.TrainStep` runs it) is then measured apart, as paired interleaved rounds of
+:class:`~autoprec.runtime.training.TrainStep` runs it) is then measured apart, as paired interleaved rounds of
 single steps on one working copy that the entries take turns on (:func:`time_steps`), so machine noise
 hits all alike.
 """
@@ -27,25 +27,25 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from ..apply import apply_policy, remove_policy
-from ..batches import as_batch_list, to_device
-from ..budget import Budget, BudgetError
-from ..capture import LayerTable
-from ..compare import Comparison, compare, rotations
-from ..config import TuneConfig
-from ..distributed.ranks import ONE_PROCESS, Ranks
-from ..fits import free_memory
-from ..formats import Precision
-from ..gradients import DEFAULT_MIN_GRAD_SQNR, GradientObjective, check_losses
-from ..objective import Measurement, Objective
-from ..policy import Policy
-from ..profile import Profile, fingerprint
-from ..profile.training import profile_training
-from ..training import TrainStep
-from ..trainspec import default_optimizer, run_loss
-from ..writing import markdown_table, plot_library, save_figure
-from .base import HeldOut, Workload, check_settings
-from .inference import VERIFY_SECONDS
+from autoprec.capture.layers import LayerTable
+from autoprec.common.writing import markdown_table, plot_library, save_figure
+from autoprec.config import TuneConfig
+from autoprec.distributed.ranks import ONE_PROCESS, Ranks
+from autoprec.inputs.batches import as_batch_list, to_device
+from autoprec.inputs.fits import free_memory
+from autoprec.inputs.trainspec import default_optimizer, run_loss
+from autoprec.measuring.budget import Budget, BudgetError
+from autoprec.measuring.compare import Comparison, compare, rotations
+from autoprec.measuring.gradients import DEFAULT_MIN_GRAD_SQNR, GradientObjective, check_losses
+from autoprec.measuring.objective import Measurement, Objective
+from autoprec.profile import Profile, fingerprint
+from autoprec.profile.training import profile_training
+from autoprec.runtime.apply import apply_policy, remove_policy
+from autoprec.runtime.policy import Policy
+from autoprec.runtime.precision import Precision
+from autoprec.runtime.training import TrainStep
+from autoprec.workloads.base import HeldOut, Workload, check_settings
+from autoprec.workloads.inference import VERIFY_SECONDS
 
 __all__ = ["COMPILE_REFUSED", "DEFAULT_STEPS", "DEFAULT_TRAIN_BUDGET", "SEARCH_BATCHES", "TrainingWorkload",
            "loss_plot", "metric_after", "train_runs"]
@@ -106,7 +106,7 @@ class TrainingWorkload(Workload):
 
     @classmethod
     def from_spec(cls, train: Any, steps: int | None = None) -> TrainingWorkload:
-        """From a model.py loaded for training (:func:`autoprec.trainspec.load_train_spec`)."""
+        """From a model.py loaded for training (:func:`autoprec.inputs.trainspec.load_train_spec`)."""
         spec = train.spec
         return cls(spec.model, spec.batches, train.loss, train.train_batches, train.make_optimizer, spec.evaluate,
                    spec.batches, spec.higher_is_better, DEFAULT_STEPS if steps is None else steps, train.path)
@@ -265,7 +265,7 @@ def time_steps(model: nn.Module, runners: Mapping[str, Policy | Precision | None
                loss: Callable, make_optimizer: Callable, device: torch.device, path: str | Path = "model.py",
                wrap: Callable[[nn.Module], nn.Module] | None = None, max_seconds: float = VERIFY_SECONDS
                ) -> Comparison:
-    """One training step per entry per round (:func:`autoprec.compare.compare`: paired rounds until each
+    """One training step per entry per round (:func:`autoprec.measuring.compare.compare`: paired rounds until each
     entry's ratio to ``"fp32"`` is decided or a cap is hit), the entries taking turns on one working copy of
     ``model`` (wrapped by ``wrap`` as the job trains it) with one optimizer: before each step the entry's
     policy is installed (and the previous one removed), outside the timed step. So timing costs the memory of

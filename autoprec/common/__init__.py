@@ -1,0 +1,2 @@
+"""What every layer of autoprec shares: standard JSON, how numbers and tables are written, the SQNR measure.
+"""

@@ -1,0 +1,55 @@
+"""The floor plan: which part of autoprec may import which, written once. ``tests/test_import_graph.py`` holds the
+code to it (and ``python benchmarks/imports.py`` prints the graph by layer).
+
+The layers run top to bottom; a module may import only from its own layer or below. A module belongs to the layer
+of the longest prefix naming it; one that no prefix names belongs to ``stages`` (a new stage lands in the middle).
+"""
+
+from __future__ import annotations
+
+__all__ = ["LAYERS", "LAYER_ORDER", "layer_of"]
+
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    # the command line, with its scaffolder (`autoprec init`) and dashboard
+    ("cli", ("__main__", "cli")),
+    # adapters for Lightning and Hugging Face, on top of applying a policy; beside the CLI, not under it
+    ("integrations", ("integrations",)),
+    # the conductor and its settings: checks -> capture -> profile -> search -> verify -> outputs
+    ("pipeline", ("tune",)),
+    # what a tune writes and shows; the pipeline and the CLI read them, nothing below does
+    ("outputs", ("outputs",)),
+    # what is tuned for: the one place that knows inference from training from generation
+    ("workloads", ("workloads",)),
+    # the settings of one tune, checked as a whole (the workloads read them; they name search spaces and targets)
+    ("settings", ("config",)),
+    # the stages, latest first: each may use the ones before it
+    ("verify", ("verify",)),
+    ("search", ("search",)),
+    ("profile", ("profile",)),
+    ("capture", ("capture",)),
+    # what every stage measures with: paired timing, the metric, the budget, gradients
+    ("measuring", ("measuring", "inputs.fits", "inputs.trainspec")),
+    ("stages", ()),
+    # many processes, handed to the stages as a Ranks
+    ("service", ("distributed",)),
+    # a policy in a model: installing it, training with it, compiling around it
+    ("apply", ("runtime.apply", "runtime.training", "runtime.rulecheck", "runtime.regionstate",
+               "runtime.torchao_linear", "runtime.compiled")),
+    # precisions and their kernels, the policy file, model.py and its batches, errors, how text is written;
+    # ``distributed.models`` (the names of a model DDP, FSDP2 or torch.compile wrapped) is here, as every layer that
+    # names a layer needs it, and ``distributed.agree`` (what the ranks must hold alike), as applying a policy
+    # compares it across ranks
+    ("base", ("runtime", "common", "version", "errors", "layering", "inputs", "distributed.models",
+              "distributed.agree")),
+]
+LAYER_ORDER = [layer for layer, _ in LAYERS]
+
+
+def layer_of(module: str) -> str:
+    """The layer of ``module`` (dotted, without ``autoprec.``): the longest prefix that names it decides."""
+    best, best_len = "stages", -1
+    for layer, prefixes in LAYERS:
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = layer, len(prefix)
+    return best

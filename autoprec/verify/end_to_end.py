@@ -1,0 +1,401 @@
+"""Verify stage: re-measure the search's best candidates end to end where the search never looked.
+
+The workload says how (:mod:`autoprec.workloads`): held-out batches and one forward timed per
+round for inference; short training runs from the same weights, each step timed, for training.
+Each candidate's metric is measured there first; the candidates within budget, fp32 and blanket
+autocast are then timed interleaved (so noise hits all alike; medians, and the spread of each
+comparison round by round). The fastest that stays within budget and measures faster than fp32 is
+chosen; within timing noise, the one with fewer rules; a miss is said in the notes. A candidate that
+computes what fp32 or blanket autocast computes is measured as that, once.
+
+This module owns the baseline every result is compared with: :func:`autocast_baseline` picks
+the blanket ``torch.autocast`` a user would pick on this device, for ``tune`` and ``bench`` alike.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from autoprec.inputs.batches import describe_batch, to_device
+from autoprec.measuring.budget import Budget
+from autoprec.measuring.compare import Ratio, compare
+from autoprec.measuring.measure import Evaluator, policy_runs
+from autoprec.measuring.objective import Measurement, Objective
+from autoprec.runtime.apply import effective_precisions
+from autoprec.runtime.compiled import CompileError
+from autoprec.runtime.policy import Policy
+from autoprec.runtime.precision import Capability, Precision, device_capabilities, emulated_for_shape
+from autoprec.search.study import Candidate
+
+if TYPE_CHECKING:
+    from autoprec.workloads import Workload
+
+__all__ = ["Speedup", "Verification", "autocast_baseline", "bench_policy", "fastest_simplest", "is_blanket", "is_fp32",
+           "verify"]
+
+TIE_TOLERANCE = 0.03  # measured latencies this close are a tie on a shared machine
+AUTOCAST_CHOICES = (Precision.BF16, Precision.FP16)  # the dtypes torch.autocast takes
+
+
+def autocast_baseline(capabilities: Mapping[Precision, Capability], measured_ms: Mapping[str, float]) -> Precision:
+    """The blanket autocast a user would pick here: of bf16 and fp16, the natively supported one
+    measured fastest (``measured_ms``: precision -> whole-model ms). bf16 when nothing says otherwise."""
+    native = [p for p in AUTOCAST_CHOICES if capabilities.get(p) is Capability.NATIVE]
+    timed = [p for p in native or AUTOCAST_CHOICES if p.value in measured_ms]
+    if not timed:
+        return native[0] if native else Precision.BF16
+    return min(timed, key=lambda p: measured_ms[p.value])
+
+
+@dataclass(frozen=True)
+class Speedup:
+    """How many times faster one entry ran than another: the ratio of their median times (as the
+    results table shows them), and the range of the round-by-round ratios (the measured noise of
+    this comparison: both entries ran in every round, one right after the other)."""
+
+    ratio: float
+    low: float
+    high: float
+    rounds: int
+
+    @classmethod
+    def of(cls, baseline: Sequence[float], other: Sequence[float]) -> Speedup:
+        ratios = [b / o for b, o in zip(baseline, other, strict=True)]
+        return cls(statistics.median(baseline) / statistics.median(other), min(ratios), max(ratios), len(ratios))
+
+    @property
+    def tie(self) -> bool:
+        """Whether 1x lies inside the measured spread: then neither is faster, as far as we can tell."""
+        return self.low <= 1.0 <= self.high
+
+    def __str__(self) -> str:
+        return f"{self.ratio:.2f}x ({self.low:.2f}-{self.high:.2f})"
+
+
+@dataclass
+class Verification:
+    chosen: Candidate | None
+    policy: Policy | None
+    samples: dict[str, list[float]]  # ms per interleaved round (or training step): "fp32", "autocast", "tuned", labels
+    metric: dict[str, float]  # metric where the search never looked: "fp32", "autocast", "tuned"
+    sqnr_db: dict[str, float]
+    within_budget: dict[str, bool]  # "autocast", "tuned"
+    autocast_precision: str
+    predicted_ms: float | None
+    timed_on: str  # what each sample timed: one forward on a batch ("input_ids 8x64"), or "16 training steps"
+    fidelity: bool = False  # no user metric: the metric is the output SQNR (dB) against fp32
+    tuned_is_autocast: bool = False  # the chosen policy computes exactly what blanket autocast does
+    estimated_for: str | None = None  # latencies from the cost model for this GPU, not measured
+    notes: list[str] = field(default_factory=list)
+    prediction_error_pct: dict[str, float] = field(default_factory=dict)  # label -> (predicted - measured) / measured
+    losses: dict[str, list[float]] = field(default_factory=dict)  # per training step (training only)
+    steps: int = 0  # steps of each verification training run (training only)
+    metric_kind: str = "metric"  # "output SQNR dB", "metric", "evaluate" or "final loss"
+    compiled_samples: dict[str, list[float]] = field(default_factory=dict)  # as samples, every entry compiled
+    compiled_on: str = ""  # what the compiled samples timed, and how it was compiled
+    # Why nothing was searched or timed: no precision can be faster than fp32 on this device (the profile's
+    # one line). Then fp32 alone was timed: blanket autocast has no samples, and the policy is fp32.
+    no_gain: str = ""
+    # Why blanket autocast could not be the policy (a pin of the search space, a precision not asked for); "" where
+    # it could. The decision says what that cost where blanket autocast measured faster within budget.
+    autocast_excluded: str = ""
+
+    @property
+    def latency_ms(self) -> dict[str, float]:
+        return {k: statistics.median(v) for k, v in self.samples.items()}
+
+    def speedup_of(self, key: str, over: str = "fp32", compiled: bool = False) -> Speedup:
+        samples = self.compiled_samples if compiled else self.samples
+        return Speedup.of(samples[over], samples[key])
+
+    @property
+    def speedup(self) -> float | None:
+        return self.speedup_of("tuned").ratio if "tuned" in self.samples else None
+
+    @property
+    def speedup_vs_autocast(self) -> float | None:
+        return self.speedup_of("tuned", "autocast").ratio if {"tuned", "autocast"} <= set(self.samples) else None
+
+
+def fastest_simplest(options: Sequence[Any], ms: Callable[[Any], float], rules: Callable[[Any], Any],
+                     slower: Callable[[Any, Any], bool]) -> Any:
+    """The option to keep: of those not measurably slower than the fastest (``slower(a, b)``: whether
+    ``a`` is no tie with ``b``), the one with the fewest rules (``rules`` may give a tuple: preferences
+    first). A simpler policy that measures the same is the better one to keep (and to trust on other
+    batches). Whether it beats fp32 is the caller's check."""
+    fastest = min(options, key=ms)
+    close = [o for o in options if o is fastest or not slower(o, fastest)]
+    return min(close, key=lambda o: (rules(o), ms(o)))
+
+
+def paired_ratio(samples: Mapping[str, Sequence[float]], key: str, over: str) -> Ratio | None:
+    """``key``'s time over ``over``'s from their paired rounds (None when a run broke down or there
+    is one estimate each: nothing to pair)."""
+    a, b = samples[key], samples[over]
+    if len(a) < 2 or len(a) != len(b) or not all(math.isfinite(x) and x > 0 for x in [*a, *b]):
+        return None
+    return Ratio.of(a, b)
+
+
+def is_blanket(policy: Policy, autocast: Precision) -> bool:
+    """Whether ``policy`` computes what blanket ``torch.autocast(autocast)`` does."""
+    return not policy.layers and policy.default is autocast
+
+
+def is_fp32(policy: Policy) -> bool:
+    """Whether ``policy`` computes what the plain fp32 model does (no rule lowers anything)."""
+    return policy.default is Precision.FP32 and all(p is Precision.FP32 for p in policy.layers.values())
+
+
+def _said(m: Measurement, reference: Objective) -> str:
+    sqnr = f", SQNR {m.sqnr_db:.1f} dB" if math.isfinite(m.sqnr_db) else ""
+    return f"metric {m.metric:.6g} against fp32's {reference.metric_fp32:.6g}{sqnr}"
+
+
+def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, autocast_precision: Precision,
+           device: str | torch.device = "cpu", *, seed: int = 0,
+           estimated_ms: Callable[[Policy], float] | None = None, estimated_for: str | None = None,
+           compiled: bool = False, dropped_because: str = "", prefer_fp32: Collection[str] = (),
+           autocast_excluded: str = "") -> Verification:
+    """Measure ``candidates`` (feasible ones, best first), fp32 and blanket autocast where the search
+    never looked, as ``workload`` runs them; keep the fastest within budget there.
+
+    ``estimated_ms``: latency of a policy from a cost model for the GPU ``estimated_for``, used instead
+    of timing here (the metric is still measured). ``compiled``: every timed entry is also timed compiled
+    (:mod:`autoprec.runtime.compiled`), and the choice follows those times; where compiling fails, a note says so
+    and the eager times decide. ``dropped_because``: why the search had no candidate, for the note that says so.
+
+    The choice is never measurably slower than a candidate that passed: blanket autocast is one where the
+    search space allows it (the caller adds it), and ``autocast_excluded`` says why it is not (a pin): then,
+    where blanket autocast measures faster within budget, the decision says what the pin costs.
+    ``prefer_fp32``: layers the search space prefers fp32; among candidates that measure the same, the one
+    that lowers fewest of them is kept, then the one with fewest rules.
+    """
+    device = torch.device(device)
+    autocast = autocast_precision
+    runners: dict[str, Policy | Precision | None] = {"fp32": None, "autocast": autocast}
+    label: dict[str, str] = {}  # candidate label -> the entry that runs it (fp32 and blanket autocast run once)
+    for c in candidates:
+        policy = c.policy()
+        label[c.label] = "autocast" if is_blanket(policy, autocast) else "fp32" if is_fp32(policy) else c.label
+        runners.setdefault(label[c.label], policy)
+    held = workload.held_out(runners, device, seed)
+    check = workload.verify_budget(budget)
+    within = {k: check.violation(m, held.reference) <= 0 for k, m in held.measured.items()}
+    within["fp32"] = True
+    notes: list[str] = []
+    compiled_samples: dict[str, list[float]] = {}
+    compiled_on = ""
+    passing = []
+    for c in candidates:
+        key = label[c.label]
+        if within[key]:
+            passing.append(c)
+        elif c.number >= 0:
+            notes.append(f"{c.label} met the budget on the search batches but not {held.where} "
+                         f"({_said(held.measured[key], held.reference)}); the next candidate was taken")
+    if not within["autocast"]:
+        notes.append(f"blanket {autocast.value} is over budget {held.where} "
+                     f"({_said(held.measured['autocast'], held.reference)})")
+    if candidates and not passing:
+        notes.append(f"no candidate met the budget {held.where}: the policy stays fp32; give more or more "
+                     "representative batches, a larger budget, or (training) more steps")
+
+    # The ladder: the fastest few that pass by predicted latency, and every heuristic and blanket that passes
+    passing = [c for i, c in enumerate(passing)
+               if i < workload.verify_timed or c.heuristic or c.number < 0 or c.seed == "preferred"]
+    timed = {k: runners[k] for k in dict.fromkeys(["fp32", "autocast", *(label[c.label] for c in passing)])}
+    if estimated_ms is not None:  # one estimate per entry stands in for the timed rounds
+        as_policy = {"fp32": Policy(), "autocast": Policy(default=autocast)}
+        samples = {key: [estimated_ms(as_policy.get(key, how))] for key, how in timed.items()}
+        _, timed_on, _ = workload.time({}, device)
+        notes.append(f"latencies are estimated for {estimated_for} by the cost model, not measured; "
+                     "the metric was measured where the search never looked")
+    else:
+        samples, timed_on, verdict = workload.time(timed, device)
+        if verdict:
+            notes.append(verdict)
+        if compiled:
+            compiled_samples, compiled_on = _time_compiled(workload, timed, device, notes)
+    refused = dict(getattr(workload, "compiled_refused", {})) if compiled_samples else {}
+    if "fp32" in refused:  # the reference itself compiles wrong: no compiled ratio means anything
+        notes.append(f"compiled, fp32 computes other outputs than eager ({refused['fp32']}): the policy was "
+                     "chosen by the eager times only")
+        compiled_samples, compiled_on, refused = {}, "", {}
+    eager_latency = {k: _median_finite(v) for k, v in samples.items()}
+    decide = compiled_samples or samples  # the choice follows the compiled times: that is how the model will run
+    latency = {k: _median_finite(v) for k, v in decide.items()}
+    # The latency model's error on each verified candidate (meaningful when the timing batch has the profile's shape).
+    errors = {} if estimated_ms is not None or workload.name != "inference" else {
+        c.label: 100.0 * (c.predicted_ms - eager_latency[label[c.label]]) / eager_latency[label[c.label]]
+        for c in passing}
+    if errors:
+        notes.append("predicted vs measured latency: " + ", ".join(f"{k} {e:+.0f}%" for k, e in errors.items()))
+
+    metric = {k: m.metric for k, m in held.measured.items() if k in ("fp32", "autocast")}
+    sqnr = {"fp32": math.inf, "autocast": held.measured["autocast"].sqnr_db}
+    chosen, tuned = None, "fp32"
+    lowered = [c for c in passing if label[c.label] != "fp32"]  # a policy that is fp32 is not a candidate to time
+    if refused:  # compiled, they compute something else than the eager runs measured within budget
+        lowered = [c for c in lowered if label[c.label] not in refused]
+        notes.append("compiled, " + "; ".join(f"{k} gives {why}" for k, why in refused.items())
+                     + ": outside the budget, not chosen")
+    def decided_slower(a: Candidate, b: Candidate) -> bool:
+        """Not a tie with ``b``: decided slower, or (undecided) an estimate more than TIE_TOLERANCE slower.
+        The rounds ran until each entry was decided against fp32, not against each other: an undecided
+        pair is a tie only when its estimate says they are this close."""
+        ratio = paired_ratio(decide, label[a.label], label[b.label])
+        if ratio is None:
+            return latency[label[a.label]] > latency[label[b.label]] * (1 + TIE_TOLERANCE)
+        return ratio.slower or ratio.estimate > 1 + TIE_TOLERANCE
+
+    def beats_fp32(c: Candidate) -> bool:
+        """Faster than fp32 in the paired rounds: decided so while the rounds ran, or, where a noisy machine
+        ran them to the cap, by all the rounds at once: the whole 95% interval below 1 and the estimate
+        more than :data:`TIE_TOLERANCE` below it. A tie with fp32 never becomes a lowered policy."""
+        ratio = paired_ratio(decide, label[c.label], "fp32")
+        if ratio is None:
+            return latency[label[c.label]] < latency["fp32"]
+        return ratio.faster or (ratio.high < 1 and ratio.estimate < 1 - TIE_TOLERANCE)
+
+    if lowered:
+        def rules(c: Candidate) -> tuple[int, int]:
+            return sum(c.assignment.get(n, "fp32") != "fp32" for n in prefer_fp32), len(c.policy().layers)
+
+        best = fastest_simplest(lowered, lambda c: latency[label[c.label]], rules, decided_slower)
+        if beats_fp32(best):
+            chosen, tuned = best, label[best.label]
+            if tuned == "autocast":
+                notes.append(f"the tuned policy is blanket autocast ({autocast.value}) itself: within the "
+                             "budget, and no per-layer policy measured faster")
+        else:
+            ratio = paired_ratio(decide, label[best.label], "fp32")
+            notes.append(f"no candidate within budget was measured faster than fp32 here"
+                         f"{' compiled' if compiled_samples else ''} (the best, "
+                         f"{best.label}, took {latency[label[best.label]]:.3g} ms against fp32's "
+                         f"{latency['fp32']:.3g} ms{f'; {ratio} of fp32, not decided faster' if ratio else ''}): "
+                         "the policy stays fp32")
+    elif not candidates:
+        notes.append("nothing was lowered: no layer had a candidate precision worth searching here"
+                     + (f" ({dropped_because})" if dropped_because else ""))
+    for timings in (samples, compiled_samples) if compiled_samples else (samples,):
+        timings["tuned"] = timings[tuned]
+    metric["tuned"] = held.measured[tuned].metric
+    sqnr["tuned"] = held.measured[tuned].sqnr_db if tuned != "fp32" else math.inf
+    within_budget = {"autocast": within["autocast"], "tuned": within[tuned]}
+    losses = dict(held.losses)
+    if losses:
+        losses["tuned"] = losses[tuned]
+    return Verification(chosen=chosen, policy=chosen.policy() if chosen else None, samples=samples, metric=metric,
+                        sqnr_db=sqnr, within_budget=within_budget, autocast_precision=autocast.value,
+                        predicted_ms=chosen.predicted_ms if chosen else None, timed_on=timed_on,
+                        fidelity=held.reference.uses_fidelity, tuned_is_autocast=tuned == "autocast",
+                        estimated_for=estimated_for, notes=notes, prediction_error_pct=errors, losses=losses,
+                        steps=getattr(workload, "steps", 0) if workload.name == "training" else 0,
+                        metric_kind=_metric_kind(workload, held.reference), compiled_samples=compiled_samples,
+                        compiled_on=compiled_on, autocast_excluded=autocast_excluded)
+
+
+def _time_compiled(workload: Workload, timed: Mapping[str, Policy | Precision | None], device: torch.device,
+                   notes: list[str]) -> tuple[dict[str, list[float]], str]:
+    """The timed entries, each compiled; a model that does not compile is a note, and the eager times decide."""
+    try:
+        samples, timed_on, verdict = workload.time(timed, device, compiled=True)
+    except CompileError as e:
+        notes.append(f"{e}; the policy was chosen by the eager times only")
+        return {}, ""
+    notes.append(f"compiled: {verdict}; the choice follows the compiled times. The profile's timings (per layer "
+                 "and whole model) are eager")
+    return samples, timed_on
+
+
+def _metric_kind(workload: Workload, reference: Objective) -> str:
+    if reference.uses_fidelity:
+        return "output SQNR dB"
+    if workload.name == "training":
+        return "evaluate" if getattr(workload, "evaluate", None) is not None else "final loss"
+    return "metric"
+
+
+def _median_finite(samples: Sequence[float]) -> float:
+    finite = [x for x in samples if math.isfinite(x)]
+    return statistics.median(finite) if finite else math.inf
+
+
+def bench_policy(model: nn.Module, batches: Sequence[Any], policy: Policy, budget: Budget,
+                 evaluate: Callable[[nn.Module, list], float] | None = None, higher_is_better: bool = True,
+                 device: str | torch.device = "cpu", repeats: int = 7, max_seconds: float = 60.0) -> Verification:
+    """Time ``policy`` against fp32 and blanket autocast on ``batches[0]`` and score all three.
+
+    The policy is timed as a user runs it (applied, no autocast of the caller's), also when it is blanket
+    autocast's computation: then its row says so and shows its own times beside autocast's.
+
+    Timed as verification times: paired interleaved rounds (:func:`autoprec.measuring.compare.compare`), each
+    policy on its own copy of the model, at least ``repeats`` rounds and on until every ratio to fp32
+    is within ±3% or ``max_seconds`` ran; the notes give each ratio with its interval, and say so
+    when the machine was too noisy to measure that precisely. The autocast baseline is chosen as
+    :func:`tune` chooses it: each natively supported autocast dtype is timed in the same rounds, and
+    the fastest is the one compared against.
+    """
+    device = torch.device(device)
+    model = model.to(device).eval()
+    evaluator = Evaluator(model, batches, evaluate, higher_is_better, device)
+    tuned = evaluator.measure(policy)
+    if tuned.error:
+        raise ValueError(f"the policy does not run on this model: {tuned.error}")
+    batch = to_device(batches[0], device)
+    caps = device_capabilities(device)
+    options = [p for p in AUTOCAST_CHOICES if caps[p] is Capability.NATIVE] or [Precision.BF16]
+    runners: dict[str, Policy | Precision | None] = {"fp32": None, **{p.value: p for p in options}, "tuned": policy}
+    timing = compare(policy_runs(model, batch, runners, device), reference="fp32", device=str(device),
+                     min_rounds=repeats, max_rounds=max(repeats, 60), max_seconds=max_seconds, until="precise")
+    samples = timing.samples
+    autocast = autocast_baseline(caps, {p.value: statistics.median(samples[p.value]) for p in options})
+    blanket = evaluator.measure(Policy(default=autocast))
+    samples = {"fp32": samples["fp32"], "autocast": samples[autocast.value], "tuned": samples["tuned"]}
+    notes = [f"tuned vs fp32: {timing.ratios['tuned']}; blanket {autocast.value} vs fp32: "
+             f"{timing.ratios[autocast.value]}; tuned vs blanket {autocast.value}: "
+             f"{timing.ratio('tuned', autocast.value)} (paired rounds, 95% intervals)"]
+    if timing.verdict:
+        notes.append(timing.verdict)
+    emulated = emulated_here(model, policy, caps)
+    if emulated:
+        notes.append(f"{emulated} runs emulated on {device.type} (quantize-dequantize, accuracy only): the "
+                     "speed-up above is not that precision's; time it where it has kernels, or plan with "
+                     "`autoprec tune --target`")
+    return Verification(
+        chosen=None, policy=policy, samples=samples,
+        metric={"fp32": evaluator.metric_fp32, "autocast": blanket.metric, "tuned": tuned.metric},
+        sqnr_db={"fp32": float("inf"), "autocast": blanket.sqnr_db, "tuned": tuned.sqnr_db},
+        within_budget={"autocast": budget.violation(blanket, evaluator) <= 0,
+                       "tuned": budget.violation(tuned, evaluator) <= 0},
+        autocast_precision=autocast.value, predicted_ms=None, timed_on=describe_batch(batch),
+        # The policy ran as applied, in rounds of its own: its row shows its own times, also when it is blanket
+        # autocast's computation (the table says so in its label), never autocast's under its name.
+        fidelity=evaluator.uses_fidelity, tuned_is_autocast=False,
+        metric_kind="output SQNR dB" if evaluator.uses_fidelity else "metric", notes=notes)
+
+
+def emulated_here(model: nn.Module, policy: Policy, capabilities: Mapping[Precision, Capability]) -> str:
+    """The policy's precisions that run emulated on this device, in a few words ("" when none): a precision
+    the device has no kernel for, or an 8- or 4-bit rule on a linear whose shape its kernel does not take."""
+    said: dict[str, str] = {}
+    modules = dict(model.named_modules())
+    for name, precision in effective_precisions(model, policy).items():
+        module = modules.get(name)
+        if precision.value in said or module is None or next(module.parameters(recurse=False), None) is None:
+            continue
+        if capabilities.get(precision) is Capability.EMULATED:
+            said[precision.value] = precision.value
+        elif precision.swaps_linear and isinstance(module, nn.Linear):
+            why = emulated_for_shape(precision, module.in_features, module.out_features)
+            if why is not None:
+                said[precision.value] = f"{precision.value} on {name!r} ({why})"
+    return " and ".join(said.values())
