@@ -25,6 +25,7 @@ from autoprec.runtime.training import TrainStep
 # Tuning (imports optuna lazily, when called): one pipeline, a workload and a config
 from autoprec.config import TuneConfig
 from autoprec.tune import TuneResult, tune
+from autoprec.workloads.generation import GenerationWorkload
 from autoprec.workloads.inference import InferenceWorkload
 from autoprec.workloads.training import TrainingWorkload
 
@@ -50,4 +51,5 @@ __all__ = [
     "TuneResult",
     "InferenceWorkload",
     "TrainingWorkload",
+    "GenerationWorkload",
 ]

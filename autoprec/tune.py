@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import math
 import statistics
 import time
@@ -30,7 +29,7 @@ from autoprec.distributed.ranks import ONE_PROCESS, Ranks
 from autoprec.distributed.tuning import check_same_work
 from autoprec.errors import Terminated
 from autoprec.inputs.batches import as_batch_list, to_device
-from autoprec.inputs.fits import check_fits, free_memory
+from autoprec.inputs.fits import free_memory
 from autoprec.inputs.userspec import check_fp32_model
 from autoprec.measuring.budget import Budget
 from autoprec.measuring.compare import timed_together
@@ -47,6 +46,7 @@ from autoprec.verify.end_to_end import Verification, autocast_baseline, verify
 from autoprec.verify.runcheck import policy_runs_note
 from autoprec.version import __version__
 from autoprec.workloads import Workload
+from autoprec.workloads.registry import DEFAULT_WORKLOAD, notebook_class
 
 __all__ = ["NothingToTune", "TuneConfig", "TuneInterrupted", "TuneResult", "load_or_profile", "tune"]
 
@@ -87,8 +87,8 @@ def load_or_profile(workload: Workload, config: TuneConfig, device: torch.device
             # nor is an estimated one the exact one --exact-sensitivity asks for
             partial = partial or config.exact_sensitivity and any(
                 s.estimated for layer in cached.layers for s in layer.sensitivity.values())
-            if cached.matches(workload.fingerprint(), where, config.precisions, workload.name) and not partial:
-                log(f"reusing the {'' if workload.name == 'inference' else workload.name + ' '}profile in {path}")
+            if cached.matches(workload.fingerprint(), where, config.precisions, workload.trains) and not partial:
+                log(f"reusing the {workload.tag + ' ' if workload.tag else ''}profile in {path}")
             else:
                 cached = None
         except ProfileError as e:
@@ -144,65 +144,15 @@ def tune(workload: Workload | nn.Module, config: TuneConfig | Any = None, evalua
 
 def _workload_and_config(model: nn.Module, batches: Any, evaluate: Callable | None,
                          settings: dict[str, Any]) -> tuple[Workload, TuneConfig]:
-    from autoprec.workloads.inference import InferenceWorkload
-    from autoprec.workloads.training import DEFAULT_STEPS, TrainingWorkload
-
     if not isinstance(model, nn.Module):
         raise TypeError(f"tune takes a workload and a config, or a model and its batches; got {type(model).__name__}")
     if batches is None:
         raise TypeError("tune(model, batches, ...) needs the batches")
     batches = as_batch_list(batches, "tune(model, batches)'s batches")
-    for_ = settings.pop("for_", "inference")
-    if for_ not in NOTEBOOK_SETTINGS:
-        raise ValueError(f"for_ must be 'inference', 'training' or 'generation', got {for_!r}")
     fields = {f.name for f in dataclasses.fields(TuneConfig)}
-    _refuse_unknown(settings, fields | NOTEBOOK_SETTINGS[for_], for_)
+    cls = notebook_class(settings.pop("for_", DEFAULT_WORKLOAD), settings, fields)
     config = TuneConfig(**{k: v for k, v in settings.items() if k in fields})
-    own = {k: v for k, v in settings.items() if k not in fields}
-    higher_is_better = own.pop("higher_is_better", True)
-    path = own.pop("model_path", "model.py")
-    if for_ == "training":
-        # get_batches() is not trained on when there are training batches of their own: evaluate() gets all of it
-        holdout = own.pop("holdout_batches", None)
-        holdout = None if holdout is None else as_batch_list(holdout, "holdout_batches")
-        every = [*batches, *holdout] if holdout is not None else list(batches)
-        steps = own.pop("steps", None)
-        workload: Workload = TrainingWorkload(
-            model, every, own.get("loss"), own.get("train_batches"), own.get("optimizer"), evaluate,
-            every if own.get("train_batches") is not None else (holdout or list(batches)), higher_is_better,
-            DEFAULT_STEPS if steps is None else steps, Path(path))
-    elif for_ == "generation":
-        from autoprec.workloads.generation import DEFAULT_NEW_TOKENS, GenerationWorkload
-
-        new_tokens = own.get("new_tokens")
-        workload = GenerationWorkload(model, list(batches), evaluate, higher_is_better, own.get("holdout_batches"),
-                                      own.get("timing_batch"), Path(path), generate=own.get("generate"),
-                                      new_tokens=DEFAULT_NEW_TOKENS if new_tokens is None else new_tokens)
-    else:
-        workload = InferenceWorkload(model, list(batches), evaluate, higher_is_better, own.get("holdout_batches"),
-                                     own.get("timing_batch"), Path(path))
-    return workload, config
-
-
-# the notebook form's settings besides TuneConfig's fields, by what is tuned for
-NOTEBOOK_SETTINGS = {
-    "inference": {"higher_is_better", "model_path", "holdout_batches", "timing_batch"},
-    "training": {"higher_is_better", "model_path", "holdout_batches", "loss", "train_batches", "optimizer", "steps"},
-    "generation": {"higher_is_better", "model_path", "holdout_batches", "timing_batch", "new_tokens", "generate"},
-}
-
-
-def _refuse_unknown(settings: dict[str, Any], known: set[str], for_: str) -> None:
-    """One line for the first setting that is not ``for_``'s: one of the other workload's (say so), or a typo
-    (the closest known name)."""
-    for name in sorted(set(settings) - known):
-        other = next((o for o in NOTEBOOK_SETTINGS if o != for_ and name in NOTEBOOK_SETTINGS[o]), None)
-        if other is not None:
-            fix = f"pass for_={other!r} to tune for {other}" if other != "inference" else "leave it out"
-            raise TypeError(f"tune: {name} is a setting for tuning for {other}, and this tune is for {for_}: {fix}")
-        close = difflib.get_close_matches(name, sorted(known), n=1)
-        hint = f"did you mean {close[0]}?" if close else f"known settings: {', '.join(sorted(known))}"
-        raise TypeError(f"tune got a setting it does not know: {name}; {hint}")
+    return cls.from_notebook(model, batches, evaluate, {k: v for k, v in settings.items() if k not in fields}), config
 
 
 def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ranks: Ranks = ONE_PROCESS
@@ -216,7 +166,7 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
     check_fp32_model(workload.model)  # a .half() or meta model: one line now, not wrong labels later
     cache_was = torch.is_autocast_cache_enabled()  # as it was, when the tune ends
     if sharded(workload.model):  # one model, a part on each rank: every rank runs every forward (see Ranks.together)
-        if workload.name != "inference":
+        if not workload.tunes_sharded:
             raise ValueError(f"a sharded model (fully_shard) is tuned for inference only for now, not for "
                              f"{workload.name}: build the model whole in get_model() (wrap may still shard it)")
         ranks = ranks.together()
@@ -240,8 +190,7 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
             # the writing rank's run folder holds the study every rank shares
             url = ranks.from_first(config.storage or f"sqlite:///{(out_dir or Path('.')).resolve() / 'study.db'}")
             storage = open_storage(url)
-            check_fits(workload.model, workload.capture_batches()[0], device,  # one line now, not an OOM later
-                       training=workload.name == "training")
+            workload.check_fits(device)  # one line now, not an OOM later
             model = workload.model = workload.model.to(device).eval()
             seconds: dict[str, float] = {}
 
@@ -269,7 +218,7 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
 
             phase = "search"
             start = time.perf_counter()
-            prefix = "autoprec" if workload.name == "inference" else f"autoprec-{workload.name}"
+            prefix = f"autoprec-{workload.tag}" if workload.tag else "autoprec"
             if config.target is not None:
                 from autoprec.profile.costmodel import get_target, policy_ms
 

@@ -99,7 +99,7 @@ def test_inference_profile_of_version_1_still_loads(planted, tmp_path):
     del data["training"]
     old = Profile.from_dict(data)
     assert old.training is None and old.version == 1
-    assert not old.matches(old.fingerprint, old.device, ["bf16"], "training")
+    assert not old.matches(old.fingerprint, old.device, ["bf16"], training=True)
 
 
 def test_fp16_underflow_is_flagged_and_a_policy_with_fp16_gets_a_scaler():

@@ -4,9 +4,9 @@ loading a model.py, and :class:`CommandError` (a user error, reported as one lin
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
+from autoprec.common.argtypes import positive_int
 from autoprec.errors import UserError
 from autoprec.runtime.precision import Precision
 
@@ -33,16 +33,6 @@ def precisions(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"{text!r} names no low precision to try; give one or more of "
                                          "bf16, fp16, fp8 (comma-separated), e.g. --precisions bf16,fp16")
     return precisions
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
-    return value
 
 
 def port(text: str) -> int:
@@ -76,11 +66,10 @@ def default_out(model_py: str) -> Path:
 def load_spec(args: argparse.Namespace, shard: bool = False):
     """The model.py named on the command line, after the device check; ``shard`` (torchrun): a model built on the
     meta device is sharded and materialised by its ``wrap`` (:func:`autoprec.inputs.userspec.load_model_py`)."""
-    from autoprec.inputs.userspec import load_model_py
+    from autoprec.workloads.base import load_model_py_of
 
     check_device(args.device)
-    print(f"loading {args.model_py}", file=sys.stderr)
-    return load_model_py(args.model_py, shard=shard)
+    return load_model_py_of(args, shard=shard)
 
 
 def check_device(device: str) -> None:

@@ -26,6 +26,7 @@ from autoprec.cli.options import (
 from autoprec.errors import Terminated
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import DEFAULT_PRECISIONS
+from autoprec.workloads.registry import DEFAULT_WORKLOAD, either, workload_class, workload_classes
 
 __all__ = ["bench", "bench_arguments", "profile", "profile_arguments", "tune", "tune_arguments"]
 
@@ -55,17 +56,11 @@ def tune_arguments(parser: argparse.ArgumentParser) -> None:
                              "estimated in time linear in depth, checked against a few exact evaluations)")
     parser.add_argument("--target", help="plan for a GPU that is not here (h100, h200, a100, l4, b200, gb200): latency "
                                          "estimated by a cost model, accuracy measured here")
-    parser.add_argument("--for", dest="for_", choices=("inference", "training", "generation"), default="inference",
-                        help="what to tune for: inference (forward latency, output fidelity), training (step "
-                             "time, training loss; needs loss(model, batch) in model.py; --budget on the loss, "
-                             "default 2%%; --min-sqnr is the gradient floor, default 10 dB) or generation (the time "
-                             "of a whole greedy generation from the batches as prompts, prefill and decode steps "
-                             "with the KV cache; needs a model with .generate() or generate(model, batch) in "
-                             "model.py; --budget on evaluate() or by default on the prompts' perplexity, default 1%%)")
-    parser.add_argument("--steps", type=positive_int, default=None,
-                        help="--for training: steps of each verification training run (default 16)")
-    parser.add_argument("--new-tokens", type=positive_int, default=None, metavar="N",
-                        help="--for generation: tokens each timed generation makes (default 32)")
+    workloads = workload_classes()
+    parser.add_argument("--for", dest="for_", choices=tuple(workloads), default=DEFAULT_WORKLOAD,
+                        help=f"what to tune for: {either([cls.cli_help for cls in workloads.values()])}")
+    for cls in workloads.values():  # each workload's own options (--steps, --new-tokens)
+        cls.add_arguments(parser)
     parser.add_argument("--compile", action="store_true",
                         help="also time verification with the model compiled (torch.compile, regional: each repeated "
                              "block), choose by those times, and report eager and compiled speed-ups side by side")
@@ -108,40 +103,19 @@ def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
     from autoprec.tune import tune as run_tune
 
     check_device(args.device)  # said as --device, before the config says it as device=
-    if args.new_tokens is not None and args.for_ != "generation":
-        raise CommandError(f"--new-tokens is the length of each generation: tune --for generation, or leave it out "
-                           f"(this tune is --for {args.for_})")
+    for_ = workload_class(args.for_)
+    for name, cls in workload_classes().items():  # another workload's option: refused, not silently ignored
+        for dest, what in cls.cli_options.items():
+            if cls is not for_ and getattr(args, dest, None) is not None:
+                raise CommandError(f"{what}: tune --for {name}, or leave it out (this tune is --for {args.for_})")
     config = _config(args, out=Path(args.out) if args.out else default_out(args.model_py),  # before loading
                      compile=args.compile, profile_all=args.profile_all,
                      exact_sensitivity=args.exact_sensitivity, progress=ranks.writes)
-    if args.for_ == "training":
-        from autoprec.inputs.trainspec import load_train_spec
-        from autoprec.workloads.training import COMPILE_REFUSED, TrainingWorkload
-
-        if args.target is not None:
-            raise CommandError("--target plans inference latency only for now; drop --target to tune for "
-                               "training on this device")
-        if args.compile:
-            raise CommandError(COMPILE_REFUSED)
-        check_device(args.device)
-        print(f"loading {args.model_py} for training", file=sys.stderr)
-        train = load_train_spec(args.model_py)
-        workload: Any = TrainingWorkload.from_spec(train, args.steps)
-        spec = train.spec
-    elif args.for_ == "generation":
-        from autoprec.workloads.generation import GenerationWorkload
-
-        spec = load_spec(args)
-        workload = GenerationWorkload.from_spec(spec, args.new_tokens)
-    else:
-        from autoprec.workloads.inference import InferenceWorkload
-
-        spec = load_spec(args, shard=ranks.world_size > 1)  # a model built on meta: sharded by its wrap
-        workload = InferenceWorkload.from_spec(spec)
+    workload, spec = for_.from_command(args, ranks)
     if ranks.world_size > 1 and not spec.sharded:  # verification times the job as it runs: wrapped, or DDP replicas
         from autoprec.distributed.tuning import job_wrap
 
-        workload.wrap = job_wrap(spec, args.for_ == "training")
+        workload.wrap = job_wrap(spec, workload.trains)
     try:
         result = run_tune(workload, config, log=log, ranks=ranks)
     except TuneInterrupted as stop:

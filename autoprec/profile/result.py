@@ -146,10 +146,11 @@ class Profile:
         except (OSError, json.JSONDecodeError, TypeError, KeyError) as e:
             raise ProfileError(f"cannot read profile {str(path)!r}: {e}") from None
 
-    def matches(self, fingerprint: str, device: str, precisions: Sequence[str], for_: str = "inference") -> bool:
-        """Whether this profile can stand in for profiling again (``for_``: "inference" or "training")."""
+    def matches(self, fingerprint: str, device: str, precisions: Sequence[str], training: bool = False) -> bool:
+        """Whether this profile can stand in for profiling again (``training``: for a workload that trains, whose
+        profile times training steps)."""
         return (self.fingerprint == fingerprint and self.device == device and self.torch == torch.__version__
-                and set(precisions) <= set(self.precisions) and (self.training is not None) == (for_ == "training"))
+                and set(precisions) <= set(self.precisions) and (self.training is not None) == training)
 
 
 def fingerprint(model: nn.Module, batches: Sequence[Any]) -> str:

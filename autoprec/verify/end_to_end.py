@@ -233,7 +233,7 @@ def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, 
     decide = compiled_samples or samples  # the choice follows the compiled times: that is how the model will run
     latency = {k: _median_finite(v) for k, v in decide.items()}
     # The latency model's error on each verified candidate (meaningful when the timing batch has the profile's shape).
-    errors = {} if estimated_ms is not None or workload.name != "inference" else {
+    errors = {} if estimated_ms is not None or not workload.predicts_latency else {
         c.label: 100.0 * (c.predicted_ms - eager_latency[label[c.label]]) / eager_latency[label[c.label]]
         for c in passing}
     if errors:
@@ -298,9 +298,9 @@ def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, 
                         predicted_ms=chosen.predicted_ms if chosen else None, timed_on=timed_on,
                         fidelity=held.reference.uses_fidelity, tuned_is_autocast=tuned == "autocast",
                         estimated_for=estimated_for, notes=notes, prediction_error_pct=errors, losses=losses,
-                        steps=getattr(workload, "steps", 0) if workload.name == "training" else 0,
-                        metric_kind=_metric_kind(workload, held.reference), compiled_samples=compiled_samples,
-                        compiled_on=compiled_on, autocast_excluded=autocast_excluded)
+                        steps=workload.steps, metric_kind=workload.metric_kind(held.reference),
+                        compiled_samples=compiled_samples, compiled_on=compiled_on,
+                        autocast_excluded=autocast_excluded)
 
 
 def _time_compiled(workload: Workload, timed: Mapping[str, Policy | Precision | None], device: torch.device,
@@ -314,14 +314,6 @@ def _time_compiled(workload: Workload, timed: Mapping[str, Policy | Precision | 
     notes.append(f"compiled: {verdict}; the choice follows the compiled times. The profile's timings (per layer "
                  "and whole model) are eager")
     return samples, timed_on
-
-
-def _metric_kind(workload: Workload, reference: Objective) -> str:
-    if reference.uses_fidelity:
-        return "output SQNR dB"
-    if workload.name == "training":
-        return "evaluate" if getattr(workload, "evaluate", None) is not None else "final loss"
-    return "metric"
 
 
 def _median_finite(samples: Sequence[float]) -> float:

@@ -9,21 +9,26 @@ The pipeline (checks -> capture -> profile -> search -> verify -> outputs) is wr
   :meth:`profile`): a forward, or a training step;
 - how verification runs a candidate on data the search never saw, and how it times it
   (:meth:`held_out`, :meth:`time`): held-out batches, or short interleaved training runs;
-- what the outputs add (:meth:`write_extras`, :meth:`report_sections`): e.g. ``loss.png``.
+- what the outputs add (:meth:`write_extras`, :meth:`report_sections`): e.g. ``loss.png``;
+- its options on the command line and its settings in the notebook API (:meth:`add_arguments`,
+  :meth:`from_command`, :meth:`from_notebook`), and what else the pipeline asks (the class attributes).
 
 Three workloads ship: :class:`~autoprec.workloads.inference.InferenceWorkload`,
 :class:`~autoprec.workloads.training.TrainingWorkload` and
 :class:`~autoprec.workloads.generation.GenerationWorkload` (greedy generation with a KV cache). Another is
-one new module with one new subclass.
+one new module with one new subclass, and one line in :data:`autoprec.workloads.registry.REGISTRY`.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:
+    import argparse
+
     import torch
     import torch.nn as nn
 
@@ -36,7 +41,15 @@ if TYPE_CHECKING:
     from autoprec.runtime.policy import Policy
     from autoprec.runtime.precision import Precision
 
-__all__ = ["HeldOut", "Workload", "check_settings"]
+__all__ = ["HeldOut", "Workload", "check_settings", "load_model_py_of"]
+
+
+def load_model_py_of(args: argparse.Namespace, shard: bool = False) -> Any:
+    """The model.py a command line names (its ``--device`` already checked), said on stderr as it loads."""
+    from autoprec.inputs.userspec import load_model_py
+
+    print(f"loading {args.model_py}", file=sys.stderr)
+    return load_model_py(args.model_py, shard=shard)
 
 
 def check_settings(owner: str, functions: Mapping[str, tuple[Any, str]], higher_is_better: Any) -> None:
@@ -74,9 +87,38 @@ class Workload:
     verify_best = 6  # how many of the search's best candidates verification checks where the search never looked
     verify_timed = 4  # how many of those that pass it times (in predicted order; heuristics and blanket as well)
     latency_key = "latency_ms"  # policy.json's result key for the measured times
+    # names its study and says its profile apart ("autoprec-training-...", "reusing the training profile");
+    # inference's "" keeps the names its runs had first, so that they resume
+    tag = "workload"
+    trains = False  # runs backward passes and optimizer steps: room for gradients, DDP replicas under torchrun
+    tunes_sharded = False  # a model sharded across the ranks (fully_shard) can be tuned for it
+    # verification times what the profile's latency model predicts (one forward at the profile's batch shapes),
+    # so the prediction's error on each candidate is worth a note
+    predicts_latency = False
+    steps = 0  # steps of each verification training run (0: verification does not train)
+    cli_help = ""  # what ``tune --for NAME`` tunes for, in --help
+    cli_options: Mapping[str, str] = {}  # its own options' dests -> what each is, said where another --for is asked
+    notebook_settings: frozenset[str] = frozenset()  # tune(model, batches, ...)'s settings beside TuneConfig's
 
     model: nn.Module
     path: Path  # the model.py (for messages about the user's code)
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """The options of ``autoprec tune`` that are this workload's own (each named in :attr:`cli_options`)."""
+
+    @classmethod
+    def from_command(cls, args: argparse.Namespace, ranks: Ranks) -> tuple[Workload, Any]:
+        """The workload of ``autoprec tune MODEL_PY --for NAME``, and the model.py it loaded: a setting it cannot
+        tune with is refused first, in the command's words, before the model loads."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_notebook(cls, model: nn.Module, batches: list, evaluate: Callable | None, settings: dict[str, Any]
+                      ) -> Workload:
+        """The workload of ``tune(model, batches, evaluate, **settings)``; ``settings`` are among
+        :attr:`notebook_settings`."""
+        raise NotImplementedError
 
     def check(self, config: TuneConfig) -> None:
         """Refuse settings that make no sense for this workload (before any work)."""
@@ -111,6 +153,17 @@ class Workload:
         """A note when the chosen policy keeps the budget on the held-out data by less than their measured
         spread (so on other data it may not): None where there is nothing to say."""
         return None
+
+    def check_fits(self, device: torch.device) -> None:
+        """One line now, not an out-of-memory error later: the model and a batch's activations fit ``device``
+        (with gradients and optimizer state where it :attr:`trains`)."""
+        from autoprec.inputs.fits import check_fits
+
+        check_fits(self.model, self.capture_batches()[0], device, training=self.trains)
+
+    def metric_kind(self, reference: Objective) -> str:
+        """What the verified metric is, in the results table's words."""
+        return "output SQNR dB" if reference.uses_fidelity else "metric"
 
     def verify_budget(self, budget: Budget) -> Budget:
         """The part of the budget verification checks (the whole budget unless said otherwise)."""

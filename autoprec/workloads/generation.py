@@ -31,6 +31,7 @@ text, as a whole miss.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import hashlib
@@ -39,12 +40,14 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autoprec.common.argtypes import positive_int
 from autoprec.config import TuneConfig
 from autoprec.inputs.batches import call_model, describe_batch, to_device
 from autoprec.inputs.userspec import user_function
@@ -53,6 +56,7 @@ from autoprec.measuring.measure import shared_copy
 from autoprec.runtime.apply import apply_policy
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
+from autoprec.workloads.base import load_model_py_of
 from autoprec.workloads.inference import VERIFY_SECONDS, InferenceWorkload
 
 __all__ = ["DEFAULT_NEW_TOKENS", "GenerationTimes", "GenerationWorkload", "generation_runs", "hf_generate",
@@ -257,6 +261,15 @@ class GenerationWorkload(InferenceWorkload):
     name = "generation"
     verify_timed = 3  # each round is a whole generation per entry
     latency_key = "generation_ms"
+    tag = "generation"
+    tunes_sharded = False
+    predicts_latency = False  # the profile prices a generation from forwards; verification times whole ones
+    cli_help = ("generation (the time of a whole greedy generation from the batches as prompts, prefill and "
+                "decode steps with the KV cache; needs a model with .generate() or generate(model, batch) in "
+                "model.py; --budget on evaluate() or by default on the prompts' perplexity, default 1%%)")
+    cli_options = {"new_tokens": "--new-tokens is the length of each generation"}
+    notebook_settings = frozenset({"higher_is_better", "model_path", "holdout_batches", "timing_batch", "new_tokens",
+                                   "generate"})
 
     def __post_init__(self) -> None:
         self.default_metric = self.evaluate is None
@@ -285,6 +298,25 @@ class GenerationWorkload(InferenceWorkload):
         return cls(spec.model, spec.search_batches, spec.evaluate, spec.higher_is_better, spec.holdout_batches,
                    path=spec.path, new_tokens=DEFAULT_NEW_TOKENS if new_tokens is None else new_tokens,
                    generate=getattr(spec, "generate", None))
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--new-tokens", type=positive_int, default=None, metavar="N",
+                            help=f"--for generation: tokens each timed generation makes (default {DEFAULT_NEW_TOKENS})")
+
+    @classmethod
+    def from_command(cls, args: argparse.Namespace, ranks: Any) -> tuple[GenerationWorkload, Any]:
+        spec = load_model_py_of(args)
+        return cls.from_spec(spec, args.new_tokens), spec
+
+    @classmethod
+    def from_notebook(cls, model: nn.Module, batches: list, evaluate: Callable | None, settings: dict[str, Any]
+                      ) -> GenerationWorkload:
+        new_tokens = settings.get("new_tokens")
+        return cls(model, list(batches), evaluate, settings.get("higher_is_better", True),
+                   settings.get("holdout_batches"), settings.get("timing_batch"),
+                   Path(settings.get("model_path", "model.py")), generate=settings.get("generate"),
+                   new_tokens=DEFAULT_NEW_TOKENS if new_tokens is None else new_tokens)
 
     def check(self, config: TuneConfig) -> None:
         if config.target is not None and self.generate is not None:

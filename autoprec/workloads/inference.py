@@ -33,7 +33,7 @@ from autoprec.profile import Profile, fingerprint, profile_model
 from autoprec.runtime import compiled as compiled_module
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
-from autoprec.workloads.base import HeldOut, Workload, check_settings
+from autoprec.workloads.base import HeldOut, Workload, check_settings, load_model_py_of
 
 __all__ = ["InferenceWorkload", "VERIFY_SECONDS"]
 
@@ -60,6 +60,11 @@ class InferenceWorkload(Workload):
     compiled_refused: dict[str, str] = field(default_factory=dict, init=False, repr=False)
 
     name = "inference"
+    tag = ""
+    tunes_sharded = True
+    predicts_latency = True
+    cli_help = "inference (forward latency, output fidelity)"
+    notebook_settings = frozenset({"higher_is_better", "model_path", "holdout_batches", "timing_batch"})
 
     def __post_init__(self) -> None:
         check_settings("InferenceWorkload", {"evaluate": (self.evaluate, "evaluate(model, batches) -> float")},
@@ -79,6 +84,18 @@ class InferenceWorkload(Workload):
         """From a loaded model.py (:func:`autoprec.inputs.userspec.load_model_py`)."""
         return cls(spec.model, spec.search_batches, spec.evaluate, spec.higher_is_better, spec.holdout_batches,
                    path=spec.path)
+
+    @classmethod
+    def from_command(cls, args: Any, ranks: Ranks) -> tuple[InferenceWorkload, Any]:
+        spec = load_model_py_of(args, shard=ranks.world_size > 1)  # a model built on meta: sharded by its wrap
+        return cls.from_spec(spec), spec
+
+    @classmethod
+    def from_notebook(cls, model: nn.Module, batches: list, evaluate: Callable | None, settings: dict[str, Any]
+                      ) -> InferenceWorkload:
+        return cls(model, list(batches), evaluate, settings.get("higher_is_better", True),
+                   settings.get("holdout_batches"), settings.get("timing_batch"),
+                   Path(settings.get("model_path", "model.py")))
 
     def budget(self, config: TuneConfig, has_metric: bool) -> Budget:
         return choose_budget(has_metric, config.budget, config.min_sqnr)

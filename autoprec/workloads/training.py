@@ -15,10 +15,12 @@ hits all alike.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import itertools
 import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,12 +30,13 @@ import torch
 import torch.nn as nn
 
 from autoprec.capture.layers import LayerTable
+from autoprec.common.argtypes import positive_int
 from autoprec.common.writing import markdown_table, plot_library, save_figure
 from autoprec.config import TuneConfig
 from autoprec.distributed.ranks import ONE_PROCESS, Ranks
 from autoprec.inputs.batches import as_batch_list, to_device
 from autoprec.inputs.fits import free_memory
-from autoprec.inputs.trainspec import default_optimizer, run_loss
+from autoprec.inputs.trainspec import default_optimizer, load_train_spec, run_loss
 from autoprec.measuring.budget import Budget, BudgetError
 from autoprec.measuring.compare import Comparison, compare, rotations
 from autoprec.measuring.gradients import DEFAULT_MIN_GRAD_SQNR, GradientObjective, check_losses
@@ -84,6 +87,13 @@ class TrainingWorkload(Workload):
     verify_best = 2  # each is a training run
     verify_timed = 2
     latency_key = "step_ms"
+    tag = "training"
+    trains = True
+    cli_help = ("training (step time, training loss; needs loss(model, batch) in model.py; --budget on the loss, "
+                "default 2%%; --min-sqnr is the gradient floor, default 10 dB)")
+    cli_options = {"steps": "--steps is the length of each verification training run"}
+    notebook_settings = frozenset({"higher_is_better", "model_path", "holdout_batches", "loss", "train_batches",
+                                   "optimizer", "steps"})
 
     def __post_init__(self) -> None:
         if self.loss is None:
@@ -110,6 +120,35 @@ class TrainingWorkload(Workload):
         spec = train.spec
         return cls(spec.model, spec.batches, train.loss, train.train_batches, train.make_optimizer, spec.evaluate,
                    spec.batches, spec.higher_is_better, DEFAULT_STEPS if steps is None else steps, train.path)
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--steps", type=positive_int, default=None,
+                            help=f"--for training: steps of each verification training run (default {DEFAULT_STEPS})")
+
+    @classmethod
+    def from_command(cls, args: argparse.Namespace, ranks: Ranks) -> tuple[TrainingWorkload, Any]:
+        if args.target is not None:
+            raise ValueError("--target plans inference latency only for now; drop --target to tune for training on "
+                             "this device")
+        if args.compile:
+            raise ValueError(COMPILE_REFUSED)
+        print(f"loading {args.model_py} for training", file=sys.stderr)
+        train = load_train_spec(args.model_py)
+        return cls.from_spec(train, args.steps), train.spec
+
+    @classmethod
+    def from_notebook(cls, model: nn.Module, batches: list, evaluate: Callable | None, settings: dict[str, Any]
+                      ) -> TrainingWorkload:
+        # get_batches() is not trained on when there are training batches of their own: evaluate() gets all of it
+        holdout = settings.get("holdout_batches")
+        holdout = None if holdout is None else as_batch_list(holdout, "holdout_batches")
+        every = [*batches, *holdout] if holdout is not None else list(batches)
+        train_batches, steps = settings.get("train_batches"), settings.get("steps")
+        return cls(model, every, settings.get("loss"), train_batches, settings.get("optimizer"), evaluate,
+                   every if train_batches is not None else (holdout or list(batches)),
+                   settings.get("higher_is_better", True), DEFAULT_STEPS if steps is None else steps,
+                   Path(settings.get("model_path", "model.py")))
 
     def check(self, config: TuneConfig) -> None:
         if config.target is not None:
@@ -140,6 +179,11 @@ class TrainingWorkload(Workload):
         return profile_training(self.model, table, self.train_batches, self.loss, self.path, device,
                                 config.precisions, progress=config.progress, capture_seconds=capture_seconds,
                                 ranks=ranks)
+
+    def metric_kind(self, reference: Objective) -> str:
+        if reference.uses_fidelity:
+            return "output SQNR dB"
+        return "evaluate" if self.evaluate is not None else "final loss"
 
     def verify_budget(self, budget: Budget) -> Budget:
         """The metric drop only: the gradient floor belongs to the search; training runs show the outcome."""
