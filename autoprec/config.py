@@ -10,10 +10,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from autoprec.runtime.precision import DEFAULT_PRECISIONS, Precision
+
+if TYPE_CHECKING:
+    from autoprec.measuring.budget import Budget
+    from autoprec.profile.config import ProfileConfig
+    from autoprec.runtime.precision import Precision as PrecisionType
+    from autoprec.search.config import SearchConfig
+    from autoprec.search.space import SearchSpace
+    from autoprec.verify.config import VerifyConfig
 
 __all__ = ["TuneConfig", "check_device"]
 
@@ -107,6 +116,27 @@ class TuneConfig:
             from autoprec.search.space import SearchSpace
 
             SearchSpace.load(self.search_space)  # a missing or bad file is one line now, not after profiling
+
+    # Each stage's own settings: a stage never reads the whole TuneConfig.
+    def for_profile(self) -> ProfileConfig:
+        from autoprec.profile.config import ProfileConfig
+
+        return ProfileConfig(self.precisions, self.sensitivity_batches, progress=self.progress, target=self.target,
+                             profile_all=self.profile_all, exact_sensitivity=self.exact_sensitivity)
+
+    def for_search(self, budget: Budget, space: SearchSpace, study_name: str, fail_stale: bool) -> SearchConfig:
+        """``study_name``: the name the study has unless this config names one."""
+        from autoprec.search.config import SearchConfig
+
+        return SearchConfig(budget, space, self.precisions, self.trials, self.timeout, self.patience,
+                            self.study_name or study_name, self.seed, fail_stale, self.progress)
+
+    def for_verify(self, budget: Budget, autocast: PrecisionType, **decided: Any) -> VerifyConfig:
+        """``decided``: what the stages before verification decided (see :class:`VerifyConfig`)."""
+        from autoprec.verify.config import VerifyConfig
+
+        return VerifyConfig(budget, autocast, seed=self.seed, compiled=self.compile, estimated_for=self.target,
+                            **decided)
 
 
 def check_device(device: str | torch.device, available: bool = True,

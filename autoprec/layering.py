@@ -30,8 +30,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # what every stage measures with: paired timing, the metric, the budget, gradients
     ("measuring", ("measuring", "inputs.fits", "inputs.trainspec")),
     ("stages", ()),
-    # many processes, handed to the stages as a Ranks
-    ("service", ("distributed",)),
+    # many processes, handed to the stages as a Ranks inside the run context (device, ranks, run folder, log, storage)
+    ("service", ("distributed", "context")),
     # a policy in a model: installing it, training with it, compiling around it
     ("apply", ("runtime.apply", "runtime.training", "runtime.rulecheck", "runtime.regionstate",
                "runtime.torchao_linear", "runtime.compiled")),

@@ -16,7 +16,7 @@ import math
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -24,6 +24,7 @@ import torch.nn as nn
 from autoprec.capture.layers import capture
 from autoprec.common.jsonsafe import finite_or_none
 from autoprec.config import TuneConfig, check_device
+from autoprec.context import RunContext
 from autoprec.distributed.models import sharded, unwrap
 from autoprec.distributed.ranks import ONE_PROCESS, Ranks
 from autoprec.distributed.tuning import check_same_work
@@ -36,13 +37,13 @@ from autoprec.measuring.compare import timed_together
 from autoprec.measuring.objective import Measurement
 from autoprec.outputs.outdir import claim_out_dir
 from autoprec.outputs.results import TuneResult
-from autoprec.profile import Profile, ProfileError, device_name, predict_ms
+from autoprec.profile import Profile, ProfileConfig, ProfileError, device_name, predict_ms
 from autoprec.runtime.apply import structure_fingerprint
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision, device_capabilities
 from autoprec.search.space import SearchSpace, allows_everywhere, choose_preset
-from autoprec.search.study import Candidate, SearchResult, open_storage, plan_units, search
-from autoprec.verify.end_to_end import Verification, autocast_baseline, verify
+from autoprec.search.study import Candidate, SearchResult, open_storage, plan_units, run_search
+from autoprec.verify.end_to_end import Verification, autocast_baseline, verify_candidates
 from autoprec.verify.runcheck import policy_runs_note
 from autoprec.version import __version__
 from autoprec.workloads import Workload
@@ -69,19 +70,19 @@ class NothingToTune(ValueError):
     """The model has no layer whose precision autoprec could tune."""
 
 
-def load_or_profile(workload: Workload, config: TuneConfig, device: torch.device, out_dir: Path | None,
-                    log: Callable[[str], None] = print, ranks: Ranks = ONE_PROCESS) -> Profile:
-    """``out_dir/profile.json`` when it is for this model, data, device, torch and workload; else capture
-    and profile. A reused profile needs no capture: it holds everything later stages read.
-    ``ranks``: the writing rank reads (and writes) the file, and every rank gets its decision."""
-    path = out_dir / "profile.json" if out_dir else None
+def load_or_profile(workload: Workload, config: ProfileConfig, context: RunContext) -> Profile:
+    """``profile.json`` in the context's run folder when it is for this model, data, device, torch and workload;
+    else capture and profile. A reused profile needs no capture: it holds everything later stages read.
+    The writing rank reads (and writes) the file, and every rank gets its decision."""
+    ranks, log = context.ranks, context.log
+    path = context.out_dir / "profile.json" if context.out_dir else None
     # timings taken by a torchrun job hold for that job only: its profile says so, and is reused by it only
-    job = f", {ranks.world_size} ranks" if ranks.world_size > 1 and config.target is None else ""
+    job = f", {ranks.world_size} ranks" if ranks.several and config.target is None else ""
     cached = None
     if path is not None and path.exists():
         try:
             cached = Profile.load(path)
-            where = f"estimated for {config.target}" if config.target is not None else device_name(device) + job
+            where = f"estimated for {config.target}" if config.target is not None else device_name(context.device) + job
             # a profile that left out what could not pay off is not the whole profile --profile-all asks for
             partial = config.profile_all and bool(cached.not_profiled or cached.not_faster)
             # nor is an estimated one the exact one --exact-sensitivity asks for
@@ -97,14 +98,14 @@ def load_or_profile(workload: Workload, config: TuneConfig, device: torch.device
     if cached is not None:
         return cached
     start = time.perf_counter()
-    table = capture(workload.model, [to_device(b, device) for b in workload.capture_batches()])
+    table = capture(workload.model, [to_device(b, context.device) for b in workload.capture_batches()])
     log(table.summary())
     if not len(table):
         raise NothingToTune(f"{table.model_type} has no layer whose precision autoprec can tune (it tunes modules "
                             "that run matmuls, convolutions or attention; this model runs none on its batches), so "
                             "there is nothing to gain: run it as it is")
-    profile = workload.profile(table, device, config, capture_seconds=time.perf_counter() - start,
-                               **({"ranks": ranks} if ranks is not ONE_PROCESS else {}))
+    table.seconds = time.perf_counter() - start
+    profile = workload.profile(table, config, context)
     profile.device += job
     if path is not None:
         profile.save(path)
@@ -158,13 +159,61 @@ def _workload_and_config(model: nn.Module, batches: Any, evaluate: Callable | No
 def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ranks: Ranks = ONE_PROCESS
          ) -> TuneResult:
     """The pipeline, once for every workload: checks, profile, search, verify, outputs."""
-    # Cheap checks first: nothing expensive runs before every argument is known to be usable.
+    workload, ranks = _checked(workload, config, ranks, log)  # cheap checks first: nothing expensive runs before
+    budget = workload.budget(config, getattr(workload, "evaluate", None) is not None)
+    space = SearchSpace.load(config.search_space) if config.search_space != "auto" else None
+    device = check_device(config.device)  # the config may have been written on another machine
+    out_dir = config.out if ranks.writes else None  # one rank writes the outputs
+    phase, seconds = "checking", {}
+    try:
+        with _one_model_casts(ranks), claim_out_dir(out_dir) if out_dir is not None else contextlib.nullcontext():
+            context = _context(config, device, ranks, out_dir, log)
+            workload.check_fits(device)  # one line now, not an OOM later
+            workload.model = workload.model.to(device).eval()
+
+            phase, start = "profile", time.perf_counter()
+            objective = workload.objective(device)  # fp32 on every search batch
+            budget.check(objective.metric_fp32, objective.uses_fidelity)
+            profile = load_or_profile(workload, config.for_profile(), context)
+            free_memory(device)
+            seconds["capture"] = profile.cost["seconds"].get("capture", 0.0)
+            seconds["profile"] = time.perf_counter() - start - seconds["capture"]
+            space = space or SearchSpace.load(choose_preset([layer.kind for layer in profile.layers]))
+            if profile.nothing_pays_off and config.target is None:  # the answer is fp32: say why, skip the rest
+                phase = "outputs"
+                result, verification = _fp32_answer(workload, profile, space, objective, config, context)
+                seconds.update(search=0.0, verify=0.0)
+                return _outputs(verification, profile, budget, workload, result, out_dir, seconds,
+                                result_budget=budget, margin=None)
+
+            phase, start = "search", time.perf_counter()
+            autocast = autocast_baseline(_capabilities(config, device), profile.end_to_end_ms)
+            search_budget, margin = workload.search_budget(budget, objective, autocast)
+            result = _search(workload, profile, objective, config, context, search_budget, space)
+            seconds["search"] = time.perf_counter() - start
+            objective.release()  # verification measures on its own (training: a gradient run's worth per batch)
+            free_memory(device)
+
+            phase, start = "verify", time.perf_counter()
+            verification = _verify(workload, profile, result, config, context, budget, space, autocast, objective)
+            seconds["verify"] = time.perf_counter() - start
+            _add_notes(verification, workload, budget, margin, device)
+
+            phase = "outputs"
+            return _outputs(verification, profile, budget, workload, result, out_dir, seconds,
+                            result_budget=search_budget, margin=margin)
+    except KeyboardInterrupt as stop:
+        raise TuneInterrupted(phase, "SIGTERM" if isinstance(stop, Terminated) else "SIGINT") from None
+
+
+def _checked(workload: Workload, config: TuneConfig, ranks: Ranks, log: Callable[[str], None]
+             ) -> tuple[Workload, Ranks]:
+    """The workload and the ranks as the tune runs them, once every cheap check passed."""
     if unwrap(workload.model) is not workload.model:  # a DDP model from get_model(): the policy names its layers
         log(f"tuning the model inside {type(workload.model).__name__} (the policy names its layers as apply_policy "
             "sees them through the wrapper)")
         workload.model = unwrap(workload.model)
     check_fp32_model(workload.model)  # a .half() or meta model: one line now, not wrong labels later
-    cache_was = torch.is_autocast_cache_enabled()  # as it was, when the tune ends
     if sharded(workload.model):  # one model, a part on each rank: every rank runs every forward (see Ranks.together)
         if not workload.tunes_sharded:
             raise ValueError(f"a sharded model (fully_shard) is tuned for inference only for now, not for "
@@ -173,114 +222,95 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
     workload.check(config)
     # every rank profiles the same weights and batches, or the job ends here naming the rank that differs
     check_same_work(workload, ranks)
-    the_budget = workload.budget(config, getattr(workload, "evaluate", None) is not None)
-    space = SearchSpace.load(config.search_space) if config.search_space != "auto" else None
-    device = check_device(config.device)  # the config may have been written on another machine
-    out_dir = config.out if ranks.writes else None  # one rank writes the outputs
-    phase = "checking"
+    return workload, ranks
+
+
+@contextlib.contextmanager
+def _one_model_casts(ranks: Ranks) -> Iterator[None]:
+    """On one sharded model, autocast's cast cache off while the tune runs: it would keep a low-precision copy of
+    every gathered weight until the forward ends (half the model again in bf16 or fp16); the casts are the same."""
+    cache_was = torch.is_autocast_cache_enabled()  # as it was, when the tune ends
     try:
-        if ranks.world_size > 1 and not ranks.divides_work:  # one sharded model
-            # autocast's cast cache would keep a low-precision copy of every gathered weight until the forward ends
-            # (half the model again in bf16 or fp16); the casts are the same without it
+        if ranks.shards_one_model:
             torch.set_autocast_cache_enabled(False)
-        with claim_out_dir(out_dir) if out_dir is not None else contextlib.nullcontext():
-            # a single worker owns its study (one rank fails its stale trials before the others start);
-            # other workers' running trials are theirs
-            fail_stale = config.storage is None and ranks.writes
-            # the writing rank's run folder holds the study every rank shares
-            url = ranks.from_first(config.storage or f"sqlite:///{(out_dir or Path('.')).resolve() / 'study.db'}")
-            storage = open_storage(url)
-            workload.check_fits(device)  # one line now, not an OOM later
-            model = workload.model = workload.model.to(device).eval()
-            seconds: dict[str, float] = {}
-
-            phase = "profile"
-            start = time.perf_counter()
-            objective = workload.objective(device)  # fp32 on every search batch
-            the_budget.check(objective.metric_fp32, objective.uses_fidelity)
-            profile = load_or_profile(workload, config, device, out_dir, log, ranks)
-            free_memory(device)
-            seconds["capture"] = profile.cost["seconds"].get("capture", 0.0)
-            seconds["profile"] = time.perf_counter() - start - seconds["capture"]
-
-            space = space or SearchSpace.load(choose_preset([layer.kind for layer in profile.layers]))
-            if profile.nothing_pays_off and config.target is None:  # the answer is fp32: say why, skip the rest
-                why = profile.nothing_pays_off
-                if config.compile:  # asked for compiled timings and got none: say so, and how to get them
-                    why += (". Decided on eager timings, so --compile timed nothing: compiled, fused casts could "
-                            "change the answer; tune with --profile-all to profile and search every precision anyway")
-                log(why)
-                phase = "outputs"
-                result, verification = _fp32_answer(profile, space, config, objective, workload, device, why)
-                seconds.update(search=0.0, verify=0.0)
-                return _outputs(verification, profile, the_budget, model, workload, result, out_dir, seconds,
-                                result_budget=the_budget, margin=None)
-
-            phase = "search"
-            start = time.perf_counter()
-            prefix = f"autoprec-{workload.tag}" if workload.tag else "autoprec"
-            if config.target is not None:
-                from autoprec.profile.costmodel import get_target, policy_ms
-
-                caps = get_target(config.target).capabilities()
-            else:
-                caps = device_capabilities(device)
-            autocast = autocast_baseline(caps, profile.end_to_end_ms)
-            search_budget, margin = workload.search_budget(the_budget, objective, autocast)
-            result = ranks.led(lambda evaluator, searching: search(
-                profile, evaluator, search_budget, space, config.precisions, trials=config.trials,
-                timeout=config.timeout, patience=config.patience, storage=storage,
-                study_name=config.study_name or f"{prefix}-{profile.fingerprint}-{space.name}-{search_budget.tag()}",
-                seed=config.seed, fail_stale=fail_stale, progress=config.progress, ranks=searching), objective)
-            seconds["search"] = time.perf_counter() - start
-            objective.release()  # verification measures on its own (training: a gradient run's worth per batch)
-            free_memory(device)
-
-            phase = "verify"
-            start = time.perf_counter()
-            estimated_ms = None
-            if config.target is not None:
-                estimated_ms = lambda policy: policy_ms(profile, policy)  # noqa: E731
-            # blanket autocast is always a baseline, and a candidate only where the user asked for its precision
-            # and the search space pins nothing against it
-            layers = [(layer.name, layer.kind) for layer in profile.layers]
-            blanket_allowed = autocast.value in config.precisions and allows_everywhere(space, layers, autocast.value)
-            def within_user_budget(c: Candidate) -> bool:
-                return the_budget.violation(Measurement(c.metric, c.sqnr_db, False, 0.0), objective) <= 0
-
-            candidates = _verify_candidates(result, profile, autocast, best=workload.verify_best,
-                                            blanket=blanket_allowed, within=within_user_budget)
-            with timed_together(ranks.slowest):  # the ranks of a job time it together (the slowest is the job's)
-                verification = verify(workload, candidates, the_budget, autocast, device, seed=config.seed,
-                                      estimated_ms=estimated_ms, estimated_for=config.target, compiled=config.compile,
-                                      dropped_because=result.dropped_because(),
-                                      prefer_fp32=space.preferred([name for name, _ in layers]),
-                                      autocast_excluded="" if blanket_allowed else _why_not_blanket(
-                                          space, layers, autocast, config.precisions))
-            # every rank ran it at once, as the job runs; the first rank's timings decide for all
-            verification = ranks.from_first(verification)
-            seconds["verify"] = time.perf_counter() - start
-            slack = workload.slack_note(verification, the_budget, margin)
-            if slack is not None:
-                verification.notes.append(slack)
-            if verification.policy is not None:  # what the report claims of each rule is what runs
-                runs = policy_runs_note(model, verification.policy, to_device(workload.capture_batches()[0], device))
-                if runs is not None:
-                    verification.notes.append(runs)
-
-            phase = "outputs"
-            return _outputs(verification, profile, the_budget, model, workload, result, out_dir, seconds,
-                            result_budget=search_budget, margin=margin)
-    except KeyboardInterrupt as stop:
-        raise TuneInterrupted(phase, "SIGTERM" if isinstance(stop, Terminated) else "SIGINT") from None
+        yield
     finally:
         torch.set_autocast_cache_enabled(cache_was)
 
 
-def _outputs(verification: Verification, profile: Profile, budget: Budget, model: nn.Module, workload: Workload,
-             result: SearchResult, out_dir: Path | None, seconds: dict[str, float], result_budget: Budget,
-             margin: Any) -> TuneResult:
-    policy = _tuned_policy(verification, profile, budget, model, workload)
+def _context(config: TuneConfig, device: torch.device, ranks: Ranks, out_dir: Path | None,
+             log: Callable[[str], None]) -> RunContext:
+    """The run context every stage is handed; the study's storage opened (the writing rank's run folder holds the
+    study every rank shares)."""
+    url = ranks.from_first(config.storage or f"sqlite:///{(out_dir or Path('.')).resolve() / 'study.db'}")
+    return RunContext(device, ranks, out_dir, log, open_storage(url))
+
+
+def _capabilities(config: TuneConfig, device: torch.device) -> dict:
+    """What each precision runs as: on the target GPU (tune --target), else here."""
+    if config.target is not None:
+        from autoprec.profile.costmodel import get_target
+
+        return get_target(config.target).capabilities()
+    return device_capabilities(device)
+
+
+def _search(workload: Workload, profile: Profile, objective: Any, config: TuneConfig, context: RunContext,
+            budget: Budget, space: SearchSpace) -> SearchResult:
+    """The search stage, as the ranks search (see :meth:`Ranks.led`)."""
+    prefix = f"autoprec-{workload.tag}" if workload.tag else "autoprec"
+    # a single worker owns its study (one rank fails its stale trials before the others start); other workers'
+    # running trials are theirs
+    searching = config.for_search(budget, space, f"{prefix}-{profile.fingerprint}-{space.name}-{budget.tag()}",
+                                  fail_stale=config.storage is None and context.ranks.writes)
+    return context.ranks.led(lambda evaluator, ranks: run_search(profile, evaluator, searching,
+                                                                 context.with_ranks(ranks)), objective)
+
+
+def _verify(workload: Workload, profile: Profile, result: SearchResult, config: TuneConfig, context: RunContext,
+            budget: Budget, space: SearchSpace, autocast: Precision, objective: Any) -> Verification:
+    """The verify stage on the search's shortlist, timed by the ranks together; the first rank's decides for all."""
+    # blanket autocast is always a baseline, and a candidate only where the user asked for its precision
+    # and the search space pins nothing against it
+    layers = [(layer.name, layer.kind) for layer in profile.layers]
+    blanket_allowed = autocast.value in config.precisions and allows_everywhere(space, layers, autocast.value)
+
+    def within_user_budget(c: Candidate) -> bool:
+        return budget.violation(Measurement(c.metric, c.sqnr_db, False, 0.0), objective) <= 0
+
+    candidates = _verify_candidates(result, profile, autocast, best=workload.verify_best, blanket=blanket_allowed,
+                                    within=within_user_budget)
+    estimated_ms = None
+    if config.target is not None:
+        from autoprec.profile.costmodel import policy_ms
+
+        estimated_ms = lambda policy: policy_ms(profile, policy)  # noqa: E731
+    verifying = config.for_verify(
+        budget, autocast, estimated_ms=estimated_ms, dropped_because=result.dropped_because(),
+        prefer_fp32=tuple(space.preferred([name for name, _ in layers])),
+        autocast_excluded="" if blanket_allowed else _why_not_blanket(space, layers, autocast, config.precisions))
+    with timed_together(context.ranks.slowest):  # the ranks of a job time it together (the slowest is the job's)
+        verification = verify_candidates(workload, candidates, verifying, context)
+    # every rank ran it at once, as the job runs; the first rank's timings decide for all
+    return context.ranks.from_first(verification)
+
+
+def _add_notes(verification: Verification, workload: Workload, budget: Budget, margin: Any,
+               device: torch.device) -> None:
+    """What the workload says of the margin the policy keeps, and what of each rule runs as the report claims."""
+    slack = workload.slack_note(verification, budget, margin)
+    if slack is not None:
+        verification.notes.append(slack)
+    if verification.policy is not None:  # what the report claims of each rule is what runs
+        runs = policy_runs_note(workload.model, verification.policy,
+                                to_device(workload.capture_batches()[0], device))
+        if runs is not None:
+            verification.notes.append(runs)
+
+
+def _outputs(verification: Verification, profile: Profile, budget: Budget, workload: Workload, result: SearchResult,
+             out_dir: Path | None, seconds: dict[str, float], result_budget: Budget, margin: Any) -> TuneResult:
+    policy = _tuned_policy(verification, profile, budget, workload.model, workload)
     tuned = TuneResult(policy=policy, profile=profile, search=result, verification=verification, budget=budget,
                        out_dir=out_dir, seconds=seconds, workload=workload.name, searched_to=result_budget,
                        margin=margin)
@@ -291,15 +321,20 @@ def _outputs(verification: Verification, profile: Profile, budget: Budget, model
     return tuned
 
 
-def _fp32_answer(profile: Profile, space: SearchSpace, config: TuneConfig, objective: Any, workload: Workload,
-                 device: torch.device, why: str) -> tuple[SearchResult, Verification]:
+def _fp32_answer(workload: Workload, profile: Profile, space: SearchSpace, objective: Any, config: TuneConfig,
+                 context: RunContext) -> tuple[SearchResult, Verification]:
     """The outcome where the profile found nothing faster than fp32 here (``profile.nothing_pays_off``): no
     search, no verification (fp32 against itself), and fp32's times from the profile's paired rounds."""
+    why = profile.nothing_pays_off
+    if config.compile:  # asked for compiled timings and got none: say so, and how to get them
+        why += (". Decided on eager timings, so --compile timed nothing: compiled, fused casts could "
+                "change the answer; tune with --profile-all to profile and search every precision anyway")
+    context.log(why)
     units, pinned, dropped = plan_units(profile, space, [Precision.parse(p).value for p in config.precisions])
     result = SearchResult(units, pinned, dropped, trials=[], front=[], best=None, study_name="", storage="",
                           seconds=0.0, evaluations=0, stopped_because=why)
-    fp32, timed_on = workload.fp32_times(profile, device)
-    autocast = autocast_baseline(device_capabilities(device), profile.end_to_end_ms)
+    fp32, timed_on = workload.fp32_times(profile, context.device)
+    autocast = autocast_baseline(device_capabilities(context.device), profile.end_to_end_ms)
     verification = Verification(
         chosen=None, policy=None, samples={"fp32": list(fp32), "tuned": list(fp32)},
         metric={"fp32": objective.metric_fp32, "tuned": objective.metric_fp32},

@@ -109,13 +109,13 @@ def test_an_interrupt_says_which_phase_and_keeps_the_profile(kind, tmp_path, mon
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pipeline, "search", interrupted)
+    monkeypatch.setattr(pipeline, "run_search", interrupted)
     with pytest.raises(TuneInterrupted) as stop:  # profile_all: a search on any CPU, bf16 faster here or not
         tune(make_workload(kind), config(tmp_path, profile_all=True))
     assert stop.value.phase == "search"
     assert (tmp_path / "out" / "profile.json").exists()  # what the message promises is kept
     messages = []
-    monkeypatch.setattr(pipeline, "search", interrupted)
+    monkeypatch.setattr(pipeline, "run_search", interrupted)
     with pytest.raises(TuneInterrupted):
         tune(make_workload(kind), config(tmp_path, profile_all=True), log=messages.append)
     assert any("reusing the" in m and "profile" in m for m in messages), messages

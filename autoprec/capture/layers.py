@@ -106,6 +106,7 @@ class LayerTable:
     # Layers the model itself runs with autocast off (torch.autocast(enabled=False) in its forward): a region
     # around them does not reach them, so they stay fp32 and out of the search.
     fp32_by_model: list[str] = field(default_factory=list)
+    seconds: float = 0.0  # what capture took (the profile reports it beside its own phases)
 
     def summary(self) -> str:
         """Which path found which layers, in one line."""

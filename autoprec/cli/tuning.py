@@ -188,6 +188,7 @@ def profile(args: argparse.Namespace) -> int:
     import torch
 
     from autoprec.config import TuneConfig
+    from autoprec.context import RunContext
     from autoprec.outputs.outdir import claim_out_dir
     from autoprec.outputs.report import profile_summary, profile_table, sensitivity_heatmap
     from autoprec.tune import load_or_profile
@@ -204,8 +205,8 @@ def profile(args: argparse.Namespace) -> int:
     workload = InferenceWorkload.from_spec(load_spec(args))
     with claim_out_dir(out):
         workload.model = workload.model.to(args.device).eval()
-        prof = load_or_profile(workload, config, torch.device(args.device), out,
-                               log=lambda msg: print(msg, file=sys.stderr))
+        context = RunContext(torch.device(args.device), out_dir=out, log=lambda msg: print(msg, file=sys.stderr))
+        prof = load_or_profile(workload, config.for_profile(), context)
         print(profile_table(prof))
         print()
         print(profile_summary(prof))

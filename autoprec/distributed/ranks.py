@@ -66,6 +66,16 @@ class Ranks:
     left = False  # whether a signal stopped this rank: it starts no collective any more
 
     @property
+    def several(self) -> bool:
+        """Whether there is more than this process (a torchrun job)."""
+        return self.world_size > 1
+
+    @property
+    def shards_one_model(self) -> bool:
+        """Whether these ranks hold one sharded model (FSDP2), rather than one process or replicas."""
+        return self.several and not self.divides_work
+
+    @property
     def writes(self) -> bool:
         """Whether this rank writes the outputs (one rank does)."""
         return self.rank == 0

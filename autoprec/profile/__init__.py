@@ -1,12 +1,16 @@
 """Profile stage: each tunable layer's sensitivity and measured latency in each precision.
 
-Public: :func:`profile_model` and the :class:`Profile` it returns (saved as profile.json).
+Public: :func:`profile_layers` (the stage: a workload, capture's table, a :class:`ProfileConfig` and the run
+context; :func:`profile_model` takes its settings as arguments) and the :class:`Profile` it returns (saved as
+profile.json).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -14,9 +18,11 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from autoprec.capture.layers import LayerTable
+from autoprec.context import RunContext
 from autoprec.distributed.ranks import ONE_PROCESS, Ranks
 from autoprec.measuring.compare import timed_together
 from autoprec.measuring.measure import Evaluator, to_device
+from autoprec.profile.config import ProfileConfig
 from autoprec.profile.frame import assemble, device_label, layer_candidates, low_precisions
 from autoprec.profile.latency import fp32_latency, layers_not_faster, measure_latency, predict_ms
 from autoprec.profile.probe import nothing_pays_off, probe_precisions
@@ -24,8 +30,9 @@ from autoprec.profile.result import LayerProfile, Profile, ProfileError, Sensiti
 from autoprec.profile.sensitivity import measure_sensitivity, sensitivity_work
 from autoprec.runtime.precision import DEFAULT_PRECISIONS, Capability, Precision, device_capabilities
 
-__all__ = ["Profile", "LayerProfile", "Sensitivity", "ProfileError", "profile_model", "fingerprint", "predict_ms",
-           "device_name"]
+__all__ = ["Profile", "LayerProfile", "ProfileConfig", "Sensitivity", "ProfileError", "profile_layers", "profile_model",
+           "fingerprint", "predict_ms", "device_name"]
+
 
 def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
                   evaluate: Callable[[nn.Module, list], float] | None = None, higher_is_better: bool = True,
@@ -34,101 +41,132 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
                   capture_seconds: float = 0.0, target: str | None = None, profile_all: bool = False,
                   exact_sensitivity: bool = False,
                   ranks: Ranks = ONE_PROCESS, timed: nn.Module | None = None) -> Profile:
-    """Profile every layer of ``table`` in each of ``precisions`` on ``device``.
+    """:func:`profile_layers` with its settings as arguments (a model, its search batches and metric), as a
+    script calls it."""
+    table.seconds = capture_seconds or table.seconds
+    config = ProfileConfig(tuple(Precision.parse(p).value for p in precisions), sensitivity_batches, repeats, progress,
+                           target, profile_all, exact_sensitivity)
+    searched = SimpleNamespace(model=model, batches=batches, evaluate=evaluate, higher_is_better=higher_is_better)
+    return profile_layers(searched, table, config, RunContext(torch.device(device), ranks), timed)
 
-    ``batches`` are the search batches: sensitivity uses the first ``sensitivity_batches``
-    of them (all when None), latency the first one. With ``target`` (a GPU name, see
-    :mod:`autoprec.profile.costmodel`) latency is estimated for that GPU instead of measured here.
+
+def profile_layers(workload: Any, table: LayerTable, config: ProfileConfig, context: RunContext,
+                   timed: nn.Module | None = None) -> Profile:
+    """Profile every layer of ``table`` (capture's result) in each of ``config.precisions`` on the context's device.
+
+    ``workload``: its ``model``, its search ``batches``, ``evaluate`` and ``higher_is_better``. Sensitivity uses
+    the first ``config.sensitivity_batches`` batches (all when None), latency the first one. With
+    ``config.target`` (a GPU name, see :mod:`autoprec.profile.costmodel`) latency is estimated for that GPU
+    instead of measured here.
 
     Latency is measured before sensitivity, and what cannot pay off here is not profiled for
     sensitivity: a precision not faster than fp32 anywhere (:mod:`.probe`: never timed either), and a
     layer decided not faster in a precision that is not faster for the whole model either
-    (:func:`layers_not_faster`); ``profile_all`` profiles everything (to study the numerics alone).
+    (:func:`layers_not_faster`); ``config.profile_all`` profiles everything (to study the numerics alone).
     Sensitivity is estimated in time linear in depth where that pays off and a few exact checks agree
-    (:mod:`.estimate`; the profile's ``cost["sensitivity"]`` says how), unless ``exact_sensitivity``.
+    (:mod:`.estimate`; the profile's ``cost["sensitivity"]`` says how), unless ``config.exact_sensitivity``.
     The profile says what was left out and why (``not_profiled``, ``not_faster``, ``nothing_pays_off``).
 
-    ``ranks`` (a torchrun job): each rank measures its share of the sensitivity evaluations; every rank
-    times latency at once, as the job will run, and the first rank's timings and decisions stand for all, so
-    every rank returns the same profile. ``timed``: the model as the job runs it (e.g. sharded by model.py's
-    ``wrap``, with the same layer names), timed instead of ``model``.
+    The context's ranks (a torchrun job): each rank measures its share of the sensitivity evaluations; every
+    rank times latency at once, as the job will run, and the first rank's timings and decisions stand for all,
+    so every rank returns the same profile. ``timed``: the model as the job runs it (e.g. sharded by model.py's
+    ``wrap``, with the same layer names), timed instead of the workload's model.
     """
-    device = torch.device(device)
-    low = low_precisions(precisions)
+    device, ranks, batches = context.device, context.ranks, workload.batches
+    low = low_precisions(config.precisions)
     if not batches:
         raise ValueError("profile needs at least one batch")
-    model = model.to(device).eval()
+    model = workload.model.to(device).eval()
     names = [layer.name for layer in table]
     # A layer only held-out batches run cannot be measured on the search batches: no candidates.
     searched = {layer.name for layer in table if not layer.batches or min(layer.batches) < len(batches)}
     candidates = layer_candidates(model, table, low, searched)
     # The linears that fp8, mxfp8 and nvfp4 rules swap (every nn.Linear takes all three).
     fp8_layers = [n for n in names if any(Precision(p).swaps_linear for p in candidates[n])]
-    seconds: dict[str, float] = {"capture": capture_seconds}
+    seconds: dict[str, float] = {"capture": table.seconds}
 
     # Latency first: what cannot be faster here is not profiled for sensitivity (unless profile_all).
     start = time.perf_counter()
-    not_profiled: dict[str, str] = {}
-    not_faster: dict[str, list[str]] = {}
-    nothing = ""
-    if target is not None:  # planning for a GPU that is not here: the cost model's estimate
-        from autoprec.profile.costmodel import estimated_latency, get_target
-
-        caps = get_target(target).capabilities()
-        latency = estimated_latency(target, table, [p.value for p in low], fp8_layers)
-    else:
-        caps = device_capabilities(device)
-        first = to_device(batches[0], device)
-        if not profile_all:
-            # each rank probes its own replica, or all probe the one sharded model together (the largest layer
-            # gathers its weights from every rank); the first rank's decision stands for all
-            one_model = ranks.world_size > 1 and not ranks.divides_work
-            with timed_together(ranks.slowest) if one_model else contextlib.nullcontext():
-                probes = ranks.from_first(probe_precisions(model, table, first, low, caps, device))
-            not_profiled = {p: probe.why for p, probe in probes.items() if not probe.pays_off}
-            nothing = nothing_pays_off(probes, device)
-        emulated = [p for p in low if caps[p] is Capability.EMULATED]
-        # An emulated block-scaled format is never timed: its emulation's time says nothing of the
-        # format's speed on the GPUs that have it (plan for one with --target). It keeps its sensitivity.
-        timed_precisions = [p for p in low if not (p.block_scaled and p in emulated) and p.value not in not_profiled]
-        job = model if timed is None else timed
-        with timed_together(ranks.slowest):  # a job with collectives inside runs them on every rank at once
-            if nothing:  # fp32 is the answer: its times are for the report, so two forwards give them
-                latency = fp32_latency(job, first, names, device)
-            else:
-                with tqdm(total=len(timed_precisions) + 2, desc="latency", unit="block", disable=not progress,
-                          leave=False) as bar:
-                    latency = measure_latency(job, first, names, fp8_layers, timed_precisions, device,
-                                              repeats=repeats, emulated=emulated, progress=lambda _p: bar.update())
-        # The ranks timed at once; the first rank's timings stand for all, so every rank searches alike.
-        latency = ranks.from_first(latency)
-        if not profile_all:
-            not_faster = layers_not_faster(latency, [p for p in timed_precisions if p not in emulated])
+    timing = _latency(model, model if timed is None else timed, table, batches[0], low, fp8_layers, config, context)
     seconds["latency"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    chosen = set(range(len(batches) if sensitivity_batches is None else min(sensitivity_batches, len(batches))))
-    for layer in table:  # a layer that only some batches run is measured on the first search batch that does
-        if layer.batches and not chosen & set(layer.batches) and min(layer.batches) < len(batches):
-            chosen.add(min(layer.batches))
-    sens_batches = [batches[i] for i in sorted(chosen)]
-    evaluator = Evaluator(model, sens_batches, evaluate, higher_is_better, device)
-    work = sensitivity_work(candidates, {**{p: names for p in not_profiled}, **not_faster})
-    with tqdm(total=len(ranks.share(work)), desc="sensitivity", unit="eval", disable=not progress or not work,
+    evaluator = Evaluator(model, _sensitivity_batches(table, batches, config.sensitivity_batches),
+                          workload.evaluate, workload.higher_is_better, device)
+    work = sensitivity_work(candidates, {**{p: names for p in timing.not_profiled}, **timing.not_faster})
+    with tqdm(total=len(ranks.share(work)), desc="sensitivity", unit="eval", disable=not config.progress or not work,
               leave=False) as bar:
         how: list[str] = []
         sensitivity = measure_sensitivity(evaluator, work, progress=lambda _n: bar.update(), layers=names,
-                                          ranks=ranks if ranks.world_size > 1 else None, log=how.append,
-                                          estimate=not exact_sensitivity)
+                                          ranks=ranks if ranks.several else None, log=how.append,
+                                          estimate=not config.exact_sensitivity)
     seconds["sensitivity"] = time.perf_counter() - start
 
-    return assemble(model, table, batches, device_label(device, target), low, caps, latency.latency_ms,
-                    latency.cast_ms, sensitivity, latency.end_to_end_ms, latency.remainder_ms,
-                    latency.prediction_error_pct,
-                    metric={"kind": "fidelity" if evaluator.uses_fidelity else "user", "fp32": evaluator.metric_fp32,
-                            "higher_is_better": evaluator.higher_is_better, "batches": len(sens_batches)},
+    latency = timing.latency
+    return assemble(model, table, batches, device_label(device, config.target), low, timing.caps, latency,
+                    sensitivity, metric={"kind": "fidelity" if evaluator.uses_fidelity else "user",
+                                         "fp32": evaluator.metric_fp32, "higher_is_better": evaluator.higher_is_better,
+                                         "batches": len(evaluator.batches)},
                     cost={"evaluations": ranks.count(evaluator.evaluations), "seconds": seconds,
                           **({"sensitivity": how[0].removeprefix("sensitivity: ")} if how else {})},
-                    autocast_untuned=latency.autocast_untuned, not_runnable=latency.not_runnable,
-                    latency_ratio=latency.ratio, end_to_end_check=latency.end_to_end_comparison,
-                    not_profiled=not_profiled, not_faster=not_faster, nothing_pays_off=nothing)
+                    not_profiled=timing.not_profiled, not_faster=timing.not_faster, nothing_pays_off=timing.nothing)
+
+
+@dataclass
+class _Timing:
+    """The latency phase's outcome: the timings, and what they showed cannot pay off here."""
+
+    latency: Any  # a LatencyProfile
+    caps: dict
+    not_profiled: dict[str, str] = field(default_factory=dict)  # precision -> why it was not profiled
+    not_faster: dict[str, list[str]] = field(default_factory=dict)  # precision -> layers decided not faster
+    nothing: str = ""  # why nothing can pay off here ("" where something may)
+
+
+def _latency(model: nn.Module, job: nn.Module, table: LayerTable, first: Any, low: Sequence[Precision],
+             fp8_layers: Sequence[str], config: ProfileConfig, context: RunContext) -> _Timing:
+    """Each layer's latency in each precision: estimated for ``config.target``, else timed on ``job`` (the model as
+    the job runs it), after a probe of which precisions can pay off here at all."""
+    names = [layer.name for layer in table]
+    if config.target is not None:  # planning for a GPU that is not here: the cost model's estimate
+        from autoprec.profile.costmodel import estimated_latency, get_target
+
+        return _Timing(estimated_latency(config.target, table, [p.value for p in low], fp8_layers),
+                       get_target(config.target).capabilities())
+    device, ranks = context.device, context.ranks
+    timing = _Timing(None, device_capabilities(device))
+    first = to_device(first, device)
+    if not config.profile_all:
+        # each rank probes its own replica, or all probe the one sharded model together (the largest layer
+        # gathers its weights from every rank); the first rank's decision stands for all
+        with timed_together(ranks.slowest) if ranks.shards_one_model else contextlib.nullcontext():
+            probes = ranks.from_first(probe_precisions(model, table, first, low, timing.caps, device))
+        timing.not_profiled = {p: probe.why for p, probe in probes.items() if not probe.pays_off}
+        timing.nothing = nothing_pays_off(probes, device)
+    emulated = [p for p in low if timing.caps[p] is Capability.EMULATED]
+    # An emulated block-scaled format is never timed: its emulation's time says nothing of the
+    # format's speed on the GPUs that have it (plan for one with --target). It keeps its sensitivity.
+    timed = [p for p in low if not (p.block_scaled and p in emulated) and p.value not in timing.not_profiled]
+    with timed_together(ranks.slowest):  # a job with collectives inside runs them on every rank at once
+        if timing.nothing:  # fp32 is the answer: its times are for the report, so two forwards give them
+            latency = fp32_latency(job, first, names, device)
+        else:
+            with tqdm(total=len(timed) + 2, desc="latency", unit="block", disable=not config.progress,
+                      leave=False) as bar:
+                latency = measure_latency(job, first, names, fp8_layers, timed, device, repeats=config.repeats,
+                                          emulated=emulated, progress=lambda _p: bar.update())
+    # The ranks timed at once; the first rank's timings stand for all, so every rank searches alike.
+    timing.latency = ranks.from_first(latency)
+    if not config.profile_all:
+        timing.not_faster = layers_not_faster(timing.latency, [p for p in timed if p not in emulated])
+    return timing
+
+
+def _sensitivity_batches(table: LayerTable, batches: Sequence[Any], count: int | None) -> list:
+    """The first ``count`` batches (all when None), and for a layer that only some batches run the first search
+    batch that does."""
+    chosen = set(range(len(batches) if count is None else min(count, len(batches))))
+    for layer in table:
+        if layer.batches and not chosen & set(layer.batches) and min(layer.batches) < len(batches):
+            chosen.add(min(layer.batches))
+    return [batches[i] for i in sorted(chosen)]

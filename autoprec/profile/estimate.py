@@ -30,6 +30,7 @@ Cost: about ``1 + 2 * PROBES + CHECKS`` forwards whatever the depth, against one
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -162,7 +163,31 @@ def _batch_noise(model: nn.Module, batch: Any, modules: dict[str, nn.Module], by
     """Step 1-3 of the module docstring on one batch: item -> estimated relative noise power at the outputs, for
     the items this batch can estimate (the others are evaluated exactly)."""
     units = _units(list(by_layer), layers)
-    watched = list(dict.fromkeys([*by_layer, *units.values()]))
+    calls, outputs = _recorded_calls(model, batch, modules, units)
+    norms = [t.detach().double().norm() for t in outputs]
+    if any(n == 0 or not torch.isfinite(n) for n in norms):
+        raise Unusable("an output of the model is all zeros")
+    # Step 2: each layer's unit alone with the layer in each precision, on each of the unit's recorded inputs:
+    # the error at the unit's output.
+    errors = _unit_errors(calls, units, by_layer, layers, modules)
+    # Step 3: PROBES backward passes, each giving v . J at every layer's output at once.
+    squares = _probed(calls, errors, outputs, norms)
+    if any(not math.isfinite(s) for s in squares.values()):
+        raise Unusable("a vector-Jacobian product was not finite")
+    # A layer whose own error is not zero but reaches no output to first order (a step or rounding after it, a
+    # path autograd does not see) cannot be estimated: exact evaluation says whether it changes the outputs.
+    unseen = {item for item, s in squares.items()
+              if s == 0 and any(bool(e.any()) for per_call in errors[item][1] for e in per_call)}
+    if len(unseen) > len(squares) // 2:
+        raise Unusable("most layers' errors do not reach the outputs to first order (a step or rounding after them?)")
+    return {item: s for item, s in squares.items() if item not in unseen}
+
+
+def _recorded_calls(model: nn.Module, batch: Any, modules: dict[str, nn.Module], units: dict[str, str]
+                    ) -> tuple[dict[str, list[dict]], list[torch.Tensor]]:
+    """Step 1: one forward with every layer's and unit's calls recorded (inputs, outputs, and each output traced
+    so that a gradient reaches it); the calls by module, and the model's float outputs."""
+    watched = list(dict.fromkeys([*units, *units.values()]))
     calls: dict[str, list[dict]] = {name: [] for name in watched}
     active = dict.fromkeys(watched, 0)  # calls of each module under way
     zero = torch.zeros((), requires_grad=True)
@@ -197,19 +222,22 @@ def _batch_noise(model: nn.Module, batch: Any, modules: dict[str, nn.Module], by
             h.remove()
     if not outputs or any(not t.requires_grad for t in outputs):
         raise Unusable("an output of the model does not depend on its layers through autograd")
-    norms = [t.detach().double().norm() for t in outputs]
-    if any(n == 0 or not torch.isfinite(n) for n in norms):
-        raise Unusable("an output of the model is all zeros")
+    return calls, outputs
 
-    def usable(name: str) -> bool:
-        """Recorded on this batch, its output carries a gradient, and the model did not change its inputs or
-        output in place after it ran (they are kept, not copied; and a gradient is of the changed value)."""
-        return bool(calls[name]) and all(
-            "traced" in c and len(c["traced"]) == len(c["reference"]) and any(t.requires_grad for t in c["traced"])
-            and _versions([c["inputs"], c["reference"], c["traced"]]) == c["versions"] for c in calls[name])
 
-    # Step 2: each layer's unit alone with the layer in each precision, on each of the unit's recorded inputs:
-    # the error at the unit's output.
+def _usable(calls: dict[str, list[dict]], name: str) -> bool:
+    """Recorded on this batch, its output carries a gradient, and the model did not change its inputs or
+    output in place after it ran (they are kept, not copied; and a gradient is of the changed value)."""
+    return bool(calls[name]) and all(
+        "traced" in c and len(c["traced"]) == len(c["reference"]) and any(t.requires_grad for t in c["traced"])
+        and _versions([c["inputs"], c["reference"], c["traced"]]) == c["versions"] for c in calls[name])
+
+
+def _unit_errors(calls: dict[str, list[dict]], units: dict[str, str], by_layer: dict[str, list[str]],
+                 layers: Sequence[str], modules: dict[str, nn.Module]
+                 ) -> dict[Item, tuple[str, list[list[torch.Tensor]]]]:
+    """Step 2: item -> (the unit it was run in, the error at the unit's output on each recorded call)."""
+    usable = functools.partial(_usable, calls)
     errors: dict[Item, tuple[str, list[list[torch.Tensor]]]] = {}
     for name, precisions in by_layer.items():
         unit = units[name]
@@ -241,7 +269,12 @@ def _batch_noise(model: nn.Module, batch: Any, modules: dict[str, nn.Module], by
             finally:
                 remove_policy(alone)
 
-    # Step 3: PROBES backward passes, each giving v . J at every layer's output at once.
+    return errors
+
+
+def _probed(calls: dict[str, list[dict]], errors: dict[Item, tuple[str, list[list[torch.Tensor]]]],
+            outputs: list[torch.Tensor], norms: list[torch.Tensor]) -> dict[Item, float]:
+    """Step 3: item -> the mean square of v . J e over random probes v (the noise power it puts on the outputs)."""
     traced = [t for unit in dict.fromkeys(u for u, _ in errors.values()) for c in calls[unit] for t in c["traced"]
               if t.requires_grad]
     index = {id(t): i for i, t in enumerate(traced)}
@@ -259,14 +292,5 @@ def _batch_noise(model: nn.Module, batch: Any, modules: dict[str, nn.Module], by
                     if g is not None:
                         dot = dot + torch.vdot(g.reshape(-1).double(), e.reshape(-1).double())
             squares[item] += dot.cpu() ** 2
-    squares = {item: float(s) / PROBES for item, s in squares.items()}
-    if any(not math.isfinite(s) for s in squares.values()):
-        raise Unusable("a vector-Jacobian product was not finite")
-    # A layer whose own error is not zero but reaches no output to first order (a step or rounding after it, a
-    # path autograd does not see) cannot be estimated: exact evaluation says whether it changes the outputs.
-    unseen = {item for item, s in squares.items()
-              if s == 0 and any(bool(e.any()) for per_call in errors[item][1] for e in per_call)}
-    if len(unseen) > len(squares) // 2:
-        raise Unusable("most layers' errors do not reach the outputs to first order (a step or rounding after them?)")
-    return {item: s for item, s in squares.items() if item not in unseen}
+    return {item: float(s) / PROBES for item, s in squares.items()}
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from autoprec.capture.layers import LayerTable
+from autoprec.profile.latency import LatencyResult
 from autoprec.profile.result import LayerProfile, Profile, Sensitivity, device_name, fingerprint
 from autoprec.runtime.apply import takes_precision
 from autoprec.runtime.precision import Capability, Precision
@@ -37,32 +38,28 @@ def layer_candidates(model: nn.Module, table: LayerTable, low: Sequence[Precisio
 
 
 def assemble(model: nn.Module, table: LayerTable, batches: Sequence[Any], where: str, low: Sequence[Precision],
-             caps: Mapping[Precision, Capability], latency_ms: Mapping[str, dict[str, float]],
-             cast_ms: Mapping[str, dict[str, float]], sensitivity: Mapping[str, dict[str, Sensitivity]],
-             end_to_end_ms: dict[str, float], remainder_ms: dict[str, float], prediction_error_pct: dict[str, float],
-             metric: dict[str, Any], cost: dict[str, Any], flops_per_layer: int = 1,
-             training: dict[str, Any] | None = None, autocast_untuned: Sequence[str] = (),
-             not_runnable: Mapping[str, dict] | None = None, latency_ratio: Mapping[str, dict] | None = None,
-             end_to_end_check: Mapping[str, Any] | None = None, not_profiled: Mapping[str, str] | None = None,
-             not_faster: Mapping[str, list[str]] | None = None, nothing_pays_off: str = "") -> Profile:
+             caps: Mapping[Precision, Capability], latency: LatencyResult,
+             sensitivity: Mapping[str, dict[str, Sensitivity]], **fields: Any) -> Profile:
     """The profile of ``model`` over ``table``; ``batches``: what it was profiled on (its fingerprint),
-    ``where``: the device it holds for (or "estimated for <GPU>")."""
+    ``where``: the device it holds for (or "estimated for <GPU>"). ``fields``: the profile's other fields as they
+    are (``metric``, ``cost``, ``training``, ``not_profiled``, ``not_faster``, ``nothing_pays_off``), and
+    ``flops_per_layer`` (3 for a training step: forward and two backward GEMMs)."""
+    flops_per_layer = fields.pop("flops_per_layer", 1)
     layers = [LayerProfile(name=layer.name, kind=layer.kind, type=layer.type, flops=flops_per_layer * int(layer.flops),
-                           latency_ms=_as_run(latency_ms[layer.name], layer.name in table.fp32_by_model),
-                           cast_ms=dict(cast_ms[layer.name]), sensitivity=dict(sensitivity[layer.name]))
+                           latency_ms=_as_run(latency.latency_ms[layer.name], layer.name in table.fp32_by_model),
+                           cast_ms=dict(latency.cast_ms[layer.name]), sensitivity=dict(sensitivity[layer.name]))
               for layer in table]
+    fields["not_faster"] = {p: list(names) for p, names in fields.get("not_faster", {}).items()}
     return Profile(
         fingerprint=fingerprint(model, batches), device=where, torch=torch.__version__,
         precisions=[p.value for p in low], capabilities={p.value: caps[p].value for p in Precision},
         capture_method=table.method, not_exercised=list(table.not_exercised), layers=layers,
-        end_to_end_ms=end_to_end_ms, remainder_ms=remainder_ms, prediction_error_pct=prediction_error_pct,
-        metric=metric, cost={**cost, "autoprec": __version__}, model_type=table.model_type, training=training,
-        timed="forward" if training is None else "training step", autocast_untuned=list(autocast_untuned),
-        not_runnable=dict(not_runnable or {}), latency_ratio=dict(latency_ratio or {}),
-        end_to_end_check=dict(end_to_end_check or {}), fp32_by_model=list(table.fp32_by_model),
-        not_profiled=dict(not_profiled or {}),
-        not_faster={p: list(names) for p, names in (not_faster or {}).items()}, nothing_pays_off=nothing_pays_off)
-
+        end_to_end_ms=latency.end_to_end_ms, remainder_ms=latency.remainder_ms,
+        prediction_error_pct=latency.prediction_error_pct, cost={**fields.pop("cost"), "autoprec": __version__},
+        model_type=table.model_type, timed="forward" if fields.get("training") is None else "training step",
+        autocast_untuned=list(latency.autocast_untuned), not_runnable=dict(latency.not_runnable),
+        latency_ratio=dict(latency.ratio), end_to_end_check=dict(latency.end_to_end_comparison),
+        fp32_by_model=list(table.fp32_by_model), **fields)
 
 
 def _as_run(latency_ms: Mapping[str, float], fp32_by_model: bool) -> dict[str, float]:

@@ -192,107 +192,144 @@ def measure_latency(model: nn.Module, batch: Any, layers: Sequence[str], fp8_lay
         raise ValueError(f"repeats must be a whole number >= 1, got {repeats!r}")
     device = torch.device(device)
     precisions = list(dict.fromkeys(Precision.parse(p) for p in precisions if Precision.parse(p).is_low))
-    latency: dict[str, dict[str, float]] = {n: {} for n in layers}
-    ratio: dict[str, dict[str, list[float]]] = {n: {} for n in layers}
-    casts: dict[str, dict[str, float]] = {n: {} for n in layers}
-    remainder: dict[str, float] = {}
-    end_to_end: dict[str, float] = {}
-    checks: dict[str, tuple[dict[str, str], str]] = {}  # key -> (assignment, region default) it predicts
-    not_runnable: dict[str, dict] = {}
-    whole: dict[str, Policy] = {}  # the policies whose plain runs check the additive model end to end
+    timings = _Timings(model, batch, list(layers), list(fp8_layers), device, repeats)
+    native = [p for p in precisions if p not in emulated]
+    runs = timings.time_native(native, progress)
+    # The blanket runs check the additive model with every layer alike; a mixed policy (every
+    # other layer lowered to the fastest native region precision) checks it across boundaries.
+    paired = timings.time_end_to_end(native, end_to_end_seconds)
+    if progress:
+        progress("end to end")
+    fp32_block = None  # what an emulated block's early stop compares with
+    if Precision.FP32 in runs and "fp32" in timings.end_to_end:
+        fp32_block = _Block({}, {}, 0.0, statistics.median(total for _, total in runs[Precision.FP32]),
+                            timings.end_to_end["fp32"])
+    for p in precisions:
+        if p in emulated:
+            timings.time_emulated(p, fp32_block)
+            if progress:
+                progress(p.value)
+    return timings.result(paired)
 
-    def plain_run() -> None:
+
+@dataclass
+class _Timings:
+    """What :func:`measure_latency` has timed so far, precision by precision."""
+
+    model: nn.Module
+    batch: Any
+    layers: list[str]
+    fp8_layers: list[str]
+    device: torch.device
+    repeats: int
+    latency: dict[str, dict[str, float]] = field(default_factory=dict)
+    ratio: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    casts: dict[str, dict[str, float]] = field(default_factory=dict)
+    remainder: dict[str, float] = field(default_factory=dict)
+    end_to_end: dict[str, float] = field(default_factory=dict)
+    checks: dict[str, tuple[dict[str, str], str]] = field(default_factory=dict)  # key -> (assignment, default)
+    not_runnable: dict[str, dict] = field(default_factory=dict)
+    whole: dict[str, Policy] = field(default_factory=dict)  # the policies whose plain runs check the additive model
+    mixed: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for table in (self.latency, self.ratio, self.casts):
+            table.update({n: {} for n in self.layers})
+        self.mixed = {n: "fp32" for n in self.layers}
+
+    def plain_run(self) -> None:
         with torch.no_grad():
-            call_model(model, batch)
+            call_model(self.model, self.batch)
 
-    def record(p: Precision, policy: Policy, failure: dict, layer_ms: Mapping[str, float], rest_ms: float,
+    def record(self, p: Precision, policy: Policy, failure: dict, layer_ms: Mapping[str, float], rest_ms: float,
                cast_of: Callable[[str], float]) -> None:
-        timed = list(fp8_layers) if p.swaps_linear else list(layers)
-        for name in timed:
-            latency[name][p.value] = layer_ms[name]
+        layers = self.layers
+        for name in self.fp8_layers if p.swaps_linear else layers:
+            self.latency[name][p.value] = layer_ms[name]
             if p.is_low:
-                casts[name][p.value] = cast_of(name)
+                self.casts[name][p.value] = cast_of(name)
         if failure:
             return
         if p.swaps_linear:  # never a region default: blanket fp8 is fp8 layers in an fp32 region
-            checks[p.value] = ({n: (p.value if n in fp8_layers else "fp32") for n in layers}, "fp32")
+            self.checks[p.value] = ({n: (p.value if n in self.fp8_layers else "fp32") for n in layers}, "fp32")
         else:
-            remainder[p.value] = rest_ms
-            checks[p.value] = ({n: p.value for n in layers}, p.value)
-        whole[p.value] = policy
+            self.remainder[p.value] = rest_ms
+            self.checks[p.value] = ({n: p.value for n in layers}, p.value)
+        self.whole[p.value] = policy
 
-    native = [p for p in precisions if p not in emulated]
-    policies: dict[Precision, Policy] = {}
-    failures: dict[Precision, dict] = {}
-    for p in [Precision.FP32, *native]:
-        policy, failures[p] = runnable_policy(model, blanket_policy(p, fp8_layers), plain_run, layers)
-        if failures[p]:
-            not_runnable[p.value] = failures[p]
-        if policy is not None:
-            policies[p] = policy
-    runs, outputs = _interleaved_layers(model, batch, policies, layers, device, repeats)
-    for p, rounds in runs.items():
-        # A layer the batch does not reach costs nothing on it: 0 ms in every precision alike.
-        layer_ms = {n: statistics.median(times.get(n, 0.0) for times, _ in rounds) for n in layers}
-        record(p, policies[p], failures[p], layer_ms,
-               statistics.median(total - sum(times.values()) for times, total in rounds),
-               lambda name, shapes=outputs[p]: cast_ms(shapes.get(name, []), device))
-        if p is not Precision.FP32 and Precision.FP32 in runs:
-            for n in (fp8_layers if p.swaps_linear else layers):
-                pairs = [(times.get(n, 0.0), ref.get(n, 0.0))
-                         for (times, _), (ref, _) in zip(rounds, runs[Precision.FP32])]
-                if all(b > 0 for _, b in pairs):
-                    ratio[n][p.value] = list(median_interval([a / b for a, b in pairs]))
-        if progress:
-            progress(p.value)
-
-    # The blanket runs check the additive model with every layer alike; a mixed policy (every
-    # other layer lowered to the fastest native region precision) checks it across boundaries.
-    fastest = min((p for p in native if not p.swaps_linear and p.value in remainder),
-                  key=lambda p: sum(latency[n][p.value] for n in layers), default=None)
-    mixed = {n: "fp32" for n in layers}
-    if fastest is not None:
-        mixed = {n: (fastest.value if i % 2 else "fp32") for i, n in enumerate(layers)}
-        policy, failure = runnable_policy(model, Policy.from_assignment(mixed), plain_run, layers, tries=0)
-        if failure:
-            not_runnable["mixed"] = failure
-        else:
-            checks["mixed"] = (mixed, "fp32")
-            whole["mixed"] = policy
-    paired = None
-    if "fp32" in whole:
-        # fp32 alone has no ratio to measure: a couple of rounds give its time (nothing is decided by it)
-        paired = compare(policy_runs(model, batch, whole, device), reference="fp32", device=str(device),
-                         until="precise", max_seconds=end_to_end_seconds, min_rounds=6 if len(whole) > 1 else 2)
-        end_to_end.update({k: statistics.median(v) for k, v in paired.samples.items()})
-    if progress:
-        progress("end to end")
-
-    fp32_block = None  # what an emulated block's early stop compares with
-    if Precision.FP32 in runs and "fp32" in end_to_end:
-        fp32_block = _Block({}, {}, 0.0, statistics.median(total for _, total in runs[Precision.FP32]),
-                            end_to_end["fp32"])
-    for p in precisions:
-        if p in emulated:
-            policy, failure = runnable_policy(model, blanket_policy(p, fp8_layers), plain_run, layers)
-            if failure:
-                not_runnable[p.value] = failure
+    def time_native(self, native: Sequence[Precision], progress: Callable[[str], None] | None) -> dict:
+        """fp32 and each of ``native`` timed layer by layer in paired rounds; the rounds, by precision."""
+        policies: dict[Precision, Policy] = {}
+        failures: dict[Precision, dict] = {}
+        for p in [Precision.FP32, *native]:
+            policy, failures[p] = runnable_policy(self.model, blanket_policy(p, self.fp8_layers), self.plain_run,
+                                                  self.layers)
+            if failures[p]:
+                self.not_runnable[p.value] = failures[p]
             if policy is not None:
-                timed = list(fp8_layers) if p.swaps_linear else list(layers)
-                block = _time_block(model, batch, policy, layers, timed, device, repeats, fp32_block)
-                record(p, policy, failure, block.layer_ms, block.remainder_ms, block.cast_ms.__getitem__)
-                if not failure:
-                    end_to_end[p.value] = block.plain_ms
+                policies[p] = policy
+        runs, outputs = _interleaved_layers(self.model, self.batch, policies, self.layers, self.device, self.repeats)
+        for p, rounds in runs.items():
+            # A layer the batch does not reach costs nothing on it: 0 ms in every precision alike.
+            layer_ms = {n: statistics.median(times.get(n, 0.0) for times, _ in rounds) for n in self.layers}
+            self.record(p, policies[p], failures[p], layer_ms,
+                        statistics.median(total - sum(times.values()) for times, total in rounds),
+                        lambda name, shapes=outputs[p]: cast_ms(shapes.get(name, []), self.device))
+            if p is not Precision.FP32 and Precision.FP32 in runs:
+                for n in (self.fp8_layers if p.swaps_linear else self.layers):
+                    pairs = [(times.get(n, 0.0), ref.get(n, 0.0))
+                             for (times, _), (ref, _) in zip(rounds, runs[Precision.FP32])]
+                    if all(b > 0 for _, b in pairs):
+                        self.ratio[n][p.value] = list(median_interval([a / b for a, b in pairs]))
             if progress:
                 progress(p.value)
-    error = {}
-    for key, (assignment, default) in checks.items():
-        if key in end_to_end:
-            predicted = predict_ms(assignment, default, latency, casts, remainder)
-            error[key] = 100.0 * (predicted - end_to_end[key]) / end_to_end[key]
-    return LatencyResult(latency, casts, remainder, end_to_end, error, mixed, not_runnable,
-                         autocast_untuned(model, plain_run, layers), ratio,
-                         paired.to_dict() if paired is not None else {})
+        return runs
+
+    def time_end_to_end(self, native: Sequence[Precision], seconds: float) -> Any:
+        """The whole-model checks as one paired comparison of plain runs (None where fp32 itself did not run)."""
+        fastest = min((p for p in native if not p.swaps_linear and p.value in self.remainder),
+                      key=lambda p: sum(self.latency[n][p.value] for n in self.layers), default=None)
+        if fastest is not None:
+            self.mixed = {n: (fastest.value if i % 2 else "fp32") for i, n in enumerate(self.layers)}
+            policy, failure = runnable_policy(self.model, Policy.from_assignment(self.mixed), self.plain_run,
+                                              self.layers, tries=0)
+            if failure:
+                self.not_runnable["mixed"] = failure
+            else:
+                self.checks["mixed"] = (self.mixed, "fp32")
+                self.whole["mixed"] = policy
+        if "fp32" not in self.whole:
+            return None
+        # fp32 alone has no ratio to measure: a couple of rounds give its time (nothing is decided by it)
+        paired = compare(policy_runs(self.model, self.batch, self.whole, self.device), reference="fp32",
+                         device=str(self.device), until="precise", max_seconds=seconds,
+                         min_rounds=6 if len(self.whole) > 1 else 2)
+        self.end_to_end.update({k: statistics.median(v) for k, v in paired.samples.items()})
+        return paired
+
+    def time_emulated(self, p: Precision, fp32_block: _Block | None) -> None:
+        """An emulated precision, timed once in a block: never a speed-up, it needs no pairing."""
+        policy, failure = runnable_policy(self.model, blanket_policy(p, self.fp8_layers), self.plain_run,
+                                          self.layers)
+        if failure:
+            self.not_runnable[p.value] = failure
+        if policy is None:
+            return
+        timed = list(self.fp8_layers) if p.swaps_linear else list(self.layers)
+        block = _time_block(self.model, self.batch, policy, self.layers, timed, self.device, self.repeats, fp32_block)
+        self.record(p, policy, failure, block.layer_ms, block.remainder_ms, block.cast_ms.__getitem__)
+        if not failure:
+            self.end_to_end[p.value] = block.plain_ms
+
+    def result(self, paired: Any) -> LatencyResult:
+        error = {}
+        for key, (assignment, default) in self.checks.items():
+            if key in self.end_to_end:
+                predicted = predict_ms(assignment, default, self.latency, self.casts, self.remainder)
+                error[key] = 100.0 * (predicted - self.end_to_end[key]) / self.end_to_end[key]
+        return LatencyResult(self.latency, self.casts, self.remainder, self.end_to_end, error, self.mixed,
+                             self.not_runnable, autocast_untuned(self.model, self.plain_run, self.layers), self.ratio,
+                             paired.to_dict() if paired is not None else {})
 
 
 def layers_not_faster(latency: LatencyResult, precisions: Sequence[Precision]) -> dict[str, list[str]]:

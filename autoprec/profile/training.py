@@ -28,7 +28,9 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -36,6 +38,7 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from autoprec.capture.layers import LayerTable
+from autoprec.context import RunContext
 from autoprec.distributed.ranks import ONE_PROCESS, Ranks
 from autoprec.inputs.trainspec import run_loss
 from autoprec.inputs.userspec import UserCodeError, to_device
@@ -51,8 +54,9 @@ from autoprec.measuring.gradients import (
 )
 from autoprec.measuring.measure import settle
 from autoprec.profile.clock import LayerClock, cast_ms
+from autoprec.profile.config import ProfileConfig
 from autoprec.profile.frame import assemble, layer_candidates, low_precisions
-from autoprec.profile.latency import blanket_policy, predict_ms
+from autoprec.profile.latency import LatencyResult, blanket_policy, predict_ms
 from autoprec.profile.result import Profile, Sensitivity, device_name
 from autoprec.profile.runnable import autocast_untuned, runnable_policy
 from autoprec.profile.sensitivity import sensitivity_work
@@ -168,22 +172,34 @@ def _flush_share(reference: GradRun, name: str) -> float:
     return tiny / nonzero if nonzero else 0.0
 
 
+STEP_REPEATS = 5  # timed rounds of each training step, at least
+
+
 def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any], loss: Callable,
                      path: str | Path = "model.py", device: str | torch.device = "cpu",
-                     precisions: Sequence[str | Precision] = DEFAULT_PRECISIONS, repeats: int = 5,
+                     precisions: Sequence[str | Precision] = DEFAULT_PRECISIONS, repeats: int = STEP_REPEATS,
                      progress: bool = True, capture_seconds: float = 0.0, ranks: Ranks = ONE_PROCESS) -> Profile:
-    """Profile every layer of ``table`` for training: sensitivity on ``batches[0]``, step time on it too.
+    """:func:`profile_training_layers` with its settings as arguments, as a script calls it."""
+    table.seconds = capture_seconds or table.seconds
+    config = ProfileConfig(tuple(Precision.parse(p).value for p in precisions), repeats=repeats, progress=progress)
+    trained = SimpleNamespace(model=model, train_batches=batches, loss=loss, path=Path(path))
+    return profile_training_layers(trained, table, config, RunContext(torch.device(device), ranks))
+
+
+def profile_training_layers(workload: Any, table: LayerTable, config: ProfileConfig, context: RunContext) -> Profile:
+    """Profile every layer of ``table`` for training: sensitivity on the workload's first training batch, step time
+    on it too (``workload``: its ``model``, ``train_batches``, ``loss`` and ``path``).
 
     Precisions the device only emulates (FP8 on most hardware) are profiled for accuracy and not
     timed: they are never a speed-up here, so the search never gets them for speed.
     """
-    device, path = torch.device(device), Path(path)
-    low = low_precisions(precisions)
-    model = model.to(device).eval()
+    device, ranks, loss, path = context.device, context.ranks, workload.loss, Path(workload.path)
+    low = low_precisions(config.precisions)
+    model = workload.model.to(device).eval()
     names = [layer.name for layer in table]
     candidates = layer_candidates(model, table, low)
-    batch = to_device(batches[0], device)
-    seconds: dict[str, float] = {"capture": capture_seconds}
+    batch = to_device(workload.train_batches[0], device)
+    seconds: dict[str, float] = {"capture": table.seconds}
 
     start = time.perf_counter()
     reference = gradient_run(model, batch, loss, path, watch=names)
@@ -191,43 +207,14 @@ def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any]
         raise UserCodeError(path, "loss()", "gave inf/NaN (loss or gradients) for the unchanged fp32 model",
                             "return a finite loss with finite gradients for the model as get_model() builds it")
     scale = loss_scale_for(reference)
-    sensitivity: dict[str, dict[str, Sensitivity]] = {n: {} for n in names}
-    details: dict[str, dict[str, Any]] = {}
-    evaluations = sensitivity_work(candidates)
-    with tqdm(total=len(ranks.share(evaluations)), desc="gradient sensitivity", unit="step", disable=not progress,
-              leave=False) as bar:
-        mine = {}
-        for name, p in ranks.share(evaluations):  # this rank's share; every rank gets all of them back
-            nested = {other: "fp32" for other in names if other.startswith(name + ".")}
-            mine[name, p] = _layer_sensitivity(model, batch, loss, path, name, p, nested, reference, scale)
-            bar.update()
-        measured = {k: v for part in ranks.gather(mine) for k, v in part.items()}
-        for name in names:
-            details[name] = {"fp16_flush_share_fp32": _flush_share(reference, name), "precisions": {}}
-        for name, p in evaluations:
-            entry = details[name]["precisions"][p] = measured[name, p]
-            sensitivity[name][p] = Sensitivity(sqnr_db=min(entry["weight_grad_sqnr_db"], entry["input_grad_sqnr_db"]),
-                                               metric_drop=entry["loss_change"], nonfinite=entry["nonfinite"])
+    step = _Step(model, batch, loss, path, names)
+    sensitivity, details = _gradient_sensitivity(step, candidates, reference, scale, config.progress, ranks)
     seconds["sensitivity"] = time.perf_counter() - start
 
     start = time.perf_counter()
     caps = device_capabilities(device)
     timed = [Precision.FP32, *(p for p in low if caps[p] is Capability.NATIVE)]
-    fp8_layers = [n for n in names if any(Precision(p).swaps_linear for p in candidates[n])]
-    attribution = "full backward hooks"
-    blocks: dict[str, dict[str, Any]] = {}
-    not_runnable: dict[str, dict] = {}  # see latency.runnable_policy: e.g. oneDNN has no fp16 LSTM with autograd
-    for p in tqdm(timed, desc="step time", unit="precision", disable=not progress, leave=False):
-        policy, not_runnable[p.value] = runnable_policy(model, blanket_policy(p, fp8_layers),
-                                                        lambda: _step(model, batch, loss, path), names)
-        if policy is None:
-            continue
-        try:
-            blocks[p.value] = _time_precision(model, batch, loss, path, policy, names, device, repeats,
-                                              backward_hooks=attribution == "full backward hooks")
-        except RuntimeError:  # e.g. an in-place op on a hooked output: time again, backward attributed as 2x forward
-            attribution = "2x each layer's forward time (this model does not allow full backward hooks)"
-            blocks[p.value] = _time_precision(model, batch, loss, path, policy, names, device, repeats, False)
+    blocks, not_runnable, attribution = _step_times(step, timed, candidates, device, config)
     seconds["latency"] = time.perf_counter() - start
 
     casts = {n: {} for n in names}
@@ -238,18 +225,8 @@ def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any]
                     casts[n][p] = 2.0 * cast_ms(b["outputs"].get(n, []), device)  # activation fwd, gradient bwd
     # Each rank timed its own replica; the first rank's times stand for all, so every rank searches alike.
     blocks, casts = ranks.from_first((blocks, casts))
-    latency = {n: {p: b["forward_ms"][n] + b["backward_ms"][n] for p, b in blocks.items()
-                   if p == "fp32" or p in candidates[n]} for n in names}
-    not_runnable = {p: failure for p, failure in not_runnable.items() if failure}
-    remainder = {p: b["step_ms"] - sum(b["forward_ms"].values()) - sum(b["backward_ms"].values())
-                 for p, b in blocks.items() if not Precision(p).swaps_linear and p not in not_runnable}
-    end_to_end = {p: b["plain_ms"] for p, b in blocks.items() if p not in not_runnable}
-    error = {}
-    for p in remainder:
-        assignment = {n: p for n in names}
-        predicted = predict_ms(assignment, p, latency, casts, remainder)
-        error[p] = 100.0 * (predicted - end_to_end[p]) / end_to_end[p]
-
+    measured = _step_latency(blocks, casts, candidates, not_runnable)
+    measured.autocast_untuned = autocast_untuned(model, lambda: _forward(model, batch, loss, path), names)
     flagged = sorted(n for n in names if details[n]["fp16_flush_share_fp32"] >= UNDERFLOW_FLAG or
                      details[n]["precisions"].get("fp16", {}).get("underflow_unscaled", 0.0) >= UNDERFLOW_FLAG)
     training = {
@@ -264,10 +241,85 @@ def profile_training(model: nn.Module, table: LayerTable, batches: Sequence[Any]
         "backward_ms": {n: {p: b["backward_ms"][n] for p, b in blocks.items()} for n in names},
         "layers": details,
     }
-    return assemble(model, table, batches[:1], device_name(device), low, caps, latency, casts, sensitivity, end_to_end,
-                    remainder, error, metric={"kind": "loss", "fp32": reference.loss, "higher_is_better": False,
-                                              "batches": 1},
+    return assemble(model, table, workload.train_batches[:1], device_name(device), low, caps, measured, sensitivity,
+                    metric={"kind": "loss", "fp32": reference.loss, "higher_is_better": False, "batches": 1},
                     cost={"evaluations": sum(map(len, candidates.values())), "seconds": seconds},
-                    flops_per_layer=3, training=training,
-                    autocast_untuned=autocast_untuned(model, lambda: _forward(model, batch, loss, path), names),
-                    not_runnable=not_runnable)
+                    flops_per_layer=3, training=training)
+
+
+@dataclass
+class _Step:
+    """One training step of the model on one batch, as the profile runs it."""
+
+    model: nn.Module
+    batch: Any
+    loss: Callable
+    path: Path
+    names: list[str]  # the layers
+
+
+def _gradient_sensitivity(step: _Step, candidates: dict[str, list[str]], reference: GradRun, scale: float,
+                          progress: bool, ranks: Ranks) -> tuple[dict[str, dict[str, Sensitivity]], dict]:
+    """Each layer's gradient fidelity and loss change in each candidate precision (the ranks share the
+    evaluations), and the details the profile's ``training`` block keeps."""
+    names = step.names
+    sensitivity: dict[str, dict[str, Sensitivity]] = {n: {} for n in names}
+    details: dict[str, dict[str, Any]] = {}
+    evaluations = sensitivity_work(candidates)
+    with tqdm(total=len(ranks.share(evaluations)), desc="gradient sensitivity", unit="step", disable=not progress,
+              leave=False) as bar:
+        mine = {}
+        for name, p in ranks.share(evaluations):  # this rank's share; every rank gets all of them back
+            nested = {other: "fp32" for other in names if other.startswith(name + ".")}
+            mine[name, p] = _layer_sensitivity(step.model, step.batch, step.loss, step.path, name, p, nested,
+                                               reference, scale)
+            bar.update()
+        measured = {k: v for part in ranks.gather(mine) for k, v in part.items()}
+        for name in names:
+            details[name] = {"fp16_flush_share_fp32": _flush_share(reference, name), "precisions": {}}
+        for name, p in evaluations:
+            entry = details[name]["precisions"][p] = measured[name, p]
+            sensitivity[name][p] = Sensitivity(sqnr_db=min(entry["weight_grad_sqnr_db"], entry["input_grad_sqnr_db"]),
+                                               metric_drop=entry["loss_change"], nonfinite=entry["nonfinite"])
+    return sensitivity, details
+
+
+def _step_times(step: _Step, timed: Sequence[Precision], candidates: dict[str, list[str]], device: torch.device,
+                config: ProfileConfig) -> tuple[dict[str, dict[str, Any]], dict[str, dict], str]:
+    """Each of ``timed``'s step times, forward and backward per layer; what could not run in a precision; and
+    how backward time was attributed to layers."""
+    model, batch, loss, path, names = step.model, step.batch, step.loss, step.path, step.names
+    fp8_layers = [n for n in names if any(Precision(p).swaps_linear for p in candidates[n])]
+    attribution = "full backward hooks"
+    blocks: dict[str, dict[str, Any]] = {}
+    not_runnable: dict[str, dict] = {}  # see latency.runnable_policy: e.g. oneDNN has no fp16 LSTM with autograd
+    for p in tqdm(timed, desc="step time", unit="precision", disable=not config.progress, leave=False):
+        policy, not_runnable[p.value] = runnable_policy(model, blanket_policy(p, fp8_layers),
+                                                        lambda: _step(model, batch, loss, path), names)
+        if policy is None:
+            continue
+        try:
+            blocks[p.value] = _time_precision(model, batch, loss, path, policy, names, device, config.repeats,
+                                              backward_hooks=attribution == "full backward hooks")
+        except RuntimeError:  # e.g. an in-place op on a hooked output: time again, backward attributed as 2x forward
+            attribution = "2x each layer's forward time (this model does not allow full backward hooks)"
+            blocks[p.value] = _time_precision(model, batch, loss, path, policy, names, device, config.repeats, False)
+    return blocks, not_runnable, attribution
+
+
+def _step_latency(blocks: dict[str, dict[str, Any]], casts: dict[str, dict[str, float]],
+                  candidates: dict[str, list[str]], not_runnable: dict[str, dict]) -> LatencyResult:
+    """The step times as the search prices them: per layer forward + backward, the rest of the step, and how well
+    the sum predicts a whole blanket step."""
+    names = list(candidates)
+    latency = {n: {p: b["forward_ms"][n] + b["backward_ms"][n] for p, b in blocks.items()
+                   if p == "fp32" or p in candidates[n]} for n in names}
+    not_runnable = {p: failure for p, failure in not_runnable.items() if failure}
+    remainder = {p: b["step_ms"] - sum(b["forward_ms"].values()) - sum(b["backward_ms"].values())
+                 for p, b in blocks.items() if not Precision(p).swaps_linear and p not in not_runnable}
+    end_to_end = {p: b["plain_ms"] for p, b in blocks.items() if p not in not_runnable}
+    error = {}
+    for p in remainder:
+        predicted = predict_ms({n: p for n in names}, p, latency, casts, remainder)
+        error[p] = 100.0 * (predicted - end_to_end[p]) / end_to_end[p]
+    return LatencyResult(latency, casts, remainder, end_to_end, error, mixed={}, not_runnable=not_runnable)

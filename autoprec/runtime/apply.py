@@ -313,19 +313,7 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     if not isinstance(policy, Policy):
         policy = Policy.load(policy)
     wrapper, model = model, unwrap(model)
-    if getattr(model, _STATE_ATTR, None) is not None:
-        raise RuntimeError("this model already has a policy applied; call autoprec.remove_policy(model) first")
-    check_names(model, policy, strict)
-    check_model(model, policy)
-    check_master_weights(model, mode)
-    precisions = effective_precisions(model, policy)
-    check_rules_reach(model, policy, precisions)
-    check_linear_formats(model, policy, precisions)
-    check_shared(_aliases(model), precisions)  # before anything changes: a refused policy leaves no trace
-    casts = fsdp_casts(model)
-    if casts is not None:
-        raise PolicyError(f"apply_policy: {casts}; {FSDP_CASTS_FIX}")
-    check_policy_agrees(policy, model_groups(model, wrapper), "apply_policy")
+    precisions = _checked_precisions(model, wrapper, policy, mode, strict)
 
     state = _Installed(policy=policy, mode=mode, fsdp_float8_all_gather=fsdp_float8_all_gather)
     buffers = {name for name, _ in model.named_buffers()}
@@ -339,22 +327,52 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
         if new.weight is original.weight:
             state.revertible[id(new)] = Morphed.swap(new, original)
     state.ddp_ignored_before = per_rank_buffers(wrapper, model, {n for n, _ in model.named_buffers()} - buffers)
+    if mode == "inference":  # before the regions: a region's forward runs the one a module already has
+        _cast_once(model, precisions, state)
+    _install_regions(model, precisions, state, own_dtype)
+    object.__setattr__(model, _STATE_ATTR, state)
+    return wrapper
 
-    # A region wherever a module's precision differs from its parent's; elsewhere modules run in
-    # their parent's region, so only boundaries cost anything.
-    # The model itself always gets one when any region exists: it turns on the fp32-compute mode
-    # and, in training, hands fp32 back to the caller.
+
+def _checked_precisions(model: nn.Module, wrapper: nn.Module, policy: Policy, mode: str, strict: bool
+                        ) -> dict[str, Precision]:
+    """Each module's precision under ``policy``, once every check passed: before anything changes, so that a
+    refused policy leaves no trace."""
+    if getattr(model, _STATE_ATTR, None) is not None:
+        raise RuntimeError("this model already has a policy applied; call autoprec.remove_policy(model) first")
+    check_names(model, policy, strict)
+    check_model(model, policy)
+    check_master_weights(model, mode)
+    precisions = effective_precisions(model, policy)
+    check_rules_reach(model, policy, precisions)
+    check_linear_formats(model, policy, precisions)
+    check_shared(_aliases(model), precisions)
+    casts = fsdp_casts(model)
+    if casts is not None:
+        raise PolicyError(f"apply_policy: {casts}; {FSDP_CASTS_FIX}")
+    check_policy_agrees(policy, model_groups(model, wrapper), "apply_policy")
+    return precisions
+
+
+def _cast_once(model: nn.Module, precisions: dict[str, Precision], state: _Installed) -> None:
+    """Inference: each bf16/fp16 linear and conv casts its weights once and reuses them until they change."""
+    gathered = fsdp_managed(model)  # FSDP2 gathers their weights anew at each forward: a cast copy of one is waste
+    for module, names in _aliases(model):
+        dtype = precisions[names[0]].autocast_dtype
+        if dtype is not None and casts_weights(module) and id(module) not in gathered:
+            object.__setattr__(module, "forward", CastWeights(module, dtype))
+            state.cast_once.append(module)
+
+
+def _install_regions(model: nn.Module, precisions: dict[str, Precision], state: _Installed, own_dtype: set[int]
+                     ) -> None:
+    """A region wherever a module's precision differs from its parent's; elsewhere modules run in their parent's
+    region, so only boundaries cost anything. The model itself always gets one when any region exists: it turns
+    on the fp32-compute mode and, in training, hands fp32 back to the caller."""
     any_low = any(p is not Precision.FP32 for p in precisions.values())
     # The mode is needed only where fp32 compute can meet low-precision values: some region runs
     # with autocast off (fp32 or fp8). Blanket bf16 (default bf16, no islands) runs without it.
     fp32_compute = any_low and any(p.autocast_dtype is None for p in precisions.values())
-    if mode == "inference":  # before the regions: a region's forward runs the one a module already has
-        gathered = fsdp_managed(model)  # FSDP2 gathers their weights anew at each forward: a cast copy of one is waste
-        for module, names in _aliases(model):
-            dtype = precisions[names[0]].autocast_dtype
-            if dtype is not None and casts_weights(module) and id(module) not in gathered:
-                object.__setattr__(module, "forward", CastWeights(module, dtype))
-                state.cast_once.append(module)
     for module, names in _aliases(model):
         is_root = "" in names
         # An RNN in an fp32 region may be handed a low-precision value: its own fp32 region upcasts it.
@@ -365,11 +383,8 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
         if id(module) in own_dtype:  # torchao's MX linears set their own (bf16) compute dtype
             continue
         _install_region(module, precisions[names[0]], is_root, fp32_compute and is_root,
-                        is_root and mode == "training")
+                        is_root and state.mode == "training")
         state.wrapped.append(module)
-
-    object.__setattr__(model, _STATE_ATTR, state)
-    return wrapper
 
 
 def _swap_linears(model: nn.Module, precisions: dict[str, Precision], state: _Installed, kernels: str) -> set[int]:

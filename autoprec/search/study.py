@@ -24,22 +24,24 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable, Mapping, Sequence
 
+from autoprec.context import RunContext
 from autoprec.distributed.ranks import ONE_PROCESS, Ranks
 from autoprec.measuring.budget import Budget
 from autoprec.measuring.candidate import Candidate
 from autoprec.measuring.objective import Objective
-from autoprec.profile import Profile, predict_ms
+from autoprec.profile import Profile
 from autoprec.profile.latency import SPEED_MARGIN
-from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import DEFAULT_PRECISIONS, Precision
+from autoprec.search.config import SearchConfig
+from autoprec.search.sampled import sample
+from autoprec.search.seeds import walk_seeds
 from autoprec.search.space import SearchSpace, Unit
-from autoprec.search.structure import Structure, count_regions, region_cost_ms
-from autoprec.search.walks import coarse_to_fine, greedy
+from autoprec.search.structure import Structure
+from autoprec.search.trials import TrialObjective, candidates_of, choose_default
 
 __all__ = ["Candidate", "SearchResult", "StorageError", "StudyMismatchError", "choose_default", "open_storage",
-           "pareto_front", "plan_units", "search", "without_password"]
+           "pareto_front", "plan_units", "run_search", "search", "without_password"]
 
-_REGION_DEFAULTS = ("fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -127,23 +129,6 @@ def _not_faster(profile: Profile, layers: Sequence[str], p: str, ms: float, fp32
     if len(layers) == 1 and intervals[0] is not None:
         return intervals[0][1] >= 1 - SPEED_MARGIN
     return ms > (1 - SPEED_MARGIN) * fp32_ms
-
-
-def choose_default(assignment: Mapping[str, str], profile: Profile) -> str:
-    """The region default for a policy: the precision that covers most of the fp32 layer time.
-
-    With most layers in bf16 the policy becomes a bf16 region with fp32 islands, so the
-    ops between layers run as under blanket autocast and no boundary is paid twice.
-    """
-    weight: dict[str, float] = {}
-    for layer in profile.layers:
-        p = assignment[layer.name]
-        if p in _REGION_DEFAULTS and p in profile.remainder_ms:
-            weight[p] = weight.get(p, 0.0) + layer.latency_ms["fp32"]
-    if not weight:
-        return "fp32"
-    best = max(weight, key=lambda p: (weight[p], p == "fp32"))
-    return best
 
 
 def pareto_front(trials: Sequence[Candidate]) -> list[Candidate]:
@@ -299,214 +284,54 @@ def search(profile: Profile, evaluator: Objective, budget: Budget, space: Search
            precisions: Sequence[str] = DEFAULT_PRECISIONS, trials: int = 60, timeout: float | None = None,
            patience: int = 20, storage: str = "sqlite:///study.db", study_name: str | None = None, seed: int = 0,
            fail_stale: bool = True, progress: bool = True, ranks: Ranks = ONE_PROCESS) -> SearchResult:
-    """Search the per-layer assignment; ``evaluator`` (the workload's objective) measures each candidate.
+    """:func:`run_search` with its settings as arguments, as a script calls it."""
+    config = SearchConfig(budget, space, tuple(precisions), trials, timeout, patience, study_name, seed, fail_stale,
+                          progress)
+    return run_search(profile, evaluator, config, RunContext(ranks=ranks, storage=storage))
 
-    ``ranks`` (a torchrun job, every rank calling this on one study): one rank walks the seeds, exactly as one
-    process does (the walk is sequential: each step reads the last), while the others wait; then every rank
+
+def run_search(profile: Profile, evaluator: Objective, config: SearchConfig, context: RunContext) -> SearchResult:
+    """The search stage: the per-layer assignment searched on the profile; ``evaluator`` (the workload's objective)
+    measures each candidate, against ``config.budget``, in the study at ``context.storage``. Two phases: the seed
+    walk (:mod:`autoprec.search.seeds`), then the sampler's trials (:mod:`autoprec.search.sampled`).
+
+    The context's ranks (a torchrun job, every rank calling this on one study): one rank walks the seeds, exactly as
+    one process does (the walk is sequential: each step reads the last), while the others wait; then every rank
     runs its share of the sampled trials, each with a sampler seed of its own; every rank returns the same
     trials. (Workers that share a study without ranks, e.g. on several machines, each walk and sample.)"""
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
-    allowed = [Precision.parse(p).value for p in precisions]
+    budget, space, ranks = config.budget, config.space, context.ranks
+    allowed = [Precision.parse(p).value for p in config.precisions]
     units, pinned, dropped = plan_units(profile, space, allowed)
-    latency = {layer.name: layer.latency_ms for layer in profile.layers}
-    casts = {layer.name: layer.cast_ms for layer in profile.layers}
     structure = Structure.build(profile, space, units, [n for n, _ in evaluator.model.named_modules()], allowed)
-    per_region = region_cost_ms(profile)  # entering one region: dispatch + boundary casts, measured
-    study_name = study_name or f"autoprec-{profile.fingerprint}-{space.name}-{budget.tag()}"
-    state = _Study(storage, study_name, ranks.seed(seed), fail_stale)
+    study_name = config.study_name or f"autoprec-{profile.fingerprint}-{space.name}-{budget.tag()}"
+    state = _Study(context.storage, study_name, ranks.seed(config.seed), config.fail_stale)
     state.claim({"model": profile.fingerprint, "budget": str(budget), "search_space": space.name,
                  "precisions": ",".join(allowed)})
-    study, optuna = state.study, state.optuna
     ranks.barrier()  # every rank has opened the study: no fresh trial of one is failed as stale by another
     walks = bool(ranks.share(["the seed walk"]))  # one rank's share
-    searchable = [u for u in units if len(u.candidates) > 1]
-    distributions = {u.key: optuna.distributions.CategoricalDistribution(list(u.candidates)) for u in searchable}
-    every = {**distributions, **{p.key: optuna.distributions.CategoricalDistribution(list(structure.candidates[p.key]))
-                                 for p in structure.parts if structure.searchable(p)}}
-    # With repeated blocks, the sampler searches blocks and outside parts (coarse); finer parts and
-    # layers enter through the seeds and the refinement at the block boundary.
-    structured = space.structure and any(structure.searchable(b) for b in structure.blocks)
-    sampled = {p.key: every[p.key] for p in structure.top if p.key in every} if structured else distributions
-    notes = [f"module structure: {len(structure.blocks)} blocks, {len(structure.top) - len(structure.blocks)} "
-             f"outside part(s); searched coarse to fine" if structured else "searched per layer (no block structure)",
-             f"one region boundary costs {per_region:.3g} ms here (measured in profiling, added per region)"]
+    objective = TrialObjective(profile, evaluator, config, structure, units, state)
     evaluations_before = evaluator.evaluations
-
-    def objective(trial: Any) -> float:
-        if "walk" not in trial.user_attrs and state.ahead_of(trial) >= trials:
-            # --trials caps the study: workers that start trials at once would each start one past it
-            study.stop()
-            raise optuna.TrialPruned("beyond --trials")
-        keys = trial.user_attrs.get("keys") or list(sampled)  # a seed names its own parameters
-        params = {key: trial.suggest_categorical(key, list(every[key].choices)) for key in keys}
-        assignment, regions = structure.assignment(params)
-        default = choose_default(assignment, profile)
-        policy = Policy.from_assignment({**regions, **assignment}, default)
-        predicted = (predict_ms(assignment, default, latency, casts, profile.remainder_ms)
-                     + per_region * count_regions(policy))
-        key = _policy_key(policy)
-        trial.set_user_attr("default", default)
-        trial.set_user_attr("predicted_ms", predicted)
-        trial.set_user_attr("policy_key", key)
-        trial.set_user_attr("policy", policy.to_dict())  # the policy file's content: the study reads without autoprec
-        done = _same_params(state.completed(), params, trial.number, key)
-        if done is not None:  # another trial (or worker) measured this policy already
-            values = {key: done.user_attrs.get(key) for key in ("metric", "sqnr_db", "violation", "error")}
-            trial.set_user_attr("same_as", done.number)
-        else:
-            m = evaluator.measure(policy)
-            values = {"metric": _finite_or_str(m.metric), "sqnr_db": _finite_or_str(m.sqnr_db),
-                      "violation": _finite_or_str(budget.violation(m, evaluator)), "error": m.error}
-        for key, value in values.items():
-            trial.set_user_attr(key, value)
-        if state.trial_constraints:
-            trial.set_constraint("budget", _num(values["violation"]))
-        return predicted
-
-    # The walk's steps, numbered in order: a step the study holds already (the walk was stopped and resumes, or
-    # another job walks it at once) is read back, not measured again, so the walk goes on where it was.
-    walked: list[int] = []  # the trial number of each step so far
-    finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
-    before = {t.number for t in study.get_trials(deepcopy=False)}  # counted in the progress bar already
-    last: dict[str, int] = {}  # seed kind -> the trial number of this walk's latest step of that kind
-
-    def taken() -> int:
-        """Trials spent so far as the walk counts them: its steps, the trials of earlier steps that failed (a step
-        cut short by a kill, measured again) and any trial not of the walk; not the later steps a study holds."""
-        return len(walked) + sum(1 for t in study.get_trials(deepcopy=False, states=finished)
-                                 if t.number not in walked and t.user_attrs.get("walk", -1) < len(walked))
-
-    def run(n: int, params: Mapping[str, str] | None = None, seed_name: str | None = None) -> None:
-        for _ in range(min(n, trials - taken())):  # seed trials count: --trials is the most the study runs
-            probe = seed_name in ("greedy", "refine")  # these walks read back the trial they asked for
-            # a seed the study has tried already gives its step to a sampled trial (as Optuna's skip_if_exists did)
-            sampled = not probe and params is not None and any(
-                t.params == params or t.system_attrs.get("fixed_params") == params
-                for t in study.get_trials(deepcopy=False) if t.user_attrs.get("walk") != len(walked))
-            attrs = {} if sampled or params is None else {"seed": seed_name, "keys": list(params)}
-            # No `catch`: the model failing under a candidate is recorded on the candidate by the
-            # evaluator (Measurement.error); anything else raised here is a bug or the user's evaluate()
-            # and must stop the search with its own message.
-            measured = state.walk_step(len(walked), objective, None if sampled else params, attrs)
-            walked.append(measured.number)
-            if measured.user_attrs.get("seed") == seed_name:
-                last[seed_name] = measured.number
-            bar.update(measured.number not in before)
-
-    def walk_so_far() -> list[Candidate]:
-        return [c for c in _candidates(state.completed(), structure.assignment) if c.number in walked]
-
-    def latest(seed_name: str | None = None) -> Candidate | None:
-        done = [c for c in walk_so_far() if c.number == last.get(seed_name)]
-        return done[-1] if done else None
-
     stopped = "trials"
-    with tqdm(total=trials, initial=min(state.n_trials(), trials), desc="search", unit="trial",
-              disable=not progress, leave=False) as bar:
-        if not walks:
-            pass  # another rank walks the seeds; this one joins the sampled trials after it
-        elif not searchable:
-            stopped = "nothing to search: every layer's only candidate is fp32"
-        else:  # every time: a walk the study holds in part goes on where it stopped
-            fastest = {u.key: min(u.candidates, key=lambda p, u=u: sum(latency[n][p] for n in u.layers))
-                       for u in searchable}
-            run(1, {u.key: "fp32" for u in searchable}, "fp32")
-            run(1, fastest, "fastest")
-            for p in _REGION_DEFAULTS[1:]:  # blanket low precision, as far as each unit allows
-                blanket = {u.key: p if p in u.candidates else "fp32" for u in searchable}
-                if blanket != fastest and any(v != "fp32" for v in blanket.values()):
-                    run(1, blanket, f"blanket-{p}")
-            preferred = set(space.preferred([layer.name for layer in profile.layers]))
-            kept = {u.key: "fp32" if preferred & set(u.layers) else fastest[u.key] for u in searchable}
-            if kept != fastest and any(v != "fp32" for v in kept.values()):  # the space's preferences, as a seed
-                run(1, kept, "preferred")
-            all_fast = latest("fastest")
-            # Done when the all-fastest assignment is within budget, unless its many regions make
-            # another seed (blanket, all fp32) predicted faster: then keep searching.
-            if all_fast is not None and all_fast.feasible and all_fast.predicted_ms <= _best_ms(
-                    [t for t in state.completed() if t.number in walked]):
-                stopped = "the fastest assignment is within budget"
-            elif structured:
-                coarse_to_fine(structure, profile, run, latest, walk_so_far, lambda: trials - taken())
-            else:
-                greedy(searchable, fastest, profile, lambda params: run(1, params, "greedy"), latest, trials - 2)
+    with tqdm(total=config.trials, initial=min(state.n_trials(), config.trials), desc="search", unit="trial",
+              disable=not config.progress, leave=False) as bar:
+        if walks:  # another rank walks the seeds; this one joins the sampled trials after it
+            stopped = walk_seeds(objective, profile, space, bar)
         stopped = ranks.from_first(stopped)  # the walk's verdict, for every rank
-        remaining = trials - state.n_trials() if stopped == "trials" else 0
-        if searchable and remaining > 0:
-            best_at = [state.n_trials(), _best_ms(state.completed())]
-
-            def stop_when_stale(study_: Any, _trial: Any) -> None:
-                nonlocal stopped
-                best = _best_ms(state.completed())
-                if best < best_at[1]:
-                    best_at[:] = [state.n_trials(), best]
-                elif state.n_trials() - best_at[0] >= patience:
-                    stopped = f"no improvement in {patience} trials"
-                    study_.stop()
-                bar.update(1)
-
-            deadline = None if timeout is None else max(1.0, timeout - (time.perf_counter() - start))
-            # --trials caps the whole study, whichever worker finishes a trial
-            cap = optuna.study.MaxTrialsCallback(trials, states=(optuna.trial.TrialState.COMPLETE,
-                                                                 optuna.trial.TrialState.FAIL))
-            study.optimize(objective, n_trials=remaining, timeout=deadline, callbacks=[stop_when_stale, cap],
-                           gc_after_trial=False)  # no `catch`, as in run()
-            if timeout is not None and time.perf_counter() - start >= timeout:
-                stopped = "timeout"
-
+        remaining = config.trials - state.n_trials() if stopped == "trials" else 0
+        if objective.searchable and remaining > 0:
+            stopped = sample(objective, remaining, config, start, bar)
     ranks.barrier()  # every rank's trials are done: each reads the same ones
-    all_trials = _candidates(state.completed(), structure.assignment)
+    all_trials = candidates_of(state.completed(), structure.assignment)
     feasible = [c for c in all_trials if c.feasible]
     best = min(feasible, key=lambda c: (c.predicted_ms, c.number)) if feasible else None
     return SearchResult(units=units, pinned=pinned, dropped=dropped, trials=all_trials,
-                        front=pareto_front(all_trials), best=best, study_name=study_name, storage=storage,
+                        front=pareto_front(all_trials), best=best, study_name=study_name, storage=context.storage,
                         seconds=time.perf_counter() - start,
-                        evaluations=evaluator.evaluations - evaluations_before, stopped_because=stopped, notes=notes)
-
-
-def _same_params(completed: Sequence[Any], params: Mapping[str, str], number: int, policy_key: str = "") -> Any:
-    """A finished trial with these parameters, or (coarse and fine parameters can say the same) this policy."""
-    for t in completed:
-        if t.number != number and "violation" in t.user_attrs and (
-                t.params == params or (policy_key and t.user_attrs.get("policy_key") == policy_key)):
-            return t
-    return None
-
-
-def _policy_key(policy: Policy) -> str:
-    return repr((policy.default.value, sorted((n, p.value) for n, p in policy.layers.items())))
-
-
-def _finite_or_str(x: float) -> float | str:
-    return x if math.isfinite(x) else str(x)
-
-
-def _num(x: Any) -> float:
-    return float(x) if x is not None else math.nan
-
-
-def _candidates(trials: Sequence[Any],
-                assignment_of: Callable[[Mapping[str, str]], tuple[dict[str, str], dict[str, str]]]) -> list[Candidate]:
-    out = []
-    for t in sorted(trials, key=lambda t: t.number):
-        attrs = t.user_attrs
-        if "violation" not in attrs:
-            continue
-        assignment, regions = assignment_of(t.params)
-        out.append(Candidate(number=t.number, assignment=assignment, regions=regions, params=dict(t.params),
-                             default=attrs["default"],
-                             predicted_ms=float(attrs["predicted_ms"]), metric=_num(attrs.get("metric")),
-                             sqnr_db=_num(attrs.get("sqnr_db")), violation=_num(attrs["violation"]),
-                             error=attrs.get("error"), seed=attrs.get("seed")))
-    return out
-
-
-def _best_ms(trials: Sequence[Any]) -> float:
-    ms = [float(t.user_attrs["predicted_ms"]) for t in trials
-          if "violation" in t.user_attrs and _num(t.user_attrs["violation"]) <= 0]
-    return min(ms, default=math.inf)
+                        evaluations=evaluator.evaluations - evaluations_before, stopped_because=stopped,
+                        notes=objective.notes())
 
 
 class StudyMismatchError(ValueError):

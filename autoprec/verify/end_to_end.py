@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
+from autoprec.context import RunContext
 from autoprec.inputs.batches import describe_batch, to_device
 from autoprec.measuring.budget import Budget
 from autoprec.measuring.compare import Ratio, compare
@@ -33,12 +34,13 @@ from autoprec.runtime.compiled import CompileError
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Capability, Precision, device_capabilities, emulated_for_shape
 from autoprec.search.study import Candidate
+from autoprec.verify.config import VerifyConfig
 
 if TYPE_CHECKING:
     from autoprec.workloads import Workload
 
 __all__ = ["Speedup", "Verification", "autocast_baseline", "bench_policy", "fastest_simplest", "is_blanket", "is_fp32",
-           "verify"]
+           "verify", "verify_candidates"]
 
 TIE_TOLERANCE = 0.03  # measured latencies this close are a tie on a shared machine
 AUTOCAST_CHOICES = (Precision.BF16, Precision.FP16)  # the dtypes torch.autocast takes
@@ -164,143 +166,182 @@ def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, 
            estimated_ms: Callable[[Policy], float] | None = None, estimated_for: str | None = None,
            compiled: bool = False, dropped_because: str = "", prefer_fp32: Collection[str] = (),
            autocast_excluded: str = "") -> Verification:
+    """:func:`verify_candidates` with its settings as arguments, as a script calls it."""
+    config = VerifyConfig(budget, autocast_precision, seed, compiled, estimated_ms, estimated_for, dropped_because,
+                          tuple(prefer_fp32), autocast_excluded)
+    return verify_candidates(workload, candidates, config, RunContext(torch.device(device)))
+
+
+def verify_candidates(workload: Workload, candidates: Sequence[Candidate], config: VerifyConfig,
+                      context: RunContext) -> Verification:
     """Measure ``candidates`` (feasible ones, best first), fp32 and blanket autocast where the search
     never looked, as ``workload`` runs them; keep the fastest within budget there.
 
-    ``estimated_ms``: latency of a policy from a cost model for the GPU ``estimated_for``, used instead
-    of timing here (the metric is still measured). ``compiled``: every timed entry is also timed compiled
+    ``config.estimated_ms``: latency of a policy from a cost model for the GPU ``estimated_for``, used instead
+    of timing here (the metric is still measured). ``config.compiled``: every timed entry is also timed compiled
     (:mod:`autoprec.runtime.compiled`), and the choice follows those times; where compiling fails, a note says so
-    and the eager times decide. ``dropped_because``: why the search had no candidate, for the note that says so.
+    and the eager times decide. ``config.dropped_because``: why the search had no candidate, for the note that says so.
 
     The choice is never measurably slower than a candidate that passed: blanket autocast is one where the
-    search space allows it (the caller adds it), and ``autocast_excluded`` says why it is not (a pin): then,
+    search space allows it (the caller adds it), and ``config.autocast_excluded`` says why it is not (a pin): then,
     where blanket autocast measures faster within budget, the decision says what the pin costs.
-    ``prefer_fp32``: layers the search space prefers fp32; among candidates that measure the same, the one
+    ``config.prefer_fp32``: layers the search space prefers fp32; among candidates that measure the same, the one
     that lowers fewest of them is kept, then the one with fewest rules.
     """
-    device = torch.device(device)
-    autocast = autocast_precision
-    runners: dict[str, Policy | Precision | None] = {"fp32": None, "autocast": autocast}
-    label: dict[str, str] = {}  # candidate label -> the entry that runs it (fp32 and blanket autocast run once)
-    for c in candidates:
-        policy = c.policy()
-        label[c.label] = "autocast" if is_blanket(policy, autocast) else "fp32" if is_fp32(policy) else c.label
-        runners.setdefault(label[c.label], policy)
-    held = workload.held_out(runners, device, seed)
-    check = workload.verify_budget(budget)
-    within = {k: check.violation(m, held.reference) <= 0 for k, m in held.measured.items()}
-    within["fp32"] = True
-    notes: list[str] = []
-    compiled_samples: dict[str, list[float]] = {}
-    compiled_on = ""
-    passing = []
-    for c in candidates:
-        key = label[c.label]
-        if within[key]:
-            passing.append(c)
-        elif c.number >= 0:
-            notes.append(f"{c.label} met the budget on the search batches but not {held.where} "
-                         f"({_said(held.measured[key], held.reference)}); the next candidate was taken")
-    if not within["autocast"]:
-        notes.append(f"blanket {autocast.value} is over budget {held.where} "
-                     f"({_said(held.measured['autocast'], held.reference)})")
-    if candidates and not passing:
-        notes.append(f"no candidate met the budget {held.where}: the policy stays fp32; give more or more "
-                     "representative batches, a larger budget, or (training) more steps")
-
-    # The ladder: the fastest few that pass by predicted latency, and every heuristic and blanket that passes
-    passing = [c for i, c in enumerate(passing)
-               if i < workload.verify_timed or c.heuristic or c.number < 0 or c.seed == "preferred"]
-    timed = {k: runners[k] for k in dict.fromkeys(["fp32", "autocast", *(label[c.label] for c in passing)])}
-    if estimated_ms is not None:  # one estimate per entry stands in for the timed rounds
-        as_policy = {"fp32": Policy(), "autocast": Policy(default=autocast)}
-        samples = {key: [estimated_ms(as_policy.get(key, how))] for key, how in timed.items()}
-        _, timed_on, _ = workload.time({}, device)
-        notes.append(f"latencies are estimated for {estimated_for} by the cost model, not measured; "
-                     "the metric was measured where the search never looked")
-    else:
-        samples, timed_on, verdict = workload.time(timed, device)
-        if verdict:
-            notes.append(verdict)
-        if compiled:
-            compiled_samples, compiled_on = _time_compiled(workload, timed, device, notes)
-    refused = dict(getattr(workload, "compiled_refused", {})) if compiled_samples else {}
-    if "fp32" in refused:  # the reference itself compiles wrong: no compiled ratio means anything
-        notes.append(f"compiled, fp32 computes other outputs than eager ({refused['fp32']}): the policy was "
-                     "chosen by the eager times only")
-        compiled_samples, compiled_on, refused = {}, "", {}
-    eager_latency = {k: _median_finite(v) for k, v in samples.items()}
-    decide = compiled_samples or samples  # the choice follows the compiled times: that is how the model will run
-    latency = {k: _median_finite(v) for k, v in decide.items()}
+    run = _Ladder(workload, config, context.device, list(candidates))
+    run.measure_held_out()
+    run.time()
+    eager_latency = {k: _median_finite(v) for k, v in run.samples.items()}
     # The latency model's error on each verified candidate (meaningful when the timing batch has the profile's shape).
-    errors = {} if estimated_ms is not None or not workload.predicts_latency else {
-        c.label: 100.0 * (c.predicted_ms - eager_latency[label[c.label]]) / eager_latency[label[c.label]]
-        for c in passing}
+    errors = {} if config.estimated_ms is not None or not workload.predicts_latency else {
+        c.label: 100.0 * (c.predicted_ms - eager_latency[run.label[c.label]]) / eager_latency[run.label[c.label]]
+        for c in run.passing}
     if errors:
-        notes.append("predicted vs measured latency: " + ", ".join(f"{k} {e:+.0f}%" for k, e in errors.items()))
-
-    metric = {k: m.metric for k, m in held.measured.items() if k in ("fp32", "autocast")}
-    sqnr = {"fp32": math.inf, "autocast": held.measured["autocast"].sqnr_db}
-    chosen, tuned = None, "fp32"
-    lowered = [c for c in passing if label[c.label] != "fp32"]  # a policy that is fp32 is not a candidate to time
-    if refused:  # compiled, they compute something else than the eager runs measured within budget
-        lowered = [c for c in lowered if label[c.label] not in refused]
-        notes.append("compiled, " + "; ".join(f"{k} gives {why}" for k, why in refused.items())
-                     + ": outside the budget, not chosen")
-    def decided_slower(a: Candidate, b: Candidate) -> bool:
-        """Not a tie with ``b``: decided slower, or (undecided) an estimate more than TIE_TOLERANCE slower.
-        The rounds ran until each entry was decided against fp32, not against each other: an undecided
-        pair is a tie only when its estimate says they are this close."""
-        ratio = paired_ratio(decide, label[a.label], label[b.label])
-        if ratio is None:
-            return latency[label[a.label]] > latency[label[b.label]] * (1 + TIE_TOLERANCE)
-        return ratio.slower or ratio.estimate > 1 + TIE_TOLERANCE
-
-    def beats_fp32(c: Candidate) -> bool:
-        """Faster than fp32 in the paired rounds: decided so while the rounds ran, or, where a noisy machine
-        ran them to the cap, by all the rounds at once: the whole 95% interval below 1 and the estimate
-        more than :data:`TIE_TOLERANCE` below it. A tie with fp32 never becomes a lowered policy."""
-        ratio = paired_ratio(decide, label[c.label], "fp32")
-        if ratio is None:
-            return latency[label[c.label]] < latency["fp32"]
-        return ratio.faster or (ratio.high < 1 and ratio.estimate < 1 - TIE_TOLERANCE)
-
-    if lowered:
-        def rules(c: Candidate) -> tuple[int, int]:
-            return sum(c.assignment.get(n, "fp32") != "fp32" for n in prefer_fp32), len(c.policy().layers)
-
-        best = fastest_simplest(lowered, lambda c: latency[label[c.label]], rules, decided_slower)
-        if beats_fp32(best):
-            chosen, tuned = best, label[best.label]
-            if tuned == "autocast":
-                notes.append(f"the tuned policy is blanket autocast ({autocast.value}) itself: within the "
-                             "budget, and no per-layer policy measured faster")
-        else:
-            ratio = paired_ratio(decide, label[best.label], "fp32")
-            notes.append(f"no candidate within budget was measured faster than fp32 here"
-                         f"{' compiled' if compiled_samples else ''} (the best, "
-                         f"{best.label}, took {latency[label[best.label]]:.3g} ms against fp32's "
-                         f"{latency['fp32']:.3g} ms{f'; {ratio} of fp32, not decided faster' if ratio else ''}): "
-                         "the policy stays fp32")
-    elif not candidates:
-        notes.append("nothing was lowered: no layer had a candidate precision worth searching here"
-                     + (f" ({dropped_because})" if dropped_because else ""))
-    for timings in (samples, compiled_samples) if compiled_samples else (samples,):
+        run.notes.append("predicted vs measured latency: " + ", ".join(f"{k} {e:+.0f}%" for k, e in errors.items()))
+    chosen, tuned = run.choose()
+    held, samples, autocast = run.held, run.samples, config.autocast
+    for timings in (samples, run.compiled_samples) if run.compiled_samples else (samples,):
         timings["tuned"] = timings[tuned]
+    metric = {k: m.metric for k, m in held.measured.items() if k in ("fp32", "autocast")}
     metric["tuned"] = held.measured[tuned].metric
-    sqnr["tuned"] = held.measured[tuned].sqnr_db if tuned != "fp32" else math.inf
-    within_budget = {"autocast": within["autocast"], "tuned": within[tuned]}
+    sqnr = {"fp32": math.inf, "autocast": held.measured["autocast"].sqnr_db,
+            "tuned": held.measured[tuned].sqnr_db if tuned != "fp32" else math.inf}
     losses = dict(held.losses)
     if losses:
         losses["tuned"] = losses[tuned]
     return Verification(chosen=chosen, policy=chosen.policy() if chosen else None, samples=samples, metric=metric,
-                        sqnr_db=sqnr, within_budget=within_budget, autocast_precision=autocast.value,
-                        predicted_ms=chosen.predicted_ms if chosen else None, timed_on=timed_on,
-                        fidelity=held.reference.uses_fidelity, tuned_is_autocast=tuned == "autocast",
-                        estimated_for=estimated_for, notes=notes, prediction_error_pct=errors, losses=losses,
-                        steps=workload.steps, metric_kind=workload.metric_kind(held.reference),
-                        compiled_samples=compiled_samples, compiled_on=compiled_on,
-                        autocast_excluded=autocast_excluded)
+                        sqnr_db=sqnr, within_budget={"autocast": run.within["autocast"], "tuned": run.within[tuned]},
+                        autocast_precision=autocast.value, predicted_ms=chosen.predicted_ms if chosen else None,
+                        timed_on=run.timed_on, fidelity=held.reference.uses_fidelity,
+                        tuned_is_autocast=tuned == "autocast", estimated_for=config.estimated_for, notes=run.notes,
+                        prediction_error_pct=errors, losses=losses, steps=workload.steps,
+                        metric_kind=workload.metric_kind(held.reference), compiled_samples=run.compiled_samples,
+                        compiled_on=run.compiled_on, autocast_excluded=config.autocast_excluded)
+
+
+@dataclass
+class _Ladder:
+    """One verification as it goes: the entries measured where the search never looked, then timed, then one
+    chosen. Every entry is keyed by what it runs: a candidate that computes fp32 or blanket autocast is that."""
+
+    workload: Workload
+    config: VerifyConfig
+    device: torch.device
+    candidates: list[Candidate]
+    notes: list[str] = field(default_factory=list)
+    label: dict[str, str] = field(default_factory=dict)  # candidate label -> the entry that runs it
+    runners: dict[str, Policy | Precision | None] = field(default_factory=dict)
+    held: Any = None  # the workload's HeldOut
+    within: dict[str, bool] = field(default_factory=dict)  # entry -> within budget where the search never looked
+    passing: list[Candidate] = field(default_factory=list)  # the candidates timed
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    timed_on: str = ""
+    compiled_samples: dict[str, list[float]] = field(default_factory=dict)
+    compiled_on: str = ""
+    refused: dict[str, str] = field(default_factory=dict)  # entry -> why its compiled run is not its eager one
+
+    def measure_held_out(self) -> None:
+        """Each entry's metric where the search never looked; the candidates that keep the budget there."""
+        autocast = self.config.autocast
+        self.runners = {"fp32": None, "autocast": autocast}
+        for c in self.candidates:  # fp32 and blanket autocast run once
+            policy = c.policy()
+            self.label[c.label] = "autocast" if is_blanket(policy, autocast) else "fp32" if is_fp32(policy) else c.label
+            self.runners.setdefault(self.label[c.label], policy)
+        held = self.held = self.workload.held_out(self.runners, self.device, self.config.seed)
+        check = self.workload.verify_budget(self.config.budget)
+        self.within = {k: check.violation(m, held.reference) <= 0 for k, m in held.measured.items()}
+        self.within["fp32"] = True
+        passing = []
+        for c in self.candidates:
+            key = self.label[c.label]
+            if self.within[key]:
+                passing.append(c)
+            elif c.number >= 0:
+                self.notes.append(f"{c.label} met the budget on the search batches but not {held.where} "
+                                  f"({_said(held.measured[key], held.reference)}); the next candidate was taken")
+        if not self.within["autocast"]:
+            self.notes.append(f"blanket {autocast.value} is over budget {held.where} "
+                              f"({_said(held.measured['autocast'], held.reference)})")
+        if self.candidates and not passing:
+            self.notes.append(f"no candidate met the budget {held.where}: the policy stays fp32; give more or more "
+                              "representative batches, a larger budget, or (training) more steps")
+        # The ladder: the fastest few that pass by predicted latency, and every heuristic and blanket that passes
+        self.passing = [c for i, c in enumerate(passing)
+                        if i < self.workload.verify_timed or c.heuristic or c.number < 0 or c.seed == "preferred"]
+
+    def time(self) -> None:
+        """fp32, blanket autocast and the passing candidates timed together (or estimated for a target GPU), and
+        compiled too where asked."""
+        config, workload, device = self.config, self.workload, self.device
+        timed = {k: self.runners[k]
+                 for k in dict.fromkeys(["fp32", "autocast", *(self.label[c.label] for c in self.passing)])}
+        if config.estimated_ms is not None:  # one estimate per entry stands in for the timed rounds
+            as_policy = {"fp32": Policy(), "autocast": Policy(default=config.autocast)}
+            self.samples = {key: [config.estimated_ms(as_policy.get(key, how))] for key, how in timed.items()}
+            _, self.timed_on, _ = workload.time({}, device)
+            self.notes.append(f"latencies are estimated for {config.estimated_for} by the cost model, not measured; "
+                              "the metric was measured where the search never looked")
+        else:
+            self.samples, self.timed_on, verdict = workload.time(timed, device)
+            if verdict:
+                self.notes.append(verdict)
+            if config.compiled:
+                self.compiled_samples, self.compiled_on = _time_compiled(workload, timed, device, self.notes)
+        self.refused = dict(getattr(workload, "compiled_refused", {})) if self.compiled_samples else {}
+        if "fp32" in self.refused:  # the reference itself compiles wrong: no compiled ratio means anything
+            self.notes.append(f"compiled, fp32 computes other outputs than eager ({self.refused['fp32']}): the policy "
+                              "was chosen by the eager times only")
+            self.compiled_samples, self.compiled_on, self.refused = {}, "", {}
+
+    def choose(self) -> tuple[Candidate | None, str]:
+        """The fastest passing candidate that measures faster than fp32 (within noise, the one with fewest rules),
+        and the entry that runs it; (None, "fp32") where none does, with a note that says why."""
+        label, notes = self.label, self.notes
+        decide = self.compiled_samples or self.samples  # the choice follows the compiled times: the model runs so
+        latency = {k: _median_finite(v) for k, v in decide.items()}
+        lowered = [c for c in self.passing if label[c.label] != "fp32"]  # a policy that is fp32 is not a candidate
+        if self.refused:  # compiled, they compute something else than the eager runs measured within budget
+            lowered = [c for c in lowered if label[c.label] not in self.refused]
+            notes.append("compiled, " + "; ".join(f"{k} gives {why}" for k, why in self.refused.items())
+                         + ": outside the budget, not chosen")
+        if not lowered:
+            if not self.candidates:
+                notes.append("nothing was lowered: no layer had a candidate precision worth searching here"
+                             + (f" ({self.config.dropped_because})" if self.config.dropped_because else ""))
+            return None, "fp32"
+        prefer_fp32 = self.config.prefer_fp32
+
+        def rules(c: Candidate) -> tuple[int, int]:
+            return sum(c.assignment.get(n, "fp32") != "fp32" for n in prefer_fp32), len(c.policy().layers)
+
+        def decided_slower(a: Candidate, b: Candidate) -> bool:
+            """Not a tie with ``b``: decided slower, or (undecided) an estimate more than TIE_TOLERANCE slower.
+            The rounds ran until each entry was decided against fp32, not against each other: an undecided
+            pair is a tie only when its estimate says they are this close."""
+            ratio = paired_ratio(decide, label[a.label], label[b.label])
+            if ratio is None:
+                return latency[label[a.label]] > latency[label[b.label]] * (1 + TIE_TOLERANCE)
+            return ratio.slower or ratio.estimate > 1 + TIE_TOLERANCE
+
+        best = fastest_simplest(lowered, lambda c: latency[label[c.label]], rules, decided_slower)
+        ratio = paired_ratio(decide, label[best.label], "fp32")
+        # Faster than fp32 in the paired rounds: decided so while the rounds ran, or, where a noisy machine ran them
+        # to the cap, by all the rounds at once: the whole 95% interval below 1 and the estimate more than
+        # TIE_TOLERANCE below it. A tie with fp32 never becomes a lowered policy.
+        faster = (latency[label[best.label]] < latency["fp32"] if ratio is None
+                  else ratio.faster or (ratio.high < 1 and ratio.estimate < 1 - TIE_TOLERANCE))
+        if not faster:
+            notes.append(f"no candidate within budget was measured faster than fp32 here"
+                         f"{' compiled' if self.compiled_samples else ''} (the best, "
+                         f"{best.label}, took {latency[label[best.label]]:.3g} ms against fp32's "
+                         f"{latency['fp32']:.3g} ms{f'; {ratio} of fp32, not decided faster' if ratio else ''}): "
+                         "the policy stays fp32")
+            return None, "fp32"
+        if label[best.label] == "autocast":
+            notes.append(f"the tuned policy is blanket autocast ({self.config.autocast.value}) itself: within the "
+                         "budget, and no per-layer policy measured faster")
+        return best, label[best.label]
 
 
 def _time_compiled(workload: Workload, timed: Mapping[str, Policy | Precision | None], device: torch.device,

@@ -34,10 +34,11 @@ if TYPE_CHECKING:
 
     from autoprec.capture.layers import LayerTable
     from autoprec.config import TuneConfig
+    from autoprec.context import RunContext
     from autoprec.distributed import Ranks
     from autoprec.measuring.budget import Budget, Margin
     from autoprec.measuring.objective import Measurement, Objective
-    from autoprec.profile import Profile
+    from autoprec.profile import Profile, ProfileConfig
     from autoprec.runtime.policy import Policy
     from autoprec.runtime.precision import Precision
 
@@ -139,9 +140,9 @@ class Workload:
         """Every batch whose layers count."""
         raise NotImplementedError
 
-    def profile(self, table: LayerTable, device: torch.device, config: TuneConfig, capture_seconds: float,
-                ranks: Ranks | None = None) -> Profile:
-        """Capture's layers profiled; ``ranks`` (a torchrun job) share the sensitivity evaluations."""
+    def profile(self, table: LayerTable, config: ProfileConfig, context: RunContext) -> Profile:
+        """The profile stage for this workload: capture's layers profiled (the context's ranks, a torchrun job,
+        share the sensitivity evaluations)."""
         raise NotImplementedError
 
     def search_budget(self, budget: Budget, objective: Objective, low: Precision) -> tuple[Budget, Margin | None]:

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from autoprec.common.argtypes import positive_int
 from autoprec.config import TuneConfig
+from autoprec.distributed.ranks import ONE_PROCESS
 from autoprec.inputs.batches import call_model, describe_batch, to_device
 from autoprec.inputs.userspec import user_function
 from autoprec.measuring.compare import Ratio, compare
@@ -337,16 +338,15 @@ class GenerationWorkload(InferenceWorkload):
         """The inference fingerprint with what a generation is: a prefill profile is not a generation one."""
         return hashlib.sha256(f"{super().fingerprint()}:generation:{self.new_tokens}".encode()).hexdigest()[:16]
 
-    def profile(self, table: Any, device: torch.device, config: TuneConfig, capture_seconds: float,
-                ranks: Any = None) -> Any:
+    def profile(self, table: Any, config: Any, context: Any) -> Any:
         """The prefill profile (sensitivity, and latency at the prompts' shapes), with each layer's latency made
         that of a whole generation: plus ``new_tokens - 1`` decode steps, timed as a forward of one token per row
         (the linears' shapes of a decode step; attention over the cache is not in it). Only for token-id prompts
         run by ``model.generate`` (a model.py generate() may decode otherwise) and where something can pay off."""
-        profile = super().profile(table, device, config, capture_seconds)
+        profile = super().profile(table, config, context.with_ranks(ONE_PROCESS))
         profile.fingerprint = self.fingerprint()
         if self.generate is None and (not profile.nothing_pays_off or config.target is not None):
-            self._add_decode(profile, device, config.target)
+            self._add_decode(profile, context.device, config.target)
         return profile
 
     def _add_decode(self, profile: Any, device: torch.device, target: str | None = None) -> None:

@@ -13,7 +13,8 @@ import torch.nn as nn
 
 from autoprec.capture.layers import LayerTable
 from autoprec.config import TuneConfig
-from autoprec.distributed.ranks import ONE_PROCESS, Ranks
+from autoprec.context import RunContext
+from autoprec.distributed.ranks import Ranks
 from autoprec.inputs.batches import (
     BATCH_FORMS,
     as_batch_list,
@@ -29,7 +30,7 @@ from autoprec.measuring.budget import Budget, Margin, choose_budget, search_marg
 from autoprec.measuring.compare import compare
 from autoprec.measuring.measure import BatchError, Evaluator, policy_runs
 from autoprec.measuring.objective import Measurement, Objective
-from autoprec.profile import Profile, fingerprint, profile_model
+from autoprec.profile import Profile, ProfileConfig, fingerprint, profile_layers
 from autoprec.runtime import compiled as compiled_module
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
@@ -144,13 +145,9 @@ class InferenceWorkload(Workload):
     def capture_batches(self) -> list:
         return [*self.batches, *self.holdout_batches]
 
-    def profile(self, table: LayerTable, device: torch.device, config: TuneConfig, capture_seconds: float,
-                ranks: Ranks = ONE_PROCESS) -> Profile:
-        return profile_model(self.model, table, self.batches, self.evaluate, self.higher_is_better, device,
-                             config.precisions, sensitivity_batches=config.sensitivity_batches,
-                             progress=config.progress, capture_seconds=capture_seconds, target=config.target,
-                             profile_all=config.profile_all, exact_sensitivity=config.exact_sensitivity,
-                             ranks=ranks, timed=self._as_the_job_runs() if config.target is None else None)
+    def profile(self, table: LayerTable, config: ProfileConfig, context: RunContext) -> Profile:
+        return profile_layers(self, table, config, context, timed=self._as_the_job_runs() if config.target is None
+                              else None)
 
     def _as_the_job_runs(self) -> nn.Module | None:
         """A copy of the model wrapped as the job runs it (torchrun, model.py's ``wrap``), known by the layer

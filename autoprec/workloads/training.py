@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import itertools
 import math
 import statistics
@@ -33,7 +34,8 @@ from autoprec.capture.layers import LayerTable
 from autoprec.common.argtypes import positive_int
 from autoprec.common.writing import markdown_table, plot_library, save_figure
 from autoprec.config import TuneConfig
-from autoprec.distributed.ranks import ONE_PROCESS, Ranks
+from autoprec.context import RunContext
+from autoprec.distributed.ranks import Ranks
 from autoprec.inputs.batches import as_batch_list, to_device
 from autoprec.inputs.fits import free_memory
 from autoprec.inputs.trainspec import default_optimizer, load_train_spec, run_loss
@@ -41,8 +43,8 @@ from autoprec.measuring.budget import Budget, BudgetError
 from autoprec.measuring.compare import Comparison, compare, rotations
 from autoprec.measuring.gradients import DEFAULT_MIN_GRAD_SQNR, GradientObjective, check_losses
 from autoprec.measuring.objective import Measurement, Objective
-from autoprec.profile import Profile, fingerprint
-from autoprec.profile.training import profile_training
+from autoprec.profile import Profile, ProfileConfig, fingerprint
+from autoprec.profile.training import STEP_REPEATS, profile_training_layers
 from autoprec.runtime.apply import apply_policy, remove_policy
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
@@ -174,11 +176,8 @@ class TrainingWorkload(Workload):
     def capture_batches(self) -> list:
         return self.batches[:1]
 
-    def profile(self, table: LayerTable, device: torch.device, config: TuneConfig, capture_seconds: float,
-                ranks: Ranks = ONE_PROCESS) -> Profile:
-        return profile_training(self.model, table, self.train_batches, self.loss, self.path, device,
-                                config.precisions, progress=config.progress, capture_seconds=capture_seconds,
-                                ranks=ranks)
+    def profile(self, table: LayerTable, config: ProfileConfig, context: RunContext) -> Profile:
+        return profile_training_layers(self, table, dataclasses.replace(config, repeats=STEP_REPEATS), context)
 
     def metric_kind(self, reference: Objective) -> str:
         if reference.uses_fidelity:
