@@ -223,6 +223,8 @@ class FP8RowwiseLinear(nn.Linear):
     load both ways; ``cache_weight`` quantizes the weight once and again only when it changes.
     """
 
+    precision = "fp8-rowwise"
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, cache_weight: bool = False,
                  device=None, dtype=None) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
@@ -285,6 +287,10 @@ class FP8ServedLinear(nn.Module):
             history = (recipe or FP8Recipe()).amax_history
             self.register_buffer("input_amax_history", torch.zeros(history, device=w.device), persistent=False)
             self.register_buffer("amax_steps", torch.zeros((), dtype=torch.long, device=w.device), persistent=False)
+
+    @property
+    def precision(self) -> str:
+        return "fp8" if self.granularity == "tensorwise" else "fp8-rowwise"
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
