@@ -8,9 +8,9 @@ the GEMM, each a bandwidth-bound pass: the amax reduction and the cast of the ac
 weight (once in inference, every step in training) and of the E5M2 gradient in the backward pass,
 plus the transposed copies the backward GEMMs need. ``fp8-rowwise`` (per-channel weight scales, per-token input
 scales: what serving engines run) uses the FP8 tensor cores at FP8's fitted efficiency (no published rowwise GEMM
-figures were fitted separately), and its scaling is per-tensor FP8's passes plus the per-row scales they write and
-the GEMM's epilogue reads; it is an inference format, priced for inference only. MXFP8 and NVFP4 (Blackwell) add their block
-casts, each a bandwidth-bound pass at the throughput torchao publishes for its MX cast kernels
+figures were fitted separately), and its scaling is per-tensor FP8's passes plus the per-row scales they write
+and the GEMM's epilogue reads; it is an inference format, priced for inference only. MXFP8 and NVFP4 (Blackwell)
+add their block casts, each a bandwidth-bound pass at the throughput torchao publishes for its MX cast kernels
 (NVFP4 also an amax pass for its per-tensor scale); their block scales are computed inside the cast.
 Inference is one GEMM per linear, training three (forward, input gradient, weight gradient).
 
@@ -28,8 +28,8 @@ from typing import Iterable, Mapping, Sequence
 
 from autoprec.runtime.precision import Capability, Precision, emulated_for_shape
 
-__all__ = ["MODES", "TARGETS", "Target", "UnknownTargetError", "cores", "elementwise_ms", "estimate", "estimated_latency",
-           "gemm_gb", "gemm_ms", "get_target", "layer_ms", "linear_ms", "parse_gemm", "policy_ms"]
+__all__ = ["MODES", "TARGETS", "Target", "UnknownTargetError", "cores", "elementwise_ms", "estimate",
+           "estimated_latency", "gemm_gb", "gemm_ms", "get_target", "layer_ms", "linear_ms", "parse_gemm", "policy_ms"]
 
 MODES = ("inference", "training")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "mxfp8", "nvfp4")  # what `estimate` reports

@@ -74,7 +74,6 @@ from autoprec.runtime.mx import BlockScaledLinear
 from autoprec.runtime.policy import Policy, PolicyError
 from autoprec.runtime.precision import Precision
 from autoprec.runtime.regionstate import in_fp32_region
-from autoprec.runtime.serve import NOT_REMOVABLE, NOT_TRAINABLE, serve_linears, store_low_weights
 from autoprec.runtime.rulecheck import (
     check_linear_formats,
     check_master_weights,
@@ -86,6 +85,7 @@ from autoprec.runtime.rulecheck import (
     structure_fingerprint,
     takes_precision,
 )
+from autoprec.runtime.serve import NOT_REMOVABLE, NOT_TRAINABLE, serve_linears, store_low_weights
 from autoprec.runtime.weights import CastWeights, casts_weights, hand_back_parameters
 
 __all__ = ["applied_mode", "applied_policy", "apply_policy", "effective_precisions", "remove_policy",
@@ -285,7 +285,9 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     train()/eval() as they are. ``mode="serve"`` stores each weight once in its precision and drops the fp32
     weights where a layer does not compute with them (:mod:`autoprec.runtime.serve`): the same outputs as
     inference mode in less memory, for a model that is served, never trained or restored
-    (``remove_policy`` and a training forward are refused). Inference mode lets bf16/fp16 linears and convs cast their weights once, and
+    (``remove_policy`` and a training forward are refused).
+
+    Inference mode lets bf16/fp16 linears and convs cast their weights once, and
     FP8 linears quantize theirs once, and reuse them until the weights change; its outputs are what the forward
     computed (bf16 logits under a bf16 policy, as under autocast). Training mode hands back fp32 outputs.
     For training with fp16 layers use ``policy.grad_scaler(device)`` in the loop (a no-op scaler when the

@@ -2,7 +2,8 @@
 on ``torch._scaled_mm`` where the device has FP8 GEMMs and as an exact emulation elsewhere.
 
 ``FP8RowwiseLinear``: the same for ``fp8-rowwise`` (per-channel weight scales, per-token input scales, what serving
-engines run), in inference, emulated exactly (torchao's kernels run it on a GPU: :mod:`autoprec.runtime.torchao_linear`).
+engines run), in inference, emulated exactly (torchao's kernels run it on a GPU:
+:mod:`autoprec.runtime.torchao_linear`).
 
 ``FP8ServedLinear``: either granularity as ``apply_policy(..., mode="serve")`` stores it: the E4M3 weight and its
 scale(s), no fp32 weight at all."""

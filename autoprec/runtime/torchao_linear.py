@@ -109,8 +109,8 @@ def install_copy(model: nn.Module, name: str, precision: Precision) -> tuple[nn.
     :class:`~autoprec.runtime.weights.WeightCache`); the original linear and its Parameters are left as they were,
     and the copy's ``state_dict`` and ``load_state_dict`` are the original's, so a checkpoint saved while the
     policy is applied holds the user's fp32 weights and loads into the plain model. torchao's MX linears
-    compute in bf16 (so do its PerRow FP8 ones): the copy takes its input in bf16 and hands back the input's dtype. On a CPU
-    (kernels="torchao", for tests) torchao's emulated MXFP8 kernel runs."""
+    compute in bf16 (so do its PerRow FP8 ones): the copy takes its input in bf16 and hands back the input's dtype.
+    On a CPU (kernels="torchao", for tests) torchao's emulated MXFP8 kernel runs."""
     parent_name, _, attr = name.rpartition(".")
     parent, original = model.get_submodule(parent_name), model.get_submodule(name)
     quantized = _quantized_copy(original, precision)
