@@ -214,12 +214,13 @@ def test_priced_on_fp8_tensor_cores_with_the_per_row_scaling_on_top():
 
 
 class Planted(nn.Module):
-    """A large linear that takes FP8 well, a large one whose input has an outlier token, and small ones."""
+    """A linear large enough for FP8 to beat bf16 on an H100 (the cost model: from about 4096 wide at 256 tokens,
+    with fp32 inputs to quantize), between small ones."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.embed, self.tolerant, self.head = nn.Linear(64, 2048), nn.Linear(2048, 2048), nn.Linear(2048, 8)
+        self.embed, self.tolerant, self.head = nn.Linear(64, 4096), nn.Linear(4096, 4096), nn.Linear(4096, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.tolerant(torch.tanh(self.embed(x)))))
@@ -229,7 +230,7 @@ class Planted(nn.Module):
 def test_tune_target_h100_profiles_and_plans_fp8_rowwise(tmp_path):
     from autoprec import tune
 
-    batches = [torch.randn(16, 64, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    batches = [torch.randn(256, 64, generator=torch.Generator().manual_seed(i)) for i in range(2)]
     result = tune(Planted().eval(), batches, min_sqnr=20.0, target="h100", precisions=("bf16", "fp8-rowwise"),
                   trials=20, patience=10, out=tmp_path, progress=False, log=lambda _msg: None)
     layers = {layer.name: layer for layer in result.profile.layers}
