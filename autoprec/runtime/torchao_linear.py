@@ -145,7 +145,8 @@ def _config(precision: Precision, device: torch.device):
     """torchao's inference config for ``precision`` (torchao's own defaults otherwise)."""
     if precision is Precision.FP8_ROWWISE:
         quant = _import("torchao.quantization")
-        return quant.Float8DynamicActivationFloat8WeightConfig(granularity=quant.PerRow())
+        # set_inductor_config=False: quantize_ would otherwise change torch.compile's global settings for the process
+        return quant.Float8DynamicActivationFloat8WeightConfig(granularity=quant.PerRow(), set_inductor_config=False)
     mx = _import("torchao.prototype.mx_formats")
     if precision is Precision.MXFP8:
         preference = _import("torchao.quantization.quantize_.common.kernel_preference").KernelPreference
