@@ -267,3 +267,12 @@ def test_torchao_per_row_kernel_matches_the_emulation(mode):
     assert out.dtype is torch.float32
     assert abs(sqnr_db(reference, out) - sqnr_db(reference, predicted)) < 3
     assert sqnr_db(reference, out) > 22 and sqnr_db(predicted, out) > 22
+
+
+def test_tuning_for_training_with_fp8_rowwise_is_refused_in_one_line():
+    from autoprec import tune
+
+    with pytest.raises(ValueError, match=r"^fp8-rowwise is an inference format \(what serving engines run\); tune "
+                                         r"for training with fp8 \(per-tensor\) instead$"):
+        tune(mlp(), [gaussian(4, 64)], for_="training", loss=lambda m, b: m(b).square().mean(),
+             precisions=("bf16", "fp8-rowwise"), progress=False, log=lambda _msg: None)
