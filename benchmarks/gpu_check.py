@@ -28,6 +28,11 @@ Sections, each recorded in the JSON:
 5. ``blackwell`` (compute capability 10.x only; elsewhere skipped with the reason): MXFP8 and NVFP4 on
    torchao's kernels, as ``apply_policy`` installs them, against autoprec's exact emulation (SQNR) and
    their inference time beside bf16 and the b200 cost model; FP8 on torchao's Float8Linear likewise.
+6. ``fp8_rowwise`` (FP8 GPUs, compute capability 8.9 and up; a dry run exercises the emulation): fp8-rowwise
+   (per-channel weight, per-token input scales) as ``apply_policy`` installs it, inference (torchao's PerRow copy)
+   and ``mode="serve"`` (``quantize_`` in place): its kernel, SQNR against autoprec's exact emulation, the time beside
+   bf16 and the cost model's estimate, and the bytes the model holds (``held_bytes``) and CUDA allocates, served
+   against inference mode.
 4. ``tune``: ``autoprec.tune`` with FP8 enabled on a GPT-2-medium-sized model (random weights), its
    policy and its measured speed-up over bf16 autocast; beside it the same tune with ``target=``
    (the cost model's plan) for comparison.
@@ -290,6 +295,55 @@ def blackwell(device: str, shapes: list[tuple[int, int, int]], warmup: int, repe
                     "(kernels='auto': torchao's where it takes the shape), SQNR against autoprec's emulation"}
 
 
+# ---- 6. fp8-rowwise, in inference and served ---------------------------------------------------------------
+def fp8_rowwise(device: str, shapes: list[tuple[int, int, int]], warmup: int, repeats: int) -> dict:
+    import torch
+
+    if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        return {"skipped": f"needs FP8 tensor cores (compute capability 8.9+); {torch.cuda.get_device_name()} has "
+                           f"{'.'.join(map(str, torch.cuda.get_device_capability()))}"}
+    from autoprec import Policy, apply_policy
+    from autoprec.common.sqnr import sqnr_db
+    from autoprec.profile.costmodel import linear_ms
+    from autoprec.runtime.serve import held_bytes
+
+    rows = []
+    policy = Policy.from_assignment({"0": "fp8-rowwise"})
+    for m, k, n in shapes:
+        torch.manual_seed(0)
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        plain = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False)).to(device)
+        row: dict[str, Any] = {"shape": [m, k, n], "fp32_bytes": held_bytes(plain), "measured_ms": {}, "kernel": {}}
+        with torch.no_grad():
+            bf16 = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False)).to(device, torch.bfloat16)
+            bf16[0].weight.copy_(plain[0].weight)
+            row["measured_ms"]["bf16"] = _median_ms(lambda bf16=bf16, x=x: bf16(x), device, warmup, repeats)
+            emulated = apply_policy(_copy(plain), policy, kernels="autoprec")(x).float()
+            for mode in ("inference", "serve"):
+                try:
+                    model = apply_policy(_copy(plain), policy, mode=mode).eval()
+                    model(x)  # the first forward makes what inference keeps
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    row["kernel"][mode] = f"{type(model[0]).__name__}({type(model[0].weight).__name__})"
+                    row[f"{mode}_sqnr_db_vs_emulation"] = round(sqnr_db(emulated, model(x).float()), 2)
+                    row[f"{mode}_bytes"] = held_bytes(model)
+                    row["measured_ms"][mode] = _median_ms(lambda model=model, x=x: model(x), device, warmup, repeats)
+                except Exception as e:  # a refused shape or kernel is a finding
+                    row["measured_ms"][mode] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        row["estimated_ms_h100"] = {p: round(linear_ms("h100", m, k, n, p), 5) for p in ("bf16", "fp8", "fp8-rowwise")}
+        rows.append(row)
+    return {"rows": rows, "note": "inference, one bias-free linear, bf16 input; fp8-rowwise as apply_policy installs "
+                                  "it (kernels='auto'), SQNR against autoprec's emulation (kernels='autoprec'); bytes: "
+                                  "every tensor the model holds after a forward"}
+
+
+def _copy(model):
+    import copy
+
+    return copy.deepcopy(model)
+
+
 # ---- 4. tune ---------------------------------------------------------------------------------------------
 def gpt2(n_embd: int, n_layer: int, n_head: int, vocab: int, positions: int):
     """GPT-2 with random weights from transformers' GPT2Config (no download); None without transformers."""
@@ -397,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     section(results, "blackwell", clock, 30 if not dry else 0,
             lambda: blackwell(device, [(1024, 1024, 1024), (4096, 4096, 4096), (8192, 8192, 8192), (8192, 4096, 14336)]
                               if not dry else [(32, 64, 64)], warmup, repeats))
+    section(results, "fp8_rowwise", clock, 20 if not dry else 0,
+            lambda: fp8_rowwise(device, [(16, 4096, 4096), (4096, 4096, 4096), (4096, 4096, 14336)]
+                                if not dry else [(32, 64, 48)], warmup, repeats))
     section(results, "tune", clock, 90 if not dry else 0,
             lambda: run_tune(device, args.target, gpt2_size, batch, seq, trials,
                              timeout_s=max(30.0, clock.left() - 20)))

@@ -328,7 +328,7 @@ def test_applying_twice_raises():
 
 
 def test_bad_mode_and_bad_model():
-    with pytest.raises(ValueError, match="mode must be 'inference' or 'training'"):
+    with pytest.raises(ValueError, match="mode must be 'inference', 'training' or 'serve'"):
         apply_policy(make_net(), mixed_policy(), mode="train")
     with pytest.raises(TypeError, match="needs a torch.nn.Module"):
         apply_policy(lambda x: x, mixed_policy())

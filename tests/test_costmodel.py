@@ -94,7 +94,8 @@ def test_estimate_json_shape_and_null_for_a_precision_the_target_lacks():
     assert out["target"] == "a100" and out["estimated"] is True and out["for"] == "training"
     (gemm,) = out["gemms"]
     assert gemm["shape"] == [1024, 2048, 1024]
-    assert set(gemm["ms"]) == {"fp32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4"} and gemm["ms"]["fp8"] is None
+    assert set(gemm["ms"]) == {"fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "mxfp8", "nvfp4"}
+    assert gemm["ms"]["fp8"] is None
     assert gemm["ms"]["mxfp8"] is None and gemm["ms"]["nvfp4"] is None
 
 

@@ -31,7 +31,7 @@ def precisions(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(e)) from None
     if not any(Precision.parse(p).is_low for p in precisions):  # fp32 is always the reference, never a candidate
         raise argparse.ArgumentTypeError(f"{text!r} names no low precision to try; give one or more of "
-                                         "bf16, fp16, fp8 (comma-separated), e.g. --precisions bf16,fp16")
+                                         "bf16, fp16, fp8, fp8-rowwise (comma-separated), e.g. --precisions bf16,fp16")
     return precisions
 
 

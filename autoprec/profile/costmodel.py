@@ -6,8 +6,11 @@ the GPU, so the compute term is divided by the share of the streaming multiproce
 GEMM's output tiles keep busy (wave quantization). FP8 adds the work that scaling costs outside
 the GEMM, each a bandwidth-bound pass: the amax reduction and the cast of the activation, of the
 weight (once in inference, every step in training) and of the E5M2 gradient in the backward pass,
-plus the transposed copies the backward GEMMs need. MXFP8 and NVFP4 (Blackwell) add their block
-casts, each a bandwidth-bound pass at the throughput torchao publishes for its MX cast kernels
+plus the transposed copies the backward GEMMs need. ``fp8-rowwise`` (per-channel weight scales, per-token input
+scales: what serving engines run) uses the FP8 tensor cores at FP8's fitted efficiency (no published rowwise GEMM
+figures were fitted separately), and its scaling is per-tensor FP8's passes plus the per-row scales they write
+and the GEMM's epilogue reads; it is an inference format, priced for inference only. MXFP8 and NVFP4 (Blackwell)
+add their block casts, each a bandwidth-bound pass at the throughput torchao publishes for its MX cast kernels
 (NVFP4 also an amax pass for its per-tensor scale); their block scales are computed inside the cast.
 Inference is one GEMM per linear, training three (forward, input gradient, weight gradient).
 
@@ -25,12 +28,20 @@ from typing import Iterable, Mapping, Sequence
 
 from autoprec.runtime.precision import Capability, Precision, emulated_for_shape
 
-__all__ = ["MODES", "TARGETS", "Target", "UnknownTargetError", "elementwise_ms", "estimate", "estimated_latency",
-           "gemm_gb", "gemm_ms", "get_target", "layer_ms", "linear_ms", "parse_gemm", "policy_ms"]
+__all__ = ["MODES", "TARGETS", "Target", "UnknownTargetError", "cores", "elementwise_ms", "estimate",
+           "estimated_latency", "gemm_gb", "gemm_ms", "get_target", "layer_ms", "linear_ms", "parse_gemm", "policy_ms"]
 
 MODES = ("inference", "training")
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4")  # what `estimate` reports
-BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "mxfp8": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "mxfp8", "nvfp4")  # what `estimate` reports
+BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "fp8-rowwise": 1, "mxfp8": 1 + 1 / 32,
+         "nvfp4": 0.5 + 1 / 16}
+TENSOR_CORES = {"fp8-rowwise": "fp8"}  # a format that runs on another's tensor cores, at their peak
+INFERENCE_ONLY = ("fp8-rowwise",)
+
+
+def cores(precision: str) -> str:
+    """The tensor cores (a key of :attr:`Target.tflops`) that ``precision`` runs on."""
+    return TENSOR_CORES.get(precision, precision)
 
 # ---- achievable efficiency ---------------------------------------------------------------------------
 # Share of the datasheet peak a large, well-shaped GEMM reaches, with the GEMM's fixed cost and the output
@@ -89,6 +100,7 @@ class Target:
                 Precision.BF16: native if self.compute_capability >= (8, 0) else emulated,
                 Precision.FP16: native,
                 Precision.FP8: has("fp8", (8, 9)),
+                Precision.FP8_ROWWISE: has("fp8", (8, 9)),
                 Precision.MXFP8: has("mxfp8", (10, 0)),
                 Precision.NVFP4: has("nvfp4", (10, 0))}
 
@@ -171,13 +183,13 @@ def gemm_ms(target: str | Target, m: int, k: int, n: int, precision: str, out_by
     """One (m, k) x (k, n) GEMM with both operands in ``precision`` (the 8- and 4-bit formats: bf16
     output); ``batch`` such GEMMs in one launch."""
     target = get_target(target)
-    peak = target.tflops.get(precision)
+    peak = target.tflops.get(cores(precision))
     if peak is None:
         raise ValueError(f"{target.name} has no {precision} tensor cores; it runs: {', '.join(target.tflops)}")
     size = BYTES[precision]
     out_bytes = out_bytes if out_bytes is not None else (size if size >= 2 else 2)
     utilization = _tile_utilization(target, m, n, batch)
-    compute_s = 2.0 * batch * m * k * n / (peak * 1e12 * target.efficiency[precision] * utilization)
+    compute_s = 2.0 * batch * m * k * n / (peak * 1e12 * target.efficiency[cores(precision)] * utilization)
     memory_s = batch * ((m * k + k * n) * size + m * n * out_bytes) / (target.bandwidth_gbs * 1e9 * MEMORY_EFFICIENCY)
     return (max(compute_s, memory_s) + target.gemm_launch_us * 1e-6) * 1e3
 
@@ -195,6 +207,15 @@ def _fp8_scaling_ms(target: Target, numel: int, source_bytes: int, both_layouts:
     same pass, as torch.compile fuses torchao's casts)."""
     written = numel * (2 if both_layouts else 1)
     return elementwise_ms(target, numel * source_bytes) + elementwise_ms(target, numel * source_bytes, written)
+
+
+def _fp8_rowwise_scaling_ms(target: Target, rows: int, cols: int, source_bytes: int) -> float:
+    """Dynamic per-row scaling of a (rows, cols) tensor: per-tensor scaling's two passes (an amax reduction along
+    each row, then the scale-and-cast), plus the fp32 scale of each row written by the first and read by the second
+    and by the GEMM's epilogue."""
+    numel, scales = rows * cols, rows * 4
+    return (elementwise_ms(target, numel * source_bytes, scales)
+            + elementwise_ms(target, numel * source_bytes + scales, numel + scales))
 
 
 def mx_cast_ms(target: str | Target, numel: int, precision: str, source_bytes: int = 2, dim1: bool = False) -> float:
@@ -229,10 +250,16 @@ def linear_ms(target: str | Target, m: int, k: int, n: int, precision: str, mode
         raise ValueError(f"unknown mode {mode!r}; use one of: {', '.join(MODES)}")
     training = mode == "training"
     gemms = 3 if training else 1
+    if training and precision in INFERENCE_ONLY:
+        raise ValueError(f"{precision} is an inference format (what serving engines run): it has no training price; "
+                         f"price fp8 for training")
     if emulated_for_shape(precision, k, n) is not None:  # apply runs the emulation for this shape
         return _emulated_linear_ms(target, m, k, n, mode)
     if precision in ("mxfp8", "nvfp4"):
         return _mx_linear_ms(target, m, k, n, precision, training, activation_bytes, weight_bytes)
+    if precision == "fp8-rowwise":
+        ms = gemm_ms(target, m, k, n, precision) + _fp8_rowwise_scaling_ms(target, m, k, activation_bytes)
+        return ms + (0.0 if weight_cached else _fp8_rowwise_scaling_ms(target, n, k, weight_bytes))
     if precision != "fp8":
         return gemms * gemm_ms(target, m, k, n, precision)
     # FP8 GEMMs: forward E4M3 x E4M3; backward E5M2 gradient x E4M3 weight / input (as torchao does).
@@ -276,7 +303,8 @@ def estimate(target: str | Target, shapes: Iterable[Sequence[int]], mode: str = 
     for m, k, n in shapes:
         # A precision without tensor cores on the target (FP8 before compute capability 8.9, MXFP8 and
         # NVFP4 before Blackwell) is null: emulated there, it never runs faster.
-        priced = [p for p in PRECISIONS if p in target.tflops]
+        priced = [p for p in PRECISIONS if cores(p) in target.tflops and not (mode == "training"
+                                                                               and p in INFERENCE_ONLY)]
         need = {p: gemm_gb(m, k, n, p, mode) for p in priced}
         too_big = [p for p in priced if need[p] > target.memory_gb]
         if len(too_big) == len(priced):
@@ -304,7 +332,7 @@ def layer_ms(target: Target, layer, precision: str, mode: str = "inference") -> 
     if layer.kind == "linear" and layer.input_shapes and layer.output_shapes:
         k, n = layer.input_shapes[0][-1], layer.output_shapes[0][-1]
         m = max(1, _numel(layer.input_shapes[0]) // max(1, k))
-        if Precision(precision).swaps_linear and precision not in target.tflops:
+        if Precision(precision).swaps_linear and cores(precision) not in target.tflops:
             # No tensor cores for the format: its emulation (so is a shape its kernel does not take: linear_ms)
             return _emulated_linear_ms(target, m, k, n, mode)
         # Inference keeps the FP8 weight cached; the input arrives in fp32 (an fp32 region) at worst.

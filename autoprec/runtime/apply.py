@@ -69,7 +69,7 @@ from autoprec.distributed.models import (
     unwrap,
 )
 from autoprec.runtime import torchao_linear
-from autoprec.runtime.fp8_linear import FP8Linear
+from autoprec.runtime.fp8_linear import FP8Linear, FP8RowwiseLinear
 from autoprec.runtime.mx import BlockScaledLinear
 from autoprec.runtime.policy import Policy, PolicyError
 from autoprec.runtime.precision import Precision
@@ -85,12 +85,13 @@ from autoprec.runtime.rulecheck import (
     structure_fingerprint,
     takes_precision,
 )
+from autoprec.runtime.serve import NOT_REMOVABLE, NOT_TRAINABLE, serve_linears, store_low_weights
 from autoprec.runtime.weights import CastWeights, casts_weights, hand_back_parameters
 
 __all__ = ["applied_mode", "applied_policy", "apply_policy", "effective_precisions", "remove_policy",
            "structure_fingerprint", "takes_precision"]
 
-_MODES = ("inference", "training")
+_MODES = ("inference", "training", "serve")
 _STATE_ATTR = "_autoprec_state"
 
 
@@ -178,12 +179,13 @@ class _Region:
     """
 
     def __init__(self, module: nn.Module, precision: Precision, is_root: bool, fp32_compute: bool = False,
-                 fp32_outputs: bool = False) -> None:
+                 fp32_outputs: bool = False, serving: bool = False) -> None:
         self.module = module
         self.precision = precision
         self.is_root = is_root
         self.fp32_compute = fp32_compute  # root only: some region runs in fp32, so turn the mode on
         self.fp32_outputs = fp32_outputs  # root only (training): the caller's loss gets fp32
+        self.serving = serving  # root only (mode="serve"): a training forward is refused
         self.inner_forward: Callable | None = module.__dict__.get("forward")  # one the module already had
 
     @property
@@ -193,6 +195,8 @@ class _Region:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
+        if self.serving and module.training and torch.is_grad_enabled():
+            raise RuntimeError(NOT_TRAINABLE)
         forward = self.inner_forward or type(module).forward.__get__(module)
         device_type = _device_type(args, kwargs, module)
         dtype = self.precision.autocast_dtype
@@ -226,8 +230,8 @@ def _training_outputs(out: Any) -> Any:
 
 
 def _install_region(module: nn.Module, precision: Precision, is_root: bool, fp32_compute: bool,
-                    fp32_outputs: bool) -> None:
-    object.__setattr__(module, "forward", _Region(module, precision, is_root, fp32_compute, fp32_outputs))
+                    fp32_outputs: bool, serving: bool) -> None:
+    object.__setattr__(module, "forward", _Region(module, precision, is_root, fp32_compute, fp32_outputs, serving))
 
 
 def _remove_region(module: nn.Module) -> None:
@@ -268,7 +272,7 @@ def applied_policy(model: nn.Module) -> Policy | None:
 
 
 def applied_mode(model: nn.Module) -> str | None:
-    """The mode ("inference" or "training") the policy in ``model`` was applied for, or None."""
+    """The mode ("inference", "training" or "serve") the policy in ``model`` was applied for, or None."""
     state = getattr(unwrap(model), _STATE_ATTR, None)
     return state.mode if state is not None else None
 
@@ -278,7 +282,12 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     """Install ``policy`` into ``model`` in place and return the model.
 
     ``mode="inference"`` or ``"training"``: both keep the fp32 master weights and leave
-    train()/eval() as they are. Inference mode lets bf16/fp16 linears and convs cast their weights once, and
+    train()/eval() as they are. ``mode="serve"`` stores each weight once in its precision and drops the fp32
+    weights where a layer does not compute with them (:mod:`autoprec.runtime.serve`): the same outputs as
+    inference mode in less memory, for a model that is served, never trained or restored
+    (``remove_policy`` and a training forward are refused).
+
+    Inference mode lets bf16/fp16 linears and convs cast their weights once, and
     FP8 linears quantize theirs once, and reuse them until the weights change; its outputs are what the forward
     computed (bf16 logits under a bf16 policy, as under autocast). Training mode hands back fp32 outputs.
     For training with fp16 layers use ``policy.grad_scaler(device)`` in the loop (a no-op scaler when the
@@ -305,7 +314,7 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     new Parameters, so call this before ``fully_shard`` and build the optimizer after both, as FSDP2 asks.
     """
     if mode not in _MODES:
-        raise ValueError(f"mode must be 'inference' or 'training', got {mode!r}")
+        raise ValueError(f"mode must be 'inference', 'training' or 'serve', got {mode!r}")
     if kernels not in torchao_linear.KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(map(repr, torchao_linear.KERNELS))}, got {kernels!r}")
     if not isinstance(model, nn.Module):
@@ -318,7 +327,8 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     state = _Installed(policy=policy, mode=mode, fsdp_float8_all_gather=fsdp_float8_all_gather)
     buffers = {name for name, _ in model.named_buffers()}
     try:
-        own_dtype = _swap_linears(model, precisions, state, kernels)
+        own_dtype = (serve_linears(model, _aliases(model), precisions, policy, kernels) if mode == "serve"
+                     else _swap_linears(model, precisions, state, kernels))
     except Exception:  # e.g. a kernel torchao refuses on this device: a refused policy leaves no trace
         _unswap(state, set())
         raise
@@ -329,6 +339,8 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     state.ddp_ignored_before = per_rank_buffers(wrapper, model, {n for n, _ in model.named_buffers()} - buffers)
     if mode == "inference":  # before the regions: a region's forward runs the one a module already has
         _cast_once(model, precisions, state)
+    elif mode == "serve":
+        _store_once(model, precisions)
     _install_regions(model, precisions, state, own_dtype)
     object.__setattr__(model, _STATE_ATTR, state)
     return wrapper
@@ -347,6 +359,7 @@ def _checked_precisions(model: nn.Module, wrapper: nn.Module, policy: Policy, mo
     check_rules_reach(model, policy, precisions)
     check_linear_formats(model, policy, precisions)
     check_shared(_aliases(model), precisions)
+    _check_mode(model, precisions, mode)
     casts = fsdp_casts(model)
     if casts is not None:
         raise PolicyError(f"apply_policy: {casts}; {FSDP_CASTS_FIX}")
@@ -364,6 +377,14 @@ def _cast_once(model: nn.Module, precisions: dict[str, Precision], state: _Insta
             state.cast_once.append(module)
 
 
+def _store_once(model: nn.Module, precisions: dict[str, Precision]) -> None:
+    """Serving: each bf16/fp16 module keeps its weights once, in the dtype its region computes in."""
+    for module, names in _aliases(model):
+        dtype = precisions[names[0]].autocast_dtype
+        if dtype is not None:
+            store_low_weights(module, dtype)
+
+
 def _install_regions(model: nn.Module, precisions: dict[str, Precision], state: _Installed, own_dtype: set[int]
                      ) -> None:
     """A region wherever a module's precision differs from its parent's; elsewhere modules run in their parent's
@@ -377,13 +398,13 @@ def _install_regions(model: nn.Module, precisions: dict[str, Precision], state: 
         is_root = "" in names
         # An RNN in an fp32 region may be handed a low-precision value: its own fp32 region upcasts it.
         upcast = any_low and isinstance(module, _FP32_INPUTS) and precisions[names[0]].autocast_dtype is None
-        if not (is_root and any_low) and not upcast and all(
+        if not (is_root and (any_low or state.mode == "serve")) and not upcast and all(
                 precisions[n] is parent_precision(n, precisions) for n in names):
             continue
         if id(module) in own_dtype:  # torchao's MX linears set their own (bf16) compute dtype
             continue
         _install_region(module, precisions[names[0]], is_root, fp32_compute and is_root,
-                        is_root and state.mode == "training")
+                        is_root and state.mode == "training", is_root and state.mode == "serve")
         state.wrapped.append(module)
 
 
@@ -409,11 +430,12 @@ def _swap_linears(model: nn.Module, precisions: dict[str, Precision], state: _In
             if precision is Precision.FP8:
                 torchao_fp8.append(names[0])
             else:
-                state.swapped.append(torchao_linear.install_mx(model, names[0], precision))
+                state.swapped.append(torchao_linear.install_copy(model, names[0], precision))
                 own_dtype.add(id(model.get_submodule(names[0])))
             continue
         cache = state.mode == "inference"
         swap = (FP8Linear.from_linear(module, state.policy.fp8, cache_weight=cache) if precision is Precision.FP8
+                else FP8RowwiseLinear.from_linear(module, cache_weight=cache) if precision is Precision.FP8_ROWWISE
                 else BlockScaledLinear.from_linear(module, precision.value, cache_weight=cache))
         for name in names:
             parent_name, _, attr = name.rpartition(".")
@@ -427,6 +449,18 @@ def _swap_linears(model: nn.Module, precisions: dict[str, Precision], state: _In
         if state.fsdp_float8_all_gather:
             state.new_weights.update(id(getattr(parent, attr)) for parent, attr, _ in swaps)
     return own_dtype
+
+
+def _check_mode(model: nn.Module, precisions: dict[str, Precision], mode: str) -> None:
+    """fp8-rowwise is an inference format (no training recipe matches the one engines serve); a served model's
+    weights are its own, so FSDP2, which gathers fp32 shards, cannot serve one."""
+    if mode == "training" and Precision.FP8_ROWWISE in precisions.values():
+        layer = next(n for n, p in precisions.items() if p is Precision.FP8_ROWWISE)
+        raise PolicyError(f"fp8-rowwise (layer {layer!r}) is an inference format, what serving engines run; train "
+                          f"with fp8 (per-tensor), or apply the policy with mode='inference' or 'serve'")
+    if mode == "serve" and fsdp_managed(model):
+        raise PolicyError("mode='serve' stores each weight once in its precision, and FSDP2 shards this model's "
+                          "fp32 weights: serve the model unsharded, or use mode='inference'")
 
 
 def _morph_linear(linear: nn.Module, precision: Precision, state: _Installed) -> Morphed:
@@ -462,6 +496,8 @@ def remove_policy(model: nn.Module) -> nn.Module:
     state: _Installed | None = getattr(model, _STATE_ATTR, None)
     if state is None:
         raise RuntimeError("this model has no policy applied")
+    if state.mode == "serve":
+        raise RuntimeError(NOT_REMOVABLE)
     sharded = fsdp_managed(model)
     stuck = [type(getattr(parent, attr)).__name__ for parent, attr, _ in state.swapped
              if id(getattr(parent, attr)) in sharded and id(getattr(parent, attr)) not in state.revertible]

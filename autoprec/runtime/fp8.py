@@ -11,6 +11,13 @@ Where no FP8 kernel exists (every CPU, CUDA below compute capability 8.9) the FP
 is *emulated*: quantize-dequantize, then an fp32 matmul on exactly the values FP8 would
 have produced. That gives FP8's accuracy, never its speed; the tuner only ever sees the
 latency it measured, so it will not pick an emulation for speed.
+
+``fp8-rowwise`` is the FP8 that serving engines run (vLLM and SGLang on compressed-tensors ``FP8_DYNAMIC``
+checkpoints; torchao ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``): the weight with one
+scale per output channel, ``amax(|W[o, :]|) / 448``, and the input with one scale per token (per row of the input
+flattened to 2-D), ``amax(|x[t, :]|) / 448``, computed at every forward. Its functions follow compressed-tensors'
+own arithmetic bit for bit (a division by the scale, saturation at +-448, a zero scale replaced by fp32's eps),
+and its scales are descales (``value = fp8 * scale``), as compressed-tensors stores them.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["E4M3", "E4M3_MAX", "E5M2", "E5M2_MAX", "FP8Recipe", "fp8_fake_quantize", "fp8_quantize", "fp8_scale"]
+__all__ = ["E4M3", "E4M3_MAX", "E5M2", "E5M2_MAX", "FP8Recipe", "fp8_dequantize_rows", "fp8_fake_quantize",
+           "fp8_per_token", "fp8_quantize", "fp8_rows", "fp8_rowwise_weight", "fp8_scale"]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -61,3 +69,34 @@ def fp8_fake_quantize(
     if scale is None:
         scale = fp8_scale(x.detach().abs().amax(), fp8_dtype)
     return fp8_quantize(x, scale, fp8_dtype).float() / scale
+
+
+# ---- fp8-rowwise (compressed-tensors FP8_DYNAMIC) ------------------------------------------------------------
+_FP32_EPS = torch.finfo(torch.float32).eps  # what compressed-tensors puts in place of a zero fp32 scale
+
+
+def fp8_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of a 2-D tensor in E4M3 with its own descale ``amax(|row|) / 448`` (an all-zero row: fp32's eps):
+    (the E4M3 tensor, the fp32 descales of shape (rows, 1)). Computed in fp32, as compressed-tensors computes it for
+    an fp32 tensor: ``clamp(x / scale, -448, 448)`` cast to E4M3 (round to nearest even, saturating)."""
+    x = x2d.detach().float()
+    scale = x.abs().amax(dim=-1, keepdim=True) / E4M3_MAX
+    scale = torch.where(scale == 0, torch.full_like(scale, _FP32_EPS), scale)
+    return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def fp8_rowwise_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear's (out, in) weight in E4M3 with one descale per output channel: (weight, scale of shape (out, 1)),
+    the ``weight`` and ``weight_scale`` of a compressed-tensors ``FP8_DYNAMIC`` layer."""
+    return fp8_rows(weight)
+
+
+def fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An input in E4M3 with one descale per token (per row of ``x`` flattened to 2-D, as engines run a linear):
+    (the E4M3 input as (tokens, features), scale of shape (tokens, 1))."""
+    return fp8_rows(x.reshape(-1, x.shape[-1]))
+
+
+def fp8_dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 values ``q * scale`` that a row-scaled FP8 GEMM multiplies."""
+    return q.float() * scale

@@ -1,5 +1,12 @@
 """``FP8Linear``: an ``nn.Linear`` that computes in FP8 (E4M3 forward, E5M2 gradients) over fp32 master weights,
-on ``torch._scaled_mm`` where the device has FP8 GEMMs and as an exact emulation elsewhere."""
+on ``torch._scaled_mm`` where the device has FP8 GEMMs and as an exact emulation elsewhere.
+
+``FP8RowwiseLinear``: the same for ``fp8-rowwise`` (per-channel weight scales, per-token input scales, what serving
+engines run), in inference, emulated exactly (torchao's kernels run it on a GPU:
+:mod:`autoprec.runtime.torchao_linear`).
+
+``FP8ServedLinear``: either granularity as ``apply_policy(..., mode="serve")`` stores it: the E4M3 weight and its
+scale(s), no fp32 weight at all."""
 
 from __future__ import annotations
 
@@ -7,11 +14,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoprec.runtime.fp8 import E5M2, FP8Recipe, fp8_fake_quantize, fp8_quantize, fp8_scale
+from autoprec.runtime.fp8 import (
+    E5M2,
+    FP8Recipe,
+    fp8_dequantize_rows,
+    fp8_fake_quantize,
+    fp8_per_token,
+    fp8_quantize,
+    fp8_rowwise_weight,
+    fp8_scale,
+)
 from autoprec.runtime.precision import Capability, Precision, device_capabilities
 from autoprec.runtime.weights import WeightCache
 
-__all__ = ["FP8Linear", "linear_output"]
+__all__ = ["FP8Linear", "FP8RowwiseLinear", "FP8ServedLinear", "delayed_input_scale", "linear_output"]
 
 
 class _EmulatedFP8Matmul(torch.autograd.Function):
@@ -97,6 +113,23 @@ class _NativeFP8Matmul(torch.autograd.Function):
         return grad_x, grad_w.to(ctx.w_dtype), grad_b, None, None, None, None
 
 
+def delayed_input_scale(x: torch.Tensor, history: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """The per-tensor scale of this step's input, from the amax of the last ``len(history)`` steps once there are
+    any (delayed scaling; the current amax at the first step and where the history holds one); records this amax.
+
+    Whether a history exists yet is decided on the device (``torch.where``), not by reading the step counter on
+    the host."""
+    amax = x.detach().abs().amax().float()
+    with torch.no_grad():
+        scale = fp8_scale(amax)
+        if len(history) > 1:  # the buffer's length is a Python int: no sync
+            scale = torch.where(steps > 0, fp8_scale(history.amax()), scale)
+        history.copy_(torch.roll(history, 1))
+        history[0] = amax
+        steps += 1
+    return scale
+
+
 class FP8Linear(nn.Linear):
     """``nn.Linear`` computing in FP8 (E4M3 forward, E5M2 gradients) over fp32 master weights.
 
@@ -152,20 +185,8 @@ class FP8Linear(nn.Linear):
         return super().extra_repr() + f", fp8={self.recipe.recipe}, amax_history={self.recipe.amax_history}"
 
     def input_scale(self, x: torch.Tensor) -> torch.Tensor:
-        """Scale for this step's input; records its amax (delayed scaling when history > 1).
-
-        Whether a history exists yet is decided on the device (``torch.where``), not by reading
-        the step counter on the host."""
-        amax = x.detach().abs().amax().float()
-        history = self.input_amax_history
-        with torch.no_grad():
-            scale = fp8_scale(amax)
-            if len(history) > 1:  # the buffer's length is a Python int: no sync
-                scale = torch.where(self.amax_steps > 0, fp8_scale(history.amax()), scale)
-            history.copy_(torch.roll(history, 1))
-            history[0] = amax
-            self.amax_steps += 1
-        return scale
+        """Scale for this step's input; records its amax (delayed scaling when history > 1)."""
+        return delayed_input_scale(x, self.input_amax_history, self.amax_steps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = _out_dtype(x)  # the native GEMM writes it directly
@@ -191,3 +212,104 @@ class FP8Linear(nn.Linear):
                                           w_scale, out_dtype)
         wq, w_scale = self.fp8_weight()
         return _scaled_mm(fp8_quantize(x2d, x_scale).contiguous(), wq.t(), x_scale, w_scale, out_dtype, self.bias)
+
+
+class FP8RowwiseLinear(nn.Linear):
+    """``nn.Linear`` computing in ``fp8-rowwise`` over its fp32 weight: the weight quantized with one scale per
+    output channel, the input with one scale per token at every forward (compressed-tensors ``FP8_DYNAMIC``,
+    :func:`~autoprec.runtime.fp8.fp8_rows`), then ``(xq * sx) @ (wq * sw).T + b``.
+
+    An inference format: the emulation computes the values the FP8 GEMM multiplies, in fp32 (on a GPU with FP8
+    tensor cores apply_policy runs torchao's kernels instead). Parameter names match ``nn.Linear`` so checkpoints
+    load both ways; ``cache_weight`` quantizes the weight once and again only when it changes.
+    """
+
+    precision = "fp8-rowwise"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, cache_weight: bool = False,
+                 device=None, dtype=None) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.cache_weight = cache_weight
+        self._weight_cache = WeightCache()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, cache_weight: bool = False) -> FP8RowwiseLinear:
+        """An FP8RowwiseLinear sharing ``linear``'s Parameter objects."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight, new.bias = linear.weight, linear.bias
+        new.cache_weight, new._weight_cache = cache_weight, WeightCache()
+        new.train(linear.training)
+        return new
+
+    def quantized_weight(self) -> torch.Tensor:
+        """The weight as the FP8 GEMM sees it (E4M3 times its channel's scale), in fp32."""
+        return self._weight_cache.get(
+            self.weight, "emulated", lambda: (fp8_dequantize_rows(*fp8_rowwise_weight(self.weight)),),
+            enabled=self.cache_weight)[0]
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", fp8=rowwise (per-channel weight, per-token input)"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.linear(fp8_dequantize_rows(*fp8_per_token(x)), self.quantized_weight(),
+                         None if self.bias is None else self.bias.float())
+        return linear_output(y, x, self.out_features)
+
+
+class FP8ServedLinear(nn.Module):
+    """A linear as ``apply_policy(..., mode="serve")`` keeps an fp8 or fp8-rowwise layer: the weight in E4M3 and
+    its scale, stored once, no fp32 weight (``weight`` and ``weight_scale`` buffers; the bias as it was).
+
+    ``granularity="rowwise"``: ``weight_scale`` holds the descale of each output channel, shape (out, 1), as
+    compressed-tensors stores it; the input is scaled per token. ``"tensorwise"``: ``weight_scale`` holds autoprec's
+    per-tensor multiplier (``448 / amax``; values are ``weight / weight_scale``), and the input takes the delayed
+    scaling of ``recipe``. Each forward dequantizes the weight for the emulation (a temporary, freed after the
+    forward) or, per tensor on a GPU with FP8 tensor cores, runs ``torch._scaled_mm`` on it directly. The outputs
+    are those of :class:`FP8Linear` and :class:`FP8RowwiseLinear` in inference on the same weight, bit for bit."""
+
+    def __init__(self, linear: nn.Linear, granularity: str, recipe: FP8Recipe | None = None) -> None:
+        super().__init__()
+        if granularity not in ("tensorwise", "rowwise"):
+            raise ValueError(f"unknown FP8 granularity {granularity!r}; use 'tensorwise' or 'rowwise'")
+        self.in_features, self.out_features, self.granularity = linear.in_features, linear.out_features, granularity
+        w = linear.weight.detach()
+        if granularity == "rowwise":
+            weight, scale = fp8_rowwise_weight(w)
+        else:
+            scale = fp8_scale(w.abs().amax())
+            weight = fp8_quantize(w, scale)
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", scale)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        if granularity == "tensorwise":
+            history = (recipe or FP8Recipe()).amax_history
+            self.register_buffer("input_amax_history", torch.zeros(history, device=w.device), persistent=False)
+            self.register_buffer("amax_steps", torch.zeros((), dtype=torch.long, device=w.device), persistent=False)
+
+    @property
+    def precision(self) -> str:
+        return "fp8" if self.granularity == "tensorwise" else "fp8-rowwise"
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"fp8={self.granularity} (served: E4M3 weight stored once)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        with torch.autocast(x.device.type, enabled=False):
+            if self.granularity == "rowwise":
+                weight = fp8_dequantize_rows(self.weight, self.weight_scale)  # a temporary: freed after the GEMM
+                return linear_output(F.linear(fp8_dequantize_rows(*fp8_per_token(x)), weight, bias), x,
+                                     self.out_features)
+            x_scale = delayed_input_scale(x, self.input_amax_history, self.amax_steps)
+            x2d = x.reshape(-1, x.shape[-1])
+            if _scaled_mm_ok(x2d, self.weight):
+                y = _scaled_mm(fp8_quantize(x2d, x_scale).contiguous(), self.weight.t(), x_scale, self.weight_scale,
+                               _out_dtype(x), self.bias)
+            else:
+                xq = fp8_quantize(x2d, x_scale).float() / x_scale
+                y = F.linear(xq, self.weight.float() / self.weight_scale, bias)
+        return linear_output(y, x, self.out_features)

@@ -1,7 +1,7 @@
 """Checks that each rule of a policy can take effect on its layer, made before anything is installed.
 
 A rule works by running a module's forward in a region, or by swapping an ``nn.Linear`` for a module
-computing in fp8, mxfp8 or nvfp4. So a rule does nothing where the module's forward never runs (a
+computing in fp8, fp8-rowwise, mxfp8 or nvfp4. So a rule does nothing where the module's forward never runs (a
 parent that computes with the child's weight itself, as ``nn.MultiheadAttention`` does with its
 ``out_proj``), or where a format that swaps linears meets a layer that is no ``nn.Linear`` (GPT-2's
 ``Conv1D``). Each such rule is refused in one line that names the layer and the fix, never installed
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from autoprec.distributed.models import own_class
-from autoprec.runtime.fp8_linear import FP8Linear
+from autoprec.runtime.fp8_linear import FP8Linear, FP8RowwiseLinear
 from autoprec.runtime.mx import BlockScaledLinear
 from autoprec.runtime.policy import Policy, PolicyError
 from autoprec.runtime.precision import Precision
@@ -199,5 +199,5 @@ def takes_precision(module: nn.Module, precision: Precision | str) -> bool:
     """Whether a rule can run ``module`` itself in ``precision``: FP8, MXFP8 and NVFP4 exist for
     ``nn.Linear`` only."""
     if Precision.parse(precision).swaps_linear:
-        return own_class(module) in (nn.Linear, FP8Linear, BlockScaledLinear)
+        return own_class(module) in (nn.Linear, FP8Linear, FP8RowwiseLinear, BlockScaledLinear)
     return True

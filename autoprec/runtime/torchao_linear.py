@@ -15,6 +15,14 @@ and checkpoints are unchanged. An MX rule in inference runs a bf16 copy whose we
 when the policy was applied, and quantizes again when the original weight changes; its ``state_dict`` and
 ``load_state_dict`` are the original linear's (fp32), which is otherwise untouched. ``remove_policy`` puts
 the original linears back.
+
+``fp8-rowwise`` rules run on torchao's inference path, ``Float8DynamicActivationFloat8WeightConfig(granularity=
+PerRow())`` through ``quantize_``: a weight in E4M3 with a scale per output channel, the input quantized per token at
+every forward, the GEMM on FP8 tensor cores (compute capability 8.9 and up; torchao refuses it elsewhere, even to
+emulate: autoprec's :class:`~autoprec.runtime.fp8_linear.FP8RowwiseLinear` is the emulation). torchao's PerRow takes
+a bf16 weight, so in inference the layer is a bf16 copy as for MX (quantized from bf16, as an engine quantizes a bf16
+checkpoint); in ``mode="serve"`` (:func:`serve_in_place`) the linear itself becomes bf16 and ``quantize_`` with
+one ``FqnToConfig`` for every such layer stores its weight in E4M3 once, with no fp32 weight beside it.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from autoprec.runtime.precision import torchao_installed as installed
 from autoprec.runtime.regionstate import in_fp32_region
 from autoprec.runtime.weights import WeightCache
 
-__all__ = ["KERNELS", "installed", "install_fp8", "install_mx", "torchao_takes"]
+__all__ = ["KERNELS", "IN_PLACE", "installed", "install_copy", "install_fp8", "serve_in_place", "torchao_takes"]
 
 KERNELS = ("auto", "autoprec", "torchao")
 _INSTALL_HINT = "pip install 'autoprec[torchao]' (or: pip install torchao)"
@@ -60,19 +68,19 @@ def _native(precision: Precision, device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     major, minor = torch.cuda.get_device_capability(device)
-    return (major, minor) >= (8, 9) if precision is Precision.FP8 else major == 10
+    return (major, minor) >= (8, 9) if precision in (Precision.FP8, Precision.FP8_ROWWISE) else major == 10
 
 
 def torchao_takes(linear: nn.Module, precision: Precision, mode: str, kernels: str) -> bool:
     """Whether ``linear`` runs ``precision`` on torchao's module (see the module docstring)."""
     if kernels == "autoprec" or own_class(linear) is not nn.Linear:
         return False
-    if precision.block_scaled and mode == "training":
+    if precision in IN_PLACE and mode == "training":
         return False
     if kernels == "auto" and not (installed() and _native(precision, linear.weight.device)):
         return False
-    if precision is Precision.NVFP4 and not _native(precision, linear.weight.device):
-        return False  # torchao's NVFP4 needs a Blackwell GPU even for its emulation
+    if precision in (Precision.NVFP4, Precision.FP8_ROWWISE) and not _native(precision, linear.weight.device):
+        return False  # torchao's NVFP4 needs a Blackwell GPU even for its emulation, its PerRow FP8 an FP8 one
     return emulated_for_shape(precision, linear.in_features, linear.out_features) is None
 
 
@@ -91,14 +99,18 @@ def install_fp8(model: nn.Module, names: Iterable[str], emulate: bool,
     return originals
 
 
-def install_mx(model: nn.Module, name: str, precision: Precision) -> tuple[nn.Module, str, nn.Module]:
-    """Swap the linear at ``name`` for a bf16 copy that torchao's ``quantize_`` made MXFP8 or NVFP4
+# The formats torchao runs on a bf16 linear whose weight quantize_ replaced (inference and serving only).
+IN_PLACE = (Precision.FP8_ROWWISE, Precision.MXFP8, Precision.NVFP4)
+
+
+def install_copy(model: nn.Module, name: str, precision: Precision) -> tuple[nn.Module, str, nn.Module]:
+    """Swap the linear at ``name`` for a bf16 copy that torchao's ``quantize_`` made fp8-rowwise, MXFP8 or NVFP4
     (inference: the weight is quantized once, and again whenever the original weight changes, see
     :class:`~autoprec.runtime.weights.WeightCache`); the original linear and its Parameters are left as they were,
     and the copy's ``state_dict`` and ``load_state_dict`` are the original's, so a checkpoint saved while the
     policy is applied holds the user's fp32 weights and loads into the plain model. torchao's MX linears
-    compute in bf16: the copy takes its input in bf16 and hands back the input's dtype. On a CPU
-    (kernels="torchao", for tests) torchao's emulated MXFP8 kernel runs."""
+    compute in bf16 (so do its PerRow FP8 ones): the copy takes its input in bf16 and hands back the input's dtype.
+    On a CPU (kernels="torchao", for tests) torchao's emulated MXFP8 kernel runs."""
     parent_name, _, attr = name.rpartition(".")
     parent, original = model.get_submodule(parent_name), model.get_submodule(name)
     quantized = _quantized_copy(original, precision)
@@ -117,7 +129,6 @@ def install_mx(model: nn.Module, name: str, precision: Precision) -> tuple[nn.Mo
 
 def _quantized_copy(original: nn.Module, precision: Precision) -> nn.Module:
     quant = _import("torchao.quantization")
-    mx = _import("torchao.prototype.mx_formats")
     device = original.weight.device
     copy = nn.Linear(original.in_features, original.out_features, bias=original.bias is not None, device=device,
                      dtype=torch.bfloat16)
@@ -125,15 +136,41 @@ def _quantized_copy(original: nn.Module, precision: Precision) -> nn.Module:
         copy.weight.copy_(original.weight)
         if original.bias is not None:
             copy.bias.copy_(original.bias)
+    holder = nn.Sequential(copy)
+    quant.quantize_(holder, _config(precision, device))
+    return holder[0]
+
+
+def _config(precision: Precision, device: torch.device):
+    """torchao's inference config for ``precision`` (torchao's own defaults otherwise)."""
+    if precision is Precision.FP8_ROWWISE:
+        quant = _import("torchao.quantization")
+        # set_inductor_config=False: quantize_ would otherwise change torch.compile's global settings for the process
+        return quant.Float8DynamicActivationFloat8WeightConfig(granularity=quant.PerRow(), set_inductor_config=False)
+    mx = _import("torchao.prototype.mx_formats")
     if precision is Precision.MXFP8:
         preference = _import("torchao.quantization.quantize_.common.kernel_preference").KernelPreference
-        config = mx.MXDynamicActivationMXWeightConfig(
+        return mx.MXDynamicActivationMXWeightConfig(
             kernel_preference=preference.AUTO if device.type == "cuda" else preference.EMULATED)
-    else:
-        config = mx.NVFP4DynamicActivationNVFP4WeightConfig()
-    holder = nn.Sequential(copy)
-    quant.quantize_(holder, config)
-    return holder[0]
+    return mx.NVFP4DynamicActivationNVFP4WeightConfig()
+
+
+def serve_in_place(model: nn.Module, names: dict[str, Precision]) -> None:
+    """Serving (``apply_policy(..., mode="serve")``): each linear at ``names`` becomes bf16 and ``quantize_``, with one
+    ``FqnToConfig`` naming every layer and its format's config, replaces its weight by torchao's quantized tensor:
+    the weight is stored once, in its format, and no fp32 copy is kept. The linears take their input in bf16 and
+    hand back the input's dtype, as :func:`install_copy`'s do."""
+    quant = _import("torchao.quantization")
+    configs = {}
+    for name, precision in names.items():
+        linear = model.get_submodule(name)
+        linear.to(torch.bfloat16)  # the same Parameter objects, their data now bf16: the fp32 data is freed
+        configs[name] = _config(precision, linear.weight.device)
+    quant.quantize_(model, quant.FqnToConfig(configs), filter_fn=None)
+    for name in names:
+        linear = model.get_submodule(name)
+        linear.register_forward_pre_hook(_to_bf16)
+        linear.register_forward_hook(_back_to_input_dtype)
 
 
 def _follow_original(module: nn.Module, _args: tuple) -> None:

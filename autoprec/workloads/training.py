@@ -157,6 +157,9 @@ class TrainingWorkload(Workload):
             raise ValueError("target plans inference latency only for now; tune for training without a target")
         if config.compile:
             raise ValueError(COMPILE_REFUSED)
+        if "fp8-rowwise" in config.precisions:
+            raise ValueError("fp8-rowwise is an inference format (what serving engines run); tune for training with "
+                             "fp8 (per-tensor) instead")
 
     def budget(self, config: TuneConfig, has_metric: bool) -> Budget:
         """The loss (or metric) budget, 2% by default, with the gradient floor (10 dB by default) as its floor."""
