@@ -53,6 +53,10 @@ def tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exact-sensitivity", action="store_true",
                         help="evaluate every layer's sensitivity on the whole model (by default a deep model's is "
                              "estimated in time linear in depth, checked against a few exact evaluations)")
+    parser.add_argument("--no-fuse", dest="fuse", action="store_false",
+                        help="decide apart the layers a serving engine runs as one GEMM (q/k/v, gate/up, the "
+                             "experts of one MoE layer), for an engine that does not fuse them (by default each "
+                             "group takes one precision)")
     parser.add_argument("--target", help="plan for a GPU that is not here (h100, h200, a100, l4, b200, gb200): latency "
                                          "estimated by a cost model, accuracy measured here")
     parser.add_argument("--for", dest="for_", choices=("inference", "training", "generation"), default="inference",
@@ -113,7 +117,7 @@ def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
                            f"(this tune is --for {args.for_})")
     config = _config(args, out=Path(args.out) if args.out else default_out(args.model_py),  # before loading
                      compile=args.compile, profile_all=args.profile_all,
-                     exact_sensitivity=args.exact_sensitivity, progress=ranks.writes)
+                     exact_sensitivity=args.exact_sensitivity, progress=ranks.writes, fuse=args.fuse)
     if args.for_ == "training":
         from autoprec.inputs.trainspec import load_train_spec
         from autoprec.workloads.training import COMPILE_REFUSED, TrainingWorkload

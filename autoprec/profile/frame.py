@@ -61,7 +61,8 @@ def assemble(model: nn.Module, table: LayerTable, batches: Sequence[Any], where:
         not_runnable=dict(not_runnable or {}), latency_ratio=dict(latency_ratio or {}),
         end_to_end_check=dict(end_to_end_check or {}), fp32_by_model=list(table.fp32_by_model),
         not_profiled=dict(not_profiled or {}),
-        not_faster={p: list(names) for p, names in (not_faster or {}).items()}, nothing_pays_off=nothing_pays_off)
+        not_faster={p: list(names) for p, names in (not_faster or {}).items()}, nothing_pays_off=nothing_pays_off,
+        fusion_groups={group.name: list(group.layers) for group in table.fusion_groups})
 
 
 
