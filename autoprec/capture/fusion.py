@@ -54,10 +54,6 @@ def _parent(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-def _inside(name: str, module: str) -> bool:
-    return module == "" or name.startswith(module + ".")
-
-
 def group_name(layers: Sequence[str]) -> str:
     """``parent.{a,b}suffix`` for layers of one parent: the leaf names' common head and tail, cut at '_'."""
     leaves = [name.rpartition(".")[2] for name in layers]
@@ -80,12 +76,14 @@ def _common(words: Sequence[str]) -> str:
 def _expert_lists(model: nn.Module, layers: Sequence[str], prev: dict[str, list[str]]) -> list[tuple[str, list[str]]]:
     """(expert list module, its layers) for each MoE expert list whose experts run apart from one another."""
     found = []
-    for name, module in model.named_modules():
+    for name, _ in model.named_modules():
         if not name or not _EXPERTS.fullmatch(name.rpartition(".")[2]):
             continue
-        experts = [f"{name}.{child}" for child, _ in module.named_children() if child.isdigit()]
-        by_expert = {e: [n for n in layers if _inside(n, e)] for e in experts}
-        by_expert = {e: members for e, members in by_expert.items() if members}
+        by_expert: dict[str, list[str]] = {}  # numbered child -> its layers, one pass over the layers
+        for n in layers:
+            child = n[len(name) + 1:].partition(".")[0] if n.startswith(name + ".") else ""
+            if child.isdigit():
+                by_expert.setdefault(f"{name}.{child}", []).append(n)
         if len(by_expert) < 2:
             continue
         owner = {n: e for e, members in by_expert.items() for n in members}
