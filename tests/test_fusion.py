@@ -267,6 +267,55 @@ def test_the_search_keeps_a_group_on_one_precision_or_decides_it_apart(fuse, tmp
         assert (best.assignment["a"], best.assignment["b"], best.assignment["c"]) == ("fp32", "bf16", "fp32")
 
 
+class Head(nn.Module):
+    """q and k read one tensor (a fusion group), straight children of the block: sub-blocks of the search."""
+
+    def __init__(self, scale: float = 1.0):
+        super().__init__()
+        self.scale = scale
+        self.q, self.k, self.o = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        with torch.no_grad():  # scale 3e5: o's outputs pass fp16's 65504 before being divided back
+            self.o.weight.mul_(scale)
+            self.o.bias.mul_(scale)
+
+    def forward(self, x):
+        return self.o(torch.tanh(self.q(x)) * self.k(x)) / self.scale
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        with seeded(0):
+            self.blocks = nn.ModuleList([Head(), Head(3e5), Head()])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_a_structured_search_keeps_every_group_whole_in_every_trial(tmp_path):
+    model = Stack().eval()
+    names = [f"blocks.{i}.{n}" for i in range(3) for n in "qko"]
+    layers = [LayerProfile(name=n, kind="linear", type="Linear", flops=1, latency_ms={"fp32": 10.0, "fp16": 2.0},
+                           cast_ms={"fp16": 0.01}, sensitivity={"fp16": Sensitivity(45.0, None, False)}) for n in names]
+    profile = Profile(fingerprint="stack", device="cpu", torch=torch.__version__, precisions=["fp16"],
+                      capabilities={}, capture_method="test", layers=layers, end_to_end_ms={},
+                      remainder_ms={"fp32": 1.0, "fp16": 0.5}, prediction_error_pct={}, metric={"kind": "fidelity"},
+                      cost={"evaluations": 0, "seconds": {}},
+                      fusion_groups={f"blocks.{i}.{{q,k}}": [f"blocks.{i}.q", f"blocks.{i}.k"] for i in range(3)})
+    batches = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    result = search(profile, Evaluator(model, batches), Budget.parse(None, 25), SearchSpace.load("default"),
+                    precisions=["fp16"], trials=16, patience=100, storage=f"sqlite:///{tmp_path / 'study.db'}",
+                    progress=False)
+    assert any("coarse to fine" in note for note in result.notes)  # blocks, then the q+k and o sub-blocks
+    assert {t.seed for t in result.trials} >= {"greedy", "refine"}
+    for t in result.trials:
+        assert all(t.assignment[f"blocks.{i}.q"] == t.assignment[f"blocks.{i}.k"] for i in range(3)), t.assignment
+    best = result.best  # the overflowing o of block 1 stays fp32, its q and k are lowered together
+    assert best is not None and best.assignment["blocks.1.o"] == "fp32" and best.assignment["blocks.1.q"] == "fp16"
+
+
 # ---- the whole tune, the report, the policy and show ------------------------------------------------------
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
