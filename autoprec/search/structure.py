@@ -62,13 +62,20 @@ def find_parts(module_names: Sequence[str], layers: Sequence[str], groups: Seque
     """Blocks, outside parts and sub-blocks (coarse first) of a module tree; [] without repeated blocks.
     ``groups``: layers that take one decision, never split between parts."""
     order = {n: i for i, n in enumerate(layers)}
+    within: dict[str, list[str]] = {"": list(layers)}  # module -> the layers inside it, in order: one pass
+    for n in layers:
+        pieces = n.split(".")
+        for i in range(1, len(pieces) + 1):
+            within.setdefault(".".join(pieces[:i]), []).append(n)
 
     def layers_in(module: str) -> tuple[str, ...]:
-        return tuple(n for n in layers if _inside(n, module))
+        return tuple(within.get(module, ()))
+
+    group_sets = [set(g) for g in groups]
 
     def splits(module: str) -> bool:
         inside = set(layers_in(module))
-        return any(inside & set(g) and not set(g) <= inside for g in groups)
+        return any(not inside.isdisjoint(g) and not g <= inside for g in group_sets)
 
     numbered: dict[str, list[str]] = {}
     for name in module_names:
@@ -104,13 +111,14 @@ def find_parts(module_names: Sequence[str], layers: Sequence[str], groups: Seque
 
 def _together(parts: list[tuple[str, ...]], layers_in, groups: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
     """``parts`` (tuples of modules, in order) with those that share a group joined into one, first place kept."""
-    joined = [list(p) for p in parts]
+    joined = [(list(p), {n for m in p for n in layers_in(m)}) for p in parts]
     for group in groups:
-        holding = [p for p in joined if any(set(layers_in(m)) & set(group) for m in p)]
+        holding = [p for p in joined if not p[1].isdisjoint(group)]
         for other in holding[1:]:
-            holding[0] += other
+            holding[0][0].extend(other[0])
+            holding[0][1].update(other[1])
             joined.remove(other)
-    return [tuple(p) for p in joined]
+    return [tuple(modules) for modules, _ in joined]
 
 
 def _sub_blocks(block: Part, module_names: Sequence[str], layers_in, groups: Sequence[Sequence[str]]) -> list[Part]:
