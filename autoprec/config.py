@@ -33,13 +33,13 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "precisions": (str, tuple, list), "search_space": (str, Path), "timeout": (int, float, type(None)),
     "out": (str, Path, type(None)), "storage": (str, type(None)), "study_name": (str, type(None)),
     "sensitivity_batches": (int, type(None)), "seed": (int,), "progress": (bool,), "target": (str, type(None)),
-    "profile_all": (bool,), "exact_sensitivity": (bool,),
+    "profile_all": (bool,), "exact_sensitivity": (bool,), "fuse": (bool,),
 }
 _EXAMPLES = {"budget": "0.5 or '1%'", "min_sqnr": "30", "device": "'cpu' or 'cuda'", "precisions": "('bf16', 'fp16')",
              "search_space": "'auto', a preset name or a .yaml path", "timeout": "600 (seconds)",
              "out": "'runs/mine'", "storage": "'sqlite:///study.db'", "study_name": "'mine'",
              "sensitivity_batches": "1, or None for all", "seed": "0", "progress": "True or False",
-             "profile_all": "True or False", "exact_sensitivity": "True or False",
+             "profile_all": "True or False", "exact_sensitivity": "True or False", "fuse": "True or False",
              "target": "'h100'"}
 
 
@@ -78,6 +78,9 @@ class TuneConfig:
     # evaluate every layer's sensitivity exactly (the whole model once per layer and precision); by default a deep
     # model's is estimated in time linear in depth where a few exact checks agree (autoprec.profile.estimate)
     exact_sensitivity: bool = False
+    # layers a serving engine runs as one GEMM (q/k/v, gate/up, the experts of one MoE layer; found by capture) take
+    # one precision; False decides them apart, for an engine that does not fuse (tune --no-fuse)
+    fuse: bool = True
 
     def __post_init__(self) -> None:
         for name, types in _TYPES.items():

@@ -179,6 +179,7 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
             seconds["capture"] = profile.cost["seconds"].get("capture", 0.0)
             seconds["profile"] = time.perf_counter() - start - seconds["capture"]
             space = space or SearchSpace.load(choose_preset([layer.kind for layer in profile.layers]))
+            space = space.fusing(config.fuse)  # tune --no-fuse: a serving engine's fused layers decided apart
             if profile.nothing_pays_off and config.target is None:  # the answer is fp32: say why, skip the rest
                 phase = "outputs"
                 result, verification = _fp32_answer(workload, profile, space, objective, config, context)
@@ -363,7 +364,8 @@ def _tuned_policy(v: Verification, profile: Profile, budget: Budget, model: nn.M
     """The chosen policy (fp32 when nothing was chosen), with what it was tuned on and what it achieved."""
     policy = v.policy if v.policy is not None else Policy()
     policy.model = {"fingerprint": profile.fingerprint, "structure": structure_fingerprint(model),
-                    "layers": len(profile.layers), "type": type(model).__name__}
+                    "layers": len(profile.layers), "type": type(model).__name__,
+                    **({"fusion_groups": profile.fusion_groups} if profile.fusion_groups else {})}
     policy.tuned_on = {"device": profile.device, "torch": torch.__version__, "autoprec": __version__}
     policy.result = {
         "speedup": _round(v.speedup), "speedup_vs_autocast": _round(v.speedup_vs_autocast),

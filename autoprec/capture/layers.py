@@ -27,6 +27,9 @@ else b(x)``) runs other layers on other batches, so every batch then gets one ch
 that notes which modules ran compute ops (``tracing.reach``); a layer first seen there is added
 from a ``hooks`` trace of that batch. Modules with weights of their own that no batch ran are
 listed as ``not_exercised``: nothing measured them, so they stay fp32.
+
+The table also names its *fusion groups* (:mod:`autoprec.capture.fusion`): layers a serving engine
+runs as one GEMM (q/k/v, gate/up, the experts of one MoE layer), which take one decision.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec.capture.fusion import FusionGroup, find_fusion_groups
 from autoprec.capture.tracing import (
     ATTENTION_OPS,
     CONV_OPS,
@@ -58,7 +62,7 @@ from autoprec.capture.tracing import (
 from autoprec.distributed.models import sharded, storage_of
 from autoprec.inputs.userspec import batch_args
 
-__all__ = ["METHODS", "CaptureFallbackWarning", "Layer", "LayerTable", "capture"]
+__all__ = ["METHODS", "CaptureFallbackWarning", "FusionGroup", "Layer", "LayerTable", "capture"]
 
 METHODS = ("export", "symbolic_trace", "hooks")
 _SCHEMA = "autoprec.layer_table"
@@ -107,6 +111,13 @@ class LayerTable:
     # around them does not reach them, so they stay fp32 and out of the search.
     fp32_by_model: list[str] = field(default_factory=list)
     seconds: float = 0.0  # what capture took (the profile reports it beside its own phases)
+    # Layers a serving engine runs as one GEMM (q/k/v, gate/up, the experts of one MoE layer): one decision each.
+    # Tables saved before there were groups load with none.
+    fusion_groups: tuple[FusionGroup, ...] = ()
+
+    def group_of(self, name: str) -> FusionGroup | None:
+        """The fusion group holding layer ``name``, or None."""
+        return next((group for group in self.fusion_groups if name in group.layers), None)
 
     def summary(self) -> str:
         """Which path found which layers, in one line."""
@@ -124,6 +135,9 @@ class LayerTable:
                      f"{', '.join(map(str, on))} (data-dependent branches): {', '.join(later)}")
         if self.not_exercised:
             text += (f"; not exercised by any batch, kept fp32: {', '.join(self.not_exercised)}")
+        if self.fusion_groups:
+            text += (f"; {len(self.fusion_groups)} fusion group{'s' if len(self.fusion_groups) > 1 else ''} "
+                     f"(one GEMM each in a serving engine): {', '.join(g.name for g in self.fusion_groups)}")
         if self.fp32_by_model:
             text += (f"; run with autocast off by the model itself (torch.autocast(enabled=False)), kept fp32: "
                      f"{', '.join(self.fp32_by_model)}")
@@ -154,7 +168,8 @@ class LayerTable:
     def to_dict(self) -> dict:
         return {"schema": _SCHEMA, "version": _VERSION, "model_type": self.model_type, "method": self.method,
                 "layers": [dataclasses.asdict(layer) for layer in self.layers], "added": self.added,
-                "not_exercised": self.not_exercised, "n_batches": self.n_batches, "fp32_by_model": self.fp32_by_model}
+                "not_exercised": self.not_exercised, "n_batches": self.n_batches, "fp32_by_model": self.fp32_by_model,
+                "fusion_groups": [group.to_dict() for group in self.fusion_groups]}
 
     @classmethod
     def from_dict(cls, data: dict) -> LayerTable:
@@ -163,7 +178,8 @@ class LayerTable:
                              f"version={data.get('version')!r}")
         return cls([Layer(**layer) for layer in data["layers"]], data["method"], data["model_type"],
                    data.get("added", []), data.get("not_exercised", []), data.get("n_batches", 1),
-                   data.get("fp32_by_model", []))
+                   data.get("fp32_by_model", []),
+                   tuple(FusionGroup.from_dict(group) for group in data.get("fusion_groups", [])))
 
     def __str__(self) -> str:
         width = max([len(name) for name in self.names()] + [4])
@@ -176,6 +192,7 @@ class LayerTable:
                                for shape, dtype in zip(layer.output_shapes, layer.output_dtypes, strict=True))
             lines.append(f"  {layer.name or '(model)':<{width}}  {layer.type:<24} {layer.kind:<9} "
                          f"{_si(layer.flops, ''):>10} {_si(layer.weight_bytes, 'B'):>9}  {output}")
+        lines += [f"  fused ({group.reason}): {group.name}" for group in self.fusion_groups]
         return "\n".join(lines)
 
 
@@ -371,6 +388,8 @@ def capture(model: nn.Module, batches: Any, method: str = "auto") -> LayerTable:
         trace, used = _trace(model, args, kwargs, method)
         table = _table(model, trace, used)
         _add_later_layers(model, table, batches, [reach(model, batch, i) for i, batch in enumerate(batches)])
+        table.fusion_groups = find_fusion_groups(model, [(layer.name, layer.kind) for layer in table],
+                                                 trace.ops, {layer.name: layer.prev for layer in table})
     finally:
         for module, mode in training.items():
             module.training = mode

@@ -23,11 +23,35 @@ def show(args: argparse.Namespace) -> int:
     policy = Policy.load(args.policy)
     print(f"policy: {args.policy}")
     print(policy)
-    for title, block in (("model", policy.model), ("tuned on", policy.tuned_on), ("result", policy.result)):
+    model = {k: v for k, v in policy.model.items() if k != "fusion_groups"}  # shown as its own section below
+    for title, block in (("model", model), ("tuned on", policy.tuned_on), ("result", policy.result)):
         if block:
             print(f"\n{title}:")
             print(_key_values(block))
+    groups = policy.model.get("fusion_groups")
+    if isinstance(groups, dict) and groups:
+        print("\nfusion groups (one GEMM each in a serving engine):")
+        print(_fusion_groups(policy, groups))
     return 0
+
+
+def _fusion_groups(policy: Policy, groups: dict[str, Any]) -> str:
+    """Each group with the precision the policy's rules give its layers (by name: the innermost rule decides)."""
+    def precision(name: str) -> str:
+        parts = name.split(".")
+        rules = (policy.rule_for(".".join(parts[:i])) for i in range(len(parts), 0, -1))
+        return next((rule.value for rule in rules if rule is not None), policy.default.value)
+
+    width = max(len(name) for name in groups)
+    lines = []
+    for name, members in groups.items():
+        if not isinstance(members, list) or not members:
+            continue  # a hand-edited file: nothing to say of it
+        runs = [precision(str(n)) for n in members]
+        said = runs[0] if len(set(runs)) == 1 else "split: " + ", ".join(
+            f"{str(n).rpartition('.')[2]} {q}" for n, q in zip(members, runs, strict=True))
+        lines.append(f"  {name.ljust(width)}  {said}")
+    return "\n".join(lines)
 
 
 def _key_values(block: dict[str, Any]) -> str:

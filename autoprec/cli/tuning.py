@@ -54,6 +54,10 @@ def tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exact-sensitivity", action="store_true",
                         help="evaluate every layer's sensitivity on the whole model (by default a deep model's is "
                              "estimated in time linear in depth, checked against a few exact evaluations)")
+    parser.add_argument("--no-fuse", dest="fuse", action="store_false",
+                        help="decide apart the layers a serving engine runs as one GEMM (q/k/v, gate/up, the "
+                             "experts of one MoE layer), for an engine that does not fuse them (by default each "
+                             "group takes one precision)")
     parser.add_argument("--target", help="plan for a GPU that is not here (h100, h200, a100, l4, b200, gb200): latency "
                                          "estimated by a cost model, accuracy measured here")
     workloads = workload_classes()
@@ -110,7 +114,7 @@ def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
                 raise CommandError(f"{what}: tune --for {name}, or leave it out (this tune is --for {args.for_})")
     config = _config(args, out=Path(args.out) if args.out else default_out(args.model_py),  # before loading
                      compile=args.compile, profile_all=args.profile_all,
-                     exact_sensitivity=args.exact_sensitivity, progress=ranks.writes)
+                     exact_sensitivity=args.exact_sensitivity, progress=ranks.writes, fuse=args.fuse)
     workload, spec = for_.from_command(args, ranks)
     if ranks.world_size > 1 and not spec.sharded:  # verification times the job as it runs: wrapped, or DDP replicas
         from autoprec.distributed.tuning import job_wrap

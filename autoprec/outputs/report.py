@@ -264,6 +264,7 @@ def report_markdown(result: TuneResult, workload: Any = None) -> str:
             + [layer.sensitivity[q].sqnr_db if q in layer.sensitivity else None for q in p.precisions]
             for layer in p.layers]
     lines += [markdown_table(header, rows), ""]
+    lines += _fusion_section(result)
     not_exercised = getattr(p, "not_exercised", None)
     if not_exercised:
         lines += [f"Not exercised by any batch, kept fp32: {', '.join(f'`{n}`' for n in not_exercised)}.", ""]
@@ -271,6 +272,37 @@ def report_markdown(result: TuneResult, workload: Any = None) -> str:
     lines += ["", "## Profile", "", "```", profile_summary(p), "```", "",
               "Time per phase: " + ", ".join(f"{k} {x:.1f} s" for k, x in result.seconds.items()) + ".", ""]
     return "\n".join(lines)
+
+
+def _fusion_section(result: TuneResult) -> list[str]:
+    """Each fusion group (what a serving engine runs as one GEMM) and the precision the policy gives it; a group
+    decided apart (tune --no-fuse) is said as such, with what each member got."""
+    p, v = result.profile, result.verification
+    if not p.fusion_groups:
+        return []
+    chosen = v.chosen.assignment if v.chosen else {}
+    by_model = set(p.fp32_by_model)
+    unit_of = {n: u.key for u in result.search.units for n in u.layers}
+    rows, split = [], 0
+    for name, members in p.fusion_groups.items():
+        runs = {n: "fp32" if n in by_model else chosen.get(n, "fp32") for n in members}
+        together = len({unit_of.get(n) for n in members}) == 1
+        if len(set(runs.values())) == 1:
+            decision = next(iter(runs.values()))
+        else:
+            split += 1
+            decision = "split: " + ", ".join(f"{n.rpartition('.')[2]} {q}" for n, q in runs.items())
+        rows.append([f"`{name}`", len(members), "one decision" if together else "decided apart", decision])
+    apart = any(row[2] == "decided apart" for row in rows)
+    lines = ["## Fusion groups", "",
+             "Layers a serving engine runs as one GEMM (q/k/v, gate/up, the experts of one MoE layer), found from "
+             "the captured graph: " + ("decided apart (tune --no-fuse)." if apart else "each took one decision."), "",
+             markdown_table(["group", "layers", "searched as", "precision"], rows), ""]
+    if split:
+        lines += [f"{split} group(s) run in more than one precision: an engine that fuses them loads one scheme per "
+                  "group (vLLM refuses the checkpoint or runs the first part's); serve them unfused, or tune "
+                  "without --no-fuse.", ""]
+    return lines
 
 
 def _metric_words(kind: str) -> str:

@@ -59,7 +59,8 @@ def assemble(model: nn.Module, table: LayerTable, batches: Sequence[Any], where:
         model_type=table.model_type, timed="forward" if fields.get("training") is None else "training step",
         autocast_untuned=list(latency.autocast_untuned), not_runnable=dict(latency.not_runnable),
         latency_ratio=dict(latency.ratio), end_to_end_check=dict(latency.end_to_end_comparison),
-        fp32_by_model=list(table.fp32_by_model), **fields)
+        fp32_by_model=list(table.fp32_by_model),
+        fusion_groups={group.name: list(group.layers) for group in table.fusion_groups}, **fields)
 
 
 def _as_run(latency_ms: Mapping[str, float], fp32_by_model: bool) -> dict[str, float]:

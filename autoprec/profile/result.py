@@ -110,6 +110,9 @@ class Profile:
     not_profiled: dict[str, str] = field(default_factory=dict)
     not_faster: dict[str, list[str]] = field(default_factory=dict)
     nothing_pays_off: str = ""
+    # Capture's fusion groups (LayerTable.fusion_groups): group name -> its layers, which a serving engine runs as
+    # one GEMM and the search decides together. Older profiles lack it: read as none.
+    fusion_groups: dict[str, list[str]] = field(default_factory=dict)
 
     def layer(self, name: str) -> LayerProfile:
         for layer in self.layers:

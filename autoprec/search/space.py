@@ -18,16 +18,22 @@ language model, and safe in bf16); a user's own file pins. A ``pin``, ``prefer``
 ``groups`` pattern of the user's file that matches no layer of the model warns
 (:class:`SearchSpaceWarning`), as a policy's unmatched pattern does; the presets' patterns are
 written for many models (``lm_head``, ``classifier``, ...), so theirs stay quiet.
+
+Beside the space's own groups, the *fusion groups* capture found (layers a serving engine runs as one
+GEMM: q/k/v, gate/up, the experts of one MoE layer; :mod:`autoprec.capture.fusion`) are units too, so
+each takes one decision; a fusion group and a ``groups`` pattern that share a layer become one unit.
+A ``pin`` on one member pins its whole fusion group (and warns). ``SearchSpace.fusing(False)``
+(``tune --no-fuse``) decides the members apart, for an engine that does not fuse.
 """
 
 from __future__ import annotations
 
 import re
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import yaml
 
@@ -67,6 +73,7 @@ class SearchSpace:
     groups: tuple[str, ...] = ()
     structure: bool = True  # with repeated blocks in the model: search blocks first, then finer
     preset: bool = False  # a shipped preset: its patterns are generic, so one that matches nothing is quiet
+    fuse: bool = True  # fusion groups (what an engine runs as one GEMM) take one decision; see fusing()
 
     def __post_init__(self) -> None:
         where = f"search space {self.name!r}"
@@ -135,31 +142,59 @@ class SearchSpace:
             raise SearchSpaceError(f"search space {name!r}: not valid YAML: {e}") from None
         return cls.from_dict(data, name, preset)
 
-    def units(self, layers: Sequence[tuple[str, str]], precisions: Sequence[str]) -> tuple[list[Unit], list[str]]:
+    def fusing(self, fuse: bool) -> SearchSpace:
+        """This space with its fusion groups decided together (``fuse``) or apart. An unfused space is named
+        apart (``<name>-no-fuse``), so a study of one is never resumed as the other."""
+        if fuse == self.fuse:
+            return self
+        return replace(self, fuse=fuse, name=f"{self.name}-no-fuse" if not fuse else self.name.removesuffix("-no-fuse"))
+
+    def units(self, layers: Sequence[tuple[str, str]], precisions: Sequence[str],
+              fused: Mapping[str, Sequence[str]] | None = None) -> tuple[list[Unit], list[str]]:
         """Split ``(name, kind)`` layers (in execution order) into search units and pinned layers.
 
         ``precisions`` are the ones allowed for this run; a unit's candidates are those of its
-        kind that every layer in it allows (fp32 always).
+        kind that every layer in it allows (fp32 always). ``fused``: capture's fusion groups (name ->
+        layers), each one unit (merged with any ``groups`` unit it shares a layer with) unless the space
+        does not fuse; a group with a member pinned, or of a kind the space keeps fp32, is pinned whole.
         """
         names = [n for n, _ in layers]
+        fused = {group: members for group, members in (fused or {}).items() if self.fuse}
         pinned = _matching(self.pin, names)
         self._warn_unmatched(names)
-        keys: dict[str, list[tuple[str, str]]] = {}
+        pinned = self._pin_groups(pinned, fused, dict(layers))
+        keys: dict[str, str] = {}  # layer -> its unit key before fusion groups join units
         for name, kind in layers:
             if name in pinned or not self.candidates.get(kind):
                 continue
-            key = name
-            for pattern in self.groups:
-                m = re.fullmatch(pattern, name)
-                if m:
-                    key = f"group:{m.group(1)}"
-                    break
-            keys.setdefault(key, []).append((name, kind))
+            keys[name] = next((f"group:{m.group(1)}" for m in (re.fullmatch(p, name) for p in self.groups) if m), name)
+        keys = _join(keys, fused)
+        by_key: dict[str, list[tuple[str, str]]] = {}
+        for name, kind in layers:
+            if name in keys:
+                by_key.setdefault(keys[name], []).append((name, kind))
         units = []
-        for key, members in keys.items():
+        for key, members in by_key.items():
             allowed = [p for p in precisions if all(p in self.candidates.get(kind, ()) for _, kind in members)]
             units.append(Unit(key=key, layers=tuple(n for n, _ in members), candidates=("fp32", *allowed)))
         return units, pinned
+
+    def _pin_groups(self, pinned: list[str], fused: Mapping[str, Sequence[str]], kinds: Mapping[str, str]
+                    ) -> list[str]:
+        """``pinned`` with every fusion group that has a member kept fp32 (pinned, or of a kind this space does not
+        tune) kept fp32 whole: an engine runs the group as one GEMM, in one precision. Warns for a pin that reached
+        further than it said."""
+        kept = set(pinned)
+        for group, members in fused.items():
+            fixed = [n for n in members if n in kept or n in kinds and not self.candidates.get(kinds[n])]
+            if fixed and len(fixed) < len(members):
+                kept.update(members)
+                if any(n in pinned for n in fixed):
+                    warnings.warn(f"search space {self.name!r}: the pin on {', '.join(fixed)} keeps the whole fusion "
+                                  f"group {group} fp32 ({', '.join(n for n in members if n not in fixed)} too): a "
+                                  "serving engine runs it as one GEMM; tune --no-fuse decides its layers apart",
+                                  SearchSpaceWarning, stacklevel=4)
+        return [n for n in kinds if n in kept]
 
     def preferred(self, names: Sequence[str]) -> list[str]:
         """The layers of ``names`` (in execution order) this space prefers fp32 (``prefer``), pinned ones left out."""
@@ -187,6 +222,31 @@ def allows_everywhere(space: SearchSpace, layers: Sequence[tuple[str, str]], pre
     units, pinned = space.units(layers, [precision])
     covered = {n for u in units if precision in u.candidates for n in u.layers}
     return not pinned and covered == {n for n, _ in layers}
+
+
+def _join(keys: Mapping[str, str], fused: Mapping[str, Sequence[str]]) -> dict[str, str]:
+    """Each layer's unit key once fusion groups join the units their members are in: a component of units
+    linked by fusion groups takes the key of its first space group (``group:``), else ``fused:<group name>``."""
+    parent: dict[str, str] = {}
+
+    def root(key: str) -> str:
+        while parent.get(key, key) != key:
+            key = parent[key]
+        return key
+
+    def better(a: str, b: str) -> str:  # the key a joined unit keeps
+        return b if b.startswith("group:") and not a.startswith("group:") else a
+
+    for group, members in fused.items():
+        into = f"fused:{group}"
+        for name in members:
+            if name in keys:
+                a, b = root(into), root(keys[name])
+                if a != b:
+                    keep = better(a, b)
+                    parent[a if keep == b else b] = keep
+                    into = keep
+    return {name: root(key) for name, key in keys.items()}
 
 
 def _matching(patterns: Sequence[str], names: Sequence[str]) -> list[str]:

@@ -11,6 +11,10 @@ The search goes coarse to fine: blocks and outside parts first, then the sub-blo
 of the blocks at the boundary. :class:`Structure` turns the study's parameters (part keys and
 the flat layer/group unit keys, coarse before fine) into a per-layer assignment plus the module
 regions, and names the structured heuristics the search seeds itself with.
+
+Parts keep the search's groups whole (a fusion group or a ``groups`` unit: one decision): a numbered
+child that holds only part of a group is no block (an expert of a MoE layer is not a transformer
+block), and outside parts or sub-blocks that share a group are one part.
 """
 
 from __future__ import annotations
@@ -54,16 +58,28 @@ def _parent(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-def find_parts(module_names: Sequence[str], layers: Sequence[str]) -> list[Part]:
-    """Blocks, outside parts and sub-blocks (coarse first) of a module tree; [] without repeated blocks."""
+def find_parts(module_names: Sequence[str], layers: Sequence[str], groups: Sequence[Sequence[str]] = ()) -> list[Part]:
+    """Blocks, outside parts and sub-blocks (coarse first) of a module tree; [] without repeated blocks.
+    ``groups``: layers that take one decision, never split between parts."""
     order = {n: i for i, n in enumerate(layers)}
+    within: dict[str, list[str]] = {"": list(layers)}  # module -> the layers inside it, in order: one pass
+    for n in layers:
+        pieces = n.split(".")
+        for i in range(1, len(pieces) + 1):
+            within.setdefault(".".join(pieces[:i]), []).append(n)
 
     def layers_in(module: str) -> tuple[str, ...]:
-        return tuple(n for n in layers if _inside(n, module))
+        return tuple(within.get(module, ()))
+
+    group_sets = [set(g) for g in groups]
+
+    def splits(module: str) -> bool:
+        inside = set(layers_in(module))
+        return any(not inside.isdisjoint(g) and not g <= inside for g in group_sets)
 
     numbered: dict[str, list[str]] = {}
     for name in module_names:
-        if name and name.rpartition(".")[2].isdigit() and len(layers_in(name)) >= 2:
+        if name and name.rpartition(".")[2].isdigit() and len(layers_in(name)) >= 2 and not splits(name):
             numbered.setdefault(_parent(name), []).append(name)
     candidates = [n for kids in numbered.values() if len(kids) >= 2 for n in kids]
     # The outermost repeated level is the block (a stage, not the residual units inside it).
@@ -83,15 +99,29 @@ def find_parts(module_names: Sequence[str], layers: Sequence[str]) -> list[Part]
             if not any(_inside(b, prefix) for b in blocks):
                 outside.setdefault(prefix, []).append(layer)
                 break
-    parts += [Part(PREFIX + m, "outside", (m,), tuple(ls)) for m, ls in outside.items()]
+    for modules in _together([(m,) for m in outside], layers_in, groups):
+        members = tuple(n for n in layers if any(n in outside[m] for m in modules))
+        parts.append(Part(PREFIX + "+".join(modules), "outside", modules, members))
     parts.sort(key=lambda p: order[p.layers[0]])
 
     for block in [p for p in parts if p.level == "block"]:
-        parts += _sub_blocks(block, module_names, layers_in)
+        parts += _sub_blocks(block, module_names, layers_in, groups)
     return parts
 
 
-def _sub_blocks(block: Part, module_names: Sequence[str], layers_in) -> list[Part]:
+def _together(parts: list[tuple[str, ...]], layers_in, groups: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
+    """``parts`` (tuples of modules, in order) with those that share a group joined into one, first place kept."""
+    joined = [(list(p), {n for m in p for n in layers_in(m)}) for p in parts]
+    for group in groups:
+        holding = [p for p in joined if not p[1].isdisjoint(group)]
+        for other in holding[1:]:
+            holding[0][0].extend(other[0])
+            holding[0][1].update(other[1])
+            joined.remove(other)
+    return [tuple(modules) for modules, _ in joined]
+
+
+def _sub_blocks(block: Part, module_names: Sequence[str], layers_in, groups: Sequence[Sequence[str]]) -> list[Part]:
     root = block.modules[0]
     while True:  # a block that wraps one child (e.g. a layer around its one sublayer): look inside it
         kids = [m for m in module_names if _parent(m) == root and layers_in(m)]
@@ -101,14 +131,14 @@ def _sub_blocks(block: Part, module_names: Sequence[str], layers_in) -> list[Par
     if len(kids) < 2:
         return []
     last = {k.rpartition(".")[2]: k for k in kids}
-    groups: list[tuple[str, ...]] = []
+    pieces: list[tuple[str, ...]] = []
     for k in kids:
         tail = k.rpartition(".")[2]
         if tail == "output" and "intermediate" in last:
             continue  # BERT's MLP is intermediate + output: one sub-block
-        groups.append((k, last["output"]) if tail == "intermediate" and "output" in last else (k,))
+        pieces.append((k, last["output"]) if tail == "intermediate" and "output" in last else (k,))
     out = []
-    for modules in groups:
+    for modules in _together(pieces, layers_in, groups):
         tail = modules[0].rpartition(".")[2].lower()
         role = "attention" if _ATTENTION.fullmatch(tail) else "mlp" if _MLP.fullmatch(tail) else ""
         key = PREFIX + "+".join([modules[0], *(m.rpartition(".")[2] for m in modules[1:])])
@@ -168,7 +198,7 @@ class Structure:
         searched = {n for u in units for n in u.layers}
         forced = [n for n in names if n not in searched]
         parts, candidates = [], {}
-        for part in find_parts(module_names, names):
+        for part in find_parts(module_names, names, [u.layers for u in units if len(u.layers) > 1]):
             members = tuple(n for n in part.layers if n in searched)
             if not members:
                 continue

@@ -77,7 +77,8 @@ def plan_units(profile: Profile, space: SearchSpace, precisions: Sequence[str]) 
     device only emulates it (never a speed-up, whatever a noisy timing says), or when the profile
     does not show it measurably faster than fp32 for the unit on this device.
     """
-    units, pinned = space.units([(layer.name, layer.kind) for layer in profile.layers], precisions)
+    units, pinned = space.units([(layer.name, layer.kind) for layer in profile.layers], precisions,
+                                profile.fusion_groups)
     layers = {layer.name: layer for layer in profile.layers}
     kept_units, dropped = [], {}
     for unit in units:
