@@ -179,7 +179,7 @@ class LayerTable:
         return cls([Layer(**layer) for layer in data["layers"]], data["method"], data["model_type"],
                    data.get("added", []), data.get("not_exercised", []), data.get("n_batches", 1),
                    data.get("fp32_by_model", []),
-                   tuple(FusionGroup.from_dict(group) for group in data.get("fusion_groups", [])))
+                   fusion_groups=tuple(FusionGroup.from_dict(group) for group in data.get("fusion_groups", [])))
 
     def __str__(self) -> str:
         width = max([len(name) for name in self.names()] + [4])
