@@ -294,8 +294,8 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     policy has no fp16).
 
     ``model`` may be wrapped by DDP or torch.compile (the policy goes into the model inside, whose names
-    it uses) and sharded by FSDP2's ``fully_shard``, before or after this call; see the README's
-    "Many GPUs" for the order each precision needs. On such a model in a job of several processes the ranks
+    it uses) and sharded by FSDP2's ``fully_shard``, before or after this call; see docs/distributed.md
+    for the order each precision needs. On such a model in a job of several processes the ranks
     compare their policies (a collective: every rank calls this, as a training script does) and ranks that differ
     are refused in one line; FSDP2's own ``MixedPrecisionPolicy`` with a low ``param_dtype`` or ``reduce_dtype``
     is refused (it would cast every layer, fp32 rules included).
