@@ -71,6 +71,7 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
     not_profiled: dict[str, str] = {}
     not_faster: dict[str, list[str]] = {}
     nothing = ""
+    looked: dict[str, Any] = {}  # the whole-model check of what the largest layer ruled out (probe.py), if it ran
     if target is not None:  # planning for a GPU that is not here: the cost model's estimate
         from autoprec.profile.costmodel import estimated_latency, get_target
 
@@ -87,6 +88,10 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
                 probes = ranks.from_first(probe_precisions(model, table, first, low, caps, device))
             not_profiled = {p: probe.why for p, probe in probes.items() if not probe.pays_off}
             nothing = nothing_pays_off(probes, device)
+            # where the whole model overruled its largest layer, and how busy the machine was: for profile.json
+            checked = [probe for probe in probes.values() if probe.model_ratio is not None]
+            if checked:
+                looked = {"notes": [probe.note for probe in checked if probe.note], "machine": checked[0].machine}
         emulated = [p for p in low if caps[p] is Capability.EMULATED]
         # An emulated block-scaled format is never timed: its emulation's time says nothing of the
         # format's speed on the GPUs that have it (plan for one with --target). It keeps its sensitivity.
@@ -128,7 +133,8 @@ def profile_model(model: nn.Module, table: LayerTable, batches: Sequence[Any],
                     metric={"kind": "fidelity" if evaluator.uses_fidelity else "user", "fp32": evaluator.metric_fp32,
                             "higher_is_better": evaluator.higher_is_better, "batches": len(sens_batches)},
                     cost={"evaluations": ranks.count(evaluator.evaluations), "seconds": seconds,
-                          **({"sensitivity": how[0].removeprefix("sensitivity: ")} if how else {})},
+                          **({"sensitivity": how[0].removeprefix("sensitivity: ")} if how else {}),
+                          **({"speed_probe": looked} if looked else {})},
                     autocast_untuned=latency.autocast_untuned, not_runnable=latency.not_runnable,
                     latency_ratio=latency.ratio, end_to_end_check=latency.end_to_end_comparison,
                     not_profiled=not_profiled, not_faster=not_faster, nothing_pays_off=nothing)
