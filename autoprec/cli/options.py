@@ -88,12 +88,20 @@ def default_out(model_py: str) -> Path:
 
 def load_spec(args: argparse.Namespace, shard: bool = False):
     """The model.py named on the command line, after the device check; ``shard`` (torchrun): a model built on the
-    meta device is sharded and materialised by its ``wrap`` (:func:`autoprec.inputs.userspec.load_model_py`)."""
+    meta device is sharded and materialised by its ``wrap`` (:func:`autoprec.inputs.userspec.load_model_py`).
+    Tuned for generation, the batches are prompts, checked by generating from each (an encoder-decoder's forward
+    cannot take a prompt alone: :func:`autoprec.workloads.generation.check_generates`)."""
     from autoprec.inputs.userspec import load_model_py
 
     check_device(args.device)
     print(f"loading {args.model_py}", file=sys.stderr)
-    return load_model_py(args.model_py, shard=shard)
+    if getattr(args, "for_", None) != "generation":
+        return load_model_py(args.model_py, shard=shard)
+    from autoprec.workloads.generation import check_generates
+
+    spec = load_model_py(args.model_py, shard=shard, check=False)
+    check_generates(spec)
+    return spec
 
 
 def check_device(device: str) -> None:
