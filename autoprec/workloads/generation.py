@@ -156,6 +156,8 @@ def check_generates(spec: Any) -> None:
     ``evaluate()`` once on the fp32 model, as :func:`~autoprec.inputs.userspec.load_model_py` checks it."""
     from autoprec.inputs.userspec import UserCodeError, one_line, run_evaluate
 
+    if spec.generate is None and not callable(getattr(spec.model, "generate", None)):
+        return  # nothing generates: the workload says so in one line, with the fix
     run: Callable[[nn.Module, Any], Any] = lambda model, batch: hf_generate(model, batch, 2)  # noqa: E731
     if spec.generate is not None:
         takes_count = "new_tokens" in inspect.signature(spec.generate).parameters
