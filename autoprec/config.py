@@ -24,7 +24,9 @@ if TYPE_CHECKING:
     from autoprec.search.space import SearchSpace
     from autoprec.verify.config import VerifyConfig
 
-__all__ = ["TuneConfig", "check_device"]
+__all__ = ["MAX_SEED", "TuneConfig", "check_device"]
+
+MAX_SEED = 2**31 - 1  # room for a rank number on top: the sampler's seed is seed + rank, at most 2**32 - 1
 
 # Each setting's accepted types (beyond what __post_init__ checks of its value), so that a wrong type is one
 # line naming the setting here, not a traceback from wherever the value is first used.
@@ -102,6 +104,8 @@ class TuneConfig:
             raise ValueError(f"trials must be a whole number >= 1, got {self.trials!r}")
         if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 1:
             raise ValueError(f"patience must be a whole number >= 1, got {self.patience!r}")
+        if not 0 <= self.seed <= MAX_SEED:  # the sampler's generator takes 0 .. 2**32 - 1, and each rank adds its own
+            raise ValueError(f"seed must be a whole number from 0 to {MAX_SEED}, got {self.seed}; e.g. seed=0")
         if isinstance(self.precisions, str):
             object.__setattr__(self, "precisions", tuple(p for p in self.precisions.split(",") if p.strip()))
         precisions = tuple(dict.fromkeys(Precision.parse(p).value for p in self.precisions))
@@ -109,6 +113,10 @@ class TuneConfig:
             raise ValueError(f"precisions {','.join(precisions) or '(none)'} hold no low precision to tune to: "
                              f"give one or more of {', '.join(p.value for p in Precision if p.is_low)}")
         object.__setattr__(self, "precisions", precisions)
+        if self.budget is not None or self.min_sqnr is not None:  # "abc", -1 or 0 dB: one line now, not after loading
+            from autoprec.measuring.budget import Budget
+
+            Budget.parse(self.budget, self.min_sqnr)
         if self.out is not None:
             object.__setattr__(self, "out", Path(self.out))
         if self.target is not None:

@@ -11,7 +11,7 @@ from autoprec.errors import UserError
 from autoprec.runtime.precision import Precision
 
 __all__ = ["CommandError", "budget_arguments", "check_device", "default_out", "load_spec", "model_arguments",
-           "number", "port", "positive_int", "positive_number", "precisions"]
+           "number", "port", "positive_int", "positive_number", "precisions", "seed"]
 
 
 class CommandError(UserError):
@@ -33,6 +33,19 @@ def precisions(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"{text!r} names no low precision to try; give one or more of "
                                          "bf16, fp16, fp8, fp8-rowwise (comma-separated), e.g. --precisions bf16,fp16")
     return precisions
+
+
+def seed(text: str) -> int:
+    """A sampler seed: a whole number from 0 to :data:`autoprec.config.MAX_SEED`."""
+    from autoprec.config import MAX_SEED
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected a seed from 0 to {MAX_SEED}, got {value}")
+    return value
 
 
 def port(text: str) -> int:

@@ -22,6 +22,7 @@ from autoprec.cli.options import (
     positive_int,
     positive_number,
     precisions,
+    seed,
 )
 from autoprec.errors import Terminated
 from autoprec.runtime.policy import Policy
@@ -47,7 +48,7 @@ def tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--study-name", help="study name within --storage (workers of one study share it)")
     parser.add_argument("--sensitivity-batches", type=positive_int, default=1,
                         help="search batches used per sensitivity evaluation (default 1)")
-    parser.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    parser.add_argument("--seed", type=seed, default=0, help="sampler seed (default 0)")
     parser.add_argument("--profile-all", action="store_true",
                         help="profile every layer's sensitivity in every precision, also those measured not faster "
                              "than fp32 here (skipped by default)")

@@ -36,8 +36,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-__all__ = ["Comparison", "Interval", "Ratio", "compare", "median_interval", "rotations", "round_orders",
-           "settle", "shift_interval", "timed_together", "together"]
+__all__ = ["TIE_TOLERANCE", "Comparison", "Interval", "Ratio", "compare", "median_interval", "paired_ratio",
+           "rotations", "round_orders", "settle", "shift_interval", "timed_together", "together"]
 
 # Processes that run one job (the ranks of a torchrun job) time it together: every call to a model with
 # collectives inside must happen on all of them, so each round's times become the slowest process's (the
@@ -61,6 +61,10 @@ def together(values: list[float]) -> list[float]:
     """``values`` as the processes timing together see them (see :func:`timed_together`): each one's largest."""
     slowest = _SLOWEST.get()
     return values if slowest is None else slowest(values)
+
+# An estimate this close to 1 is no difference on a shared machine: a ratio that only all the rounds at once put
+# on one side of 1 must also be further than this from it (:attr:`Ratio.outcome`)
+TIE_TOLERANCE = 0.03
 
 _MAD_TO_SIGMA = 1.4826  # median absolute deviation of a normal sample, in standard deviations
 
@@ -226,6 +230,35 @@ class Ratio:
             decision = "tie" if precise else "undecided"
         return cls(math.exp(centre), math.exp(low), math.exp(high), len(logs), decision)
 
+    @property
+    def outcome(self) -> str:
+        """What the rounds showed once they stopped: the one rule every choice, headline and note follows.
+
+        "faster" or "slower" where the sequential test decided so while the rounds ran, or, where they ran to a
+        cap undecided, where all of them at once do: the whole 95% interval on one side of 1 and the estimate
+        more than :data:`TIE_TOLERANCE` from it (:attr:`by_all_rounds` says which); else the decision, "tie" or
+        "undecided" (neither faster nor slower: a tie with the reference keeps the reference)."""
+        if self.decision in ("faster", "slower"):
+            return self.decision
+        if self.high < 1 and self.estimate < 1 - TIE_TOLERANCE:
+            return "faster"
+        if self.low > 1 and self.estimate > 1 + TIE_TOLERANCE:
+            return "slower"
+        return self.decision
+
+    @property
+    def by_all_rounds(self) -> bool:
+        """Decided faster or slower only by all the rounds at once, after they ran to a cap undecided."""
+        return self.outcome != self.decision
+
+    def words(self, reference: str = "fp32") -> str:
+        """This ratio as a time against ``reference``'s, with what it decides (:attr:`outcome`)."""
+        how = {"faster": "decided faster", "slower": "decided slower", "tie": f"a tie within ±{TIE_TOLERANCE:.0%}",
+               "undecided": f"undecided: not distinguishable from {reference} at this noise"}[self.outcome]
+        how += " by all the rounds at once, at the cap" if self.by_all_rounds else ""
+        return (f"{self.estimate:.2f}x [{self.low:.2f}, {self.high:.2f}] of {reference}'s time over {self.rounds} "
+                f"paired rounds, {how}")
+
     def at_most(self, limit: float) -> bool | None:
         """A goal "this ratio <= ``limit``" judged by the interval: True when all of it is at or below the
         limit, False when all of it is above, None (undecided at this noise) when it straddles the limit."""
@@ -272,7 +305,7 @@ class Comparison:
         """The entries not done: undecided, or (``until="precise"``) measured less precisely than asked."""
         if self.until == "precise":
             return [name for name, r in self.ratios.items() if not r.within(self.rel_precision)]
-        return [name for name, r in self.ratios.items() if not r.decided]
+        return [name for name, r in self.ratios.items() if r.outcome == "undecided"]
 
     @property
     def decided(self) -> bool:
@@ -298,22 +331,36 @@ class Comparison:
         """One line: what was decided, or that the machine was too noisy to decide within the cap."""
         n = len(self.ratios)
         noise = f"timing noise ±{self.noise:.0%}"
-        if self.decided:
+        if self.decided and self.capped_by is None:
             return f"{noise}: all {n} comparisons decided in {self.rounds} rounds ({self.seconds:.1f} s)"
         cap = (f"cap {self.caps['seconds']:g} s" if self.capped_by == "seconds"
                else f"cap {int(self.caps['rounds'])} rounds")
         if self.until == "precise":
             return (f"{noise} on this machine: {len(self.undecided)} of {n} ratios not measured to "
                     f"±{self.rel_precision * 100:g}% after {self.rounds} rounds ({cap}); see their intervals")
+        late = [name for name, r in self.ratios.items() if r.by_all_rounds]
+        late_said = (f"; {len(late)} decided only by all the rounds at once ({', '.join(late)}: the 95% interval "
+                     f"on one side of 1, the estimate over {TIE_TOLERANCE:.0%} from it)" if late else "")
+        if not self.undecided:
+            return f"{noise} on this machine: all {n} comparisons decided after {self.rounds} rounds ({cap}){late_said}"
         return (f"{noise} on this machine: {len(self.undecided)} of {n} comparisons undecided after "
-                f"{self.rounds} rounds ({cap}); not distinguishable from {self.reference}, treated as ties")
+                f"{self.rounds} rounds ({cap}); not distinguishable from {self.reference}, treated as ties{late_said}")
 
     def to_dict(self) -> dict[str, Any]:
         """For profile.json and reports (non-finite bounds become null through jsonsafe)."""
         return {"reference": self.reference, "rounds": self.rounds, "seconds": self.seconds,
                 "confidence": self.confidence, "rel_precision": self.rel_precision, "noise": self.noise,
                 "decided": self.decided, "verdict": self.verdict, "samples_ms": self.samples,
-                "ratios": {k: asdict(v) for k, v in self.ratios.items()}}
+                "ratios": {k: {**asdict(v), "outcome": v.outcome} for k, v in self.ratios.items()}}
+
+
+def paired_ratio(samples: Mapping[str, Sequence[float]], key: str, over: str) -> Ratio | None:
+    """``key``'s time over ``over``'s from their paired rounds (None when a run broke down or there
+    is one estimate each: nothing to pair)."""
+    a, b = samples[key], samples[over]
+    if len(a) < 2 or len(a) != len(b) or not all(math.isfinite(x) and x > 0 for x in [*a, *b]):
+        return None
+    return Ratio.of(a, b)
 
 
 def round_orders(keys: Sequence[str], rounds: int) -> list[list[str]]:

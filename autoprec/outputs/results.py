@@ -94,21 +94,34 @@ def _versus_autocast(v: Verification) -> str | None:
     """One line on the policy against blanket autocast, or None where they are one row."""
     if v.tuned_is_autocast or v.policy is None:
         return None
-    s = v.speedup_of("tuned", "autocast")
+    blanket = f"blanket {v.autocast_precision}"
     if v.estimated_for is not None:
+        s = v.speedup_of("tuned", "autocast")
         return f"autoprec policy vs blanket autocast ({v.autocast_precision}): {s.ratio:.2f}x, estimated for " \
                f"{v.estimated_for} by the cost model"
-    line = f"autoprec policy vs blanket autocast ({v.autocast_precision}): {_said(s)}"
+    line = f"autoprec policy vs blanket autocast ({v.autocast_precision}): {_said(v.samples, blanket)}"
     if v.compiled_samples:
-        line += f"; compiled: {_said(v.speedup_of('tuned', 'autocast', compiled=True))}"
+        line += f"; compiled: {_said(v.compiled_samples, blanket)}"
     return line
 
 
-def _said(s: Any) -> str:
-    """A speed-up over its rounds, and whether it is one."""
-    verdict = ("a tie: the difference is inside the measured spread" if s.tie else
-               "faster" if s.ratio > 1 else "slower")
-    return f"{s} over {s.rounds} interleaved rounds, {verdict}"
+def _said(samples: dict[str, list[float]], over: str, key: str = "tuned", baseline: str = "autocast") -> str:
+    """``key``'s time against ``baseline``'s (named ``over``) round by round, and what that decides: the rule the
+    choice followed (:attr:`~autoprec.measuring.compare.Ratio.outcome`)."""
+    from autoprec.measuring.compare import paired_ratio
+
+    ratio = paired_ratio(samples, key, baseline)
+    if ratio is None:  # a run broke down, or one estimate each
+        return f"{statistics.median(samples[key]) / statistics.median(samples[baseline]):.2f}x of {over}'s time"
+    return ratio.words(over)
+
+
+def _outcome(v: Verification, key: str, over: str = "fp32") -> str:
+    """What the rounds that decided (compiled where the choice followed them) say of ``key`` against ``over``."""
+    from autoprec.measuring.compare import paired_ratio
+
+    ratio = paired_ratio(v.compiled_samples or v.samples, key, over)
+    return "" if ratio is None else ratio.outcome
 
 
 def results_table(v: Verification, markdown: bool = False) -> str:
@@ -145,30 +158,60 @@ def decision(v: Verification, budget: Any) -> str:
     if v.policy is None and v.no_gain:
         return f"**The policy stays fp32.** {v.no_gain[0].upper()}{v.no_gain[1:]} (budget: {budget})."
     if v.policy is None:
-        why = (f"{autocast} is within the budget but measured no faster than fp32 here "
-               f"({v.speedup_of('autocast')}), and no per-layer candidate measured faster either"
-               if v.within_budget.get("autocast") else
-               f"{autocast} is over budget on the held-out batches, and no candidate within budget measured "
-               "faster than fp32")
+        why = _why_fp32(v, autocast)
         return f"**The policy stays fp32.** {why[0].upper()}{why[1:]} (budget: {budget})."
-    speed = v.speedup_of("tuned")
-    if v.estimated_for is not None:
-        speed = f"{speed.ratio:.2f}x (estimated for {v.estimated_for})"  # type: ignore[assignment]
-    if v.compiled_samples:
-        speed = f"{speed} eager, {v.speedup_of('tuned', compiled=True)} compiled,"  # type: ignore[assignment]
+    speed = _speed(v)
     if v.tuned_is_autocast:
-        return (f"**The policy is {autocast} itself**: {speed} faster than fp32, {metric}, within the budget "
+        return (f"**The policy is {autocast} itself**: {speed}, {metric}, within the budget "
                 f"({budget}); no per-layer policy measured faster.")
     rules = len(v.policy.layers)
-    versus = v.speedup_of("tuned", "autocast") if "autocast" in v.samples else None
+    timed = v.estimated_for is None and "autocast" in v.samples
     if not v.within_budget.get("autocast"):
         why = f"{autocast} is over budget on the held-out batches"
-    elif v.autocast_excluded and versus is not None and versus.high < 1:
+    elif v.autocast_excluded and timed and _outcome(v, "tuned", "autocast") == "slower":
         # the user's pin (or precisions) kept the faster blanket autocast out: say what that costs
         cost = v.latency_ms["tuned"] - v.latency_ms["autocast"]
-        why = (f"{autocast} measured faster ({versus} of its speed) and within the budget, but cannot be the "
-               f"policy: {v.autocast_excluded}. That costs {cost:.3g} ms per {_unit(v)}; lift the pin to get it")
+        why = (f"{autocast} measured faster (the policy took {_said(v.compiled_samples or v.samples, autocast)}) "
+               f"and within the budget, but cannot be the policy: {v.autocast_excluded}. That costs {cost:.3g} ms "
+               f"per {_unit(v)}; lift the pin to get it")
+    elif timed:
+        why = f"against {autocast} it took {_said(v.compiled_samples or v.samples, autocast)}"
     else:
-        why = f"it measured against {autocast} at {versus}"
-    return (f"**autoprec policy: default {v.policy.default.value} with {rules} rule(s)**: {speed} faster than fp32, "
+        why = f"it is estimated at {v.speedup_of('tuned', 'autocast').ratio:.2f}x {autocast}'s speed"
+    return (f"**autoprec policy: default {v.policy.default.value} with {rules} rule(s)**: {speed}, "
             f"{metric}, within the budget ({budget}); chosen because {why}.")
+
+
+def _speed(v: Verification) -> str:
+    """How much faster than fp32 the chosen policy is, as the rule that chose it saw it: the paired rounds' ratio
+    with its interval (eager, and compiled where the choice followed the compiled rounds)."""
+    if v.estimated_for is not None:
+        return f"{v.speedup_of('tuned').ratio:.2f}x faster than fp32 (estimated for {v.estimated_for})"
+    said = f"{v.speedup_of('tuned').ratio:.2f}x faster than fp32 ({_said(v.samples, 'fp32', baseline='fp32')})"
+    if v.compiled_samples:
+        said += (f"; compiled {v.speedup_of('tuned', compiled=True).ratio:.2f}x faster "
+                 f"({_said(v.compiled_samples, 'fp32', baseline='fp32')})")
+    return said
+
+
+def _why_fp32(v: Verification, autocast: str) -> str:
+    """Why nothing lowered was chosen, by the rule the choice followed: over budget, measured no faster, or timing
+    noise that prevented a decision (then a tie with fp32 keeps fp32, and the headline says so)."""
+    if not v.within_budget.get("autocast"):
+        return (f"{autocast} is over budget on the held-out batches, and no candidate within budget measured "
+                "faster than fp32")
+    if "autocast" not in v.samples or v.estimated_for is not None:
+        return f"{autocast} is within the budget but no candidate measured faster than fp32"
+    samples = v.compiled_samples or v.samples
+    measured = _said(samples, "fp32", "autocast", "fp32")
+    outcome = _outcome(v, "autocast")
+    if outcome == "undecided":
+        return (f"timing noise prevented a decision: {autocast} is within the budget, and it took {measured}. "
+                "A tie with fp32 stays fp32, and no per-layer candidate was decided faster either; tune again on a "
+                "quieter machine to tell")
+    if outcome == "faster":
+        return (f"{autocast} measured faster ({measured}) and within the budget, but cannot be the policy"
+                f"{': ' + v.autocast_excluded if v.autocast_excluded else ''}; no candidate that can be was decided "
+                "faster than fp32")
+    return (f"{autocast} is within the budget but measured no faster than fp32 here ({measured}), and no "
+            "per-layer candidate measured faster either")

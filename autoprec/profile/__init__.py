@@ -108,7 +108,8 @@ def profile_layers(workload: Any, table: LayerTable, config: ProfileConfig, cont
                                          "fp32": evaluator.metric_fp32, "higher_is_better": evaluator.higher_is_better,
                                          "batches": len(evaluator.batches)},
                     cost={"evaluations": ranks.count(evaluator.evaluations), "seconds": seconds,
-                          **({"sensitivity": how[0].removeprefix("sensitivity: ")} if how else {})},
+                          **({"sensitivity": how[0].removeprefix("sensitivity: ")} if how else {}),
+                          **({"speed_probe": timing.looked} if timing.looked else {})},
                     not_profiled=timing.not_profiled, not_faster=timing.not_faster, nothing_pays_off=timing.nothing)
 
 
@@ -121,6 +122,8 @@ class _Timing:
     not_profiled: dict[str, str] = field(default_factory=dict)  # precision -> why it was not profiled
     not_faster: dict[str, list[str]] = field(default_factory=dict)  # precision -> layers decided not faster
     nothing: str = ""  # why nothing can pay off here ("" where something may)
+    # the whole-model check of what the largest layer ruled out (probe.py), and how busy the machine was
+    looked: dict = field(default_factory=dict)
 
 
 def _latency(model: nn.Module, job: nn.Module, table: LayerTable, first: Any, low: Sequence[Precision],
@@ -143,6 +146,9 @@ def _latency(model: nn.Module, job: nn.Module, table: LayerTable, first: Any, lo
             probes = ranks.from_first(probe_precisions(model, table, first, low, timing.caps, device))
         timing.not_profiled = {p: probe.why for p, probe in probes.items() if not probe.pays_off}
         timing.nothing = nothing_pays_off(probes, device)
+        checked = [probe for probe in probes.values() if probe.model_ratio is not None]
+        if checked:  # where the whole model overruled its largest layer: for profile.json
+            timing.looked = {"notes": [probe.note for probe in checked if probe.note], "machine": checked[0].machine}
     emulated = [p for p in low if timing.caps[p] is Capability.EMULATED]
     # An emulated block-scaled format is never timed: its emulation's time says nothing of the
     # format's speed on the GPUs that have it (plan for one with --target). It keeps its sensitivity.

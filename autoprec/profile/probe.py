@@ -6,12 +6,21 @@ here: fp16 on most CPUs, bf16 on a CPU without bf16 instructions (AVX2 only: 6-4
 where it is emulated. So the largest layer (by FLOPs: the one low precision helps most) is timed
 alone on its real inputs, in fp32 and in each native low precision, as a paired comparison; a
 precision decided not faster there is not profiled at all, and the profile says why in one line.
+
+One layer alone is not the model, and a busy machine shows it worse than it is (a short kernel that splits its
+work over every core waits on a descheduled thread). So before a tune ends with "nothing is faster", the whole
+model under blanket autocast of each native precision the layer ruled out is compared with fp32 in paired rounds
+(:func:`confirm_on_the_model`), for longer where the machine is busy (:mod:`autoprec.measuring.load`). Only a
+precision the model itself was decided no faster in is ruled out; where the model measured faster, or the noise
+left it undecided, the tune goes on and verification decides. What ends a tune says what was measured: the
+model, the largest layer, and whether the machine was busy.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -21,13 +30,17 @@ from autoprec.capture.layers import LayerTable
 from autoprec.distributed.models import sharded
 from autoprec.inputs.batches import call_model
 from autoprec.measuring.compare import Ratio, compare
+from autoprec.measuring.load import MachineLoad, machine_load
 from autoprec.profile.latency import SPEED_MARGIN
 from autoprec.runtime.precision import Capability, Precision
 
-__all__ = ["PrecisionProbe", "device_words", "probe_precisions"]
+__all__ = ["PrecisionProbe", "confirm_on_the_model", "device_words", "probe_precisions"]
 
 PROBE_SECONDS = 5.0  # at most, per precision, once the clear cases are out of the way
 CLEARLY_SLOWER = 3.0  # every round this many times fp32: decided after two rounds (an emulation, not noise)
+MODEL_SECONDS = 8.0  # at most, the whole model against fp32 before a tune ends with fp32
+MODEL_ROUNDS = 60  # and at most this many paired rounds
+BUSY_LONGER = 3  # a busy machine: the whole model is compared this many times longer (seconds and rounds)
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,9 @@ class PrecisionProbe:
     layer: str = ""  # the layer timed
     ratio: list[float] | None = None  # [estimate, low, high] of its time over fp32's, paired rounds
     short: str = ""  # ``why`` without the device, for a line that names it once
+    model_ratio: list[float] | None = None  # the whole model under blanket autocast: [estimate, low, high] of fp32's
+    note: str = ""  # where the model overruled the layer (it may pay off after all), what was measured
+    machine: dict | None = None  # the machine when the model was compared (:class:`MachineLoad`), busy or not
 
     @property
     def pays_off(self) -> bool:
@@ -96,23 +112,55 @@ def _timed_alone(module: nn.Module, inputs: tuple[tuple, dict], precision: Preci
     return run
 
 
-def _clearly_slower(fp32: Callable[[], Any], low: Callable[[], Any], device: torch.device) -> float | None:
-    """The smaller ratio when two paired rounds (after a first one that builds kernels) both put ``low``
-    at :data:`CLEARLY_SLOWER` times fp32 or more; else None (the paired comparison decides)."""
-    result = compare({"fp32": fp32, "low": low}, reference="fp32", device=str(device), min_rounds=3, max_rounds=3,
-                     warmup=False, max_seconds=float("inf"))
-    ratios = [a / b for a, b in zip(result.samples["low"][1:], result.samples["fp32"][1:])]
-    return min(ratios) if min(ratios) >= CLEARLY_SLOWER else None
+def _whole_model(model: nn.Module, batch: Any, precision: Precision, device: torch.device) -> Callable[[], Any]:
+    """One forward of the whole model on ``batch``: fp32, or under blanket autocast of ``precision``."""
+    def run() -> Any:
+        with torch.no_grad():
+            if precision is Precision.FP32:
+                return call_model(model, batch)
+            with torch.autocast(device.type, dtype=precision.autocast_dtype):
+                return call_model(model, batch)
+    return run
+
+
+def _clearly_slower(runs: dict[str, Callable[[], Any]], device: torch.device, clock: Callable[[], float]
+                    ) -> dict[str, float]:
+    """Entry -> the smaller ratio to ``runs["fp32"]``, for the entries that two paired rounds (after a first one
+    that builds kernels) both put at :data:`CLEARLY_SLOWER` times fp32 or more (the paired comparison decides
+    the others)."""
+    result = compare(runs, reference="fp32", device=str(device), min_rounds=3, max_rounds=3, warmup=False,
+                     max_seconds=float("inf"), clock=clock)
+    slower = {}
+    for key in runs:
+        if key != "fp32":
+            ratio = min(a / b for a, b in zip(result.samples[key][1:], result.samples["fp32"][1:]))
+            if ratio >= CLEARLY_SLOWER:
+                slower[key] = ratio
+    return slower
+
+
+def _measured(ratio: list[float]) -> str:
+    """[estimate, low, high] of fp32's time in words; a high of inf: clearly slower in every round."""
+    if math.isinf(ratio[2]):
+        return f"at least {ratio[0]:.2f}x fp32's time in every round"
+    return f"{ratio[0]:.2f}x [{ratio[1]:.2f}, {ratio[2]:.2f}] of fp32's time"
+
+
+def _how(estimate: float) -> str:
+    return f"{estimate:.1f}x slower than" if estimate >= 1 + SPEED_MARGIN else "no faster than"
 
 
 def probe_precisions(model: nn.Module, table: LayerTable, batch: Any, precisions: Sequence[Precision],
                      capabilities: dict[Precision, Capability], device: torch.device,
-                     seconds: float = PROBE_SECONDS) -> dict[str, PrecisionProbe]:
+                     seconds: float = PROBE_SECONDS, *, clock: Callable[[], float] = time.perf_counter,
+                     machine: MachineLoad | None = None) -> dict[str, PrecisionProbe]:
     """Per low precision, whether it may pay off here (see the module's docstring).
 
     Emulated precisions that would be timed (fp8 on a device without fp8) never pay off; the block-scaled
     ones are left to the profile (accuracy only). A precision that is not an autocast dtype (fp8 where it
-    is native) is not probed: the per-layer timing decides."""
+    is native) is not probed: the per-layer timing decides. Where the largest layer rules out every precision,
+    the whole model decides (:func:`confirm_on_the_model`). ``clock`` and ``machine`` (the machine's load,
+    looked at when needed) are injected by tests."""
     where = device_words(device)
     result: dict[str, PrecisionProbe] = {}
     reached = [layer for layer in table if not layer.batches or 0 in layer.batches]
@@ -129,11 +177,11 @@ def probe_precisions(model: nn.Module, table: LayerTable, batch: Any, precisions
         module = model.get_submodule(largest.name)
         fp32, low = _timed_alone(module, inputs, Precision.FP32, device), _timed_alone(module, inputs, p, device)
         try:
-            slower = _clearly_slower(fp32, low, device)
+            slower = _clearly_slower({"fp32": fp32, "low": low}, device, clock).get("low")
             if slower is not None:
                 ratio = [slower, slower, math.inf]
             else:
-                r = Ratio.of(*_paired(fp32, low, device, seconds))
+                r = Ratio.of(*_paired(fp32, low, device, seconds, clock))
                 ratio = [r.estimate, r.low, r.high]
                 if not emulated and not (r.slower or (r.decided and r.low >= 1 - SPEED_MARGIN)):
                     result[p.value] = PrecisionProbe(p.value, layer=largest.name, ratio=ratio)
@@ -141,26 +189,80 @@ def probe_precisions(model: nn.Module, table: LayerTable, batch: Any, precisions
         except Exception:  # the layer cannot run alone in it: the per-layer timing in context decides
             result[p.value] = PrecisionProbe(p.value)
             continue
-        how = f"{ratio[0]:.1f}x slower than" if ratio[0] >= 1 + SPEED_MARGIN else "no faster than"
         kernel = "emulated; " if emulated else ""
-        measured = (f"at least {ratio[0]:.2f}x fp32's time in every round" if math.isinf(ratio[2]) else
-                    f"{ratio[0]:.2f}x [{ratio[1]:.2f}, {ratio[2]:.2f}] fp32's time")
-        detail = f"({kernel}the largest layer, {largest.name}, timed alone: {measured})"
-        result[p.value] = PrecisionProbe(p.value, f"{p.value} is {how} fp32 on {where} {detail}", largest.name, ratio,
-                                         short=f"{p.value} is {how} fp32 {detail}")
-    return result
+        # what was measured, and no more: one layer, alone
+        detail = f"for the largest layer, {largest.name}, timed alone ({kernel}{_measured(ratio)})"
+        how = f"{p.value} measured {_how(ratio[0])} fp32"
+        result[p.value] = PrecisionProbe(p.value, f"{how} on {where} {detail}", largest.name, ratio,
+                                         short=f"{how} {detail}")
+    return confirm_on_the_model(model, batch, result, capabilities, device, clock=clock, machine=machine)
 
 
-def _paired(fp32: Callable[[], Any], low: Callable[[], Any], device: torch.device, seconds: float
-            ) -> tuple[list[float], list[float]]:
-    result = compare({"fp32": fp32, "low": low}, reference="fp32", device=str(device), max_seconds=seconds)
+def confirm_on_the_model(model: nn.Module, batch: Any, probes: dict[str, PrecisionProbe],
+                         capabilities: dict[Precision, Capability], device: torch.device,
+                         seconds: float = MODEL_SECONDS, *, clock: Callable[[], float] = time.perf_counter,
+                         machine: MachineLoad | None = None) -> dict[str, PrecisionProbe]:
+    """``probes`` where the whole model, not one layer, decided what ends a tune.
+
+    Where the largest layer alone ruled out every precision, each native one it timed is compared as the whole
+    model under blanket autocast against fp32 in paired rounds, for ``seconds`` and :data:`MODEL_ROUNDS` at
+    most (:data:`BUSY_LONGER` times both where the machine is busy). A precision the model is decided faster in,
+    or that the noise left undecided, may pay off after all: the tune goes on, and verification decides by the
+    same rule. One decided slower or a tie stays ruled out, and its line says what the model and the layer
+    measured, and whether the machine was busy.
+    """
+    timed = [Precision(name) for name, probe in probes.items()
+             if probe.ratio is not None and capabilities.get(Precision(name)) is not Capability.EMULATED]
+    if any(probe.pays_off for probe in probes.values()) or not timed:
+        return probes
+    state = machine if machine is not None else machine_load(device, clock)
+    longer = BUSY_LONGER if state.busy else 1
+    limit = seconds * longer
+    runs = {"fp32": _whole_model(model, batch, Precision.FP32, device),
+            **{p.value: _whole_model(model, batch, p, device) for p in timed}}
+    try:
+        ratios: dict[str, Ratio] = {p: Ratio(r, r, math.inf, 2, "slower")
+                                    for p, r in _clearly_slower(runs, device, clock).items()}
+        rest = {key: run for key, run in runs.items() if key not in ratios}
+        if len(rest) > 1:
+            ratios.update(compare(rest, reference="fp32", device=str(device), max_seconds=limit,
+                                  max_rounds=MODEL_ROUNDS * longer, clock=clock).ratios)
+    except Exception:  # the model does not run under blanket autocast of it: the layer's verdict stands
+        return probes
+    busy = (f" while the machine was busy ({state.words()}), so for up to {limit:g} s and {MODEL_ROUNDS * longer} "
+            "rounds" if state.busy else "")
+    out = dict(probes)
+    for p in timed:
+        layer, r = probes[p.value], ratios[p.value]
+        model_ratio = [r.estimate, r.low, r.high]
+        said = _measured(model_ratio) + ("" if math.isinf(r.high) else f" over {r.rounds} paired rounds")
+        alone = f"the largest layer, {layer.layer}, timed alone: {_measured(layer.ratio or [math.nan] * 3)}"
+        if r.outcome in ("faster", "undecided"):
+            told = "it may pay off after all" if r.outcome == "faster" else "it could not be told from fp32"
+            note = (f"{p.value}: {alone}, but the whole model under blanket {p.value} autocast took {said}{busy}: "
+                    f"{told}, so it is profiled and verification decides")
+            out[p.value] = replace(layer, why="", short="", model_ratio=model_ratio, note=note,
+                                   machine=state.to_dict())
+            continue
+        detail = f"the whole model under blanket {p.value} autocast took {said}; {alone}{busy}"
+        how = f"{p.value} is {_how(r.estimate)} fp32 for this model"
+        out[p.value] = replace(layer, why=f"{how} on {device_words(device)}: {detail}", short=f"{how}: {detail}",
+                               model_ratio=model_ratio, machine=state.to_dict())
+    return out
+
+
+def _paired(fp32: Callable[[], Any], low: Callable[[], Any], device: torch.device, seconds: float,
+            clock: Callable[[], float] = time.perf_counter) -> tuple[list[float], list[float]]:
+    result = compare({"fp32": fp32, "low": low}, reference="fp32", device=str(device), max_seconds=seconds,
+                     clock=clock)
     return result.samples["low"], result.samples["fp32"]
 
 
 def nothing_pays_off(probes: dict[str, PrecisionProbe], device: torch.device) -> str:
-    """The one line a tune ends with where no precision can pay off here; empty where one may."""
+    """The one line a tune ends with where no precision can pay off here; empty where one may. It claims what
+    was measured: the model where it was compared, the largest layer alone, an emulation."""
     if not probes or any(p.pays_off for p in probes.values()):
         return ""
     why = "; ".join(p.short or p.why for p in probes.values())
-    return (f"nothing is faster than fp32 on {device_words(device)}, so the policy is fp32: {why}. To plan for a "
-            "GPU instead, tune with --target NAME (h100, a100, l4, ...)")
+    return (f"nothing is faster than fp32 for this model on {device_words(device)}, so the policy is fp32: {why}. "
+            "To plan for a GPU instead, tune with --target NAME (h100, a100, l4, ...)")

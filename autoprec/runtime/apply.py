@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,13 +180,16 @@ class _Region:
     """
 
     def __init__(self, module: nn.Module, precision: Precision, is_root: bool, fp32_compute: bool = False,
-                 fp32_outputs: bool = False, serving: bool = False) -> None:
+                 fp32_outputs: bool = False, serving: bool = False, entry: bool = False) -> None:
         self.module = module
         self.precision = precision
         self.is_root = is_root
-        self.fp32_compute = fp32_compute  # root only: some region runs in fp32, so turn the mode on
+        self.fp32_compute = fp32_compute  # root or entry: some region runs in fp32, so turn the mode on
         self.fp32_outputs = fp32_outputs  # root only (training): the caller's loss gets fp32
         self.serving = serving  # root only (mode="serve"): a training forward is refused
+        # a module its framework calls on its own, outside the model's forward (the encoder an encoder-decoder's
+        # generate() runs first): there it does what the root does, so the policy holds there too
+        self.entry = entry
         self.inner_forward: Callable | None = module.__dict__.get("forward")  # one the module already had
 
     @property
@@ -208,14 +212,50 @@ class _Region:
                 region = torch.autocast(device_type, enabled=False)
             else:
                 region = torch.autocast(device_type, dtype=dtype)
+            if self.entry and not _ROOT_RUNNING.value:  # called on its own: the root's mode is not on
+                with _root_running(), Fp32Compute() if self.fp32_compute else contextlib.nullcontext(), region:
+                    return forward(*args, **kwargs)
             if not self.is_root:
                 with region:
                     return forward(*args, **kwargs)
-            with Fp32Compute() if self.fp32_compute else contextlib.nullcontext(), region:
+            with _root_running(), Fp32Compute() if self.fp32_compute else contextlib.nullcontext(), region:
                 out = forward(*args, **kwargs)
             return _training_outputs(out) if self.fp32_outputs else out
         finally:
             in_fp32_region.value = outer
+
+
+class _RootRunning(threading.local):
+    value = False  # whether the model's own region (or an entry's) is running on this thread
+
+
+_ROOT_RUNNING = _RootRunning()
+
+
+@contextlib.contextmanager
+def _root_running() -> Any:
+    outer = _ROOT_RUNNING.value
+    _ROOT_RUNNING.value = True
+    try:
+        yield
+    finally:
+        _ROOT_RUNNING.value = outer
+
+
+def _entry_points(model: nn.Module) -> set[int]:
+    """Modules a framework calls on their own, outside the model's forward: the encoder of a Hugging Face
+    encoder-decoder (T5, BART), which ``generate`` runs once before the decode steps. Without a region of their
+    own they would run outside the policy there: a blanket bf16 policy's encoder in fp32, and a policy that splits
+    one attention's projections between bf16 and fp32 handing SDPA mixed dtypes (issue 36)."""
+    config = getattr(model, "config", None)
+    get_encoder = getattr(model, "get_encoder", None)
+    if not getattr(config, "is_encoder_decoder", False) or not callable(get_encoder):
+        return set()
+    try:
+        encoder = get_encoder()
+    except Exception:  # a model whose encoder is not where transformers looks
+        return set()
+    return {id(encoder)} if isinstance(encoder, nn.Module) and encoder is not model else set()
 
 
 def _training_outputs(out: Any) -> Any:
@@ -230,8 +270,9 @@ def _training_outputs(out: Any) -> Any:
 
 
 def _install_region(module: nn.Module, precision: Precision, is_root: bool, fp32_compute: bool,
-                    fp32_outputs: bool, serving: bool) -> None:
-    object.__setattr__(module, "forward", _Region(module, precision, is_root, fp32_compute, fp32_outputs, serving))
+                    fp32_outputs: bool, serving: bool, entry: bool = False) -> None:
+    object.__setattr__(module, "forward", _Region(module, precision, is_root, fp32_compute, fp32_outputs, serving,
+                                                 entry))
 
 
 def _remove_region(module: nn.Module) -> None:
@@ -394,17 +435,20 @@ def _install_regions(model: nn.Module, precisions: dict[str, Precision], state: 
     # The mode is needed only where fp32 compute can meet low-precision values: some region runs
     # with autocast off (fp32 or fp8). Blanket bf16 (default bf16, no islands) runs without it.
     fp32_compute = any_low and any(p.autocast_dtype is None for p in precisions.values())
+    entries = _entry_points(model) if any_low else set()
     for module, names in _aliases(model):
         is_root = "" in names
+        entry = id(module) in entries
         # An RNN in an fp32 region may be handed a low-precision value: its own fp32 region upcasts it.
         upcast = any_low and isinstance(module, _FP32_INPUTS) and precisions[names[0]].autocast_dtype is None
-        if not (is_root and (any_low or state.mode == "serve")) and not upcast and all(
+        if not (is_root and (any_low or state.mode == "serve")) and not upcast and not entry and all(
                 precisions[n] is parent_precision(n, precisions) for n in names):
             continue
         if id(module) in own_dtype:  # torchao's MX linears set their own (bf16) compute dtype
             continue
-        _install_region(module, precisions[names[0]], is_root, fp32_compute and is_root,
-                        is_root and state.mode == "training", is_root and state.mode == "serve")
+        _install_region(module, precisions[names[0]], is_root, fp32_compute and (is_root or entry),
+                        is_root and state.mode == "training", is_root and state.mode == "serve",
+                        entry=entry and not is_root)
         state.wrapped.append(module)
 
 

@@ -26,7 +26,7 @@ import torch.nn as nn
 from autoprec.context import RunContext
 from autoprec.inputs.batches import describe_batch, to_device
 from autoprec.measuring.budget import Budget
-from autoprec.measuring.compare import Ratio, compare
+from autoprec.measuring.compare import TIE_TOLERANCE, compare, paired_ratio
 from autoprec.measuring.measure import Evaluator, policy_runs
 from autoprec.measuring.objective import Measurement, Objective
 from autoprec.runtime.apply import effective_precisions
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 __all__ = ["Speedup", "Verification", "autocast_baseline", "bench_policy", "fastest_simplest", "is_blanket", "is_fp32",
            "verify", "verify_candidates"]
 
-TIE_TOLERANCE = 0.03  # measured latencies this close are a tie on a shared machine
 AUTOCAST_CHOICES = (Precision.BF16, Precision.FP16)  # the dtypes torch.autocast takes
 
 
@@ -135,15 +134,6 @@ def fastest_simplest(options: Sequence[Any], ms: Callable[[Any], float], rules: 
     fastest = min(options, key=ms)
     close = [o for o in options if o is fastest or not slower(o, fastest)]
     return min(close, key=lambda o: (rules(o), ms(o)))
-
-
-def paired_ratio(samples: Mapping[str, Sequence[float]], key: str, over: str) -> Ratio | None:
-    """``key``'s time over ``over``'s from their paired rounds (None when a run broke down or there
-    is one estimate each: nothing to pair)."""
-    a, b = samples[key], samples[over]
-    if len(a) < 2 or len(a) != len(b) or not all(math.isfinite(x) and x > 0 for x in [*a, *b]):
-        return None
-    return Ratio.of(a, b)
 
 
 def is_blanket(policy: Policy, autocast: Precision) -> bool:
@@ -326,16 +316,14 @@ class _Ladder:
 
         best = fastest_simplest(lowered, lambda c: latency[label[c.label]], rules, decided_slower)
         ratio = paired_ratio(decide, label[best.label], "fp32")
-        # Faster than fp32 in the paired rounds: decided so while the rounds ran, or, where a noisy machine ran them
-        # to the cap, by all the rounds at once: the whole 95% interval below 1 and the estimate more than
-        # TIE_TOLERANCE below it. A tie with fp32 never becomes a lowered policy.
-        faster = (latency[label[best.label]] < latency["fp32"] if ratio is None
-                  else ratio.faster or (ratio.high < 1 and ratio.estimate < 1 - TIE_TOLERANCE))
+        # Faster than fp32 in the paired rounds, by the one rule the notes and the headline follow
+        # (Ratio.outcome in autoprec.measuring.compare). A tie with fp32 never becomes a lowered policy.
+        faster = latency[label[best.label]] < latency["fp32"] if ratio is None else ratio.outcome == "faster"
         if not faster:
             notes.append(f"no candidate within budget was measured faster than fp32 here"
                          f"{' compiled' if self.compiled_samples else ''} (the best, "
                          f"{best.label}, took {latency[label[best.label]]:.3g} ms against fp32's "
-                         f"{latency['fp32']:.3g} ms{f'; {ratio} of fp32, not decided faster' if ratio else ''}): "
+                         f"{latency['fp32']:.3g} ms{f'; {ratio.words()}: not decided faster' if ratio else ''}): "
                          "the policy stays fp32")
             return None, "fp32"
         if label[best.label] == "autocast":

@@ -45,12 +45,13 @@ if TYPE_CHECKING:
 __all__ = ["HeldOut", "Workload", "check_settings", "load_model_py_of"]
 
 
-def load_model_py_of(args: argparse.Namespace, shard: bool = False) -> Any:
-    """The model.py a command line names (its ``--device`` already checked), said on stderr as it loads."""
+def load_model_py_of(args: argparse.Namespace, shard: bool = False, check: bool = True) -> Any:
+    """The model.py a command line names (its ``--device`` already checked), said on stderr as it loads;
+    ``check=False`` leaves the fp32 forward check of every batch to the workload (generation generates instead)."""
     from autoprec.inputs.userspec import load_model_py
 
     print(f"loading {args.model_py}", file=sys.stderr)
-    return load_model_py(args.model_py, shard=shard)
+    return load_model_py(args.model_py, shard=shard, check=check)
 
 
 def check_settings(owner: str, functions: Mapping[str, tuple[Any, str]], higher_is_better: Any) -> None:

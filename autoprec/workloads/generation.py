@@ -54,14 +54,15 @@ from autoprec.inputs.batches import call_model, describe_batch, to_device
 from autoprec.inputs.userspec import user_function
 from autoprec.measuring.compare import Ratio, compare
 from autoprec.measuring.measure import shared_copy
+from autoprec.profile import fingerprint
 from autoprec.runtime.apply import apply_policy
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
 from autoprec.workloads.base import load_model_py_of
 from autoprec.workloads.inference import VERIFY_SECONDS, InferenceWorkload
 
-__all__ = ["DEFAULT_NEW_TOKENS", "GenerationTimes", "GenerationWorkload", "generation_runs", "hf_generate",
-           "prompt_perplexity"]
+__all__ = ["DEFAULT_NEW_TOKENS", "GenerationTimes", "GenerationWorkload", "check_generates", "encoder_decoder",
+           "generation_runs", "hf_generate", "prompt_perplexity"]
 
 DEFAULT_NEW_TOKENS = 32  # a short reply: long enough that decoding, not the prefill, is most of a generation
 CACHE_KEYS = ("past_key_values", "cache", "past")  # a batch holding one would be grown by every timed run
@@ -82,6 +83,20 @@ def prompt_tokens(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.ones_like(ids) if mask is None else mask
 
 
+def scored_tokens(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, mask) the default metric scores: an encoder-decoder's ``decoder_input_ids`` (with their
+    ``decoder_attention_mask``) where the batch has them, else the prompt's own (:func:`prompt_tokens`)."""
+    if isinstance(batch, dict) and isinstance(batch.get("decoder_input_ids"), torch.Tensor):
+        ids, mask = batch["decoder_input_ids"], batch.get("decoder_attention_mask")
+        return ids, torch.ones_like(ids) if mask is None else mask
+    return prompt_tokens(batch)
+
+
+def encoder_decoder(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face encoder-decoder (T5, BART): its forward needs decoder inputs."""
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+
 def logits_of(output: Any) -> torch.Tensor | None:
     """The logits of a causal LM's output: ``.logits``, a dict's ``logits``, a tuple's first, or the tensor."""
     logits = getattr(output, "logits", None)
@@ -96,10 +111,11 @@ def logits_of(output: Any) -> torch.Tensor | None:
 
 def prompt_perplexity(model: nn.Module, batches: Sequence[Any]) -> float:
     """The perplexity of the prompts' own tokens, teacher-forced: position t predicts token t + 1, counted only
-    where both are real tokens (a pad, left or right, never counts). Lower is better."""
+    where both are real tokens (a pad, left or right, never counts). Lower is better. Of an encoder-decoder, the
+    perplexity of the batch's ``decoder_input_ids`` (fp32's greedy reply, :meth:`GenerationWorkload.objective`)."""
     nll, count = 0.0, 0
     for batch in batches:
-        ids, mask = prompt_tokens(batch)
+        ids, mask = scored_tokens(batch)
         logits = logits_of(call_model(model, batch))
         keep = (mask[:, :-1] != 0) & (mask[:, 1:] != 0)
         losses = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
@@ -110,7 +126,7 @@ def prompt_perplexity(model: nn.Module, batches: Sequence[Any]) -> float:
 
 def check_prompts(model: nn.Module, batch: Any) -> None:
     """One line when the default metric cannot read this model's output on a prompt batch."""
-    ids, mask = prompt_tokens(batch)
+    ids, mask = scored_tokens(batch)
     with torch.no_grad():
         logits = logits_of(call_model(model, batch))
     if logits is None or logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(ids.shape):
@@ -136,6 +152,46 @@ def hf_generate(model: nn.Module, batch: Any, new_tokens: int) -> torch.Tensor:
         pad = eos[0] if isinstance(eos, (list, tuple)) and eos else eos if isinstance(eos, int) else 0
     return model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                           num_beams=1, pad_token_id=pad)
+
+
+def check_generates(spec: Any) -> None:
+    """The fp32 check of a model.py tuned for generation, before any work: every prompt batch run as a generation
+    runs it (two new tokens with ``model.generate``, or model.py's ``generate``), not as one forward, which an
+    encoder-decoder (T5, BART) cannot take from a prompt alone: its decoder inputs are what generate makes. Then
+    ``evaluate()`` once on the fp32 model, as :func:`~autoprec.inputs.userspec.load_model_py` checks it."""
+    from autoprec.inputs.userspec import UserCodeError, one_line, run_evaluate
+
+    if spec.generate is None and not callable(getattr(spec.model, "generate", None)):
+        return  # nothing generates: the workload says so in one line, with the fix
+    run: Callable[[nn.Module, Any], Any] = lambda model, batch: hf_generate(model, batch, 2)  # noqa: E731
+    if spec.generate is not None:
+        takes_count = "new_tokens" in inspect.signature(spec.generate).parameters
+        run = user_function(functools.partial(spec.generate, new_tokens=2) if takes_count else spec.generate,
+                            "generate", spec.path)
+    training = {m: m.training for m in spec.model.modules()}
+    spec.model.eval()
+    try:
+        for i, batch in enumerate(spec.batches):
+            try:
+                with torch.no_grad():
+                    run(spec.model, batch)
+            except UserCodeError:
+                raise
+            except Exception as error:
+                raise UserCodeError(
+                    spec.path, "get_batches()", f"batch {i} ({describe_batch(batch)}) does not generate with the "
+                    f"model from get_model(): {one_line(error)}",
+                    "return prompts as generation takes them: a dict with input_ids (and attention_mask), or a tensor "
+                    "of token ids (an encoder-decoder's decoder_input_ids are generate's to make, not the prompt's)",
+                ) from error
+    finally:
+        for module, mode in training.items():
+            module.training = mode
+    if spec.evaluate is not None:
+        metric = run_evaluate(spec, spec.model, spec.batches[:1])
+        if not math.isfinite(metric):
+            raise UserCodeError(spec.path, "evaluate()", f"returned {metric} for the unchanged fp32 model",
+                                "return a finite metric for the model as get_model() builds it")
 
 
 @dataclass
@@ -258,6 +314,8 @@ class GenerationWorkload(InferenceWorkload):
     verify_seconds: float = VERIFY_SECONDS
     times: GenerationTimes | None = field(default=None, repr=False)  # the last verification's split, per entry
     clock: Callable[[], float] = field(default=time.perf_counter, repr=False)  # injected by tests: a fake machine
+    # an encoder-decoder given prompts only: its batches now carry fp32's greedy reply as decoder_input_ids
+    replies: bool = field(default=False, init=False, repr=False)
 
     name = "generation"
     verify_timed = 3  # each round is a whole generation per entry
@@ -307,7 +365,10 @@ class GenerationWorkload(InferenceWorkload):
 
     @classmethod
     def from_command(cls, args: argparse.Namespace, ranks: Any) -> tuple[GenerationWorkload, Any]:
-        spec = load_model_py_of(args)
+        # the batches are prompts, checked by generating from each (an encoder-decoder's forward cannot take a
+        # prompt alone)
+        spec = load_model_py_of(args, check=False)
+        check_generates(spec)
         return cls.from_spec(spec, args.new_tokens), spec
 
     @classmethod
@@ -330,13 +391,52 @@ class GenerationWorkload(InferenceWorkload):
             raise ValueError("tuning for generation runs in one process for now: run it without torchrun")
 
     def objective(self, device: torch.device) -> Any:
+        self._add_replies(device)
         if self.default_metric:  # the one line now, not an error inside the metric later
             check_prompts(self.model, to_device(self.batches[0], device))
         return super().objective(device)
 
+    def _add_replies(self, device: torch.device) -> None:
+        """An encoder-decoder (T5, BART) given prompts only: its forward needs decoder inputs, where ``generate``
+        needs none. So each prompt batch gains fp32's greedy reply (``new_tokens`` tokens, the decoder's start token
+        first) as ``decoder_input_ids``: the forward that capture, the profile and the default metric run is the
+        prompt and that reply, teacher-forced, and the metric is the reply's perplexity. Generations (timed) start
+        from the prompts alone, and a model.py ``evaluate`` is handed the prompts it gave."""
+        if self.replies or self.generate is not None or not encoder_decoder(self.model):
+            return
+        def needs(batch: Any) -> bool:
+            return not (isinstance(batch, dict) and batch.get("decoder_input_ids") is not None)
+        if not any(needs(b) for b in [*self.batches, *self.holdout_batches]):
+            return
+        self.model.to(device)
+
+        def with_reply(batch: Any) -> Any:
+            if not needs(batch):
+                return batch
+            ids, mask = prompt_tokens(batch)
+            prompt = dict(batch) if isinstance(batch, dict) else {"input_ids": ids, "attention_mask": mask}
+            with torch.no_grad():
+                reply = hf_generate(self.model, to_device(prompt, device), self.new_tokens).to(ids.device)
+            return {**prompt, "decoder_input_ids": reply}
+
+        self.batches = [with_reply(b) for b in self.batches]
+        self.holdout_batches = [with_reply(b) for b in self.holdout_batches]
+        self.replies = True
+        if not self.default_metric:  # model.py's evaluate gets the prompts it gave
+            user = self.evaluate
+            self.evaluate = lambda model, batches: user(model, [self.prompt(b) for b in batches])
+
+    def prompt(self, batch: Any) -> Any:
+        """What a generation starts from: ``batch`` without the reply :meth:`_add_replies` added."""
+        if self.replies and isinstance(batch, dict):
+            return {k: v for k, v in batch.items() if k != "decoder_input_ids"}
+        return batch
+
     def fingerprint(self) -> str:
-        """The inference fingerprint with what a generation is: a prefill profile is not a generation one."""
-        return hashlib.sha256(f"{super().fingerprint()}:generation:{self.new_tokens}".encode()).hexdigest()[:16]
+        """The inference fingerprint of the prompts with what a generation is: a prefill profile is not a
+        generation one."""
+        prompts = fingerprint(self.model, [self.prompt(b) for b in self.batches])
+        return hashlib.sha256(f"{prompts}:generation:{self.new_tokens}".encode()).hexdigest()[:16]
 
     def profile(self, table: Any, config: Any, context: Any) -> Any:
         """The prefill profile (sensitivity, and latency at the prompts' shapes), with each layer's latency made
@@ -357,6 +457,11 @@ class GenerationWorkload(InferenceWorkload):
         ids, mask = prompt_tokens(batch)
         step = ({**batch, "input_ids": ids[:, -1:], "attention_mask": mask[:, -1:]} if isinstance(batch, dict)
                 else ids[:, -1:])
+        if self.replies:  # a decode step of an encoder-decoder: the decoder alone, one token, on the encoder's output
+            with torch.no_grad():
+                encoded = self.model.get_encoder()(input_ids=ids, attention_mask=mask)
+            step = {"encoder_outputs": (encoded[0],), "attention_mask": mask,
+                    "decoder_input_ids": batch["decoder_input_ids"][:, -1:]}
         timed = [p for p in profile.precisions if any(p in layer.latency_ms for layer in profile.layers)]
         fp8_layers = [layer.name for layer in profile.layers
                       if any(Precision(p).swaps_linear and p in layer.latency_ms for p in timed)]
@@ -402,7 +507,8 @@ class GenerationWorkload(InferenceWorkload):
              ) -> tuple[dict[str, list[float]], str, str | None]:
         """Whole generations in paired interleaved rounds until every entry's ratio to fp32 is decided or a cap
         is hit; each round's prefill and decode parts are kept in :attr:`times` for the report."""
-        batch = to_device(self.timing_batch if self.timing_batch is not None else self.holdout_batches[0], device)
+        batch = self.prompt(self.timing_batch if self.timing_batch is not None else self.holdout_batches[0])
+        batch = to_device(batch, device)
         timed_on = self._timed_on(batch)
         if not runners:
             return {}, timed_on, None
@@ -438,7 +544,7 @@ class GenerationWorkload(InferenceWorkload):
     def policy_result(self, result: dict[str, Any], verification: Any) -> dict[str, Any]:
         out = {"for": "generation", **result, "timing_batch": verification.timed_on, "new_tokens": self.new_tokens}
         if self.default_metric:
-            out["metric_kind"] = "prompt perplexity"
+            out["metric_kind"] = "reply perplexity" if self.replies else "prompt perplexity"
         times = self.times
         if times is not None and times.prefill_ms and verification.estimated_for is None:
             keys = {"fp32": "fp32", "autocast": "autocast", "tuned": self.tuned_key(verification)}
@@ -454,6 +560,9 @@ class GenerationWorkload(InferenceWorkload):
         v = tuned.verification
         metric = ("The metric is the perplexity of the held-out prompts (teacher-forced, padded positions left "
                   "out; lower is better)." if self.default_metric else "The metric is model.py's evaluate().")
+        if self.default_metric and self.replies:
+            metric = ("The metric is the perplexity of fp32's greedy reply to each held-out prompt, teacher-forced "
+                      "through the decoder (lower is better).")
         lines = ["## Prefill and decode", ""]
         times = self.times
         if v.estimated_for is not None:
