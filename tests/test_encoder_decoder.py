@@ -18,9 +18,11 @@ transformers = pytest.importorskip("transformers")
 
 import autoprec  # noqa: E402
 from autoprec.cli.options import load_spec  # noqa: E402
+from autoprec.distributed.ranks import ONE_PROCESS  # noqa: E402
 from autoprec.inputs.userspec import UserCodeError  # noqa: E402
 from autoprec.runtime.apply import apply_policy, remove_policy  # noqa: E402
 from autoprec.runtime.policy import Policy  # noqa: E402
+from autoprec.workloads.generation import GenerationWorkload  # noqa: E402
 
 
 def tiny_t5():
@@ -115,7 +117,8 @@ def get_batches():  # prompts only: what generate takes
 @pytest.mark.parametrize("name", MODELS)
 def test_the_fp32_check_of_prompts_for_generation_runs_what_generate_runs(tmp_path, name):
     path = model_py(tmp_path, name)
-    spec = load_spec(argparse.Namespace(model_py=str(path), device="cpu", for_="generation"))
+    args = argparse.Namespace(model_py=str(path), device="cpu", for_="generation", new_tokens=None)
+    _, spec = GenerationWorkload.from_command(args, ONE_PROCESS)  # what tune --for generation loads
     assert len(spec.batches) == 3
     if name == "t5":  # one forward of a prompt needs decoder inputs (BART makes its own from the prompt)
         with pytest.raises(UserCodeError, match="does not fit the model"):
