@@ -363,7 +363,11 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     if not isinstance(policy, Policy):
         policy = Policy.load(policy)
     wrapper, model = model, unwrap(model)
-    precisions = _checked_precisions(model, wrapper, policy, mode, strict)
+    if getattr(model, _STATE_ATTR, None) is not None:
+        raise RuntimeError("this model already has a policy applied; call autoprec.remove_policy(model) first")
+    check_names(model, policy, strict)  # these two warn at the caller's line (stacklevel): called from here
+    check_model(model, policy)
+    precisions = _checked_precisions(model, wrapper, policy, mode)
 
     state = _Installed(policy=policy, mode=mode, fsdp_float8_all_gather=fsdp_float8_all_gather)
     buffers = {name for name, _ in model.named_buffers()}
@@ -387,14 +391,9 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     return wrapper
 
 
-def _checked_precisions(model: nn.Module, wrapper: nn.Module, policy: Policy, mode: str, strict: bool
-                        ) -> dict[str, Precision]:
+def _checked_precisions(model: nn.Module, wrapper: nn.Module, policy: Policy, mode: str) -> dict[str, Precision]:
     """Each module's precision under ``policy``, once every check passed: before anything changes, so that a
     refused policy leaves no trace."""
-    if getattr(model, _STATE_ATTR, None) is not None:
-        raise RuntimeError("this model already has a policy applied; call autoprec.remove_policy(model) first")
-    check_names(model, policy, strict)
-    check_model(model, policy)
     check_master_weights(model, mode)
     precisions = effective_precisions(model, policy)
     check_rules_reach(model, policy, precisions)
