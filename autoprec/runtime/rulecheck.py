@@ -173,11 +173,11 @@ def _check_linear_only(model: nn.Module, policy: Policy, precisions: dict[str, P
 
 
 def _warn_once(policy: Policy, message: str) -> None:
-    """Warn at the caller of apply_policy (apply_policy -> _checked_precisions -> check -> here), once per policy:
-    bench and tune apply one policy many times."""
+    """Warn at the caller of apply_policy (apply_policy -> check -> here), once per policy: bench and tune apply
+    one policy many times."""
     if message not in policy._warned:
         policy._warned.add(message)
-        warnings.warn(message, stacklevel=5)
+        warnings.warn(message, stacklevel=4)
 
 
 def check_shared(aliases: list[tuple[nn.Module, list[str]]], precisions: dict[str, Precision]) -> None:
