@@ -1,4 +1,4 @@
-"""Every LLM architecture the installed transformers has, tuned as a new user would, the policy checked on unseen tokens.
+"""Every LLM architecture the installed transformers has, tuned as a new user would, its policy checked on new tokens.
 
     nice -n 10 python benchmarks/llm_zoo.py [--only llama,t5] [--quick] [--json benchmarks/results/llm_zoo.json]
 
@@ -317,20 +317,35 @@ def main() -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    rows = {}
+    # rows already in --json stay (a run of --only some architectures updates theirs); each row is saved as it ends
+    path = Path(args.json) if args.json else None
     for name in wanted:
         start = time.perf_counter()
         with contextlib.redirect_stderr(io.StringIO()):
-            rows[name] = run_one(known[name], args.quick, Path(args.out) / name)
-        print(f"== {name}: {time.perf_counter() - start:.0f} s  {json.dumps(_brief(rows[name]))}", flush=True)
-    about = machine()
+            row = run_one(known[name], args.quick, Path(args.out) / name)
+        print(f"== {name}: {time.perf_counter() - start:.0f} s  {json.dumps(_brief(row))}", flush=True)
+        saved = save(path, name, row, args.quick)
+    rows = saved["rows"] if path else {}
+    about = saved["machine"] if path else machine()
     print(f"\n{about['cpu']}, {about['cores']} threads, torch {about['torch']}, transformers "
           f"{about['transformers']}, {about['date']}{', --quick' if args.quick else ''}\n")
-    print(table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"machine": about, "quick": args.quick, "rows": rows}, indent=1,
-                                              default=str) + "\n")
-        print(f"wrote {args.json}")
+    print(table({n: rows[n] for n in known if n in rows}))
+    if path:
+        print(f"wrote {path}")
+
+
+def save(path: Path | None, name: str, row: dict, quick: bool) -> dict:
+    """Put ``row`` into the JSON at ``path`` (its other rows kept, in the architectures' order); the whole file."""
+    if path is None:
+        return {}
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    rows = {**saved.get("rows", {}), name: row}
+    order = [a.name for a in ARCHITECTURES]
+    saved = {"machine": machine(), "quick": quick, "rows": {n: rows[n] for n in sorted(rows, key=order.index)}}
+    tmp = path.with_name(path.name + f".{name}.tmp")
+    tmp.write_text(json.dumps(saved, indent=1, default=str) + "\n")
+    tmp.replace(path)  # atomic: two runs of --only other architectures may save into one file
+    return saved
 
 
 def _brief(row: dict) -> dict:
