@@ -32,6 +32,7 @@ from autoprec.profile import Profile, predict_ms
 from autoprec.profile.latency import SPEED_MARGIN
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import DEFAULT_PRECISIONS, Precision
+from autoprec.search.sampler import trial_seeded_sampler
 from autoprec.search.space import SearchSpace, Unit
 from autoprec.search.structure import Structure, count_regions, region_cost_ms
 from autoprec.search.walks import coarse_to_fine, greedy
@@ -189,8 +190,9 @@ class _Study:
             "constraints_func": lambda t: (t.user_attrs.get("violation", math.inf),)}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=8,
-                                                 **extra)
+            # each trial's proposal from its own seeded sampler: a resumed search proposes what an uncut one does
+            sampler = trial_seeded_sampler(seed, lambda trial_seed: optuna.samplers.TPESampler(
+                seed=trial_seed, multivariate=True, group=True, n_startup_trials=8, **extra))
             # Who creates the study owns it: creating is atomic in every Optuna storage, so of two tunes that
             # start on one name at once exactly one creates it, and the other compares owners (claim).
             try:
@@ -268,9 +270,10 @@ class _Study:
             self.study.tell(trial, value, skip_if_finished=True)
 
     def ahead_of(self, trial: Any) -> int:
-        """How many trials of the study count against --trials before ``trial``: finished or running, not pruned."""
+        """How many trials of the study count against --trials before ``trial``: completed or running. A failed
+        trial is one a kill (or Ctrl-C) cut short: measured again, it must not count twice."""
         S = self.optuna.trial.TrialState
-        return sum(1 for t in self.study.get_trials(deepcopy=False, states=(S.RUNNING, S.COMPLETE, S.FAIL))
+        return sum(1 for t in self.study.get_trials(deepcopy=False, states=(S.RUNNING, S.COMPLETE))
                    if t.number < trial.number)
 
     def _first_of_step(self, step: int) -> Any:
@@ -291,8 +294,8 @@ class _Study:
             pass
 
     def n_trials(self) -> int:
-        states = (self.optuna.trial.TrialState.COMPLETE, self.optuna.trial.TrialState.FAIL)
-        return len(self.study.get_trials(deepcopy=False, states=states))
+        """The trials that count against --trials: the completed ones (see :meth:`ahead_of`)."""
+        return len(self.completed())
 
 
 def search(profile: Profile, evaluator: Objective, budget: Budget, space: SearchSpace,
@@ -368,13 +371,13 @@ def search(profile: Profile, evaluator: Objective, budget: Budget, space: Search
     # The walk's steps, numbered in order: a step the study holds already (the walk was stopped and resumes, or
     # another job walks it at once) is read back, not measured again, so the walk goes on where it was.
     walked: list[int] = []  # the trial number of each step so far
-    finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
+    finished = (optuna.trial.TrialState.COMPLETE,)
     before = {t.number for t in study.get_trials(deepcopy=False)}  # counted in the progress bar already
     last: dict[str, int] = {}  # seed kind -> the trial number of this walk's latest step of that kind
 
     def taken() -> int:
-        """Trials spent so far as the walk counts them: its steps, the trials of earlier steps that failed (a step
-        cut short by a kill, measured again) and any trial not of the walk; not the later steps a study holds."""
+        """Trials spent so far as the walk counts them: its steps and any trial not of the walk; not the later steps a
+        study holds, nor a step cut short by a kill (it is measured again, and counts once)."""
         return len(walked) + sum(1 for t in study.get_trials(deepcopy=False, states=finished)
                                  if t.number not in walked and t.user_attrs.get("walk", -1) < len(walked))
 
@@ -434,24 +437,20 @@ def search(profile: Profile, evaluator: Objective, budget: Budget, space: Search
                 greedy(searchable, fastest, profile, lambda params: run(1, params, "greedy"), latest, trials - 2)
         stopped = ranks.from_first(stopped)  # the walk's verdict, for every rank
         remaining = trials - state.n_trials() if stopped == "trials" else 0
+        if remaining > 0 and _since_best(state.completed()) >= patience:  # a resumed search that had stopped
+            stopped, remaining = f"no improvement in {patience} trials", 0
         if searchable and remaining > 0:
-            best_at = [state.n_trials(), _best_ms(state.completed())]
-
             def stop_when_stale(study_: Any, _trial: Any) -> None:
                 nonlocal stopped
-                best = _best_ms(state.completed())
-                if best < best_at[1]:
-                    best_at[:] = [state.n_trials(), best]
-                elif state.n_trials() - best_at[0] >= patience:
+                if _since_best(state.completed()) >= patience:  # read from the study: a resumed search counts alike
                     stopped = f"no improvement in {patience} trials"
+                    study_.stop()
+                elif state.n_trials() >= trials:  # --trials caps the whole study, whichever worker finishes a trial
                     study_.stop()
                 bar.update(1)
 
             deadline = None if timeout is None else max(1.0, timeout - (time.perf_counter() - start))
-            # --trials caps the whole study, whichever worker finishes a trial
-            cap = optuna.study.MaxTrialsCallback(trials, states=(optuna.trial.TrialState.COMPLETE,
-                                                                 optuna.trial.TrialState.FAIL))
-            study.optimize(objective, n_trials=remaining, timeout=deadline, callbacks=[stop_when_stale, cap],
+            study.optimize(objective, n_trials=remaining, timeout=deadline, callbacks=[stop_when_stale],
                            gc_after_trial=False)  # no `catch`, as in run()
             if timeout is not None and time.perf_counter() - start >= timeout:
                 stopped = "timeout"
@@ -464,6 +463,19 @@ def search(profile: Profile, evaluator: Objective, budget: Budget, space: Search
                         front=pareto_front(all_trials), best=best, study_name=study_name, storage=storage,
                         seconds=time.perf_counter() - start,
                         evaluations=evaluator.evaluations - evaluations_before, stopped_because=stopped, notes=notes)
+
+
+def _since_best(completed: Sequence[Any]) -> int:
+    """How many sampled trials completed after the last one that improved on the best feasible predicted time (or
+    after the walk, if none did), in trial order: what patience counts, the same for a search resumed or uncut."""
+    best, since = math.inf, 0
+    for t in sorted(completed, key=lambda t: t.number):
+        ms = _best_ms([t])
+        if ms < best:
+            best, since = ms, 0
+        elif "walk" not in t.user_attrs:
+            since += 1
+    return since
 
 
 def _same_params(completed: Sequence[Any], params: Mapping[str, str], number: int, policy_key: str = "") -> Any:
