@@ -78,7 +78,7 @@ ARCHITECTURES = [
     Architecture("gemma2", "Gemma 2", "gemma2", "logit soft-capping (attention 50, final 30), sliding window",
                  _decoder(head_dim=16, sliding_window=16, query_pre_attn_scalar=16, attn_logit_softcapping=50.0,
                           final_logit_softcapping=30.0)),
-    Architecture("gemma3", "Gemma 3", "gemma3_text", "5:1 local/global attention, q/k norm",
+    Architecture("gemma3", "Gemma 3", "gemma3_text", "sliding-window and global layers, q/k norm",
                  _decoder(head_dim=16, sliding_window=16, query_pre_attn_scalar=16,
                           layer_types=["sliding_attention", "full_attention"])),
     Architecture("phi3", "Phi-3", "phi3", "fused qkv and gate_up, longrope RoPE scaling",
@@ -262,12 +262,13 @@ def cells(entry: dict | None) -> list[str]:
     checks = entry.get("checks")
     if checks is None:
         return [entry["summary"], f"{entry['seconds']:.0f} s", f"**apply fails**: {entry['error']}", "-"]
+    fast_path = any(line.startswith("nothing is faster than fp32") for line in entry.get("headline", ()))
     verdict = "" if checks["pass"] else " **below floor**" if checks["finite"] else " **non-finite**"
     greedy = f"{checks['argmax_as_fp32']:.0%}"
     if "greedy_as_fp32" in checks:
         greedy += f" / {checks['greedy_as_fp32']:.0%}"
     sqnr = "exact" if checks["sqnr_db"] == float("inf") else f"{checks['sqnr_db']:.1f} dB"
-    return [entry["summary"], f"{entry['seconds']:.0f} s", sqnr + verdict, greedy]
+    return [entry["summary"] + (" †" if fast_path else ""), f"{entry['seconds']:.0f} s", sqnr + verdict, greedy]
 
 
 def table(rows: dict) -> str:
@@ -305,6 +306,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help=f"comma-separated names: {', '.join(a.name for a in ARCHITECTURES)}")
     parser.add_argument("--quick", action="store_true", help="4 batches of 2 x 16 tokens, at most 10 trials a tune")
     parser.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "autoprec-llm-zoo"))
+    parser.add_argument("--table", action="store_true", help="print the table of the results in --json, run nothing")
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "llm_zoo.json"),
                         help="where the results go ('' for nowhere)")
     args = parser.parse_args()
@@ -313,6 +315,10 @@ def main() -> None:
     unknown = [n for n in wanted if n not in known]
     if unknown:
         raise SystemExit(f"--only: unknown {', '.join(unknown)}; the architectures are {', '.join(known)}")
+    if args.table:
+        saved = json.loads(Path(args.json).read_text())
+        print(headline(saved["machine"], saved["quick"]) + "\n\n" + table(saved["rows"]))
+        return
     warnings.filterwarnings("ignore")
     import transformers
 
@@ -327,11 +333,15 @@ def main() -> None:
         saved = save(path, name, row, args.quick)
     rows = saved["rows"] if path else {}
     about = saved["machine"] if path else machine()
-    print(f"\n{about['cpu']}, {about['cores']} threads, torch {about['torch']}, transformers "
-          f"{about['transformers']}, {about['date']}{', --quick' if args.quick else ''}\n")
+    print(f"\n{headline(about, args.quick)}\n")
     print(table({n: rows[n] for n in known if n in rows}))
     if path:
         print(f"wrote {path}")
+
+
+def headline(about: dict, quick: bool) -> str:
+    return (f"{about['cpu']}, {about['cores']} threads, torch {about['torch']}, transformers {about['transformers']}, "
+            f"{about['date']}{', --quick' if quick else ''}")
 
 
 def save(path: Path | None, name: str, row: dict, quick: bool) -> dict:
