@@ -62,13 +62,13 @@ class SeedWalk:
         self.study, self.state = objective.study, objective.state
         optuna = objective.optuna
         self.walked: list[int] = []  # the trial number of each step so far
-        self.finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
+        self.finished = (optuna.trial.TrialState.COMPLETE,)  # a step a kill cut short is measured again, once
         self.before = {t.number for t in self.study.get_trials(deepcopy=False)}  # counted in the progress bar already
         self.last: dict[str, int] = {}  # seed kind -> the trial number of this walk's latest step of that kind
 
     def taken(self) -> int:
-        """Trials spent so far as the walk counts them: its steps, the trials of earlier steps that failed (a step
-        cut short by a kill, measured again) and any trial not of the walk; not the later steps a study holds."""
+        """Trials spent so far as the walk counts them: its steps and any trial not of the walk; not the later steps a
+        study holds, nor a step cut short by a kill (it is measured again, and counts once)."""
         walked = self.walked
         return len(walked) + sum(1 for t in self.study.get_trials(deepcopy=False, states=self.finished)
                                  if t.number not in walked and t.user_attrs.get("walk", -1) < len(walked))

@@ -34,10 +34,11 @@ from autoprec.profile.latency import SPEED_MARGIN
 from autoprec.runtime.precision import DEFAULT_PRECISIONS, Precision
 from autoprec.search.config import SearchConfig
 from autoprec.search.sampled import sample
+from autoprec.search.sampler import trial_seeded_sampler
 from autoprec.search.seeds import walk_seeds
 from autoprec.search.space import SearchSpace, Unit
 from autoprec.search.structure import Structure
-from autoprec.search.trials import TrialObjective, candidates_of, choose_default
+from autoprec.search.trials import TrialObjective, candidates_of, choose_default, since_best
 
 __all__ = ["Candidate", "SearchResult", "StorageError", "StudyMismatchError", "choose_default", "open_storage",
            "pareto_front", "plan_units", "run_search", "search", "without_password"]
@@ -175,8 +176,9 @@ class _Study:
             "constraints_func": lambda t: (t.user_attrs.get("violation", math.inf),)}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=8,
-                                                 **extra)
+            # each trial's proposal from its own seeded sampler: a resumed search proposes what an uncut one does
+            sampler = trial_seeded_sampler(seed, lambda trial_seed: optuna.samplers.TPESampler(
+                seed=trial_seed, multivariate=True, group=True, n_startup_trials=8, **extra))
             # Who creates the study owns it: creating is atomic in every Optuna storage, so of two tunes that
             # start on one name at once exactly one creates it, and the other compares owners (claim).
             try:
@@ -254,9 +256,10 @@ class _Study:
             self.study.tell(trial, value, skip_if_finished=True)
 
     def ahead_of(self, trial: Any) -> int:
-        """How many trials of the study count against --trials before ``trial``: finished or running, not pruned."""
+        """How many trials of the study count against --trials before ``trial``: completed or running. A failed
+        trial is one a kill (or Ctrl-C) cut short: measured again, it must not count twice."""
         S = self.optuna.trial.TrialState
-        return sum(1 for t in self.study.get_trials(deepcopy=False, states=(S.RUNNING, S.COMPLETE, S.FAIL))
+        return sum(1 for t in self.study.get_trials(deepcopy=False, states=(S.RUNNING, S.COMPLETE))
                    if t.number < trial.number)
 
     def _first_of_step(self, step: int) -> Any:
@@ -277,8 +280,8 @@ class _Study:
             pass
 
     def n_trials(self) -> int:
-        states = (self.optuna.trial.TrialState.COMPLETE, self.optuna.trial.TrialState.FAIL)
-        return len(self.study.get_trials(deepcopy=False, states=states))
+        """The trials that count against --trials: the completed ones (see :meth:`ahead_of`)."""
+        return len(self.completed())
 
 
 def search(profile: Profile, evaluator: Objective, budget: Budget, space: SearchSpace,
@@ -322,6 +325,8 @@ def run_search(profile: Profile, evaluator: Objective, config: SearchConfig, con
             stopped = walk_seeds(objective, profile, space, bar)
         stopped = ranks.from_first(stopped)  # the walk's verdict, for every rank
         remaining = config.trials - state.n_trials() if stopped == "trials" else 0
+        if remaining > 0 and since_best(state.completed()) >= config.patience:  # a resumed search that had stopped
+            stopped, remaining = f"no improvement in {config.patience} trials", 0
         if objective.searchable and remaining > 0:
             stopped = sample(objective, remaining, config, start, bar)
     ranks.barrier()  # every rank's trials are done: each reads the same ones

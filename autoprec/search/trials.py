@@ -19,7 +19,7 @@ from autoprec.search.config import SearchConfig
 from autoprec.search.space import Unit
 from autoprec.search.structure import Structure, count_regions, region_cost_ms
 
-__all__ = ["REGION_DEFAULTS", "TrialObjective", "as_number", "best_ms", "candidates_of", "choose_default",
+__all__ = ["REGION_DEFAULTS", "TrialObjective", "as_number", "best_ms", "since_best", "candidates_of", "choose_default",
            "finite_or_str", "policy_key", "same_params"]
 
 REGION_DEFAULTS = ("fp32", "bf16", "fp16")  # what a region may run as (fp8 and the block-scaled formats swap linears)
@@ -129,6 +129,19 @@ def best_ms(trials: Sequence[Any]) -> float:
     ms = [float(t.user_attrs["predicted_ms"]) for t in trials
           if "violation" in t.user_attrs and as_number(t.user_attrs["violation"]) <= 0]
     return min(ms, default=math.inf)
+
+
+def since_best(completed: Sequence[Any]) -> int:
+    """How many sampled trials completed after the last one that improved on the best feasible predicted time (or
+    after the walk, if none did), in trial order: what patience counts, the same for a search resumed or uncut."""
+    best, since = math.inf, 0
+    for t in sorted(completed, key=lambda t: t.number):
+        ms = best_ms([t])
+        if ms < best:
+            best, since = ms, 0
+        elif "walk" not in t.user_attrs:
+            since += 1
+    return since
 
 
 def choose_default(assignment: Mapping[str, str], profile: Profile) -> str:
