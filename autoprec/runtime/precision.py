@@ -24,6 +24,7 @@ class Precision(str, enum.Enum):
     BF16 = "bf16"
     FP16 = "fp16"
     FP8 = "fp8"
+    FP8_ROWWISE = "fp8-rowwise"
     MXFP8 = "mxfp8"  # OCP MX: E4M3 in blocks of 32, E8M0 scales (Blackwell tensor cores)
     NVFP4 = "nvfp4"  # E2M1 in blocks of 16, E4M3 scales, one fp32 scale per tensor (Blackwell)
 
@@ -53,7 +54,7 @@ class Precision(str, enum.Enum):
     def swaps_linear(self) -> bool:
         """FP8 and the block-scaled formats exist for ``nn.Linear`` only: a rule swaps each linear's
         module for one that computes in the format; they are never a region's autocast dtype."""
-        return self in (Precision.FP8, Precision.MXFP8, Precision.NVFP4)
+        return self in (Precision.FP8, Precision.FP8_ROWWISE, Precision.MXFP8, Precision.NVFP4)
 
     @property
     def block_scaled(self) -> bool:
@@ -79,6 +80,7 @@ def _capabilities(device_type: str, index: int | None) -> dict[Precision, Capabi
             Precision.BF16: native if major >= 8 else emulated,
             Precision.FP16: native,
             Precision.FP8: native if (major, minor) >= (8, 9) else emulated,
+            Precision.FP8_ROWWISE: native if (major, minor) >= (8, 9) else emulated,
             # MX tensor cores are Blackwell's (10.x); autoprec's own MX linear only emulates, so a
             # fast kernel exists only where torchao provides one.
             Precision.MXFP8: native if major == 10 and torchao_installed() else emulated,
@@ -92,6 +94,7 @@ def _capabilities(device_type: str, index: int | None) -> dict[Precision, Capabi
         Precision.BF16: native if mkldnn._is_mkldnn_bf16_supported() else emulated,
         Precision.FP16: native if mkldnn._is_mkldnn_fp16_supported() else emulated,
         Precision.FP8: emulated,
+        Precision.FP8_ROWWISE: emulated,
         Precision.MXFP8: emulated,
         Precision.NVFP4: emulated,
     }
@@ -100,7 +103,7 @@ def _capabilities(device_type: str, index: int | None) -> dict[Precision, Capabi
 # The fast kernels of the 8- and 4-bit linears take a weight whose both dimensions are multiples of this (the MX
 # formats: their scale block; FP8: what cuBLASLt asks of a GEMM); any other shape runs the emulation, whatever the
 # device. apply (which kernel a layer gets) and the cost model (what a layer costs on a target) use this one rule.
-KERNEL_MULTIPLE = {"fp8": 16, "mxfp8": 32, "nvfp4": 16}
+KERNEL_MULTIPLE = {"fp8": 16, "fp8-rowwise": 16, "mxfp8": 32, "nvfp4": 16}
 
 
 def emulated_for_shape(precision: str | Precision, in_features: int, out_features: int) -> str | None:
