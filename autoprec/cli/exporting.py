@@ -14,7 +14,7 @@ REFUSED = 2  # the exit status of a plan an engine cannot load (a usage error is
 
 
 def export_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run", metavar="RUN_DIR_OR_POLICY",
+    parser.add_argument("run_dir", metavar="RUN_DIR_OR_POLICY",
                         help="the folder `autoprec tune` wrote (its policy.json and profile.json), or a policy file")
     parser.add_argument("--model", required=True, metavar="MODEL_PY",
                         help="the model.py the plan was tuned on: get_model() builds the transformers model "
@@ -31,7 +31,7 @@ def export(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     _check_out(out, is_export)
-    run = read_run(args.run)
+    run = read_run(args.run_dir)
     print(f"loading {args.model}", file=sys.stderr)
     try:
         export_model_py(args.model, run, out, keep_fp32=args.keep_fp32)
