@@ -80,7 +80,9 @@ def export_checkpoint(model: nn.Module, plan: ExportPlan, out: str | Path, token
     if len(names) > 1:
         index = {"metadata": {"total_size": written}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    config.update(dtype=_DTYPE_NAMES[plan.dtype], quantization_config=quantization_config(plan))
+    config["dtype"] = _DTYPE_NAMES[plan.dtype]
+    if plan.quantized:  # a plan without FP8 layers is a plain checkpoint in its dtype
+        config["quantization_config"] = quantization_config(plan)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     extras = _write_extras(model, tokenizer, out)
     summary = _summary(plan, written, names, extras, source)
