@@ -51,6 +51,7 @@ def test_export_writes_the_folder_and_show_says_what_it_holds(run_dir):
     assert show.returncode == 0, show.stderr
     assert "FP8_DYNAMIC: 14 layers (FP8, a weight scale per output channel" in show.stdout
     assert "ignore: lm_head" in show.stdout and "MiB of weights" in show.stdout
+    assert "tokenizer: get_tokenizer()" in show.stdout
 
 
 def test_a_plan_an_engine_cannot_load_is_one_line_and_exit_2(run_dir):

@@ -50,8 +50,8 @@ def export_model_py(model_py: str | Path, run: TunedRun, out: str | Path, keep_f
     get_model = find_function(module, path, "get_model", "get_model() -> torch.nn.Module", required=True)
     model = call_user(path, "get_model", get_model).eval()
     plan = plan_export(model, run.policy, keep_fp32=keep_fp32, profile=run.profile)
-    tokenizer, _ = find_tokenizer(module, path, model)
-    source = {"policy": str(run.path), "model_py": str(path), "keep_fp32": keep_fp32}
+    tokenizer, found = find_tokenizer(module, path, model)
+    source = {"policy": str(run.path), "model_py": str(path), "keep_fp32": keep_fp32, "tokenizer": found}
     extra = {} if shard_bytes is None else {"shard_bytes": shard_bytes}
     return export_checkpoint(model, plan, out, tokenizer=tokenizer, source=source, **extra)
 
@@ -99,5 +99,6 @@ def describe_export(folder: str | Path) -> str:
     source = summary.get("source") or {}
     if source:
         lines.append(f"  from: {source.get('policy')} on {source.get('model_py')}"
-                     + (" (--keep-fp32)" if source.get("keep_fp32") else ""))
+                     + (" (--keep-fp32)" if source.get("keep_fp32") else "")
+                     + (f"; tokenizer: {source['tokenizer']}" if source.get("tokenizer") else ""))
     return "\n".join(lines)
