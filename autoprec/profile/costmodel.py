@@ -89,6 +89,7 @@ class Target:
                 Precision.BF16: native if self.compute_capability >= (8, 0) else emulated,
                 Precision.FP16: native,
                 Precision.FP8: has("fp8", (8, 9)),
+                Precision.FP8_ROWWISE: has("fp8", (8, 9)),
                 Precision.MXFP8: has("mxfp8", (10, 0)),
                 Precision.NVFP4: has("nvfp4", (10, 0))}
 
