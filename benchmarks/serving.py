@@ -100,12 +100,13 @@ def linear_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
     return {n: (m.in_features, m.out_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
-def estimated_ms(shapes: dict[str, tuple[int, int]], fp8_layers: set[str]) -> dict:
-    """The linear layers' estimated time (cost model): decode = M 8 (one token of 8 sequences), prefill M 1024."""
+def estimated_ms(shapes: dict[str, tuple[int, int]], fp8_layers: set[str], rest: str = "bf16") -> dict:
+    """The linear layers' estimated time (cost model): decode = M 8 (one token of 8 sequences), prefill M 1024;
+    the layers not in ``fp8_layers`` in ``rest``."""
     out = {}
     for target in ("h100", "b200"):
         for phase, m in (("decode", 8), ("prefill", 8 * tiny.SEQ_LEN)):
-            out[f"{target} {phase}"] = sum(linear_ms(target, m, k, n, "fp8" if name in fp8_layers else "bf16")
+            out[f"{target} {phase}"] = sum(linear_ms(target, m, k, n, "fp8" if name in fp8_layers else rest)
                                            for name, (k, n) in shapes.items())
     return out
 
@@ -217,10 +218,13 @@ def modelopt_row(bits: float, ctx: dict) -> dict:
     seconds = time.perf_counter() - start
     fp8 = {n for n, m in model.named_modules() if getattr(getattr(m, "weight_quantizer", None), "is_enabled", False)}
     fp8 &= set(ctx["shapes"])
-    params = {n: k * n_ for n, (k, n_) in ctx["shapes"].items()}
+    # what its checkpoint would hold: FP8 linears at a byte a weight (and a scale per channel), the rest in bf16
+    sizes = {n: (p.numel(), p.shape[0]) for n, p in tiny.get_model().named_parameters()}
+    held = sum(numel + 2 * rows if n.removesuffix(".weight") in fp8 else 2 * numel
+               for n, (numel, rows) in sizes.items())
     return {"plan": name, **scores(model, ctx["reference"], ctx["batches"]), "fp8_layers": len(fp8),
             "estimated_ms": estimated_ms(ctx["shapes"], fp8), "seconds": seconds, "reloaded": False,
-            "weight_bytes": None, "linear_weight_bytes": sum(p * (1 if n in fp8 else 2) for n, p in params.items()),
+            "weight_bytes": None, "estimated_weight_bytes": held,
             "note": "ModelOpt's own fake-quantized model in process; its export (TensorRT-LLM / vLLM) not reloaded"}
 
 
@@ -253,8 +257,8 @@ def table(rows: list[dict], trained: dict) -> str:
             lines.append(f"| {r['plan']} | {r['skipped']} | | | | | | |")
             continue
         ms = r["estimated_ms"]
-        size = r["weight_bytes"] if r["weight_bytes"] is not None else r.get("linear_weight_bytes")
-        size_cell = "-" if size is None else f"{size / 2**20:.2f}" + ("" if r["weight_bytes"] else " (linears)")
+        size = r["weight_bytes"] if r["weight_bytes"] is not None else r.get("estimated_weight_bytes")
+        size_cell = "-" if size is None else f"{size / 2**20:.2f}" + ("" if r["weight_bytes"] else " (estimated)")
         lines.append(f"| {r['plan']}{'' if r['reloaded'] else ' (not reloaded)'} | {r['perplexity']:.4f} | "
                      f"{r['kl_per_token']:.2e} | {r['fp8_layers']} | {ms['h100 decode']:.4f} / "
                      f"{ms['h100 prefill']:.4f} | {ms['b200 decode']:.4f} / {ms['b200 prefill']:.4f} | {size_cell} | "
@@ -278,7 +282,7 @@ def main() -> None:
         reference = [model(**b, position_ids=tiny.positions(b)).logits[:, :-1].float() for b in batches]
     ctx = {"batches": batches, "reference": reference, "shapes": linear_shapes(model)}
     rows = [{"plan": "fp32", **scores(model, reference, batches), "fp8_layers": 0,
-             "estimated_ms": estimated_ms(ctx["shapes"], set()), "reloaded": True, "seconds": None,
+             "estimated_ms": estimated_ms(ctx["shapes"], set(), "fp32"), "reloaded": True, "seconds": None,
              "weight_bytes": sum(p.numel() * 4 for p in model.parameters())}]
     for name, policy in (("bf16 everywhere", Policy(default="bf16")),
                          ("FP8_DYNAMIC but lm_head, by autoprec export", Policy(default="fp8-rowwise"))):

@@ -170,7 +170,8 @@ def _write_extras(model: nn.Module, tokenizer: Any, out: Path) -> list[str]:
 
 def _summary(plan: ExportPlan, written: int, files: list[str], extras: list[str],
              source: dict[str, Any] | None) -> dict[str, Any]:
-    return {"schema": "autoprec.export", "version": 1, "format": "compressed-tensors float-quantized",
+    form = "compressed-tensors float-quantized" if plan.quantized else "a plain checkpoint: no FP8 layer"
+    return {"schema": "autoprec.export", "version": 1, "format": form,
             "dtype": plan.dtype,
             "schemes": {s.name: {"about": s.about, "layers": len(layers)} for s, layers in plan.groups().items()},
             "ignore": list(plan.ignore), "weight_bytes": written, "files": files + extras,
