@@ -233,8 +233,8 @@ def quark_row() -> dict:
         import quark  # noqa: F401
     except ImportError as e:
         return {"plan": "AMD Quark mixed precision", "skipped": f"not installed ({e})"}
-    return {"plan": "AMD Quark mixed precision", "skipped": "installed, not run: its mixed-precision search is "
-            "documented for ROCm/CUDA devices, and no CPU recipe of it was found to run in this harness"}
+    return {"plan": "AMD Quark mixed precision", "skipped": "installed (amd-quark), not run: this harness has no "
+            "Quark recipe yet, so whether its mixed-precision search runs on a CPU is not known"}
 
 
 def effective_bits(shapes: dict[str, tuple[int, int]], fp8: set[str]) -> float:
