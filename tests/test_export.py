@@ -20,7 +20,6 @@ from autoprec.export import (
     engine_schemes,
     export_checkpoint,
     plan_export,
-    quantization_config,
     served_model,
 )
 from autoprec.export.quantize import fake_quantize_input, quantize_weight

@@ -156,7 +156,7 @@ BAD_FILES = [  # (id, file text, what the message must say)
     ("amax_history text", changed(fp8={"amax_history": "16"}), r"amax_history must be a whole number >= 1, got '16'"),
     ("unknown fp8 recipe", changed(fp8={"recipe": "rowwise"}), r"unknown FP8 recipe 'rowwise'"),
     ("unknown layer precision", changed(layers={"fc": "int8"}),
-     r"layer 'fc': unknown precision 'int8'; the precisions are fp32, bf16, fp16, fp8, mxfp8, nvfp4$"),
+     r"layer 'fc': unknown precision 'int8'; the precisions are fp32, bf16, fp16, fp8, fp8-rowwise, mxfp8, nvfp4$"),
     ("unknown default", changed(default="fp64"), r"'default': unknown precision 'fp64'"),
     ("pattern does not compile", changed(layers={"re:encoder.(": "bf16"}),
      r"layer pattern 're:encoder\.\(' does not compile"),
@@ -271,7 +271,7 @@ def test_every_problem_of_a_file_is_named_in_one_line(tmp_path):
         "'fp8': unknown FP8 recipe 'rowwise'",
         "'fp8': fp8 amax_history must be a whole number >= 1, got 0",
         "'result' must be an object, got list",
-        "the precisions are fp32, bf16, fp16, fp8, mxfp8, nvfp4",
+        "the precisions are fp32, bf16, fp16, fp8, fp8-rowwise, mxfp8, nvfp4",
     ]
     for start in expected:
         assert sum(p.startswith(start) for p in problems) == 1, (start, problems)
