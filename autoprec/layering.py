@@ -14,6 +14,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cli", ("__main__", "cli")),
     # adapters for Lightning and Hugging Face, on top of applying a policy; beside the CLI, not under it
     ("integrations", ("integrations",)),
+    # a tuned plan as a checkpoint a serving engine loads (`autoprec export`): below the CLI, above the runtime it reads
+    ("export", ("export",)),
     # the conductor and its settings: checks -> capture -> profile -> search -> verify -> outputs
     ("pipeline", ("tune",)),
     # what a tune writes and shows; the pipeline and the CLI read them, nothing below does

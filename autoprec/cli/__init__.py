@@ -3,7 +3,8 @@
     autoprec tune MODEL_PY        profile, search and verify: writes policy.json and report.md
     autoprec profile MODEL_PY     every tunable layer: sensitivity and measured latency per precision
     autoprec bench MODEL_PY --policy FILE   re-measure a policy against fp32 and blanket autocast
-    autoprec show POLICY_JSON     the policy's rules, what it was tuned on and what it achieved
+    autoprec show POLICY_JSON     the policy's rules, what it was tuned on and what it achieved (or an export folder)
+    autoprec export RUN_DIR --model model.py --out FOLDER   the plan as a checkpoint vLLM and transformers load
     autoprec estimate --target h100 --gemm MxKxN   each precision's estimated time on a named GPU
     autoprec init [--hf MODEL_DIR --text FILE]     write a model.py to start from
     autoprec dashboard RUN_DIR    a tune's Optuna study in optuna-dashboard
@@ -24,6 +25,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from autoprec.cli.exporting import export, export_arguments
 from autoprec.cli.options import CommandError
 from autoprec.cli.quiet import quiet_third_party
 from autoprec.cli.tools import (
@@ -59,7 +61,10 @@ COMMANDS: list[Command] = [
     Command("bench", "re-measure a policy against fp32 and blanket autocast", bench_arguments, bench),
     Command("estimate", "estimated time of GEMMs in each precision on a named GPU (cost model, no GPU needed)",
             estimate_arguments, estimate),
-    Command("show", "print a policy file: its rules, what it was tuned on, what it achieved", show_arguments, show),
+    Command("show", "print a policy file: its rules, what it was tuned on, what it achieved (or what an export "
+                    "folder holds)", show_arguments, show),
+    Command("export", "write a tuned plan as a compressed-tensors checkpoint that vLLM, SGLang and transformers load",
+            export_arguments, export),
     Command("init", "write a model.py to start from: a template, or one for a Hugging Face model and your text",
             init_arguments, init),
     Command("dashboard", "serve a tune's Optuna study in optuna-dashboard", dashboard_arguments, dashboard),

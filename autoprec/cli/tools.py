@@ -16,10 +16,16 @@ __all__ = ["dashboard", "dashboard_arguments", "estimate", "estimate_arguments",
 
 # ---- show ------------------------------------------------------------------------------------------
 def show_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("policy", metavar="POLICY_JSON", help="a policy file written by `autoprec tune`")
+    parser.add_argument("policy", metavar="POLICY_JSON", help="a policy file written by `autoprec tune`, or a "
+                                                             "folder written by `autoprec export`")
 
 
 def show(args: argparse.Namespace) -> int:
+    from autoprec.export.run import describe_export, is_export
+
+    if is_export(args.policy):
+        print(describe_export(args.policy))
+        return 0
     policy = Policy.load(args.policy)
     print(f"policy: {args.policy}")
     print(policy)

@@ -1,0 +1,176 @@
+"""What a serving engine will run for each layer of a tuned plan: the export plan.
+
+An engine quantizes some linears (FP8, each with one compressed-tensors scheme) and runs everything else in one
+dtype. A policy can say more than that (an fp32 layer inside a bf16 model, fp16 beside bf16, an FP8 conv), so
+the plan is checked here, before anything is written: what an engine would serve differently from what was
+measured is said in one line (an fp32 island served in bf16, with what that costs); what an engine cannot load at
+all is refused in one line naming the layer and the fix (:class:`ExportRefused`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.errors import UserError
+from autoprec.runtime.apply import effective_precisions
+from autoprec.runtime.policy import Policy
+from autoprec.runtime.precision import Precision
+
+__all__ = ["SCHEMES", "DTYPES", "ExportPlan", "ExportRefused", "Scheme", "plan_export"]
+
+
+class ExportRefused(UserError):
+    """A plan an engine cannot load as measured: one line naming the layer and the fix (exit status 2)."""
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One compressed-tensors config group: how a quantized linear's weight and input are scaled."""
+
+    name: str  # the config group's name in config.json
+    weights: str  # compressed-tensors QuantizationStrategy of the weight scale: "channel" or "tensor"
+    inputs: str  # of the dynamic input scale: "token" or "tensor"
+    about: str  # what users call it
+
+    @property
+    def per_channel(self) -> bool:
+        return self.weights == "channel"
+
+
+# autoprec precision -> the scheme that serves it. fp8-rowwise is compressed-tensors' FP8_DYNAMIC preset (what vLLM
+# and SGLang serve). autoprec's fp8 is per-tensor; compressed-tensors' per-tensor preset "FP8" has *static* input
+# scales (calibrated), which autoprec does not measure, so its inputs are written dynamic per tensor (scale from the
+# current batch): vLLM's _is_fp8_w8a8 takes any dynamic input scale over a tensor- or channel-scaled weight.
+SCHEMES: dict[Precision, Scheme] = {
+    Precision.FP8_ROWWISE: Scheme("FP8_DYNAMIC", "channel", "token",
+                                  "FP8, a weight scale per output channel, a dynamic scale per token"),
+    Precision.FP8: Scheme("FP8_PER_TENSOR_DYNAMIC", "tensor", "tensor",
+                          "FP8, one weight scale per tensor, a dynamic scale per input tensor"),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_UNQUANTIZED = (Precision.FP32, Precision.BF16, Precision.FP16)
+_SHOWN = 6  # layers named in one line before "and N more"
+
+
+@dataclass
+class ExportPlan:
+    """Each linear's scheme (quantized) or its place in ``ignore``, the one dtype of the rest, and the notes."""
+
+    quantized: dict[str, Precision]  # linear name -> fp8 or fp8-rowwise
+    ignore: list[str]  # every linear served unquantized, lm_head included
+    dtype: str  # "bf16", "fp16" or "fp32": every tensor that is not an FP8 weight or its scale
+    notes: list[str] = field(default_factory=list)  # one line each: what is served otherwise than measured
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def groups(self) -> dict[Scheme, list[str]]:
+        """Scheme -> its layers, in model order; one config group each."""
+        out: dict[Scheme, list[str]] = {}
+        for name, precision in self.quantized.items():
+            out.setdefault(SCHEMES[precision], []).append(name)
+        return out
+
+
+def plan_export(model: nn.Module, policy: Policy, keep_fp32: bool = False,
+                profile: Mapping[str, Any] | None = None) -> ExportPlan:
+    """The export plan of ``policy`` on ``model``; ``profile``: the run's profile.json, for the sensitivities
+    that the notes on fp32 islands quote. Raises :class:`ExportRefused` where an engine cannot load the plan."""
+    precisions = effective_precisions(model, policy)
+    linears = {name: precisions[name] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    _refuse_other_formats(model, precisions)
+    quantized = {n: p for n, p in linears.items() if p in SCHEMES and not _is_head(model, n)}
+    notes = [f"{n}: the plan has {p}, but engines run the output head unquantized: exported in the model's dtype"
+             for n, p in linears.items() if p in SCHEMES and n not in quantized]
+    unquantized = {n: p for n, p in linears.items() if n not in quantized}
+    dtype = "fp32" if keep_fp32 else _one_dtype(unquantized, precisions)
+    notes += _dtype_notes(unquantized, dtype, profile)
+    if quantized and policy.fp8.amax_history > 1 and Precision.FP8 in quantized.values():
+        notes.append(f"fp8 layers: the plan scaled their inputs over the last {policy.fp8.amax_history} batches "
+                     "(delayed); engines scale each batch's own (dynamic, per tensor), as amax_history=1 measures")
+    return ExportPlan(quantized, list(unquantized), dtype, notes)
+
+
+def _is_head(model: nn.Module, name: str) -> bool:
+    """The output head: what ``get_output_embeddings()`` returns (vLLM's ParallelLMHead, never quantized)."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    return head is not None and head is model.get_submodule(name)
+
+
+def _refuse_other_formats(model: nn.Module, precisions: dict[str, Precision]) -> None:
+    """FP8 on a module that is not an nn.Linear, or a format this export does not write: one line."""
+    for name, module in model.named_modules():
+        precision = precisions[name]
+        if precision in _UNQUANTIZED or not _has_weight(module):
+            continue
+        if precision not in SCHEMES:
+            raise ExportRefused(f"layer {name!r} is {precision} in the plan, and `autoprec export` writes FP8 "
+                                f"(fp8, fp8-rowwise) only; fix: re-tune with --precisions bf16,fp8-rowwise")
+        if not isinstance(module, nn.Linear) and _is_conv(module):
+            raise ExportRefused(f"layer {name!r} is a {type(module).__name__} with {precision}, and engines "
+                                f"quantize nn.Linear layers only; fix: give it bf16 in policy.json")
+
+
+def _has_weight(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "weight", None), torch.Tensor)
+
+
+def _is_conv(module: nn.Module) -> bool:
+    """Convolutions, and transformers' Conv1D (GPT-2's linear with its weight transposed)."""
+    return isinstance(module, nn.modules.conv._ConvNd) or "Conv" in type(module).__name__
+
+
+def _one_dtype(unquantized: dict[str, Precision], precisions: dict[str, Precision]) -> str:
+    """The dtype an engine runs the unquantized layers in: bf16, or fp16 where the plan's only low dtype is fp16;
+    an fp16 layer beside a bf16 one cannot be served (one dtype for all): refused, naming it."""
+    low = {p for p in precisions.values() if p in (Precision.BF16, Precision.FP16)}
+    if low == {Precision.FP16}:
+        return "fp16"
+    if Precision.FP16 in low:
+        name = next(n for n, p in {**unquantized, **precisions}.items() if p is Precision.FP16)
+        raise ExportRefused(f"layer {name!r} is fp16 in a plan whose other layers are bf16, and engines run every "
+                            "unquantized layer in one dtype; fix: make it bf16 in policy.json (or re-tune with "
+                            "--precisions bf16,fp8-rowwise), or export with --keep-fp32")
+    return "bf16"
+
+
+def _dtype_notes(unquantized: dict[str, Precision], dtype: str, profile: Mapping[str, Any] | None) -> list[str]:
+    """One line for the layers served in another dtype than the plan measured: fp32 islands in bf16 (with their
+    measured sensitivity in it), or bf16 layers kept fp32 by --keep-fp32."""
+    moved = [n for n, p in unquantized.items() if p.value != dtype]
+    if not moved:
+        return []
+    if dtype == "fp32":
+        return [f"{_count(moved, 'layer')} the plan ran in bf16/fp16 served in fp32 (--keep-fp32): at least as "
+                f"accurate as measured, and slower"]
+    cost = _sensitivities(profile, dtype)
+    shown = ", ".join(f"{n} ({cost[n]})" if n in cost else n for n in moved[:_SHOWN])
+    more = f" and {len(moved) - _SHOWN} more" if len(moved) > _SHOWN else ""
+    return [f"{_count(moved, 'fp32 island')} served in {dtype} (engines run every unquantized layer in one dtype; "
+            f"each alone in {dtype}, as profiled): {shown}{more}; to keep them fp32, export with --keep-fp32"]
+
+
+def _count(items: list, noun: str) -> str:
+    return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
+
+
+def _sensitivities(profile: Mapping[str, Any] | None, precision: str) -> dict[str, str]:
+    """layer -> what lowering it alone to ``precision`` measured: metric drop and output SQNR."""
+    out = {}
+    for layer in (profile or {}).get("layers", []):
+        s = layer.get("sensitivity", {}).get(precision)
+        if not s:
+            continue
+        sqnr = s.get("sqnr_db")
+        parts = [f"metric drop {s['metric_drop']:.3g}"] if s.get("metric_drop") is not None else []
+        if isinstance(sqnr, (int, float)) and math.isfinite(sqnr):
+            parts.append(f"SQNR {sqnr:.1f} dB")
+        out[layer["name"]] = ", ".join(parts) or "not measured"
+    return out

@@ -1,0 +1,104 @@
+"""``autoprec export``'s steps: the plan from a tune's folder (or a policy file), the model and tokenizer from
+model.py, the checkpoint written; and what ``autoprec show`` says of an exported folder."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autoprec.export.checkpoint import EXPORT_FILE, export_checkpoint
+from autoprec.export.plan import plan_export
+from autoprec.runtime.policy import Policy
+
+__all__ = ["TunedRun", "describe_export", "export_model_py", "is_export", "read_run"]
+
+
+@dataclass
+class TunedRun:
+    policy: Policy
+    profile: dict[str, Any] | None  # the run's profile.json, where there is one beside the policy
+    path: Path  # the policy file
+
+
+def read_run(path: str | Path) -> TunedRun:
+    """A tune's output folder (its policy.json and profile.json) or a policy file (and a profile.json beside it)."""
+    path = Path(path)
+    policy_path = path / "policy.json" if path.is_dir() else path
+    if path.is_dir() and not policy_path.is_file():
+        raise ValueError(f"{path}: no policy.json in this folder; give the folder `autoprec tune` wrote "
+                         "(its outputs line names it) or a policy file")
+    policy = Policy.load(policy_path)
+    profile_path = policy_path.parent / "profile.json"
+    profile = None
+    if profile_path.is_file():
+        try:
+            profile = json.loads(profile_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            profile = None  # the notes then name the islands without their sensitivity
+    return TunedRun(policy, profile, policy_path)
+
+
+def export_model_py(model_py: str | Path, run: TunedRun, out: str | Path, keep_fp32: bool = False,
+                    shard_bytes: int | None = None) -> dict[str, Any]:
+    """Load ``model_py``'s model (and tokenizer), plan ``run``'s policy on it, write the checkpoint into ``out``."""
+    from autoprec.inputs.userspec import call_user, find_function, import_model_py
+
+    path = Path(model_py).resolve()
+    module = import_model_py(path)
+    get_model = find_function(module, path, "get_model", "get_model() -> torch.nn.Module", required=True)
+    model = call_user(path, "get_model", get_model).eval()
+    plan = plan_export(model, run.policy, keep_fp32=keep_fp32, profile=run.profile)
+    tokenizer, found = find_tokenizer(module, path, model)
+    source = {"policy": str(run.path), "model_py": str(path), "keep_fp32": keep_fp32, "tokenizer": found}
+    extra = {} if shard_bytes is None else {"shard_bytes": shard_bytes}
+    return export_checkpoint(model, plan, out, tokenizer=tokenizer, source=source, **extra)
+
+
+def find_tokenizer(module: Any, path: Path, model: Any) -> tuple[Any, str]:
+    """The tokenizer to ship, and where it came from: model.py's ``get_tokenizer()``; else a module-level
+    ``tokenizer`` (a tokenizer, or a function of no arguments returning one); else the one saved in the folder the
+    model was loaded from (``config._name_or_path``); else none."""
+    from autoprec.inputs.userspec import call_user
+
+    fn = getattr(module, "get_tokenizer", None)
+    if callable(fn):
+        return call_user(path, "get_tokenizer", fn), "get_tokenizer()"
+    found = getattr(module, "tokenizer", None)
+    if callable(getattr(found, "save_pretrained", None)):
+        return found, "model.py's tokenizer"
+    if callable(found):
+        made = call_user(path, "tokenizer", found)
+        if callable(getattr(made, "save_pretrained", None)):
+            return made, "model.py's tokenizer()"
+    folder = Path(str(getattr(getattr(model, "config", None), "_name_or_path", "") or "."))
+    if folder.is_dir() and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True), f"the model's folder {folder}"
+    return None, "none found"
+
+
+def is_export(path: str | Path) -> bool:
+    return (Path(path) / EXPORT_FILE).is_file()
+
+
+def describe_export(folder: str | Path) -> str:
+    """What ``autoprec show FOLDER`` prints of an exported folder: the schemes, counts, ignore list, bytes."""
+    folder = Path(folder)
+    summary = json.loads((folder / EXPORT_FILE).read_text())
+    quantized = sum(s["layers"] for s in summary["schemes"].values())
+    lines = [f"export: {folder} ({summary['format']}, everything else in {summary['dtype']})",
+             f"  {quantized} FP8 layers, {len(summary['ignore'])} unquantized linears, "
+             f"{summary['weight_bytes'] / 2**20:.1f} MiB of weights"]
+    lines += [f"  {name}: {s['layers']} layers ({s['about']})" for name, s in summary["schemes"].items()]
+    lines.append(f"  ignore: {', '.join(summary['ignore']) or '(none)'}")
+    lines += [f"  note: {note}" for note in summary["notes"]]
+    lines.append(f"  files: {', '.join(summary['files'])}")
+    source = summary.get("source") or {}
+    if source:
+        lines.append(f"  from: {source.get('policy')} on {source.get('model_py')}"
+                     + (" (--keep-fp32)" if source.get("keep_fp32") else "")
+                     + (f"; tokenizer: {source['tokenizer']}" if source.get("tokenizer") else ""))
+    return "\n".join(lines)
