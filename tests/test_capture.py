@@ -15,10 +15,12 @@ from models import (
     FunctionalMatmulNet,
     MHANet,
     OpaqueKernelNet,
+    Routed,
     TinyCNN,
     TinyMLP,
     TrapNet,
     image_batch,
+    routed_batches,
     token_batch,
 )
 from torch import nn
@@ -350,28 +352,6 @@ def test_test_models_are_deterministic() -> None:
 
 
 # Every batch: layers on branches the first batch does not take, and modules no batch runs.
-
-class Routed(nn.Module):
-    """Routes each batch by its mean: ``a`` or ``b``; ``never`` is built but no forward runs it,
-    and ``tied`` is never called but its weight is read through ``head``."""
-
-    def __init__(self, width: int = 8):
-        super().__init__()
-        torch.manual_seed(0)
-        self.stem, self.a, self.b = nn.Linear(4, width), nn.Linear(width, width), nn.Linear(width, width)
-        self.never, self.tied = nn.Linear(width, width), nn.Linear(width, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.stem(x)
-        h = self.a(h) if x.mean() > 0 else self.b(h)
-        return nn.functional.linear(h, self.tied.weight)
-
-
-def routed_batches(signs: str, rows: int = 3) -> list[torch.Tensor]:
-    """One rows x 4 batch per character: '+' takes branch a, '-' branch b."""
-    generator = torch.Generator().manual_seed(0)
-    return [torch.rand(rows, 4, generator=generator) * (1 if sign == "+" else -1) for sign in signs]
-
 
 def test_layers_of_every_batch_are_captured() -> None:
     with pytest.warns(CaptureFallbackWarning):  # data-dependent control flow: export and fx fail

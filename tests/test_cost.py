@@ -156,7 +156,7 @@ def test_the_sensitivity_heatmap_draws_each_layer_in_its_row_and_what_was_not_pr
     """The heatmap is a mesh of cells, not an image resampled to the figure's pixels (benchmarks/scale.py: a
     48-block tune's peak 479 -> 298 MiB): the first layer still on top, a cell not profiled still grey."""
     import matplotlib.image
-    from test_search import make_profile
+    from profiles import make_profile
 
     from autoprec.outputs.report import sensitivity_heatmap
 

@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from test_search import Chain, batches, chain_profile
+from profiles import Chain, batches, chain_profile
 
 from autoprec import Policy, Precision
 from autoprec.measuring.budget import Budget

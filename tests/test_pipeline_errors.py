@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from test_capture import Routed, routed_batches
-from test_search import FAST_BF16, SAFE, RaisesInBf16, batches, make_profile
+from models import Routed, routed_batches
+from profiles import FAST_BF16, SAFE, RaisesInBf16, batches, make_profile
 
 from autoprec import Policy, tune
 from autoprec.inputs.userspec import UserCodeError

@@ -9,7 +9,7 @@ import time
 import torch
 import torch.nn as nn
 from models import Cancel, seeded
-from test_search import Chain, batches, chain_profile
+from profiles import Chain, batches, chain_profile
 
 import autoprec
 from autoprec.measuring.budget import Budget
