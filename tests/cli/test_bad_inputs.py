@@ -5,7 +5,9 @@ the exit status, no traceback, exactly one ``autoprec <command>: error: ...`` li
 printed), and the key words of that line, which say what is wrong, where, and the fix. Usage
 errors (exit 2) print the subcommand's help above their one line, as argparse does.
 
-The cases run concurrently (two at a time) in one fixture, so the table stays quick on two cores.
+The cases run concurrently (two at a time) in one fixture, each in a process forked from one that has imported
+autoprec's command line once (tests/cli_runner.py: as ``python -m autoprec`` runs, without paying ``import torch``
+a hundred times), so the table stays quick on two cores.
 """
 
 from __future__ import annotations
@@ -14,16 +16,15 @@ import fcntl
 import os
 import pickle
 import subprocess
-import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import cli_runner
 import pytest
 import torch
 
-AUTOPREC = [sys.executable, "-m", "autoprec"]
 BAD = Path(__file__).parents[1] / "bad_model_py"
 MLP = Path(__file__).parents[1] / "cli_models" / "mlp.py"
 
@@ -480,8 +481,7 @@ def folder(tmp_path_factory) -> Path:
 
 def run_case(case: Case, d: Path) -> subprocess.CompletedProcess:
     args = [a.format(d=d, bad=BAD, mlp=MLP) for a in case.args]
-    return subprocess.run([*AUTOPREC, *args], capture_output=True, text=True, timeout=300, check=False,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    return cli_runner.run(*args, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
 
 
 @pytest.fixture(scope="module")

@@ -47,10 +47,11 @@ def table_rows(lines: list[str]) -> list[str]:
 
 # ---- tune end to end, then show and bench on what it wrote ---------------------------------------------
 @pytest.fixture(scope="module")
-def tuned(tmp_path_factory, autoprec, cli_models):
-    """One `autoprec tune` of the small MLP (fidelity mode): the finished process and its output folder."""
+def tuned(tmp_path_factory, real_autoprec, cli_models):
+    """One `autoprec tune` of the small MLP (fidelity mode) in a real subprocess: the finished process and its output
+    folder."""
     out = tmp_path_factory.mktemp("tuned") / "out"
-    run = autoprec("tune", cli_models / "mlp.py", "--out", out, "--trials", "8", "--precisions", "bf16")
+    run = real_autoprec("tune", cli_models / "mlp.py", "--out", out, "--trials", "8", "--precisions", "bf16")
     assert run.returncode == 0, run.stderr
     return run, out
 

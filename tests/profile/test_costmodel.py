@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import cli_runner
 import pytest
 import torch
 
@@ -55,9 +56,7 @@ def test_blackwell_block_scaled_formats_pay_off_only_for_large_linears(target, m
 
 
 def test_b200_estimate_reports_every_format_and_labels_it_estimated():
-    done = subprocess.run([sys.executable, "-m", "autoprec", "estimate", "--target", "b200", "--gemm",
-                           "8192x4096x14336", "--for", "training", "--json"], capture_output=True, text=True,
-                          timeout=120)
+    done = cli_runner.run("estimate", "--target", "b200", "--gemm", "8192x4096x14336", "--for", "training", "--json")
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out["target"] == "b200" and out["estimated"] is True and out["for"] == "training"
@@ -116,8 +115,7 @@ def test_parse_gemm():
 
 # ---- autoprec estimate ---------------------------------------------------------------------------------
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "autoprec", "estimate", *args], capture_output=True, text=True,
-                          timeout=120)
+    return cli_runner.run("estimate", *args)
 
 
 def test_estimate_cli_json_and_text_are_labelled_estimated():
@@ -217,8 +215,7 @@ def test_tune_target_h100_picks_fp8_only_for_large_tolerant_linears(tmp_path):
 
 
 def test_tune_cli_unknown_target_is_one_line(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "autoprec", "tune", "no_such_model.py", "--target", "h900"],
-                          capture_output=True, text=True, timeout=120)
+    done = cli_runner.run("tune", "no_such_model.py", "--target", "h900")
     assert done.returncode == 1
     assert done.stderr == ("autoprec tune: error: unknown target 'h900'; known targets: "
                            "h100, h200, a100, l4, b200, gb200\n")

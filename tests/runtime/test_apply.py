@@ -318,7 +318,7 @@ def test_bench_warns_for_a_policy_of_another_model():
     model, x = make_net(), torch.randn(2, 4, 8)
     policy = Policy(layers={"head": "bf16"}, model={"type": "Net", "structure": "0" * 16})
     with pytest.warns(UserWarning, match="tuned on another model"):
-        bench_policy(model, [x], policy, Budget(min_sqnr=20.0), repeats=1)
+        bench_policy(model, [x], policy, Budget(min_sqnr=20.0), repeats=1, max_seconds=0.5)  # no timing asserted
 
 
 def test_applying_twice_raises():

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -190,13 +188,12 @@ def evaluate(model, batches):
 
 
 @pytest.mark.parametrize("case", CLI_CASES)
-def test_cli_says_one_line(tmp_path: Path, case: str):
+def test_cli_says_one_line(tmp_path: Path, case: str, autoprec):
     fields, words = CLI_CASES[case]
     text = MODEL.format(body=fields.get("body", "return y"), last=fields.get("last", "torch.randn(64, 256)"))
     path = tmp_path / "model.py"
     path.write_text(text + textwrap.dedent(fields.get("extra", "")))
-    run = subprocess.run([sys.executable, "-m", "autoprec", "tune", str(path), "--trials", "2", "--precisions", "bf16",
-                          "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    run = autoprec("tune", path, "--trials", "2", "--precisions", "bf16", "--out", tmp_path / "out", timeout=300)
     assert run.returncode == 1, run.stderr
     assert "Traceback" not in run.stderr
     errors = [line for line in run.stderr.splitlines() if "error:" in line]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
+import cli_runner
 import pytest
 import torch
 
@@ -30,7 +30,6 @@ def test_a_gpu_device_on_a_machine_without_cuda_names_what_it_has():
 
 
 # ---- a tune that ends before searching (nothing is faster than fp32 here) ------------------------------------
-AUTOPREC = [sys.executable, "-m", "autoprec"]
 LSTM_MODEL = '''
 import torch
 from torch import nn
@@ -60,7 +59,7 @@ def get_batches():
 
 
 def _autoprec(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*AUTOPREC, *args], capture_output=True, text=True, timeout=300)
+    return cli_runner.run(*args, timeout=300)
 
 
 @pytest.fixture(scope="module")

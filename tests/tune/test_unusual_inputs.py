@@ -4,9 +4,7 @@ table, and the dashboard of a study kept elsewhere."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
+import cli_runner
 import pytest
 import torch
 from torch import nn
@@ -50,8 +48,7 @@ def test_estimate_prices_a_shape_as_apply_runs_it(k, n):
 
 
 def test_estimate_says_which_precision_is_emulated_for_the_shape():
-    run = subprocess.run([sys.executable, "-m", "autoprec", "estimate", "--target", "b200", "--gemm", "4096x4100x4096"],
-                         capture_output=True, text=True, timeout=120, check=False)
+    run = cli_runner.run("estimate", "--target", "b200", "--gemm", "4096x4100x4096")
     assert run.returncode == 0, run.stderr
     assert "mxfp8" in run.stdout and "(emulated: K=4100 is not a multiple of 32)" in run.stdout, run.stdout
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import math
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
+import cli_runner
 import pytest
 import torch
 
@@ -153,8 +153,7 @@ def test_a_candidate_that_passes_the_search_batches_but_fails_training_is_reject
 ])
 def test_for_training_with_a_bad_loss_is_one_line(tmp_path, name, expected):
     path = Path(shutil.copy(MODELS / name, tmp_path / name))
-    run = subprocess.run([sys.executable, "-m", "autoprec", "tune", str(path), "--for", "training",
-                          "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    run = cli_runner.run("tune", path, "--for", "training", "--out", tmp_path / "out")
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith(f"autoprec tune: error: {path}: ") and expected in lines[-1], run.stderr
@@ -164,9 +163,8 @@ def test_for_training_with_a_bad_loss_is_one_line(tmp_path, name, expected):
 def test_cli_tunes_for_training_and_writes_its_outputs(tmp_path):
     path = Path(shutil.copy(MODELS / "mlp.py", tmp_path / "mlp.py"))
     out = tmp_path / "out"
-    run = subprocess.run([sys.executable, "-m", "autoprec", "tune", str(path), "--for", "training", "--steps", "4",
-                          "--trials", "4", "--precisions", "bf16", "--out", str(out)],
-                         capture_output=True, text=True, timeout=300)
+    run = cli_runner.run("tune", path, "--for", "training", "--steps", "4", "--trials", "4", "--precisions", "bf16",
+                         "--out", out, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("training runs of 4 steps from the same weights"), run.stdout
     assert run.stdout.splitlines()[1].count("final loss") == 1  # the metric without evaluate(), shown once
@@ -212,9 +210,8 @@ def test_a_loss_that_runs_only_in_train_mode_tunes_and_dropout_is_no_noise(tmp_p
     # Training runs the model in train mode, so the profile and the search do too; the same dropout masks
     # in every run keep a policy's only difference from fp32 its precision.
     path = Path(shutil.copy(MODELS / "train_mode_loss.py", tmp_path / "train_mode_loss.py"))
-    run = subprocess.run([sys.executable, "-m", "autoprec", "tune", str(path), "--for", "training", "--steps", "4",
-                          "--trials", "3", "--precisions", "bf16", "--out", str(tmp_path / "out")],
-                         capture_output=True, text=True, timeout=300)
+    run = cli_runner.run("tune", path, "--for", "training", "--steps", "4", "--trials", "3", "--precisions", "bf16",
+                         "--out", tmp_path / "out", timeout=300)
     assert run.returncode == 0, run.stderr
     from autoprec.inputs.trainspec import load_train_spec
 
