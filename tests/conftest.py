@@ -21,7 +21,20 @@ def cli_models(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def autoprec():
-    """``autoprec(*args)``: run the command in a real subprocess and return the finished process."""
+    """``autoprec(*args)``: run the command as ``python -m autoprec`` runs it and return the finished process: a
+    fresh process forked from one that has imported autoprec's command line once (tests/cli_runner.py)."""
+    import cli_runner
+
+    def run(*args: str | Path, timeout: float = 120) -> subprocess.CompletedProcess:
+        return cli_runner.run(*args, timeout=timeout)
+
+    yield run
+    cli_runner.stop_servers()
+
+
+@pytest.fixture(scope="session")
+def real_autoprec():
+    """``real_autoprec(*args)``: the command in a real ``python -m autoprec`` subprocess, interpreter start and all."""
     def run(*args: str | Path, timeout: float = 120) -> subprocess.CompletedProcess:
         return subprocess.run([*AUTOPREC, *map(str, args)], capture_output=True, text=True, timeout=timeout,
                               check=False)

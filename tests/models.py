@@ -230,3 +230,25 @@ def token_batch(batch_size: int = 2, seq_len: int = 8, vocab: int = VOCAB, seed:
 def image_batch(batch_size: int = 2, size: int = 16, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(batch_size, 3, size, size, generator=generator)
+
+
+class Routed(nn.Module):
+    """Routes each batch by its mean: ``a`` or ``b``; ``never`` is built but no forward runs it,
+    and ``tied`` is never called but its weight is read through ``head``."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem, self.a, self.b = nn.Linear(4, width), nn.Linear(width, width), nn.Linear(width, width)
+        self.never, self.tied = nn.Linear(width, width), nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        h = self.a(h) if x.mean() > 0 else self.b(h)
+        return nn.functional.linear(h, self.tied.weight)
+
+
+def routed_batches(signs: str, rows: int = 3) -> list[torch.Tensor]:
+    """One rows x 4 batch per character: '+' takes branch a, '-' branch b."""
+    generator = torch.Generator().manual_seed(0)
+    return [torch.rand(rows, 4, generator=generator) * (1 if sign == "+" else -1) for sign in signs]
