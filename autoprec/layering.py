@@ -1,5 +1,5 @@
-"""The floor plan: which part of autoprec may import which, written once. ``tests/test_import_graph.py`` holds the
-code to it (and ``python benchmarks/imports.py`` prints the graph by layer).
+"""The floor plan: which part of autoprec may import which, written once. ``tests/project/test_import_graph.py``
+holds the code to it (and ``python benchmarks/imports.py`` prints the graph by layer).
 
 The layers run top to bottom; a module may import only from its own layer or below. A module belongs to the layer
 of the longest prefix naming it; one that no prefix names belongs to ``stages`` (a new stage lands in the middle).

@@ -11,7 +11,7 @@ the package root's re-exports (``autoprec/__init__.py`` collects the public name
 under ``if TYPE_CHECKING:`` (annotations only, never run). A private name is one with a leading underscore
 imported from another module (``from .apply import _STATE_ATTR``); a subpackage's ``__init__`` importing
 from its own private submodules is not counted, since that is how a package keeps its insides private.
-tests/test_import_graph.py runs the same checks.
+tests/project/test_import_graph.py runs the same checks.
 """
 
 from __future__ import annotations

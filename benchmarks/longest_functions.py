@@ -2,7 +2,7 @@
 
     python benchmarks/longest_functions.py [N]      # default 15
 
-A nested function counts inside its parent and again on its own line. ``tests/test_function_length.py``
+A nested function counts inside its parent and again on its own line. ``tests/project/test_function_length.py``
 holds the pipeline's packages to at most 80 lines a function.
 """
 

@@ -5,7 +5,7 @@ quantizes ``clamp(x / scale, -448, 448)`` to E4M3 and stores ``scale`` beside ``
 0 (an all-zero row) is replaced by its dtype's eps. Weight scales are per output channel (FP8_DYNAMIC) or one per
 tensor, and are stored in the dtype the model is served in, as llm-compressor writes them for a model in that
 dtype, so that the engine, transformers and this emulation all multiply by the very same number. Inputs are
-scaled dynamically, per token or per tensor, in fp32 as vLLM's kernels do (``tests/test_export_numerics.py`` holds
+scaled dynamically, per token or per tensor, in fp32 as vLLM's kernels do (``tests/export/test_export.py`` holds
 these functions to compressed-tensors' own).
 """
 

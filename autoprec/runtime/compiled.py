@@ -9,7 +9,7 @@ a policy computes what it computes eager (the fp32-compute mode is entered insid
 around its kernels: :class:`_CompiledBlock`), and verification checks that it does for every entry it
 times (:func:`unfaithful`): an entry that compiles to other outputs is not chosen.
 
-An applied policy compiles with no graph break the plain model does not have (``tests/test_compile.py``
+An applied policy compiles with no graph break the plain model does not have (``tests/runtime/test_compile.py``
 checks MiniLM-like BERT, GPT-2 and ViT configs, for inference and training): its regions are
 ``torch.autocast`` context managers and a ``TorchFunctionMode`` that dynamo traces, and FP8 linears
 quantize their weights inside the graph rather than reading their inference cache.

@@ -30,7 +30,7 @@ from autoprec.search.space import SearchSpace, SearchSpaceWarning
 from autoprec.search.structure import find_parts
 from autoprec.search.study import Budget, search
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).parents[1] / "assets"
 VOCAB = 64
 
 
@@ -371,7 +371,7 @@ def test_the_no_fuse_flag_reaches_the_tune(flag, tmp_path, monkeypatch):
 
     monkeypatch.setattr(importlib.import_module("autoprec.tune"), "tune", stop_at_once)  # the module, not the function
     with pytest.raises(RuntimeError, match="stopped before tuning"):
-        main(["tune", str(Path(__file__).parent / "cli_models" / "mlp.py"), "--out", str(tmp_path / "run"), *flag])
+        main(["tune", str(Path(__file__).parents[1] / "cli_models" / "mlp.py"), "--out", str(tmp_path / "run"), *flag])
     assert seen[0].fuse is not flag
 
 

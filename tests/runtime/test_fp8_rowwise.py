@@ -24,8 +24,8 @@ from autoprec.verify.runcheck import check_policy_runs
 
 E4M3 = torch.float8_e4m3fn
 # fp8-rowwise against fp32 on gaussian data: each row's own scale keeps E4M3's 3 mantissa bits for every row, about
-# 31.5 dB per tensor and 28.6 dB for a matmul of two (as per-tensor FP8 on gaussian data: tests/test_formats.py);
-# the floor sits 1.5 dB under the measurement.
+# 31.5 dB per tensor and 28.6 dB for a matmul of two (as per-tensor FP8 on gaussian data:
+# tests/runtime/test_formats.py); the floor sits 1.5 dB under the measurement.
 ROWWISE_MATMUL_SQNR_DB = 27.0
 
 

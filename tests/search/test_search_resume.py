@@ -135,7 +135,7 @@ def test_a_trial_left_running_by_a_kill_is_measured_again_not_counted(tmp_path, 
     code = (f"import test_search_resume as t; t.run({storage!r}, t.KilledAt(t.Ladder().eval(), t.batches(), "
             f"{walk + 2}))")
     killed = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(map(str, Path(__file__).parents[:2]))})
     assert killed.returncode == 9, killed.stderr[-2000:]
     study = optuna.load_study(study_name=optuna.get_all_study_names(storage)[0], storage=storage)
     assert len(study.get_trials(states=(optuna.trial.TrialState.RUNNING,))) == 1
