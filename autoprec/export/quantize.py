@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoprec.export.plan import SCHEMES, ExportPlan, Scheme
-from autoprec.runtime.fp8 import E4M3, E4M3_MAX
+from autoprec.runtime.fp8 import E4M3, E4M3_MAX, fp8_dequantize_rows, fp8_per_token
 
 __all__ = ["ServedLinear", "fake_quantize_input", "quantize_weight", "served_model", "weight_scale"]
 
@@ -43,10 +43,12 @@ def quantize_weight(weight: torch.Tensor, scheme: Scheme, scale_dtype: torch.dty
 
 
 def fake_quantize_input(x: torch.Tensor, per_token: bool) -> torch.Tensor:
-    """A dynamic FP8 input scale (per token: over the last dim), quantize-dequantize, in fp32."""
+    """A dynamic FP8 input scale (per token: over the last dim, the runtime's fp8-rowwise arithmetic),
+    quantize-dequantize, in fp32."""
+    if per_token:
+        return fp8_dequantize_rows(*fp8_per_token(x)).reshape(x.shape)
     x = x.float()
-    amax = x.abs().amax(dim=-1, keepdim=True) if per_token else x.abs().amax()
-    scale = _no_zero(amax / E4M3_MAX)
+    scale = _no_zero(x.abs().amax() / E4M3_MAX)
     return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).float() * scale
 
 
