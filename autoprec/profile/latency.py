@@ -334,13 +334,15 @@ class _Timings:
 
 def layers_not_faster(latency: LatencyResult, precisions: Sequence[Precision]) -> dict[str, list[str]]:
     """precision -> the layers whose paired rounds decided it not faster than fp32 (the whole interval of
-    the ratio at or above 1 - :data:`SPEED_MARGIN`), where the whole model is not decided faster in it
-    either. Where blanket ``p`` is faster, every layer is kept: a block lowered as one region may pay
-    off with a slower small layer inside it, and the search weighs that."""
+    the ratio at or above 1 - :data:`SPEED_MARGIN`), where the whole model is not faster in it either
+    (:attr:`~autoprec.measuring.compare.Ratio.outcome`, the rule every decision follows). Where blanket ``p``
+    is faster, every layer is kept: a block lowered as one region may pay off with a slower small layer inside
+    it, and the search weighs that."""
     ratios = latency.end_to_end_comparison.get("ratios", {})
     out: dict[str, list[str]] = {}
     for p in precisions:
-        if ratios.get(p.value, {}).get("decision") == "faster":
+        ratio = ratios.get(p.value, {})
+        if ratio.get("outcome", ratio.get("decision")) == "faster":  # the one rule (Ratio.outcome); older profiles
             continue
         names = [name for name, by_precision in latency.ratio.items()
                  if (r := by_precision.get(p.value)) is not None and r[1] >= 1 - SPEED_MARGIN]

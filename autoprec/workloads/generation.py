@@ -47,7 +47,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autoprec.common.argtypes import positive_int
+from autoprec.common.argtypes import at_least
 from autoprec.config import TuneConfig
 from autoprec.distributed.ranks import ONE_PROCESS
 from autoprec.inputs.batches import call_model, describe_batch, to_device
@@ -360,7 +360,8 @@ class GenerationWorkload(InferenceWorkload):
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--new-tokens", type=positive_int, default=None, metavar="N",
+        parser.add_argument("--new-tokens", type=at_least(2, " (one token from the prefill, the rest decode steps)"),
+                            default=None, metavar="N",
                             help=f"--for generation: tokens each timed generation makes (default {DEFAULT_NEW_TOKENS})")
 
     @classmethod

@@ -4,9 +4,6 @@ ends before the search, where the seed used to be checked)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from autoprec.config import MAX_SEED, TuneConfig
@@ -29,12 +26,12 @@ def get_batches():
 
 @pytest.mark.parametrize("argument, said", [("--seed=-1", "--seed"), (f"--seed={MAX_SEED + 1}", "--seed"),
                                             ("--budget=abc", "cannot read budget"),
-                                            ("--min-sqnr=0", "SQNR floor")])
-def test_a_bad_argument_ends_the_command_before_the_model_is_loaded(tmp_path, argument, said):
+                                            ("--min-sqnr=0", "SQNR floor"),
+                                            ("--new-tokens=1", "--new-tokens: expected a number >= 2")])
+def test_a_bad_argument_ends_the_command_before_the_model_is_loaded(autoprec, tmp_path, argument, said):
     (tmp_path / "model.py").write_text(MODEL_PY)
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "autoprec", "tune", str(tmp_path / "model.py"), "--precisions",
-                           "fp8", "--out", str(out), argument], capture_output=True, text=True, timeout=300)
+    done = autoprec("tune", tmp_path / "model.py", "--precisions", "fp8", "--out", out, argument, timeout=300)
     assert done.returncode != 0, done.stdout + done.stderr
     assert said in done.stderr and "Traceback" not in done.stderr
     assert "loading" not in done.stderr and not out.exists()  # nothing ran, nothing was written

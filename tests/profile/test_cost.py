@@ -77,6 +77,19 @@ def test_a_layer_decided_not_faster_is_skipped_unless_the_precision_pays_off_for
     assert layers_not_faster(latency, [autoprec.Precision.BF16]) == {}
 
 
+def test_a_whole_model_faster_by_all_the_rounds_at_the_cap_keeps_every_layer():
+    """The one rule (Ratio.outcome): rounds that ran to their cap undecided, but whose whole interval is below 1,
+    count as faster here as in the decision and the headline, so no layer is skipped as not paying off."""
+    from autoprec.measuring.compare import Ratio
+
+    capped = Ratio(0.8, 0.7, 0.95, rounds=40, decision="undecided")
+    assert capped.outcome == "faster"
+    ratio = {"slow": {"bf16": [1.4, 1.2, 1.6]}}
+    latency = LatencyResult({}, {}, {}, {}, {}, {}, ratio=ratio, end_to_end_comparison={
+        "ratios": {"bf16": {"decision": capped.decision, "outcome": capped.outcome}}})
+    assert layers_not_faster(latency, [autoprec.Precision.BF16]) == {}
+
+
 def test_shares_of_the_sensitivity_work_merge_into_the_whole():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).eval()

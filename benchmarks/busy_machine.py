@@ -1,0 +1,165 @@
+"""Same model, same answer, quiet or busy: small transformers tuned alone and beside busy neighbours.
+
+    nice -n 0 python benchmarks/busy_machine.py [--only llama,qwen2] [--neighbours 2] [--quick]
+                                               [--json benchmarks/results/busy_machine.json]
+
+Issue 36 found that two other tunes sharing the 2 cores flipped the answer: 21 of 22 small LMs tuned for
+inference ended on fp32, most of them with a sentence about the CPU, where the same models chose bf16 on a quiet
+machine. Each architecture here (from benchmarks/llm_zoo.py, at 2 layers of 256 wide, MLP 512, vocabulary 512, as
+the issue's Qwen2 was) is tuned with the defaults twice, one after the other in this process: once with the
+machine as it is, then beside ``--neighbours`` busy processes (each a thread of fp32 matmuls that never rests, as
+a neighbour's tune is). The goal, per architecture: the busy tune chooses the quiet tune's policy, or its headline
+says the busy run could not tell (timing noise prevented a decision, or the machine was busy). A busy tune that
+chooses otherwise *and* states it as decided is a failure: the row says so.
+
+Run it on a machine with nothing else running: the "quiet" tune is only as quiet as the machine is (the JSON
+records the load average before each tune). The tunes' own timings are not compared: only what they chose and
+what they said.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import llm_zoo  # noqa: E402  (the architectures, their tiny configs and token batches)
+
+import autoprec  # noqa: E402
+
+DEFAULT_ARCHITECTURES = ("llama", "qwen2", "mistral", "gpt2", "t5", "bart")
+WIDTH = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+WIDE_NAMES = {  # the same widths under the names other configs use
+    "gpt2": dict(n_embd=256, n_inner=512, n_head=4),
+    "t5": dict(d_model=256, d_ff=512, num_heads=4, d_kv=64),
+    "bart": dict(d_model=256, encoder_ffn_dim=512, decoder_ffn_dim=512, encoder_attention_heads=4,
+                 decoder_attention_heads=4),
+}
+# A neighbour: one thread of fp32 matmuls, back to back, until it is stopped (a tune's timing loop, roughly)
+NEIGHBOUR = """
+import torch
+torch.set_num_threads(1)
+a = torch.randn(256, 256)
+while True:
+    a = torch.tanh(a @ a)
+"""
+COULD_NOT_TELL = ("timing noise prevented a decision", "while the machine was busy", "undecided")
+
+
+@contextlib.contextmanager
+def neighbours(count: int) -> Iterator[None]:
+    """``count`` busy processes for the length of the block (none for 0)."""
+    procs = [subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) for _ in range(count)]
+    try:
+        time.sleep(2.0 if procs else 0.0)  # let them start and the load average see them
+        yield
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def wide(arch: llm_zoo.Architecture) -> llm_zoo.Architecture:
+    """``arch`` at this benchmark's widths (the zoo's are 64 wide, where autocast's overhead is most of the time)."""
+    changes = WIDE_NAMES.get(arch.name, {k: v for k, v in WIDTH.items() if k in arch.config or k == "head_dim"})
+    return llm_zoo.Architecture(arch.name, arch.label, arch.model_type, arch.feature, {**arch.config, **changes},
+                                arch.seq2seq)
+
+
+def tune_once(arch: llm_zoo.Architecture, busy: int, quick: bool, out: Path) -> dict[str, Any]:
+    """One default tune of ``arch`` with ``busy`` neighbours: what it chose and what it said."""
+    make = llm_zoo.model_maker(arch)
+    count, seq = (4, 16) if quick else (8, 32)
+    batches = llm_zoo.token_batches(arch, count, seq, seed=1)
+    settings = {"trials": 10, "patience": 5} if quick else {}
+    lines: list[str] = []
+    with neighbours(busy):
+        load = os.getloadavg()[0]
+        start = time.perf_counter()
+        result = autoprec.tune(make(), batches, progress=False, out=out, log=lines.append, **settings)
+        seconds = time.perf_counter() - start
+    said = [line for line in lines if line.strip()]
+    return {"neighbours": busy, "load_before": round(load, 2), "seconds": round(seconds, 1),
+            "policy": result.policy.to_dict(), "summary": llm_zoo.summary(result.policy), "headline": said[-4:],
+            "could_not_tell": any(words in line for line in said for words in COULD_NOT_TELL)}
+
+
+def same_policy(a: dict, b: dict) -> bool:
+    return a["policy"]["default"] == b["policy"]["default"] and a["policy"]["layers"] == b["policy"]["layers"]
+
+
+def verdict(quiet: dict, busy: dict) -> str:
+    if same_policy(quiet, busy):
+        return "same policy"
+    if busy["could_not_tell"]:
+        return "busy run said it could not tell"
+    return "FLIPPED: the busy run chose otherwise and said it was decided"
+
+
+def run_one(arch: llm_zoo.Architecture, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    row: dict[str, Any] = {"label": arch.label}
+    try:
+        row["quiet"] = tune_once(arch, 0, args.quick, out / arch.name / "quiet")
+        row["busy"] = tune_once(arch, args.neighbours, args.quick, out / arch.name / "busy")
+    except Exception as e:  # a row that says why, the others still run
+        return {**row, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1:]}"}
+    row["verdict"] = verdict(row["quiet"], row["busy"])
+    return row
+
+
+def table(rows: dict[str, dict]) -> str:
+    lines = ["| architecture | quiet (load) | busy (load) | verdict |", "|---|---|---|---|"]
+    for row in rows.values():
+        if "error" in row:
+            lines.append(f"| {row['label']} | - | - | error: {row['error']} |")
+            continue
+        q, b = row["quiet"], row["busy"]
+        lines.append(f"| {row['label']} | {q['summary']} ({q['load_before']:.1f}) | {b['summary']} "
+                     f"({b['load_before']:.1f}) | {row['verdict']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help=f"comma-separated architectures (default {','.join(DEFAULT_ARCHITECTURES)})")
+    parser.add_argument("--neighbours", type=int, default=2, help="busy processes beside the busy tune (default 2)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: fewer batches and trials, not a result")
+    parser.add_argument("--out", default="autoprec-runs/busy_machine", help="folder for the tunes' outputs")
+    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "busy_machine.json"))
+    args = parser.parse_args()
+    known = {arch.name: arch for arch in llm_zoo.ARCHITECTURES}
+    names = args.only.split(",") if args.only else list(DEFAULT_ARCHITECTURES)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        parser.error(f"unknown architecture(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    rows = {}
+    for name in names:
+        rows[name] = run_one(wide(known[name]), args, Path(args.out))
+        print(f"{name}: {rows[name].get('verdict', rows[name].get('error'))}", flush=True)
+    print(table(rows))
+    flipped = sum("FLIPPED" in row.get("verdict", "") for row in rows.values())
+    about = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+             "machine": llm_zoo.machine(), "python": platform.python_version(), "quick": args.quick,
+             "neighbours": args.neighbours, "flipped": flipped}
+    Path(args.json).write_text(json.dumps({"about": about, "rows": rows}, indent=1))
+    print(f"{flipped} of {len(rows)} flipped; figures in {args.json}")
+
+
+if __name__ == "__main__":
+    main()
