@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import importlib
 import shutil
 import subprocess
 import sys
@@ -10,6 +12,25 @@ from pathlib import Path
 import pytest
 
 AUTOPREC = [sys.executable, "-m", "autoprec"]
+
+# What nearly every test imports. Imported once at the start and frozen out of the garbage collector: a tune
+# gives memory back between stages with a full collection (autoprec.inputs.fits.free_memory), which in a process
+# holding torch, transformers and optuna walks about half a million objects that can never be garbage (0.3-1 s a
+# collection, twice a tune, hundreds of tunes in a suite). Freezing them changes no result, only that walk.
+_LONG_LIVED = ("torch", "torch.export", "torch._dynamo", "torch.distributed.fsdp", "optuna", "sqlalchemy",
+               "matplotlib.pyplot", "transformers", "transformers.models.llama.modeling_llama",
+               "transformers.models.bert.modeling_bert", "transformers.models.gpt2.modeling_gpt2", "autoprec",
+               "autoprec.tune", "autoprec.cli")
+
+
+def pytest_sessionstart(session) -> None:
+    for name in _LONG_LIVED:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an optional dependency this environment lacks: its tests skip on their own
+            pass
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")

@@ -47,11 +47,11 @@ def table_rows(lines: list[str]) -> list[str]:
 
 # ---- tune end to end, then show and bench on what it wrote ---------------------------------------------
 @pytest.fixture(scope="module")
-def tuned(tmp_path_factory, real_autoprec, cli_models):
-    """One `autoprec tune` of the small MLP (fidelity mode) in a real subprocess: the finished process and its output
-    folder."""
+def tuned(tmp_path_factory, autoprec, cli_models):
+    """One `autoprec tune` of the small MLP (fidelity mode) in a process of its own: the finished process and its
+    output folder."""
     out = tmp_path_factory.mktemp("tuned") / "out"
-    run = real_autoprec("tune", cli_models / "mlp.py", "--out", out, "--trials", "8", "--precisions", "bf16")
+    run = autoprec("tune", cli_models / "mlp.py", "--out", out, "--trials", "8", "--precisions", "bf16")
     assert run.returncode == 0, run.stderr
     return run, out
 
@@ -119,7 +119,8 @@ def test_show_prints_the_tuned_policy(tuned, autoprec):
 
 def test_bench_remeasures_the_policy_against_fp32_and_autocast(tuned, autoprec, cli_models):
     _, out = tuned
-    run = autoprec("bench", cli_models / "mlp.py", "--policy", out / "policy.json", "--repeats", "3")
+    run = autoprec("bench", cli_models / "mlp.py", "--policy", out / "policy.json", "--repeats", "3",
+                   "--max-seconds", "8")
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     # at least 3 paired rounds, more until every ratio is within +-3% or the cap

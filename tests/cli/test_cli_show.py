@@ -1,4 +1,4 @@
-"""`autoprec show`: through a real subprocess as a user runs it, and in-process for the many error cases."""
+"""`autoprec show`: in a process of its own as a user runs it, and in-process for the many error cases."""
 
 from __future__ import annotations
 
@@ -14,11 +14,14 @@ ASSETS = Path(__file__).parents[1] / "assets"
 
 
 def autoprec(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "autoprec", *args], capture_output=True, text=True, timeout=120,
-                          check=False)
+    """The command as ``python -m autoprec`` runs it, forked from a process that imported the CLI once
+    (tests/cli_runner.py)."""
+    import cli_runner
+
+    return cli_runner.run(*args, timeout=120)
 
 
-# ---- as a user runs it (each subprocess imports torch: a few seconds, so only the three main cases) ----
+# ---- as a user runs it, in a process of its own ----
 def test_show_prints_the_table_and_what_the_policy_achieved():
     run = autoprec("show", str(ASSETS / "policy_v1.json"))
     assert run.returncode == 0, run.stderr

@@ -1,4 +1,4 @@
-"""`autoprec export` and `autoprec show FOLDER` through a real subprocess, as a user runs them; and the memory an
+"""`autoprec export` and `autoprec show FOLDER` in a process of their own, as a user runs them; and the memory an
 export holds (shard by shard: never a second copy of the model)."""
 
 from __future__ import annotations
@@ -21,8 +21,11 @@ TESTS = Path(__file__).parent
 
 
 def autoprec(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "autoprec", *args], capture_output=True, text=True, timeout=300,
-                          check=False)
+    """The command as ``python -m autoprec`` runs it, forked from a process that imported the CLI once
+    (tests/cli_runner.py)."""
+    import cli_runner
+
+    return cli_runner.run(*args, timeout=300)
 
 
 @pytest.fixture
