@@ -184,15 +184,17 @@ def serving_estimate(model: nn.Module, policy: Policy, target: str | Target, bat
     if kv is not None:  # attention runs in the region's dtype, and the cache it writes is in that dtype
         kv = replace(kv, value_bytes=4 if policy.default is Precision.FP32 else KV_CACHE_BYTES)
 
-    def attention_s(queries: int, context: float, cache_bytes: int) -> float:
-        return 0.0 if kv is None else _roofline_s(target, kv.attention_flops(batch, queries, context), cache_bytes,
-                                                  "bf16")
+    def attention_s(queries: int, keys: float, cached: int) -> float:
+        """Each layer's attention: ``queries`` per sequence over ``keys`` each, moving ``cached`` tokens' cache."""
+        if kv is None:
+            return 0.0
+        return _roofline_s(target, kv.attention_flops(batch, queries, keys), kv.bytes(batch, cached), "bf16")
 
     # the prefill writes the cache; a causal query attends over (prompt + 1) / 2 keys on average
     prefill = (_forward_s(target, weights, batch * prompt_tokens)
-               + attention_s(prompt_tokens, (prompt_tokens + 1) / 2, 0 if kv is None else kv.bytes(batch, prompt_tokens)))
+               + attention_s(prompt_tokens, (prompt_tokens + 1) / 2, prompt_tokens))
     step = _forward_s(target, weights, batch)
-    decode = sum(step + attention_s(1, context, 0 if kv is None else kv.bytes(batch, context))
+    decode = sum(step + attention_s(1, context, context)
                  for context in range(prompt_tokens + 1, prompt_tokens + new_tokens))
     return ServingEstimate(target.name, batch, prompt_tokens, new_tokens, prefill * 1e3, decode * 1e3,
                            sum(w.bytes for w in weights),

@@ -79,8 +79,8 @@ def serving_lines(figures: dict[str, Any]) -> list[str]:
             f"Estimates from autoprec's cost model for the {target}, not measurements: each decode step priced by the "
             f"bytes it moves (every weight at its precision in the plan, and {kv}) over the {target}'s memory "
             "bandwidth, the prefill by its FLOPs, each linear a roofline (the larger of the two), with no kernel "
-            f"launches (engines run decode steps as CUDA graphs): a floor on the time, not the search's price, which adds "
-            "launches and FP8's scaling passes per layer (so a small model's FP8 layers can be slower there and "
+            "launches (engines run decode steps as CUDA graphs): a floor on the time, not the search's price, which "
+            "adds launches and FP8's scaling passes per layer (so a small model's FP8 layers can be slower there and "
             f"faster here). {figures['new_tokens']} tokens per sequence: the first from the prefill, the rest decode "
             "steps. Batch sizes and prompt lengths are those of the prompts tuned on.", "",
             markdown_table(["plan", "batch", "prompt tokens", "decode tokens/s", "vs bf16", "ms per decode step",
