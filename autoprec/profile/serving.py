@@ -118,7 +118,8 @@ def _weights(model: nn.Module, policy: Policy) -> list[_Weight]:
 
 
 def _roofline_s(target: Target, flops: float, moved: float, precision: str) -> float:
-    compute = flops / (target.tflops[cores(precision)] * 1e12 * target.efficiency[cores(precision)])
+    tensor_cores = cores(precision) if cores(precision) in target.tflops else "fp32"  # no cores for it: emulated
+    compute = flops / (target.tflops[tensor_cores] * 1e12 * target.efficiency[tensor_cores])
     return max(compute, moved / (target.bandwidth_gbs * 1e9 * MEMORY_EFFICIENCY))
 
 

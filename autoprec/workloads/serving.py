@@ -10,6 +10,7 @@ from typing import Any, Sequence
 from torch import nn
 
 from autoprec.common.writing import markdown_table
+from autoprec.profile.costmodel import cores, get_target
 from autoprec.profile.serving import serving_estimate
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision, emulated_for_shape
@@ -39,10 +40,12 @@ def _batch_shapes(prompts: Sequence[tuple[int, int]]) -> dict[int, int]:
 def serving_figures(model: nn.Module, policy: Policy | None, target: str, prompts: Sequence[tuple[int, int]],
                     new_tokens: int, fp8: str = "fp8-rowwise") -> dict[str, Any]:
     """policy.json's ``serving``: for each batch size of ``prompts`` ((rows, tokens) of each prompt batch), the
-    estimates of the plan (None: fp32 everywhere), bf16 everywhere and ``fp8`` everywhere."""
+    estimates of the plan (None: fp32 everywhere), bf16 everywhere and ``fp8`` everywhere (where ``target`` has FP8
+    tensor cores)."""
     plans = {"autoprec policy": policy if policy is not None else Policy(),
-             "bf16 everywhere": Policy(default=Precision.BF16),
-             f"{fp8} everywhere": fp8_everywhere(model, fp8)}
+             "bf16 everywhere": Policy(default=Precision.BF16)}
+    if cores(fp8) in get_target(target).tflops:
+        plans[f"{fp8} everywhere"] = fp8_everywhere(model, fp8)
     rows, kv_priced = [], True
     for batch, tokens in _batch_shapes(prompts).items():
         for label, plan in plans.items():

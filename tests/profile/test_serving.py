@@ -115,3 +115,6 @@ def test_a_model_without_a_config_says_its_kv_cache_is_not_priced():
     text = "\n".join(serving_lines(figures))
     assert "## Serving on b200 (estimated)" in text and "not measurements" in text
     assert "the KV cache is not priced" in text and "| not priced |" in text
+    # an A100 has no FP8 tensor cores: no FP8 row
+    assert {r["plan"] for r in serving_figures(model, None, "a100", [(2, 16)], 4)["rows"]} == {
+        "autoprec policy", "bf16 everywhere"}
