@@ -30,7 +30,8 @@ def show(args: argparse.Namespace) -> int:
     print(f"policy: {args.policy}")
     print(policy)
     model = {k: v for k, v in policy.model.items() if k != "fusion_groups"}  # shown as its own section below
-    for title, block in (("model", model), ("tuned on", policy.tuned_on), ("result", policy.result)):
+    result = {k: v for k, v in policy.result.items() if k != "serving"}  # so is serving, as the report has it
+    for title, block in (("model", model), ("tuned on", policy.tuned_on), ("result", result)):
         if block:
             print(f"\n{title}:")
             print(_key_values(block))
@@ -38,6 +39,11 @@ def show(args: argparse.Namespace) -> int:
     if isinstance(groups, dict) and groups:
         print("\nfusion groups (one GEMM each in a serving engine):")
         print(_fusion_groups(policy, groups))
+    serving = policy.result.get("serving")
+    if isinstance(serving, dict) and {"target", "rows", "new_tokens", "kv_cache_priced"} <= set(serving):
+        from autoprec.workloads.serving import serving_lines
+
+        print("\n" + "\n".join(serving_lines(serving)).removeprefix("## ").rstrip())
     return 0
 
 

@@ -316,6 +316,8 @@ class GenerationWorkload(InferenceWorkload):
     clock: Callable[[], float] = field(default=time.perf_counter, repr=False)  # injected by tests: a fake machine
     # an encoder-decoder given prompts only: its batches now carry fp32's greedy reply as decoder_input_ids
     replies: bool = field(default=False, init=False, repr=False)
+    # the FP8 the serving section's "FP8 everywhere" runs: the tune's FP8 candidate, else what engines serve
+    serving_fp8: str = field(default="fp8-rowwise", init=False, repr=False)
 
     name = "generation"
     verify_timed = 3  # each round is a whole generation per entry
@@ -390,6 +392,8 @@ class GenerationWorkload(InferenceWorkload):
             raise ValueError("--compile times forwards only for now: tune --for generation without it")
         if self.wrap is not None:
             raise ValueError("tuning for generation runs in one process for now: run it without torchrun")
+        fp8 = [p for p in ("fp8-rowwise", "fp8") if p in config.precisions]  # TuneConfig holds them parsed
+        self.serving_fp8 = fp8[0] if fp8 else "fp8-rowwise"
 
     def objective(self, device: torch.device) -> Any:
         self._add_replies(device)
@@ -546,6 +550,12 @@ class GenerationWorkload(InferenceWorkload):
         out = {"for": "generation", **result, "timing_batch": verification.timed_on, "new_tokens": self.new_tokens}
         if self.default_metric:
             out["metric_kind"] = "reply perplexity" if self.replies else "prompt perplexity"
+        if verification.estimated_for is not None and self.generate is None:
+            from autoprec.workloads.serving import serving_figures
+
+            shapes = [tuple(prompt_tokens(self.prompt(b))[0].shape) for b in self.batches]
+            out["serving"] = serving_figures(self.model, verification.policy, verification.estimated_for, shapes,
+                                             self.new_tokens, self.serving_fp8)
         times = self.times
         if times is not None and times.prefill_ms and verification.estimated_for is None:
             keys = {"fp32": "fp32", "autocast": "autocast", "tuned": self.tuned_key(verification)}
@@ -567,10 +577,14 @@ class GenerationWorkload(InferenceWorkload):
         lines = ["## Prefill and decode", ""]
         times = self.times
         if v.estimated_for is not None:
+            from autoprec.workloads.serving import serving_lines
+
+            serving = tuned.policy.result.get("serving")
             return [*lines, f"Estimated for {v.estimated_for} by the cost model, not timed: each layer's time is its "
                     f"prefill forward at the prompts' shapes plus {self.new_tokens - 1} decode steps at their own "
-                    "(one token per row, where reading the weights sets a linear's time); attention over the KV "
-                    f"cache is not priced. {metric}", ""]
+                    "(one token per row, where reading the weights sets a linear's time); the search's prices leave "
+                    "attention over the KV cache out (it is the same for every plan; the serving estimates below "
+                    f"price it). {metric}", "", *(serving_lines(serving) if serving else [])]
         if times is None or not times.prefill_ms:
             why = ("the generations were not split into prefill and decode (the model's forward was not seen "
                    "during generate())" if times is not None else "generation was not timed")

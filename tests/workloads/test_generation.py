@@ -211,15 +211,18 @@ def test_settings_generation_cannot_time_are_refused_before_any_work(workload, s
     assert not (tmp_path / "out" / "profile.json").exists()
 
 
-def test_target_prices_the_decode_steps_at_their_own_shapes(tmp_path):
+def test_target_prices_the_decode_steps_at_their_own_shapes(tmp_path, capsys):
     """--target for generation: each layer's estimate is its prefill at the prompts' shapes plus new_tokens - 1
-    decode steps at one token per row, where the linears are memory-bound (bf16 about halves their time)."""
+    decode steps at one token per row, where the linears are memory-bound (bf16 about halves their time). The
+    report and `autoprec show` give the serving estimates (tokens/s, prefill, weights' memory) of the plan, bf16
+    everywhere and FP8 everywhere: those of autoprec.profile.serving.serving_estimate."""
     from autoprec.profile.costmodel import linear_ms
 
     profiles = {}
     for n in (2, 9):
         out = tune(GenerationWorkload(tiny_llama(), prompts(), new_tokens=n),
                    TuneConfig(out=tmp_path / f"out{n}", target="h100", trials=2, progress=False))
+        _the_serving_section_is_the_estimate(out.policy, tmp_path / f"out{n}", n, capsys)
         profiles[n] = json.loads((tmp_path / f"out{n}" / "profile.json").read_text())
         assert out.policy.result["estimated_for"] == "h100"
         assert "Estimated for h100 by the cost model" in (tmp_path / f"out{n}" / "report.md").read_text()
@@ -229,6 +232,33 @@ def test_target_prices_the_decode_steps_at_their_own_shapes(tmp_path):
         seven_steps = layers[9][name]["latency_ms"][precision] - layers[2][name]["latency_ms"][precision]
         assert seven_steps == pytest.approx(7 * linear_ms("h100", 2, 64, 128, precision, activation_bytes=4), rel=1e-6)
     assert "decode steps" in profiles[9]["timed"] and "estimated for h100" in profiles[9]["timed"]
+
+
+def _the_serving_section_is_the_estimate(policy: Policy, out, new_tokens: int, capsys) -> None:
+    from autoprec.profile.serving import serving_estimate
+    from autoprec.workloads.serving import fp8_everywhere
+
+    serving = json.loads((out / "policy.json").read_text())["result"]["serving"]
+    assert serving["target"] == "h100" and serving["estimated"] and serving["kv_cache_priced"]
+    model = tiny_llama()
+    plans = {"autoprec policy": policy, "bf16 everywhere": Policy(default="bf16"),
+             "fp8 everywhere": fp8_everywhere(model, "fp8")}  # the FP8 candidate of the default precisions
+    assert [row["plan"] for row in serving["rows"]] == list(plans)
+    for row in serving["rows"]:  # the prompts: 2 x 16 tokens
+        estimate = serving_estimate(model, plans[row["plan"]], "h100", 2, 16, new_tokens)
+        assert (row["batch"], row["prompt_tokens"]) == (2, 16)
+        assert row["decode_tokens_per_s"] == pytest.approx(estimate.tokens_per_second, abs=0.05)
+        assert row["prefill_ms"] == pytest.approx(estimate.prefill_ms, abs=1e-6)
+        assert row["weights_mib"] == pytest.approx(estimate.weight_bytes / 2**20, abs=1e-4)
+    report = (out / "report.md").read_text()
+    section = report.split("## Serving on h100 (estimated)")[1]
+    assert "not measurements" in section.split("|")[0]
+    rows = {line.split(" | ")[0].strip("| "): line for line in section.splitlines() if line.startswith("| ")}
+    assert f"{serving['rows'][2]['decode_tokens_per_s']:,.0f}" in rows["fp8 everywhere"]
+    assert main(["show", str(out / "policy.json")]) == 0
+    shown = capsys.readouterr().out
+    assert "Serving on h100 (estimated)" in shown and '"serving"' not in shown
+    assert rows["bf16 everywhere"] in shown
 
 
 def test_prompts_holding_a_cache_and_too_few_tokens_are_refused():
