@@ -10,7 +10,7 @@ import pytest
 import torch
 from export_models import MODEL_PY, perplexity, tiny_llama, token_batch
 
-from autoprec.export import ExportRefused, calibrate_inputs, export_checkpoint, plan_export, served_model
+from autoprec.export import SCHEMES, ExportRefused, calibrate_inputs, export_checkpoint, plan_export, served_model
 from autoprec.export.quantize import ServedLinear, pack_e2m1
 from autoprec.runtime.mx import nvfp4_global_scale, nvfp4_quantize
 from autoprec.runtime.policy import Policy
@@ -136,7 +136,7 @@ def test_compressed_tensors_compressor_writes_the_same_bytes_and_decompresses_to
                           scheme)
     assert torch.equal(theirs["weight_packed"], stored["weight_packed"])
     assert torch.equal(theirs["weight_scale"].view(torch.uint8), stored["weight_scale"].view(torch.uint8))
-    emulated = ServedLinear(model.get_submodule(name), scheme=plan_scheme(plan, name), dtype=torch.bfloat16,
+    emulated = ServedLinear(model.get_submodule(name), scheme=SCHEMES[plan.quantized[name]], dtype=torch.bfloat16,
                             global_scale=global_scale, input_amax=plan.input_amax[name]).weight
     from compressed_tensors.quantization.lifecycle.forward import dequantize
 
@@ -144,12 +144,6 @@ def test_compressed_tensors_compressor_writes_the_same_bytes_and_decompresses_to
     assert torch.equal(dequantize(elements, stored["weight_scale"].float(), args=scheme.weights, dtype=torch.float32,
                                   global_scale=global_scale), emulated)
     assert torch.equal(cls.decompress(stored, scheme)["weight"], emulated.to(torch.bfloat16))
-
-
-def plan_scheme(plan, name):
-    from autoprec.export import SCHEMES
-
-    return SCHEMES[plan.quantized[name]]
 
 
 def test_packing_is_compressed_tensors_packing(compressor):
