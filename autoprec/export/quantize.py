@@ -167,7 +167,7 @@ class ServedLinear(nn.Module):
 
 @torch.no_grad()
 def served_model(model: nn.Module, plan: ExportPlan) -> nn.Module:
-    """A copy of ``model`` as the export serves it: in ``plan.dtype``, each FP8 linear a :class:`ServedLinear`.
+    """A copy of ``model`` as the export serves it: in ``plan.dtype``, each FP8 or NVFP4 linear a :class:`ServedLinear`.
     For checks (it holds a second copy of the model): the export itself never does."""
     missing = [n for n in plan.nvfp4_layers if n not in plan.input_amax]
     if missing:
