@@ -2,21 +2,22 @@
 transformers load (docs/serving.md).
 
 The steps, one module each: the export plan (what each layer is served as; what an engine cannot load is refused
-in one line) in :mod:`.plan`; the FP8 arithmetic and the served model emulated in :mod:`.quantize`; the checkpoint,
-written shard by shard, in :mod:`.checkpoint`; vLLM's rules for which scheme each layer it builds runs in
-:mod:`.vllm`; reading a tune's folder and model.py, and describing an export, in :mod:`.run`.
+in one line) in :mod:`.plan`; the FP8 and NVFP4 arithmetic, the calibration of NVFP4 inputs and the served model
+emulated in :mod:`.quantize`; the checkpoint, written shard by shard, in :mod:`.checkpoint`; vLLM's rules for
+which scheme each layer it builds runs in :mod:`.vllm`; reading a tune's folder and model.py, and describing an
+export, in :mod:`.run`.
 """
 
 from autoprec.export.checkpoint import EXPORT_FILE, export_checkpoint, quantization_config
 from autoprec.export.plan import SCHEMES, ExportPlan, ExportRefused, Scheme, plan_export
-from autoprec.export.quantize import served_model
+from autoprec.export.quantize import calibrate_inputs, served_model
 from autoprec.export.run import TunedRun, describe_export, export_model_py, is_export, read_run
 from autoprec.export.vllm import engine_schemes
 
 __all__ = [
     # the plan and the checkpoint
-    "EXPORT_FILE", "ExportPlan", "ExportRefused", "SCHEMES", "Scheme", "export_checkpoint", "plan_export",
-    "quantization_config",
+    "EXPORT_FILE", "ExportPlan", "ExportRefused", "SCHEMES", "Scheme", "calibrate_inputs", "export_checkpoint",
+    "plan_export", "quantization_config",
     # checking it as an engine would load it
     "engine_schemes", "served_model",
     # the command's steps

@@ -1,6 +1,6 @@
 """What a serving engine will run for each layer of a tuned plan: the export plan.
 
-An engine quantizes some linears (FP8, each with one compressed-tensors scheme) and runs everything else in one
+An engine quantizes some linears (FP8 or NVFP4, each with one compressed-tensors scheme) and runs everything else in one
 dtype. A policy can say more than that (an fp32 layer inside a bf16 model, fp16 beside bf16, an FP8 conv), so
 the plan is checked here, before anything is written: what an engine would serve differently from what was
 measured is said in one line (an fp32 island served in bf16, with what that costs); what an engine cannot load at
@@ -34,13 +34,18 @@ class Scheme:
     """One compressed-tensors config group: how a quantized linear's weight and input are scaled."""
 
     name: str  # the config group's name in config.json
-    weights: str  # compressed-tensors QuantizationStrategy of the weight scale: "channel" or "tensor"
-    inputs: str  # of the dynamic input scale: "token" or "tensor"
+    weights: str  # compressed-tensors QuantizationStrategy of the weight scale: "channel", "tensor", "tensor_group"
+    inputs: str  # of the dynamic input scale: "token", "tensor" or "tensor_group"
     about: str  # what users call it
+    format: str = "float-quantized"  # the compressed-tensors format its tensors are written in
 
     @property
     def per_channel(self) -> bool:
         return self.weights == "channel"
+
+    @property
+    def nvfp4(self) -> bool:
+        return self.format == "nvfp4-pack-quantized"
 
 
 # autoprec precision -> the scheme that serves it. fp8-rowwise is compressed-tensors' FP8_DYNAMIC preset (what vLLM
@@ -52,7 +57,13 @@ SCHEMES: dict[Precision, Scheme] = {
                                   "FP8, a weight scale per output channel, a dynamic scale per token"),
     Precision.FP8: Scheme("FP8_PER_TENSOR_DYNAMIC", "tensor", "tensor",
                           "FP8, one weight scale per tensor, a dynamic scale per input tensor"),
+    # compressed-tensors' NVFP4 preset: weights and inputs E2M1 in groups of 16, E4M3 group scales and a global scale
+    # (the input's calibrated, its group scales dynamic); vLLM runs it on Blackwell's FP4 tensor cores
+    Precision.NVFP4: Scheme("NVFP4", "tensor_group", "tensor_group",
+                            "NVFP4, weights and inputs in groups of 16 with E4M3 scales and a global scale",
+                            format="nvfp4-pack-quantized"),
 }
+NVFP4_GROUP = 16  # compressed-tensors' NVFP4 groups run along the input dimension, which they must divide
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _UNQUANTIZED = (Precision.FP32, Precision.BF16, Precision.FP16)
 _SHOWN = 6  # layers named in one line before "and N more"
@@ -62,10 +73,16 @@ _SHOWN = 6  # layers named in one line before "and N more"
 class ExportPlan:
     """Each linear's scheme (quantized) or its place in ``ignore``, the one dtype of the rest, and the notes."""
 
-    quantized: dict[str, Precision]  # linear name -> fp8 or fp8-rowwise
+    quantized: dict[str, Precision]  # linear name -> fp8, fp8-rowwise or nvfp4
     ignore: list[str]  # every linear served unquantized, lm_head included
-    dtype: str  # "bf16", "fp16" or "fp32": every tensor that is not an FP8 weight or its scale
+    dtype: str  # "bf16", "fp16" or "fp32": every tensor that is not a quantized weight or its scale
     notes: list[str] = field(default_factory=list)  # one line each: what is served otherwise than measured
+    # nvfp4 layer -> the largest |input| seen on the calibration batches (its input_global_scale: 448 * 6 / amax)
+    input_amax: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def nvfp4_layers(self) -> list[str]:
+        return [name for name, precision in self.quantized.items() if precision is Precision.NVFP4]
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -111,11 +128,17 @@ def _refuse_other_formats(model: nn.Module, precisions: dict[str, Precision]) ->
         if precision in _UNQUANTIZED or not _has_weight(module):
             continue
         if precision not in SCHEMES:
-            raise ExportRefused(f"layer {name!r} is {precision} in the plan, and `autoprec export` writes FP8 "
-                                f"(fp8, fp8-rowwise) only; fix: re-tune with --precisions bf16,fp8-rowwise")
+            raise ExportRefused(f"layer {name!r} is {precision} in the plan, and `autoprec export` writes fp8, "
+                                f"fp8-rowwise and nvfp4 only; fix: re-tune with --precisions bf16,fp8-rowwise "
+                                "(or bf16,nvfp4 for a Blackwell GPU)")
         if not isinstance(module, nn.Linear) and _is_conv(module):
             raise ExportRefused(f"layer {name!r} is a {type(module).__name__} with {precision}, and engines "
                                 f"quantize nn.Linear layers only; fix: give it bf16 in policy.json")
+        k = getattr(module, "in_features", 0)
+        if precision is Precision.NVFP4 and (k % NVFP4_GROUP or k % 2):
+            raise ExportRefused(f"layer {name!r} is nvfp4 with {k} input features, and compressed-tensors' NVFP4 "
+                                f"needs groups of {NVFP4_GROUP} along the input (a multiple of {NVFP4_GROUP}); "
+                                "fix: give it bf16 or fp8-rowwise in policy.json")
 
 
 def _has_weight(module: nn.Module) -> bool:

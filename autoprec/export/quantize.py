@@ -1,4 +1,5 @@
-"""The arithmetic of compressed-tensors' FP8 schemes, and the model an engine serves from an export, emulated.
+"""The arithmetic of compressed-tensors' FP8 and NVFP4 schemes, and the model an engine serves from an export,
+emulated.
 
 compressed-tensors scales a tensor by ``scale = amax / 448`` (the dequantization multiplier: ``x ≈ q * scale``),
 quantizes ``clamp(x / scale, -448, 448)`` to E4M3 and stores ``scale`` beside ``q`` (``weight_scale``); a scale of
@@ -7,6 +8,14 @@ tensor, and are stored in the dtype the model is served in, as llm-compressor wr
 dtype, so that the engine, transformers and this emulation all multiply by the very same number. Inputs are
 scaled dynamically, per token or per tensor, in fp32 as vLLM's kernels do (``tests/export/test_export.py`` holds
 these functions to compressed-tensors' own).
+
+NVFP4 (``nvfp4-pack-quantized``) is the runtime's arithmetic (:mod:`autoprec.runtime.mx`, compressed-tensors' bit
+for bit): each weight as E2M1 codes packed two to a byte (``weight_packed``, the even column in the low nibble),
+its E4M3 group scales (``weight_scale``) and its fp32 ``weight_global_scale``; the input's ``input_global_scale``
+is calibrated (the largest |input| over the calibration batches, as compressed-tensors' ``static_minmax``
+observer), its group scales computed at every forward. vLLM runs the parts of a fused GEMM (q/k/v, gate/up, an
+expert's gate/up) with one global scale, so they share one (from their largest weight), as llm-compressor writes
+them.
 """
 
 from __future__ import annotations
@@ -18,9 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoprec.export.plan import SCHEMES, ExportPlan, Scheme
+from autoprec.export.vllm import engine_layers
+from autoprec.inputs.batches import call_model
 from autoprec.runtime.fp8 import E4M3, E4M3_MAX, fp8_dequantize_rows, fp8_per_token
+from autoprec.runtime.mx import nvfp4_dequantize, nvfp4_fake_quantize, nvfp4_global_scale, nvfp4_quantize
 
-__all__ = ["ServedLinear", "fake_quantize_input", "quantize_weight", "served_model", "weight_scale"]
+__all__ = ["ServedLinear", "calibrate_inputs", "fake_quantize_input", "fused_parts", "nvfp4_weight", "pack_e2m1",
+           "quantize_weight", "served_model", "shared_global_scales", "weight_scale"]
 
 
 def _no_zero(scale: torch.Tensor) -> torch.Tensor:
@@ -52,19 +65,99 @@ def fake_quantize_input(x: torch.Tensor, per_token: bool) -> torch.Tensor:
     return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).float() * scale
 
 
-class ServedLinear(nn.Module):
-    """What an engine computes for an FP8 linear: FP8 input times FP8 weight, accumulated in fp32 with both
-    scales applied, the bias added, the result in the model's dtype."""
+# ---- NVFP4 --------------------------------------------------------------------------------------------------
+# |E2M1 value| * 2 (0, 1, 2, 3, 4, 6, 8, 12) -> its 3-bit code (0 .. 7); the sign is the code's fourth bit
+_E2M1_CODE = torch.tensor([0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7], dtype=torch.uint8)
 
-    def __init__(self, linear: nn.Linear, scheme: Scheme, dtype: torch.dtype):
+
+def pack_e2m1(elements: torch.Tensor) -> torch.Tensor:
+    """E2M1 values (rows, cols), cols even, as compressed-tensors packs them: two codes to a uint8, the even column
+    in the low nibble; a code is the value's index among 0, 0.5, 1, 1.5, 2, 3, 4, 6, with 8 added where negative."""
+    code = _E2M1_CODE[(elements.abs() * 2).to(torch.long)] | (torch.signbit(elements).to(torch.uint8) << 3)
+    return code[:, 0::2] | (code[:, 1::2] << 4)
+
+
+def nvfp4_weight(weight: torch.Tensor, global_scale: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weight_packed uint8 (out, in / 2), weight_scale E4M3 (out, in / 16), weight_global_scale fp32 (1,), the fp32
+    values the GEMM multiplies) of an (out, in) weight; ``global_scale``: a fused group's shared one."""
+    elements, group_scale, global_scale = nvfp4_quantize(weight.detach(), -1, global_scale)
+    values = nvfp4_dequantize(elements, group_scale, global_scale).reshape(weight.shape)
+    return pack_e2m1(elements.reshape(weight.shape)), group_scale, global_scale, values
+
+
+def fused_parts(names: list[str]) -> list[list[str]]:
+    """``names`` in the groups vLLM runs as one GEMM (q/k/v, gate/up, an expert's gate and up projections: its
+    w13), each other layer alone."""
+    layers = engine_layers(names)
+    groups = list(layers.linears.values())
+    for experts in layers.moe.values():
+        by_key: dict[tuple[str, str], list[str]] = {}
+        for expert in experts:
+            prefix, _, proj = expert.rpartition(".")
+            by_key.setdefault((prefix, "w13" if proj in ("gate_proj", "up_proj") else proj), []).append(expert)
+        groups += list(by_key.values())
+    return groups
+
+
+def shared_global_scales(model: nn.Module, plan: ExportPlan) -> dict[str, torch.Tensor]:
+    """nvfp4 layer -> its weight_global_scale: from its own weight, or, where vLLM fuses it with others into one
+    GEMM, from the largest |weight| of them all (vLLM runs the fused GEMM with one global scale)."""
+    out: dict[str, torch.Tensor] = {}
+    for parts in fused_parts(plan.nvfp4_layers):
+        amax = max(model.get_submodule(p).weight.detach().abs().amax().float() for p in parts)
+        out.update(dict.fromkeys(parts, nvfp4_global_scale(amax)))
+    return out
+
+
+@torch.no_grad()
+def calibrate_inputs(model: nn.Module, plan: ExportPlan, batches: list) -> dict[str, float]:
+    """nvfp4 layer -> the largest |input| it sees over ``batches`` (the model in fp32, as loaded): what
+    compressed-tensors' static_minmax observer keeps for the input_global_scale. Parts of a fused GEMM read one
+    input, so they get one value (the largest of theirs)."""
+    names = plan.nvfp4_layers
+    amax = dict.fromkeys(names, 0.0)
+
+    def observe(name: str):
+        def hook(_module, args):
+            amax[name] = max(amax[name], float(args[0].detach().abs().amax()))
+        return hook
+
+    handles = [model.get_submodule(n).register_forward_pre_hook(observe(n)) for n in names]
+    try:
+        for batch in batches:
+            call_model(model, batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for parts in fused_parts(names):
+        shared = max(amax[p] for p in parts)
+        amax.update(dict.fromkeys(parts, shared))
+    return amax
+
+
+class ServedLinear(nn.Module):
+    """What an engine computes for an FP8 or NVFP4 linear: the quantized input times the quantized weight,
+    accumulated in fp32 with the scales applied, the bias added, the result in the model's dtype."""
+
+    def __init__(self, linear: nn.Linear, scheme: Scheme, dtype: torch.dtype,
+                 global_scale: torch.Tensor | None = None, input_amax: float | None = None):
         super().__init__()
-        q, scale = quantize_weight(linear.weight, scheme, dtype)
         self.in_features, self.out_features, self.scheme = linear.in_features, linear.out_features, scheme
-        self.register_buffer("weight", q.float() * scale.float())  # the exact values the FP8 GEMM multiplies
+        if scheme.nvfp4:
+            values = nvfp4_weight(linear.weight, global_scale)[3]
+            self.register_buffer("input_global_scale", nvfp4_global_scale(torch.tensor(input_amax)))
+        else:
+            q, scale = quantize_weight(linear.weight, scheme, dtype)
+            values = q.float() * scale.float()
+        self.register_buffer("weight", values)  # the exact values the FP8 or FP4 GEMM multiplies
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xq = fake_quantize_input(x, per_token=self.scheme.inputs == "token")
+        if self.scheme.nvfp4:
+            xq = nvfp4_fake_quantize(x, -1, self.input_global_scale)
+        else:
+            xq = fake_quantize_input(x, per_token=self.scheme.inputs == "token")
         y = F.linear(xq, self.weight, None if self.bias is None else self.bias.float())
         return y.to(x.dtype)
 
@@ -74,12 +167,17 @@ class ServedLinear(nn.Module):
 
 @torch.no_grad()
 def served_model(model: nn.Module, plan: ExportPlan) -> nn.Module:
-    """A copy of ``model`` as the export serves it: in ``plan.dtype``, each FP8 linear a :class:`ServedLinear`.
+    """A copy of ``model`` as the export serves it: in ``plan.dtype``, each FP8 or NVFP4 linear a :class:`ServedLinear`.
     For checks (it holds a second copy of the model): the export itself never does."""
+    missing = [n for n in plan.nvfp4_layers if n not in plan.input_amax]
+    if missing:
+        raise ValueError(f"nvfp4 layer {missing[0]!r} has no calibrated input; fix: plan.input_amax = "
+                         "calibrate_inputs(model, plan, batches)")
     served = copy.deepcopy(model).to(plan.torch_dtype).eval()
+    global_scales = shared_global_scales(model, plan)
     for name, precision in plan.quantized.items():
         parent_name, _, attr = name.rpartition(".")
         original = model.get_submodule(name)  # the fp32 weights: the export quantizes from them too
-        setattr(served.get_submodule(parent_name), attr, ServedLinear(original, SCHEMES[precision],
-                                                                       plan.torch_dtype))
+        setattr(served.get_submodule(parent_name), attr, ServedLinear(
+            original, SCHEMES[precision], plan.torch_dtype, global_scales.get(name), plan.input_amax.get(name)))
     return served

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from autoprec.export.checkpoint import EXPORT_FILE, export_checkpoint
-from autoprec.export.plan import plan_export
+from autoprec.export.plan import ExportRefused, plan_export
+from autoprec.export.quantize import calibrate_inputs
 from autoprec.runtime.policy import Policy
 
 __all__ = ["TunedRun", "describe_export", "export_model_py", "is_export", "read_run"]
@@ -50,6 +51,13 @@ def export_model_py(model_py: str | Path, run: TunedRun, out: str | Path, keep_f
     get_model = find_function(module, path, "get_model", "get_model() -> torch.nn.Module", required=True)
     model = call_user(path, "get_model", get_model).eval()
     plan = plan_export(model, run.policy, keep_fp32=keep_fp32, profile=run.profile)
+    if plan.nvfp4_layers:  # engines read a static input_global_scale: calibrated on the batches the plan was tuned on
+        get_batches = find_function(module, path, "get_batches", "get_batches() -> list", required=False)
+        if get_batches is None:
+            raise ExportRefused(f"{plan.nvfp4_layers[0]!r} is nvfp4, whose input_global_scale is calibrated on the "
+                                "model's batches, and model.py has no get_batches(); fix: define get_batches() in "
+                                f"{path.name}")
+        plan.input_amax = calibrate_inputs(model, plan, call_user(path, "get_batches", get_batches))
     tokenizer, found = find_tokenizer(module, path, model)
     source = {"policy": str(run.path), "model_py": str(path), "keep_fp32": keep_fp32, "tokenizer": found}
     extra = {} if shard_bytes is None else {"shard_bytes": shard_bytes}
@@ -90,7 +98,7 @@ def describe_export(folder: str | Path) -> str:
     summary = json.loads((folder / EXPORT_FILE).read_text())
     quantized = sum(s["layers"] for s in summary["schemes"].values())
     lines = [f"export: {folder} ({summary['format']}, everything else in {summary['dtype']})",
-             f"  {quantized} FP8 layers, {len(summary['ignore'])} unquantized linears, "
+             f"  {quantized} quantized layers, {len(summary['ignore'])} unquantized linears, "
              f"{summary['weight_bytes'] / 2**20:.1f} MiB of weights"]
     lines += [f"  {name}: {s['layers']} layers ({s['about']})" for name, s in summary["schemes"].items()]
     lines.append(f"  ignore: {', '.join(summary['ignore']) or '(none)'}")

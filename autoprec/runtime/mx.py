@@ -4,14 +4,24 @@
   block with one E8M0 scale (a power of two). The scale is ``2^ceil(log2(amax / 448))`` ("RCEIL",
   what cuBLAS and torchao 0.18 compute, so no element saturates); ``rounding="floor"`` gives the
   spec's ``2^(floor(log2(amax)) - 8)``, which can saturate a block's largest values.
-- **NVFP4**: E2M1 elements (values 0, 0.5, 1, 1.5, 2, 3, 4, 6) in blocks of 16, each block with an
-  E4M3 scale, and one fp32 scale per tensor, ``amax / (448 * 6)``, that keeps the block scales in
-  E4M3's range.
+- **NVFP4** as compressed-tensors defines it (its ``NVFP4`` preset: strategy ``tensor_group``, group size 16),
+  what vLLM serves from an ``nvfp4-pack-quantized`` checkpoint: E2M1 elements (values 0, 0.5, 1, 1.5, 2, 3, 4, 6)
+  in groups of 16, each group with an E4M3 scale, and one fp32 *global scale* per tensor,
+  ``g = 448 * 6 / amax`` (a multiplier that maps the tensor's largest group onto E4M3's range). A group's scale is
+  ``s = E4M3(g * amax_group / 6)`` (a zero scale becomes 0.125, compressed-tensors' eps for E4M3), its elements
+  ``E2M1(clamp(x / (s / g), -6, 6))`` (round to nearest, ties to even), and their values ``q * (s / g)``.
+  Weights take their own tensor's global scale; inputs, which compressed-tensors calibrates (a static global scale
+  from the largest input seen over calibration data, the per-group scales dynamic), take the global scale of the
+  input at hand here, each forward (no calibration data while tuning); ``autoprec export`` calibrates the
+  checkpoint's ``input_global_scale`` on the model's batches (docs/formats.md).
 
-Values are quantized exactly as ``torchao.prototype.mx_formats`` does (``to_mx`` / ``nvfp4_quantize``:
-the tests compare bit for bit) and dequantized back to fp32, so a matmul on them in fp32 sees the
-values the tensor cores would. Blocks run along a GEMM's reduction dimension. A dimension that is
-not a multiple of the block size is padded with zeros, which changes no block's amax.
+MXFP8 is quantized exactly as ``torchao.prototype.mx_formats`` does (``to_mx``), NVFP4 exactly as
+compressed-tensors' ``quantize``/``dequantize`` do (the tests compare bit for bit); both are dequantized back to
+fp32, so a matmul on them in fp32 sees the values the tensor cores would. torchao's NVFP4 (the GPU path in
+process) computes the same elements and group scales wherever a group scale is a normal E4M3 number; it floors a
+group scale at E4M3's smallest normal value where compressed-tensors keeps the subnormal, and it scales by a
+reciprocal (the dequantized values can differ in their last bit). Blocks run along a GEMM's reduction dimension. A
+dimension that is not a multiple of the block size is padded with zeros, which changes no block's amax.
 
 Training follows the published recipes with block scaling on all three GEMMs: the forward GEMM
 quantizes input and weight along K; the input gradient quantizes the output gradient and the
@@ -32,8 +42,8 @@ from autoprec.runtime.fp8_linear import linear_output
 from autoprec.runtime.weights import WeightCache
 
 __all__ = ["BLOCK_SIZE", "BlockScaledLinear", "E2M1_MAX", "block_fake_quantize", "e2m1_round",
-           "mxfp8_fake_quantize", "mxfp8_quantize", "nvfp4_fake_quantize", "nvfp4_quantize",
-           "nvfp4_tensor_scale"]
+           "mxfp8_fake_quantize", "mxfp8_quantize", "nvfp4_dequantize", "nvfp4_fake_quantize",
+           "nvfp4_global_scale", "nvfp4_group_scales", "nvfp4_quantize"]
 
 BLOCK_SIZE = {"mxfp8": 32, "nvfp4": 16}  # elements per scale block, per format
 E4M3 = torch.float8_e4m3fn
@@ -41,7 +51,8 @@ E4M3_MAX = 448.0
 E4M3_MAX_POW2 = 8  # the largest power of two E4M3 holds: 256
 E2M1_MAX = 6.0
 _E8M0_BIAS = 127
-_E4M3_TINY = torch.finfo(E4M3).tiny  # smallest normal E4M3 value: the floor of an NVFP4 block scale
+_E4M3_EPS = 0.125  # what compressed-tensors puts in place of a zero E4M3 group scale
+NVFP4_SCALE_RANGE = E4M3_MAX * E2M1_MAX  # the global scale maps a tensor's amax onto 448 * 6
 _F32_MIN_NORMAL = 2.0 ** -126
 
 
@@ -108,31 +119,47 @@ def e2m1_round(x: torch.Tensor) -> torch.Tensor:
     return torch.copysign(torch.round(magnitude / step) * step, x)
 
 
-def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
-    """The per-tensor fp32 scale of NVFP4: ``amax / (448 * 6)`` (1 for an all-zero tensor)."""
-    amax = x.detach().abs().amax().float()
-    return torch.where(amax > 0, amax / (E4M3_MAX * E2M1_MAX), torch.ones_like(amax))
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The fp32 global scale of an NVFP4 tensor whose largest magnitude is ``amax``: ``448 * 6 / amax``, shape (1,),
+    as compressed-tensors' ``generate_gparam`` computes it (an all-zero or non-finite tensor: 1)."""
+    amax = amax.detach().float().clamp(min=torch.finfo(torch.float32).tiny)
+    scale = torch.nan_to_num(NVFP4_SCALE_RANGE / amax, nan=1.0, posinf=1.0, neginf=1.0)
+    return scale.reshape(1)
 
 
-def nvfp4_quantize(x: torch.Tensor, dim: int = -1,
-                   tensor_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """NVFP4 along ``dim``: (E2M1 values as fp32, in blocks along the last dim; E4M3 block scales;
-    the fp32 tensor scale)."""
-    if tensor_scale is None:
-        tensor_scale = nvfp4_tensor_scale(x)
+def nvfp4_group_scales(x: torch.Tensor, global_scale: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The E4M3 scale of each group of 16 along ``dim`` (moved last, padded), as compressed-tensors computes it:
+    ``E4M3(g * amax / 6)``, saturating at 448, a zero scale replaced by 0.125 (its eps for E4M3)."""
     blocks, _, _ = _blocks(x, BLOCK_SIZE["nvfp4"], dim)
-    block_scale = (blocks.abs().amax(-1) / E2M1_MAX / tensor_scale).clamp(_E4M3_TINY, E4M3_MAX).to(E4M3)
-    # A multiply by the reciprocal, not a division: the numerics of torchao's and NVIDIA's kernels.
-    reciprocal = (1.0 / tensor_scale) / block_scale.float()
-    elements = e2m1_round((blocks * reciprocal.unsqueeze(-1)).clamp(-E2M1_MAX, E2M1_MAX))
-    return elements, block_scale, tensor_scale
+    scale = (global_scale * (blocks.abs().amax(-1) / E2M1_MAX)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return torch.where(scale.float() == 0, torch.tensor(_E4M3_EPS, dtype=E4M3), scale)
 
 
-def nvfp4_fake_quantize(x: torch.Tensor, dim: int = -1, tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Quantize-dequantize to NVFP4 with blocks along ``dim``: the values an NVFP4 GEMM sees, in fp32."""
+def nvfp4_quantize(x: torch.Tensor, dim: int = -1, global_scale: torch.Tensor | None = None,
+                   group_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 along ``dim``: (E2M1 values as fp32, in groups along the last dim; E4M3 group scales; the fp32 global
+    scale, shape (1,)). ``global_scale`` defaults to ``x``'s own (a calibrated one may be given); the group scales
+    are computed from ``x`` unless given."""
+    if global_scale is None:
+        global_scale = nvfp4_global_scale(x.abs().amax())
+    if group_scale is None:
+        group_scale = nvfp4_group_scales(x, global_scale, dim)
+    blocks, _, _ = _blocks(x, BLOCK_SIZE["nvfp4"], dim)
+    # compressed-tensors divides by the group's effective scale s / g (its _quantize and _quantize_dequantize)
+    effective = (group_scale.float() / global_scale).unsqueeze(-1)
+    elements = e2m1_round((blocks / effective).clamp(-E2M1_MAX, E2M1_MAX))
+    return elements, group_scale, global_scale
+
+
+def nvfp4_dequantize(elements: torch.Tensor, group_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 values ``q * (s / g)`` of NVFP4 groups (in the blocked layout :func:`nvfp4_quantize` returns)."""
+    return elements * (group_scale.float() / global_scale).unsqueeze(-1)
+
+
+def nvfp4_fake_quantize(x: torch.Tensor, dim: int = -1, global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize-dequantize to NVFP4 with groups along ``dim``: the values an NVFP4 GEMM sees, in fp32."""
     shape, pad = _layout(x, BLOCK_SIZE["nvfp4"], dim)
-    elements, block_scale, tensor_scale = nvfp4_quantize(x, dim, tensor_scale)
-    return _unblock(elements * (tensor_scale * block_scale.float()).unsqueeze(-1), shape, pad, dim)
+    return _unblock(nvfp4_dequantize(*nvfp4_quantize(x, dim, global_scale)), shape, pad, dim)
 
 
 def block_fake_quantize(x: torch.Tensor, precision: str, dim: int = -1) -> torch.Tensor:

@@ -44,7 +44,7 @@ def test_export_writes_the_folder_and_show_says_what_it_holds(run_dir):
     out = run_dir / "served"
     run = autoprec("export", str(run_dir / "run"), "--model", str(run_dir / "model.py"), "--out", str(out))
     assert run.returncode == 0, run.stderr
-    assert "14 FP8 layers, 1 unquantized linears" in run.stdout
+    assert "14 quantized layers, 1 unquantized linears" in run.stdout
     assert "note: 1 fp32 island served in bf16" in run.stdout and "lm_head (metric drop 0.01, SQNR 40.0 dB)" in \
         run.stdout
     names = {p.name for p in out.iterdir()}

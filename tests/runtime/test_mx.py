@@ -81,9 +81,9 @@ def test_e2m1_rounds_to_nearest_even_and_saturates():
 
 def test_nvfp4_two_level_scales_on_a_hand_worked_block():
     x = torch.tensor([[6.0, 2.4, 0.2, 0.8, 4.9, -1.8, 3.4, 1.3, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, -6.0]])
-    elements, block_scale, tensor_scale = nvfp4_quantize(x)
-    # tensor scale amax / (448 * 6); the block's amax / 6 over it is 448, E4M3's largest value
-    assert tensor_scale.item() == torch.tensor(6.0 / (448 * 6)).item()
+    elements, block_scale, global_scale = nvfp4_quantize(x)
+    # global scale 448 * 6 / amax; the block's amax / 6 times it is 448, E4M3's largest value
+    assert global_scale.tolist() == [448.0 * 6 / 6]
     assert block_scale.float().tolist() == [[448.0]]
     assert elements.flatten().tolist() == [6.0, 2.0, 0.0, 1.0, 4.0, -2.0, 3.0, 1.5, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0,
                                            4.0, -6.0]
@@ -137,13 +137,23 @@ def test_mxfp8_matches_torchao_bit_for_bit(torchao_mx, rounding, shape):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_nvfp4_matches_torchao_bit_for_bit(torchao_mx, seed):
+def test_nvfp4_agrees_with_torchao_where_torchaos_group_scale_is_above_its_floor(torchao_mx, seed):
+    """autoprec's NVFP4 is compressed-tensors' (tests/runtime/test_nvfp4.py, bit for bit). torchao's, the GPU path in
+    process, floors a group scale at E4M3's smallest normal value (compressed-tensors keeps the subnormal) and scales
+    by a reciprocal: above that floor the group scales are equal and the values within 2 fp32 ulps."""
     _, nvfp4_tensor = torchao_mx
     x = wide_range(32, 128, seed=seed) if seed else gaussian(32, 128)
     reference = nvfp4_tensor.NVFP4Tensor.to_nvfp4(
         x, per_tensor_scale=nvfp4_tensor.per_tensor_amax_to_scale(x.abs().amax()))
-    assert torch.equal(nvfp4_fake_quantize(x), reference.dequantize(torch.float32))
-    assert torch.equal(nvfp4_quantize(x)[1], reference.scale.view(32, 8))
+    theirs = reference.scale.view(32, 8).float()
+    ours = nvfp4_quantize(x)[1].float()
+    above = theirs > torch.finfo(torch.float8_e4m3fn).tiny
+    assert bool(above.any()) and torch.equal(ours[above], theirs[above])
+    values = above.repeat_interleave(16, dim=1)
+    expected = reference.dequantize(torch.float32)[values]
+    assert ((nvfp4_fake_quantize(x)[values] - expected).abs() <= expected.abs() * 2 ** -22).all()
+    if seed == 0:
+        assert bool(above.all())  # gaussian data: every group scale is a normal E4M3 number
 
 
 # ---- the emulated linear ---------------------------------------------------------------------------------
