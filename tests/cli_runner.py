@@ -1,9 +1,10 @@
 """``python -m autoprec`` for the tests at the price of one ``import torch``.
 
-A server process imports what ``python -m autoprec`` imports before it runs (``autoprec.cli``) once, then forks a
-fresh child for each command line. The child runs it as ``python -m autoprec`` would: ``runpy`` runs
-``autoprec.__main__`` with the command's own argv, folder, stdin, stdout and stderr (file descriptors, so C-level
-output is caught too); its exit status, atexit handlers and an uncaught exception's traceback are the interpreter's.
+A server process imports what ``python -m autoprec`` imports before it runs (``autoprec.cli``) once, and what
+most commands import next (:data:`_WARM`), then forks a fresh child for each command line. The child runs it as
+``python -m autoprec`` would: ``runpy`` runs ``autoprec.__main__`` with the command's own argv, folder, stdin,
+stdout and stderr (file descriptors, so C-level output is caught too); its exit status, atexit handlers and an
+uncaught exception's traceback are the interpreter's.
 Starting an interpreter and importing torch is most of the time of a command-line test that stops at a bad input.
 
 Environment variables are read when an interpreter starts (OMP_NUM_THREADS, PYTHONWARNINGS), so each environment
@@ -100,8 +101,34 @@ atexit.register(stop_servers)
 
 
 # ---- the server and its children ---------------------------------------------------------------------------
+# Imported once by the server beside ``autoprec.cli``: what most commands go on to import (a tune's stages, Optuna,
+# torch.export and dynamo, the plots). A child would import each of them itself, the same modules with the same
+# result, in seconds per command; here they are imported once and then frozen out of the garbage collector, so
+# the full collections a tune makes between stages do not walk them in every child (and fork's copy-on-write
+# pages stay shared).
+_WARM = ("autoprec.tune", "autoprec.cli.tuning", "autoprec.cli.exporting", "optuna", "sqlalchemy", "torch.export",
+         "torch._dynamo", "matplotlib.pyplot", "transformers")
+
+
 def _serve(path: str) -> None:
+    import gc
+    import importlib
+
     import autoprec.cli  # noqa: F401 - what `python -m autoprec` imports before it parses its arguments
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # as autoprec's plots choose it (autoprec.common.writing.plot_library)
+    except ImportError:
+        pass
+    for name in _WARM:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an optional dependency this environment lacks: the command says so itself
+            pass
+    gc.collect()
+    gc.freeze()
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the children reap themselves
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
