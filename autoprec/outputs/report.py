@@ -105,7 +105,7 @@ def sensitivity_heatmap(profile: Profile, path: str | Path, chosen: dict[str, st
                 ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="tab:red", lw=2))
             s = layer.sensitivity.get(p)
             if p == "fp32":
-                ax.text(j, i, "exact", ha="center", va="center", fontsize=7, color="dimgray")
+                ax.text(j, i, "exact", ha="center", va="center", fontsize=7, color="dimgray", in_layout=False)
                 continue
             if s is None:
                 continue
@@ -113,8 +113,8 @@ def sensitivity_heatmap(profile: Profile, path: str | Path, chosen: dict[str, st
             text = "error" if error else "inf/NaN" if s.nonfinite else f"{s.sqnr_db:.0f}"
             shade = s.sqnr_db if math.isfinite(s.sqnr_db) else vmin
             light = (shade - vmin) / max(vmax - vmin, 1e-9) > 0.6
-            ax.text(j, i, text, ha="center", va="center", fontsize=7,
-                    color="red" if s.nonfinite or error else ("black" if light else "white"))
+            ax.text(j, i, text, ha="center", va="center", fontsize=7, in_layout=False,  # inside its cell: the
+                    color="red" if s.nonfinite or error else ("black" if light else "white"))  # layout skips it
     bar = fig.colorbar(im, ax=ax, fraction=0.05, pad=0.02)
     bar.set_label("output SQNR (dB) with that layer alone lowered", fontsize=9)
     ax.set_title("per-layer sensitivity (higher is safer)", fontsize=10)
@@ -122,8 +122,10 @@ def sensitivity_heatmap(profile: Profile, path: str | Path, chosen: dict[str, st
     if chosen:
         notes.insert(0, "red box: the precision the policy chose")
     fig.text(0.01, 0.005, "; ".join(notes), fontsize=7, va="bottom")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))  # the names set the left margin; the notes sit below
-    path = save_figure(fig, path, dpi=110, bbox_inches="tight")
+    # the names set the left margin; the notes sit below. The layout fits everything inside the figure, so the
+    # figure is saved as laid out (a "tight" bounding box would draw every cell's text once more to measure it)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    path = save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 
@@ -180,8 +182,8 @@ def pareto_plot(result: TuneResult, path: str | Path) -> Path | None:
     ax.set_ylabel("output SQNR (dB), search batches" if fidelity else "metric, search batches")
     ax.set_title("speed against accuracy, every trial")
     ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    path = save_figure(fig, path, dpi=110, bbox_inches="tight")
+    fig.tight_layout()  # everything inside the figure: saved as laid out, with no second draw to measure it
+    path = save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 
