@@ -128,10 +128,12 @@ def test_repeats_must_be_a_whole_number(repeats):
         measure_latency(issue_mlp(), torch.randn(8, 64), LAYERS, LAYERS, LOW, repeats=repeats)
 
 
-def test_the_small_model_tunes_twenty_times_in_a_row():
-    """The issue's reproduction: this tune failed 3 runs in 10 with KeyError: 'bf16'."""
+def test_the_small_model_tunes_several_times_in_a_row():
+    """The issue's reproduction: this tune failed 3 runs in 10 with KeyError: 'bf16' (a hooked run spiked by the
+    machine cut a block short). The fake-clock tests above plant that spike every time; on the real clock six runs
+    are the smoke test (twenty, once, took a sixth of the profile tests' time)."""
     failures = []
-    for run in range(20):
+    for run in range(6):
         model = issue_mlp()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(run)
