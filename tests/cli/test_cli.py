@@ -23,6 +23,10 @@ import torch
 from autoprec import Policy
 
 AUTOPREC = [sys.executable, "-m", "autoprec"]
+# Latency from the cost model of a GPU, where timing is not what a test is about: bf16 pays off there whatever this
+# CPU's kernels, so the search has trials (to interrupt, to store) on every CPU (timed here, a CPU whose bf16 is
+# slower than fp32 rightly ends the tune at fp32 before any search); each trial's metric is still measured here.
+PLANNED = ("--target", "h100")
 
 
 def error_line(run: subprocess.CompletedProcess, command: str) -> str:
@@ -153,7 +157,7 @@ def test_tune_reports_the_fp32_policy_when_nothing_can_be_lowered(cli_models, tm
 def test_tune_with_storage_lists_only_outputs_it_wrote(cli_models, tmp_path, autoprec):
     out = tmp_path / "out"
     run = autoprec("tune", cli_models / "mlp.py", "--out", out, "--trials", "4", "--precisions", "bf16",
-                   "--storage", f"sqlite:///{tmp_path / 'shared.db'}", "--study-name", "mlp")
+                   "--storage", f"sqlite:///{tmp_path / 'shared.db'}", "--study-name", "mlp", *PLANNED)
     assert run.returncode == 0, run.stderr
     assert (tmp_path / "shared.db").is_file() and (out / "policy.json").is_file()
     assert missing_outputs(run, out) == []
@@ -163,7 +167,7 @@ def test_tune_with_storage_lists_only_outputs_it_wrote(cli_models, tmp_path, aut
 def test_tune_with_evaluate_keeps_the_relative_budget(cli_models, tmp_path, autoprec):
     out = tmp_path / "out"
     run = autoprec("tune", cli_models / "mlp_metric.py", "--budget", "1%", "--out", out, "--trials", "8",
-                   "--precisions", "bf16")
+                   "--precisions", "bf16", *PLANNED)
     assert run.returncode == 0, run.stderr
     result = Policy.load(out / "policy.json").result
     assert result["budget"] == "metric drop <= 1%" and result["metric_kind"] == "user"
@@ -283,10 +287,6 @@ def wait_for(condition, process: subprocess.Popen, log: Path, what: str, timeout
         time.sleep(poll)
 
 
-# Latency from the cost model of a GPU: bf16 pays off there whatever this CPU's kernels, so the search has trials
-# to interrupt on every CPU (timed here, a CPU whose bf16 is slower than fp32 rightly ends the tune at fp32 before
-# any search); the metric of each trial is still measured here, by slow_cancel.py's evaluate().
-PLANNED = ("--target", "h100")
 
 
 def tune_command(cli_models: Path, out: Path) -> list[str]:

@@ -30,7 +30,9 @@ def test_framework_examples_start(tmp_path):
     """The Lightning and HF Trainer fine-tunes import what they use and parse their options (training is not run)."""
     pytest.importorskip("pytorch_lightning")
     pytest.importorskip("accelerate")
-    for script in ("lightning_finetune.py", "hf_trainer_finetune.py"):
-        run = subprocess.run([sys.executable, str(EXAMPLES / script), "--help"], capture_output=True, text=True,
-                             timeout=120, check=False, cwd=tmp_path)
-        assert run.returncode == 0 and "--policy" in run.stdout, run.stderr[-2000:]
+    started = [subprocess.Popen([sys.executable, str(EXAMPLES / script), "--help"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+               for script in ("lightning_finetune.py", "hf_trainer_finetune.py")]  # both at once: mostly imports
+    for run in started:
+        stdout, stderr = run.communicate(timeout=120)
+        assert run.returncode == 0 and "--policy" in stdout, stderr[-2000:]
