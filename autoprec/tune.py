@@ -25,7 +25,7 @@ from autoprec.capture.layers import capture
 from autoprec.common.jsonsafe import finite_or_none
 from autoprec.config import TuneConfig, check_device
 from autoprec.context import RunContext
-from autoprec.distributed.models import sharded, unwrap
+from autoprec.distributed.models import gathers_freed_at_once, sharded, unwrap
 from autoprec.distributed.ranks import ONE_PROCESS, Ranks
 from autoprec.distributed.tuning import check_same_work
 from autoprec.errors import Terminated
@@ -166,7 +166,8 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
     out_dir = config.out if ranks.writes else None  # one rank writes the outputs
     phase, seconds = "checking", {}
     try:
-        with _one_model_casts(ranks), claim_out_dir(out_dir) if out_dir is not None else contextlib.nullcontext():
+        writing = claim_out_dir(out_dir) if out_dir is not None else contextlib.nullcontext()
+        with _one_model_memory(ranks, workload.model, device), writing:
             context = _context(config, device, ranks, out_dir, log)
             workload.check_fits(device)  # one line now, not an OOM later
             workload.model = workload.model.to(device).eval()
@@ -227,14 +228,20 @@ def _checked(workload: Workload, config: TuneConfig, ranks: Ranks, log: Callable
 
 
 @contextlib.contextmanager
-def _one_model_casts(ranks: Ranks) -> Iterator[None]:
-    """On one sharded model, autocast's cast cache off while the tune runs: it would keep a low-precision copy of
-    every gathered weight until the forward ends (half the model again in bf16 or fp16); the casts are the same."""
+def _one_model_memory(ranks: Ranks, model: nn.Module, device: torch.device) -> Iterator[None]:
+    """On one sharded model, what would hold weights again beside the shard is off while the tune runs: autocast's
+    cast cache (a low-precision copy of every gathered weight until the forward ends: half the model again in bf16
+    or fp16; the casts are the same) and, on the CPU, FSDP2's keeping each unit's all-gather buffer until the next
+    unit's weights arrive (:func:`~autoprec.distributed.models.gathers_freed_at_once`; on a GPU it lets the copy
+    overlap the next all-gather, so the job's timing keeps it)."""
+    if not ranks.shards_one_model:
+        yield
+        return
     cache_was = torch.is_autocast_cache_enabled()  # as it was, when the tune ends
     try:
-        if ranks.shards_one_model:
-            torch.set_autocast_cache_enabled(False)
-        yield
+        torch.set_autocast_cache_enabled(False)
+        with gathers_freed_at_once(model) if device.type == "cpu" else contextlib.nullcontext():
+            yield
     finally:
         torch.set_autocast_cache_enabled(cache_was)
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec.distributed.models import free_gathers_at_once
 from autoprec.errors import UserError
 from autoprec.inputs.batches import (
     BATCH_FORMS,
@@ -319,6 +320,8 @@ def materialise(model: nn.Module, wrap: Callable[[nn.Module], Any], path: Path) 
         raise UserCodeError(path, "wrap()", f"returned {kind_of(job)}, not a torch.nn.Module",
                             "shard the model in place and return it: `fully_shard(model); return model`")
     left = _on_meta(job)
+    if not left and all(t.device.type == "cpu" for t in job.parameters()):
+        free_gathers_at_once(job)  # the model is the tune's own: its first forward (checked below) frees them too
     if left:
         total = len([*job.parameters(), *job.buffers()])
         raise UserCodeError(path, "wrap()", f"left {len(left)} of the model's {total} tensors on the meta device, "
