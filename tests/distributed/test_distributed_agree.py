@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_distributed_apply import Net, _check, _wrap, spawn_checks
-from test_distributed_tune import ARGS, MODEL, _errors, _rules, _run, single, single_run  # noqa: F401 - fixtures
+from test_distributed_tune import ARGS, MODEL, _errors, _rules, _run
 from torch import nn
 
 import autoprec
@@ -153,7 +153,7 @@ def test_a_rank_that_tunes_other_batches_or_weights_ends_the_job_in_one_line(tmp
     assert not (tmp_path / "run").exists()  # refused before any work, nothing written
 
 
-def test_a_ddp_model_from_get_model_is_tuned_by_its_own_layer_names(tmp_path, single):  # noqa: F811
+def test_a_ddp_model_from_get_model_is_tuned_by_its_own_layer_names(tmp_path, single):
     _model_py(tmp_path, "def get_model():  # as the training script builds it\n"
                         "    from torch.nn.parallel import DistributedDataParallel\n\n"
                         "    torch.manual_seed(0)\n"

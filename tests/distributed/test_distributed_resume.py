@@ -10,7 +10,7 @@ a rerun's sampler started its random stream over, so it proposed other trials th
 from __future__ import annotations
 
 import pytest
-from test_distributed_tune import ARGS, _rules, _run, _trials, folder, single, single_run  # noqa: F401 (fixtures)
+from test_distributed_tune import ARGS, _rules, _run, _trials
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,7 @@ IN_THE_SAMPLING = 15  # the first sampled trial (trial 6)
 
 
 @pytest.mark.parametrize("fault_after", [IN_THE_WALK, IN_THE_SAMPLING])
-def test_one_process_killed_in_the_search_reruns_to_the_uncut_trials(folder, single_run, fault_after):  # noqa: F811
+def test_one_process_killed_in_the_search_reruns_to_the_uncut_trials(folder, single_run, fault_after):
     done = _run(folder, *ARGS, "--out", "run", RUN_DIR="run", KILL_RANK="0", RANK="0", FAULT_AFTER=str(fault_after))
     assert done.returncode != 0 and not (folder / "run" / "policy.json").exists()
     assert 0 < len(_trials(folder / "run")) < len(_trials(single_run))
@@ -31,7 +31,7 @@ def test_one_process_killed_in_the_search_reruns_to_the_uncut_trials(folder, sin
     assert _rules(folder / "run") == _rules(single_run)
 
 
-def test_two_ranks_with_rank_0_killed_in_the_sampling_rerun_to_the_uncut_policy(folder, single):  # noqa: F811
+def test_two_ranks_with_rank_0_killed_in_the_sampling_rerun_to_the_uncut_policy(folder, single):
     done = _run(folder, *ARGS, "--out", "run", ranks=2, RUN_DIR="run", KILL_RANK="0", FAULT_AFTER=str(IN_THE_SAMPLING))
     assert done.returncode != 0 and not (folder / "run" / "policy.json").exists()
     again = _run(folder, *ARGS, "--out", "run", ranks=2)

@@ -7,7 +7,8 @@ times there (default 0): ``FAIL_RANK=R`` makes the
 model raise on rank R, ``KILL_RANK=R`` kills rank R's process, ``HOLD_S=S`` makes every forward on every rank
 take S seconds more and writes ``RUN_DIR/holding`` (a test waits for that file before it sends a signal),
 ``DEAF_RANK=R`` makes every forward on rank R take ``DEAF_S`` seconds more with SIGTERM held back (a rank busy in
-native code, which answers a signal only when it is done).
+native code, which answers a signal only when it is done) once the study holds ``DEAF_FROM`` finished trials (default
+1; the seed walk's length makes only the sampled trials slow), and writes ``RUN_DIR/deaf<R>``.
 """
 
 import os
@@ -59,8 +60,9 @@ def _plant_fault():
     _runs_after_profile += 1
     if _runs_after_profile <= int(os.environ.get("FAULT_AFTER", "0")):
         return
-    if os.environ.get("DEAF_RANK") == rank:
+    if os.environ.get("DEAF_RANK") == rank and _saved_trials(run) >= int(os.environ.get("DEAF_FROM", "1")):
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        Path(run, f"deaf{rank}").touch()
         time.sleep(float(os.environ.get("DEAF_S", "1")))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     if os.environ.get("HOLD_S"):
@@ -74,15 +76,20 @@ def _plant_fault():
 
 def _a_trial_is_saved(run):
     """Whether the run's study holds a finished trial: a fault planted from then on leaves something to resume."""
+    return _saved_trials(run) > 0
+
+
+def _saved_trials(run):
+    """How many finished trials the run's study holds."""
     import sqlite3
 
     if not Path(run, "study.db").exists():
-        return False
+        return 0
     try:
         with sqlite3.connect(Path(run, "study.db"), timeout=5) as db:
-            return db.execute("SELECT COUNT(*) FROM trials WHERE state = 'COMPLETE'").fetchone()[0] > 0
+            return db.execute("SELECT COUNT(*) FROM trials WHERE state = 'COMPLETE'").fetchone()[0]
     except sqlite3.Error:  # the study's tables are not made yet, or the file is busy: try at the next forward
-        return False
+        return 0
 
 
 def get_model():
