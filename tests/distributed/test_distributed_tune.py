@@ -15,6 +15,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -64,6 +67,18 @@ def _errors(done: subprocess.CompletedProcess) -> list[str]:
     return re.findall(r"autoprec tune: error: [^\r\n]*", done.stderr)  # also after a progress bar's last \r
 
 
+@contextmanager
+def side_by_side(jobs: dict[str, tuple[Path, list[str], int, dict[str, str]]],
+                 width: int = 2) -> Iterator[Callable[[str], tuple[subprocess.CompletedProcess, Path]]]:
+    """Independent jobs (name -> folder, ``autoprec`` arguments, ranks, environment), ``width`` at a time: much of a
+    job is its processes waiting on each other, so two share the machine's cores. Gives ``finished(name)``: that job's
+    finished process and its folder, once it ended; every job has ended when the block is left."""
+    with ThreadPoolExecutor(max_workers=width) as pool:
+        running = {name: pool.submit(_run, folder, *args, ranks=ranks, **env)
+                   for name, (folder, args, ranks, env) in jobs.items()}
+        yield lambda name: (running[name].result(), jobs[name][0])
+
+
 def test_two_ranks_choose_the_single_process_policy_and_one_writes(folder, single):
     done = _run(folder, *ARGS, "--out", "two", ranks=2)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -91,8 +106,8 @@ def test_a_killed_rank_ends_the_job_in_one_line_and_the_rerun_resumes(folder, si
     assert _rules(folder / "run") == single
 
 
-def test_a_failing_rank_names_itself_and_its_error_once(folder):
-    done = _run(folder, *ARGS, "--out", "run", ranks=2, RUN_DIR="run", FAIL_RANK="1")
+def test_a_failing_rank_names_itself_and_its_error_once(ended):
+    done, _ = ended("failing rank")
     assert done.returncode != 0
     errors = _errors(done)
     assert len(errors) == 1 and errors[0].startswith("autoprec tune: error: rank 1: ") and "planted failure" in \
@@ -104,13 +119,42 @@ SHARDED = Path(__file__).parents[2] / "benchmarks" / "models" / "sharded_mlp" / 
 SHARDED_ARGS = ["tune", "model.py", "--target", "h100", "--trials", "4", "--precisions", "bf16"]
 
 
+TINY = {"MLP_WIDTH": "256", "MLP_DEPTH": "2"}  # benchmarks/models/sharded_mlp at a tiny size: two blocks, 0.8 MB
+
+
 @pytest.fixture
 def sharded_folder(tmp_path, monkeypatch) -> Path:
-    """benchmarks/models/sharded_mlp at a tiny size: two blocks of width 256, 0.8 MB."""
-    monkeypatch.setenv("MLP_WIDTH", "256")
-    monkeypatch.setenv("MLP_DEPTH", "2")
+    """benchmarks/models/sharded_mlp at a tiny size (``TINY``)."""
+    for name, value in TINY.items():
+        monkeypatch.setenv(name, value)
     shutil.copy(SHARDED, tmp_path / "model.py")
     return tmp_path
+
+
+def _folder(tmp_path_factory, model: Path, extra: str = "") -> Path:
+    folder = tmp_path_factory.mktemp("job")
+    (folder / "model.py").write_text(model.read_text() + extra)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def ended(tmp_path_factory) -> Iterator[Callable[[str], tuple[subprocess.CompletedProcess, Path]]]:
+    """The jobs of this file that end in one line, run side by side (:func:`side_by_side`)."""
+    jobs = {
+        "failing rank": (_folder(tmp_path_factory, MODEL), [*ARGS, "--out", "run"], 2,
+                         {"RUN_DIR": "run", "FAIL_RANK": "1"}),
+        "left on meta": (_folder(tmp_path_factory, SHARDED), [*SHARDED_ARGS, "--out", "run"], 2,
+                         {**TINY, "LEAVE_ON_META": "head"}),
+        "bad wait limit": (_folder(tmp_path_factory, MODEL), ARGS, 2, {"AUTOPREC_DIST_TIMEOUT": "ten"}),
+        "cuda": (_folder(tmp_path_factory, MODEL), [*ARGS, "--device", "cuda"], 2, {}),
+        # timed here (no --target): the profile runs wrap
+        "wrap raises": (_folder(tmp_path_factory, MODEL, "\n\ndef wrap(model):\n    raise RuntimeError('no mesh')\n"),
+                        ["tune", "model.py", "--trials", "8"], 2, {}),
+    }
+    if torch.cuda.is_available():  # --device cuda works here: its test skips
+        del jobs["cuda"]
+    with side_by_side(jobs) as finished:
+        yield finished
 
 
 def test_a_model_built_on_meta_and_sharded_by_wrap_gets_the_one_process_policy(sharded_folder):
@@ -128,8 +172,8 @@ def test_a_model_built_on_meta_and_sharded_by_wrap_gets_the_one_process_policy(s
     assert done.stdout.count("outputs: two/") == 1
 
 
-def test_a_layer_wrap_leaves_on_meta_is_one_line_naming_it(sharded_folder):
-    done = _run(sharded_folder, *SHARDED_ARGS, "--out", "run", ranks=2, LEAVE_ON_META="head")
+def test_a_layer_wrap_leaves_on_meta_is_one_line_naming_it(ended):
+    done, sharded_folder = ended("left on meta")
     assert done.returncode != 0
     errors = _errors(done)
     assert len(errors) == 1 and "wrap(): left 2 of the model's 8 tensors on the meta device, e.g. 'head.weight'" \
@@ -337,8 +381,8 @@ def test_two_jobs_on_one_study_share_the_seed_walk_and_the_trial_budget(folder, 
     assert [(t.user_attrs["seed"], t.params) for t in walk] == _walk(single_run)  # each seed once
 
 
-def test_a_bad_wait_limit_is_one_line_naming_the_variable(folder):
-    done = _run(folder, *ARGS, ranks=2, AUTOPREC_DIST_TIMEOUT="ten")
+def test_a_bad_wait_limit_is_one_line_naming_the_variable(ended):
+    done, _ = ended("bad wait limit")
     assert done.returncode != 0
     assert _errors(done) == ["autoprec tune: error: AUTOPREC_DIST_TIMEOUT='ten': must be a number of seconds above 0, "
                              "how long a rank waits for the others; e.g. AUTOPREC_DIST_TIMEOUT=600, or unset it for "
@@ -357,8 +401,8 @@ def test_a_wait_past_the_limit_is_one_line_and_nothing_after_it(folder):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: --device cuda works")
-def test_device_cuda_without_a_gpu_is_the_one_process_line_once(folder):
-    alone, job = _run(folder, *ARGS, "--device", "cuda"), _run(folder, *ARGS, "--device", "cuda", ranks=2)
+def test_device_cuda_without_a_gpu_is_the_one_process_line_once(folder, ended):
+    alone, (job, _) = _run(folder, *ARGS, "--device", "cuda"), ended("cuda")
     assert alone.returncode == 1 and job.returncode != 0
     assert _errors(job) == _errors(alone) and len(_errors(alone)) == 1, job.stderr[-3000:]
 
@@ -375,9 +419,8 @@ def test_a_killed_rank_is_blamed_whichever_rank_answers_last(folder):
                              "of memory?)"], done.stderr[-3000:]
 
 
-def test_a_wrap_that_raises_is_told_a_fix_that_can_work_once(folder):
-    (folder / "model.py").write_text(MODEL.read_text() + "\n\ndef wrap(model):\n    raise RuntimeError('no mesh')\n")
-    done = _run(folder, "tune", "model.py", "--trials", "8", ranks=2)  # timed here: the profile runs wrap
+def test_a_wrap_that_raises_is_told_a_fix_that_can_work_once(ended):
+    done, _ = ended("wrap raises")
     assert done.returncode != 0
     errors = _errors(done)
     assert len(errors) == 1 and "wrap(): raised RuntimeError: no mesh" in errors[0], done.stderr[-3000:]
