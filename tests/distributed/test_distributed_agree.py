@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_distributed_apply import Net, _check, _wrap, spawn_checks
-from test_distributed_tune import ARGS, MODEL, _errors, _rules, side_by_side
+from test_distributed_tune import ARGS, MODEL, _errors, _rules, job, side_by_side
 from torch import nn
 
 import autoprec
@@ -157,13 +157,13 @@ def _model_py(folder: Path, extra: str) -> Path:
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
     """This file's ``torchrun -m autoprec tune`` jobs on two ranks, side by side (``side_by_side``)."""
-    def job(extra: str, *args: str) -> tuple:
-        return _model_py(tmp_path_factory.mktemp("job"), extra), [*args, "--out", "run"], 2, {}
+    def tune(extra: str, *args: str):
+        return job(_model_py(tmp_path_factory.mktemp("job"), extra), *args, "--out", "run", ranks=2)
 
-    jobs = {what: job(extra, *ARGS) for what, (extra, _) in PER_RANK.items()}
-    jobs["ddp"] = job(DDP_MODEL, *ARGS)
+    jobs = {what: tune(extra, *ARGS) for what, (extra, _) in PER_RANK.items()}
+    jobs["ddp"] = tune(DDP_MODEL, *ARGS)
     # timed as the job runs (no --target): the profile runs wrap
-    jobs["fsdp mixed precision"] = job(FSDP_OWN_MIXED_PRECISION, "tune", "model.py", "--trials", "4")
+    jobs["fsdp mixed precision"] = tune(FSDP_OWN_MIXED_PRECISION, "tune", "model.py", "--trials", "4")
     with side_by_side(jobs) as finished:
         yield finished
 

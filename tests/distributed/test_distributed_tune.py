@@ -15,10 +15,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ import torch
 MODEL = Path(__file__).parent / "torchrun_models" / "model.py"
 ARGS = ["tune", "model.py", "--target", "h100", "--trials", "8"]
 TIMEOUT = 240  # a hang fails the test instead of the suite
+T = TypeVar("T")
 
 
 def _run(folder: Path, *args: str, ranks: int = 0, **env: str) -> subprocess.CompletedProcess:
@@ -67,20 +69,33 @@ def _errors(done: subprocess.CompletedProcess) -> list[str]:
     return re.findall(r"autoprec tune: error: [^\r\n]*", done.stderr)  # also after a progress bar's last \r
 
 
+def job(folder: Path, *args: str, ranks: int = 0, **env: str) -> Callable[[], tuple[subprocess.CompletedProcess, Path]]:
+    """``_run(folder, *args, ...)`` for :func:`side_by_side`: the finished process and its folder."""
+    return lambda: (_run(folder, *args, ranks=ranks, **env), folder)
+
+
+def cut_and_rerun(folder: Path, look: Callable[[Path], object], ranks: int, **fault: str) -> Callable[[], tuple]:
+    """For :func:`side_by_side`: a tune in ``folder`` cut short by the model's planted ``fault``, ``look(run folder)``
+    then, and the same command run again: (cut process, what look saw, rerun process, folder)."""
+    def run() -> tuple:
+        cut = _run(folder, *ARGS, "--out", "run", ranks=ranks, RUN_DIR="run", **fault)
+        seen = look(folder / "run")
+        return cut, seen, _run(folder, *ARGS, "--out", "run", ranks=ranks), folder
+    return run
+
+
 @contextmanager
-def side_by_side(jobs: dict[str, tuple[Path, list[str], int, dict[str, str]]],
-                 width: int = 2) -> Iterator[Callable[[str], tuple[subprocess.CompletedProcess, Path]]]:
-    """Independent jobs (name -> folder, ``autoprec`` arguments, ranks, environment), ``width`` at a time: much of a
-    job is its processes waiting on each other, so two share the machine's cores. Gives ``finished(name)``: that job's
-    finished process and its folder, once it ended; every job has ended when the block is left."""
+def side_by_side(jobs: Mapping[Hashable, Callable[[], T]], width: int = 2) -> Iterator[Callable[[Hashable], T]]:
+    """Independent jobs (name -> what runs them: :func:`job`, :func:`cut_and_rerun`), ``width`` at a time: much of a
+    job is its processes waiting on each other, so two share the machine's cores. Gives ``finished(name)``: what that
+    job's function returned, once it ended (its error, if it raised); every job has ended when the block is left."""
     with ThreadPoolExecutor(max_workers=width) as pool:
-        running = {name: pool.submit(_run, folder, *args, ranks=ranks, **env)
-                   for name, (folder, args, ranks, env) in jobs.items()}
-        yield lambda name: (running[name].result(), jobs[name][0])
+        running = {name: pool.submit(run) for name, run in jobs.items()}
+        yield lambda name: running[name].result()
 
 
-def test_two_ranks_choose_the_single_process_policy_and_one_writes(folder, single):
-    done = _run(folder, *ARGS, "--out", "two", ranks=2)
+def test_two_ranks_choose_the_single_process_policy_and_one_writes(jobs, single):
+    done, folder = jobs("two ranks")
     assert done.returncode == 0, done.stderr[-3000:]
     assert _rules(folder / "two") == single
     assert single[1] == {"cancel": "fp32"}  # the search had something to find
@@ -89,25 +104,22 @@ def test_two_ranks_choose_the_single_process_policy_and_one_writes(folder, singl
     assert sorted(p.name for p in folder.iterdir()) == ["model.py", "two"]
 
 
-def test_a_killed_rank_ends_the_job_in_one_line_and_the_rerun_resumes(folder, single):
-    # rank 1 is killed at its first forward once the profile and a trial are saved (the model's planted fault)
-    done = _run(folder, *ARGS, "--out", "run", ranks=2, RUN_DIR="run", KILL_RANK="1")
+def test_a_killed_rank_ends_the_job_in_one_line_and_the_rerun_resumes(jobs, single):
+    done, (profiled, chose, before), again, folder = jobs("rank 1 killed")
     assert done.returncode != 0
     assert _errors(done) == ["autoprec tune: error: rank 1: its process ended without saying why (killed, or out "
                              "of memory?)"], done.stderr[-3000:]
-    assert (folder / "run" / "profile.json").exists() and not (folder / "run" / "policy.json").exists()
-    before = _trials(folder / "run")
+    assert profiled and not chose
     assert before, "the trials finished before the kill are kept"
 
-    again = _run(folder, *ARGS, "--out", "run", ranks=2)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "reusing the profile" in again.stderr
     assert _trials(folder / "run")[:len(before)] == before
     assert _rules(folder / "run") == single
 
 
-def test_a_failing_rank_names_itself_and_its_error_once(ended):
-    done, _ = ended("failing rank")
+def test_a_failing_rank_names_itself_and_its_error_once(jobs):
+    done, _ = jobs("failing rank")
     assert done.returncode != 0
     errors = _errors(done)
     assert len(errors) == 1 and errors[0].startswith("autoprec tune: error: rank 1: ") and "planted failure" in \
@@ -137,43 +149,58 @@ def _folder(tmp_path_factory, model: Path, extra: str = "") -> Path:
     return folder
 
 
+def _killed(run: Path) -> tuple[bool, bool, list]:
+    """What a cut tune left: its profile, its policy, its finished trials."""
+    return (run / "profile.json").exists(), (run / "policy.json").exists(), _trials(run)
+
+
 @pytest.fixture(scope="module")
-def ended(tmp_path_factory) -> Iterator[Callable[[str], tuple[subprocess.CompletedProcess, Path]]]:
-    """The jobs of this file that end in one line, run side by side (:func:`side_by_side`)."""
-    jobs = {
-        "failing rank": (_folder(tmp_path_factory, MODEL), [*ARGS, "--out", "run"], 2,
-                         {"RUN_DIR": "run", "FAIL_RANK": "1"}),
-        "left on meta": (_folder(tmp_path_factory, SHARDED), [*SHARDED_ARGS, "--out", "run"], 2,
-                         {**TINY, "LEAVE_ON_META": "head"}),
-        "bad wait limit": (_folder(tmp_path_factory, MODEL), ARGS, 2, {"AUTOPREC_DIST_TIMEOUT": "ten"}),
-        "cuda": (_folder(tmp_path_factory, MODEL), [*ARGS, "--device", "cuda"], 2, {}),
+def jobs(tmp_path_factory) -> Iterator[Callable[[str], tuple]]:
+    """This file's jobs that need nothing but a folder, run side by side (:func:`side_by_side`), in the order the
+    tests read them."""
+    def new(model: Path = MODEL, extra: str = "") -> Path:
+        return _folder(tmp_path_factory, model, extra)
+
+    walk_cut = {ranks: cut_and_rerun(new(), lambda run: ((run / "policy.json").exists(), _walk(run)), ranks,
+                                     KILL_RANK="0", RANK="0") for ranks in (0, 2)}
+    runs = {
+        "two ranks": job(new(), *ARGS, "--out", "two", ranks=2),
+        # rank 1 is killed at its first forward once the profile and a trial are saved (the model's planted fault)
+        "rank 1 killed": cut_and_rerun(new(), _killed, 2, KILL_RANK="1"),
+        "failing rank": job(new(), *ARGS, "--out", "run", ranks=2, RUN_DIR="run", FAIL_RANK="1"),
+        "sharded one": job(new(SHARDED), *SHARDED_ARGS, "--out", "one", **TINY),
+        "sharded two": job(new(SHARDED), *SHARDED_ARGS, "--out", "two", ranks=2, **TINY),
+        "left on meta": job(new(SHARDED), *SHARDED_ARGS, "--out", "run", ranks=2, **TINY, LEAVE_ON_META="head"),
+        "walk cut 0": walk_cut[0],
+        "walk cut 2": walk_cut[2],
+        "bad wait limit": job(new(), *ARGS, ranks=2, AUTOPREC_DIST_TIMEOUT="ten"),
+        "cuda": job(new(), *ARGS, "--device", "cuda", ranks=2),
         # timed here (no --target): the profile runs wrap
-        "wrap raises": (_folder(tmp_path_factory, MODEL, "\n\ndef wrap(model):\n    raise RuntimeError('no mesh')\n"),
-                        ["tune", "model.py", "--trials", "8"], 2, {}),
+        "wrap raises": job(new(extra="\n\ndef wrap(model):\n    raise RuntimeError('no mesh')\n"), "tune", "model.py",
+                           "--trials", "8", ranks=2),
     }
     if torch.cuda.is_available():  # --device cuda works here: its test skips
-        del jobs["cuda"]
-    with side_by_side(jobs) as finished:
+        del runs["cuda"]
+    with side_by_side(runs) as finished:
         yield finished
 
 
-def test_a_model_built_on_meta_and_sharded_by_wrap_gets_the_one_process_policy(sharded_folder):
+def test_a_model_built_on_meta_and_sharded_by_wrap_gets_the_one_process_policy(jobs):
     """Under torchrun get_model() builds the model on meta and wrap() shards it (fully_shard, each block a unit) and
     materialises each rank's shard; in one process the same model is built whole. Every rank runs every forward of
     the tune on the one sharded model (the first rank leads the search), and the policy is the one process's."""
-    whole = _run(sharded_folder, *SHARDED_ARGS, "--out", "one")
+    (whole, alone), (done, sharded) = jobs("sharded one"), jobs("sharded two")
     assert whole.returncode == 0, whole.stderr[-2000:]
-    done = _run(sharded_folder, *SHARDED_ARGS, "--out", "two", ranks=2)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert _rules(sharded_folder / "two") == _rules(sharded_folder / "one") == ("bf16", {"cancel": "fp32"})
-    profile = json.loads((sharded_folder / "two" / "profile.json").read_text())
-    assert profile["cost"]["evaluations"] == json.loads((sharded_folder / "one" / "profile.json").read_text())[
+    assert _rules(sharded / "two") == _rules(alone / "one") == ("bf16", {"cancel": "fp32"})
+    profile = json.loads((sharded / "two" / "profile.json").read_text())
+    assert profile["cost"]["evaluations"] == json.loads((alone / "one" / "profile.json").read_text())[
         "cost"]["evaluations"]  # each evaluation ran once, by both ranks together
     assert done.stdout.count("outputs: two/") == 1
 
 
-def test_a_layer_wrap_leaves_on_meta_is_one_line_naming_it(ended):
-    done, sharded_folder = ended("left on meta")
+def test_a_layer_wrap_leaves_on_meta_is_one_line_naming_it(jobs):
+    done, sharded_folder = jobs("left on meta")
     assert done.returncode != 0
     errors = _errors(done)
     assert len(errors) == 1 and "wrap(): left 2 of the model's 8 tensors on the meta device, e.g. 'head.weight'" \
@@ -352,15 +379,13 @@ def test_one_process_stopped_by_sigterm_says_what_was_kept(folder):
 
 
 @pytest.mark.parametrize("ranks", [0, 2])
-def test_a_seed_walk_cut_short_goes_on_where_it_stopped(folder, single_run, ranks):
+def test_a_seed_walk_cut_short_goes_on_where_it_stopped(jobs, single_run, ranks):
     """The first rank (the one that walks the seeds), or one process, is killed once the walk has a trial: the rerun
     finishes the walk and chooses what an uncut tune chooses."""
-    done = _run(folder, *ARGS, "--out", "run", ranks=ranks, RUN_DIR="run", KILL_RANK="0", RANK="0")
-    assert done.returncode != 0 and not (folder / "run" / "policy.json").exists()
-    cut = _walk(folder / "run")
+    done, (chose, cut), again, folder = jobs(f"walk cut {ranks}")
+    assert done.returncode != 0 and not chose
     assert 0 < len(cut) < len(_walk(single_run)), done.stderr[-3000:]
 
-    again = _run(folder, *ARGS, "--out", "run", ranks=ranks)
     assert again.returncode == 0, again.stderr[-3000:]
     assert _walk(folder / "run") == _walk(single_run)  # each seed once, in the walk's order
     assert _rules(folder / "run") == _rules(single_run)
@@ -381,8 +406,8 @@ def test_two_jobs_on_one_study_share_the_seed_walk_and_the_trial_budget(folder, 
     assert [(t.user_attrs["seed"], t.params) for t in walk] == _walk(single_run)  # each seed once
 
 
-def test_a_bad_wait_limit_is_one_line_naming_the_variable(ended):
-    done, _ = ended("bad wait limit")
+def test_a_bad_wait_limit_is_one_line_naming_the_variable(jobs):
+    done, _ = jobs("bad wait limit")
     assert done.returncode != 0
     assert _errors(done) == ["autoprec tune: error: AUTOPREC_DIST_TIMEOUT='ten': must be a number of seconds above 0, "
                              "how long a rank waits for the others; e.g. AUTOPREC_DIST_TIMEOUT=600, or unset it for "
@@ -401,8 +426,8 @@ def test_a_wait_past_the_limit_is_one_line_and_nothing_after_it(folder):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: --device cuda works")
-def test_device_cuda_without_a_gpu_is_the_one_process_line_once(folder, ended):
-    alone, (job, _) = _run(folder, *ARGS, "--device", "cuda"), ended("cuda")
+def test_device_cuda_without_a_gpu_is_the_one_process_line_once(folder, jobs):
+    alone, (job, _) = _run(folder, *ARGS, "--device", "cuda"), jobs("cuda")
     assert alone.returncode == 1 and job.returncode != 0
     assert _errors(job) == _errors(alone) and len(_errors(alone)) == 1, job.stderr[-3000:]
 
@@ -419,8 +444,8 @@ def test_a_killed_rank_is_blamed_whichever_rank_answers_last(folder):
                              "of memory?)"], done.stderr[-3000:]
 
 
-def test_a_wrap_that_raises_is_told_a_fix_that_can_work_once(ended):
-    done, _ = ended("wrap raises")
+def test_a_wrap_that_raises_is_told_a_fix_that_can_work_once(jobs):
+    done, _ = jobs("wrap raises")
     assert done.returncode != 0
     errors = _errors(done)
     assert len(errors) == 1 and "wrap(): raised RuntimeError: no mesh" in errors[0], done.stderr[-3000:]
