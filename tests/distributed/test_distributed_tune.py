@@ -314,7 +314,10 @@ def test_wrap_is_checked_like_the_other_functions(tmp_path):
 @pytest.mark.parametrize("command", ["profile", "bench"])
 def test_profile_and_bench_under_torchrun_say_to_run_them_in_one_process(folder, command):
     policy = ["--policy", "policy.json"] if command == "bench" else []
-    done = _run(folder, command, "model.py", *policy, WORLD_SIZE="2", RANK="0")  # as torchrun starts rank 0
+    import cli_runner  # both commands forked from one process that imported the command line (tests/cli_runner.py)
+
+    done = cli_runner.run(command, "model.py", *policy, cwd=folder, timeout=TIMEOUT,
+                          env={**os.environ, "WORLD_SIZE": "2", "RANK": "0"})  # as torchrun starts rank 0
     assert done.returncode == 1
     assert _errors(done) == [] and done.stderr.strip().splitlines()[-1].startswith(
         f"autoprec {command}: error: {command} runs in one process, and under torchrun")
