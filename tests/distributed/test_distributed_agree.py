@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_distributed_apply import Net, _check, _wrap, spawn_checks
-from test_distributed_tune import ARGS, MODEL, _errors, _rules, _run, single, single_run  # noqa: F401 - fixtures
+from test_distributed_tune import ARGS, MODEL, _errors, _rules, job, side_by_side
 from torch import nn
 
 import autoprec
@@ -139,36 +139,53 @@ PER_RANK = {
 }
 
 
-def _model_py(folder: Path, extra: str) -> None:
+DDP_MODEL = ("def get_model():  # as the training script builds it\n"
+             "    from torch.nn.parallel import DistributedDataParallel\n\n"
+             "    torch.manual_seed(0)\n"
+             "    return DistributedDataParallel(Net())\n")
+FSDP_OWN_MIXED_PRECISION = (
+    "def wrap(model):\n"
+    "    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard\n\n"
+    "    return fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))\n")
+
+
+def _model_py(folder: Path, extra: str) -> Path:
     (folder / "model.py").write_text(MODEL.read_text() + "\n\n" + extra)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """This file's ``torchrun -m autoprec tune`` jobs on two ranks, side by side (``side_by_side``)."""
+    def tune(extra: str, *args: str):
+        return job(_model_py(tmp_path_factory.mktemp("job"), extra), *args, "--out", "run", ranks=2)
+
+    jobs = {what: tune(extra, *ARGS) for what, (extra, _) in PER_RANK.items()}
+    jobs["ddp"] = tune(DDP_MODEL, *ARGS)
+    # timed as the job runs (no --target): the profile runs wrap
+    jobs["fsdp mixed precision"] = tune(FSDP_OWN_MIXED_PRECISION, "tune", "model.py", "--trials", "4")
+    with side_by_side(jobs) as finished:
+        yield finished
 
 
 @pytest.mark.parametrize("what", sorted(PER_RANK))
-def test_a_rank_that_tunes_other_batches_or_weights_ends_the_job_in_one_line(tmp_path, what):
-    extra, said = PER_RANK[what]
-    _model_py(tmp_path, extra)
-    done = _run(tmp_path, *ARGS, "--out", "run", ranks=2)
+def test_a_rank_that_tunes_other_batches_or_weights_ends_the_job_in_one_line(tuned, what):
+    _, said = PER_RANK[what]
+    done, tmp_path = tuned(what)
     assert done.returncode == 1
     assert _errors(done) == [f"autoprec tune: error: {said}"], done.stderr[-3000:]
     assert not (tmp_path / "run").exists()  # refused before any work, nothing written
 
 
-def test_a_ddp_model_from_get_model_is_tuned_by_its_own_layer_names(tmp_path, single):  # noqa: F811
-    _model_py(tmp_path, "def get_model():  # as the training script builds it\n"
-                        "    from torch.nn.parallel import DistributedDataParallel\n\n"
-                        "    torch.manual_seed(0)\n"
-                        "    return DistributedDataParallel(Net())\n")
-    done = _run(tmp_path, *ARGS, "--out", "run", ranks=2)
+def test_a_ddp_model_from_get_model_is_tuned_by_its_own_layer_names(tuned, single):
+    done, tmp_path = tuned("ddp")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "tuning the model inside DistributedDataParallel" in done.stderr
     assert _rules(tmp_path / "run") == single  # {"cancel": "fp32"}, not "module.cancel"
 
 
-def test_fsdp_own_mixed_precision_in_wrap_ends_the_job_in_one_line(tmp_path):
-    _model_py(tmp_path, "def wrap(model):\n"
-                        "    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard\n\n"
-                        "    return fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))\n")
-    done = _run(tmp_path, "tune", "model.py", "--trials", "4", "--out", "run", ranks=2)  # timed as the job runs
+def test_fsdp_own_mixed_precision_in_wrap_ends_the_job_in_one_line(tuned):
+    done, _ = tuned("fsdp mixed precision")
     assert done.returncode == 1
     errors = _errors(done)
     assert len(errors) == 1 and errors[0].endswith(

@@ -9,8 +9,10 @@ a rerun's sampler started its random stream over, so it proposed other trials th
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
-from test_distributed_tune import ARGS, _rules, _run, _trials, folder, single, single_run  # noqa: F401 (fixtures)
+from test_distributed_tune import MODEL, _rules, _trials, cut_and_rerun, side_by_side
 
 pytestmark = pytest.mark.slow
 
@@ -19,21 +21,37 @@ IN_THE_WALK = 12  # the walk's last greedy step (trial 5)
 IN_THE_SAMPLING = 15  # the first sampled trial (trial 6)
 
 
-@pytest.mark.parametrize("fault_after", [IN_THE_WALK, IN_THE_SAMPLING])
-def test_one_process_killed_in_the_search_reruns_to_the_uncut_trials(folder, single_run, fault_after):  # noqa: F811
-    done = _run(folder, *ARGS, "--out", "run", RUN_DIR="run", KILL_RANK="0", RANK="0", FAULT_AFTER=str(fault_after))
-    assert done.returncode != 0 and not (folder / "run" / "policy.json").exists()
-    assert 0 < len(_trials(folder / "run")) < len(_trials(single_run))
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Each cut tune and its rerun, side by side (``side_by_side``): name -> (cut, what it left, rerun, folder)."""
+    def new():
+        folder = tmp_path_factory.mktemp("job")
+        shutil.copy(MODEL, folder / "model.py")
+        return folder
 
-    again = _run(folder, *ARGS, "--out", "run")
+    def left(run):
+        return (run / "policy.json").exists(), _trials(run)
+
+    runs = {(0, after): cut_and_rerun(new(), left, 0, KILL_RANK="0", RANK="0", FAULT_AFTER=str(after))
+            for after in (IN_THE_WALK, IN_THE_SAMPLING)}
+    runs[2, IN_THE_SAMPLING] = cut_and_rerun(new(), left, 2, KILL_RANK="0", FAULT_AFTER=str(IN_THE_SAMPLING))
+    with side_by_side(runs) as finished:
+        yield finished
+
+
+@pytest.mark.parametrize("fault_after", [IN_THE_WALK, IN_THE_SAMPLING])
+def test_one_process_killed_in_the_search_reruns_to_the_uncut_trials(resumed, single_run, fault_after):
+    done, (chose, trials), again, folder = resumed((0, fault_after))
+    assert done.returncode != 0 and not chose
+    assert 0 < len(trials) < len(_trials(single_run))
+
     assert again.returncode == 0, again.stderr[-3000:]
     assert [params for _, params in _trials(folder / "run")] == [params for _, params in _trials(single_run)]
     assert _rules(folder / "run") == _rules(single_run)
 
 
-def test_two_ranks_with_rank_0_killed_in_the_sampling_rerun_to_the_uncut_policy(folder, single):  # noqa: F811
-    done = _run(folder, *ARGS, "--out", "run", ranks=2, RUN_DIR="run", KILL_RANK="0", FAULT_AFTER=str(IN_THE_SAMPLING))
-    assert done.returncode != 0 and not (folder / "run" / "policy.json").exists()
-    again = _run(folder, *ARGS, "--out", "run", ranks=2)
+def test_two_ranks_with_rank_0_killed_in_the_sampling_rerun_to_the_uncut_policy(resumed, single):
+    done, (chose, _), again, folder = resumed((2, IN_THE_SAMPLING))
+    assert done.returncode != 0 and not chose
     assert again.returncode == 0, again.stderr[-3000:]
     assert _rules(folder / "run") == single

@@ -15,7 +15,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -23,6 +27,7 @@ import torch
 MODEL = Path(__file__).parent / "torchrun_models" / "model.py"
 ARGS = ["tune", "model.py", "--target", "h100", "--trials", "8"]
 TIMEOUT = 240  # a hang fails the test instead of the suite
+T = TypeVar("T")
 
 
 def _run(folder: Path, *args: str, ranks: int = 0, **env: str) -> subprocess.CompletedProcess:
@@ -49,22 +54,6 @@ def _trials(run: Path) -> list[tuple[int, dict]]:
             if t.state.name == "COMPLETE"]
 
 
-@pytest.fixture(scope="module")
-def single_run(tmp_path_factory) -> Path:
-    """The run folder of one process's tune."""
-    folder = tmp_path_factory.mktemp("single")
-    shutil.copy(MODEL, folder / "model.py")
-    done = _run(folder, *ARGS, "--out", "one")
-    assert done.returncode == 0, done.stderr[-2000:]
-    return folder / "one"
-
-
-@pytest.fixture(scope="module")
-def single(single_run) -> tuple[str, dict]:
-    """The policy one process chooses."""
-    return _rules(single_run)
-
-
 def _walk(run: Path) -> list[tuple[str, dict]]:
     """The seed walk's finished trials, in order: each seed's kind and parameters."""
     import optuna
@@ -76,18 +65,37 @@ def _walk(run: Path) -> list[tuple[str, dict]]:
             if t.user_attrs.get("seed")]
 
 
-@pytest.fixture
-def folder(tmp_path) -> Path:
-    shutil.copy(MODEL, tmp_path / "model.py")
-    return tmp_path
-
-
 def _errors(done: subprocess.CompletedProcess) -> list[str]:
     return re.findall(r"autoprec tune: error: [^\r\n]*", done.stderr)  # also after a progress bar's last \r
 
 
-def test_two_ranks_choose_the_single_process_policy_and_one_writes(folder, single):
-    done = _run(folder, *ARGS, "--out", "two", ranks=2)
+def job(folder: Path, *args: str, ranks: int = 0, **env: str) -> Callable[[], tuple[subprocess.CompletedProcess, Path]]:
+    """``_run(folder, *args, ...)`` for :func:`side_by_side`: the finished process and its folder."""
+    return lambda: (_run(folder, *args, ranks=ranks, **env), folder)
+
+
+def cut_and_rerun(folder: Path, look: Callable[[Path], object], ranks: int, **fault: str) -> Callable[[], tuple]:
+    """For :func:`side_by_side`: a tune in ``folder`` cut short by the model's planted ``fault``, ``look(run folder)``
+    then, and the same command run again: (cut process, what look saw, rerun process, folder)."""
+    def run() -> tuple:
+        cut = _run(folder, *ARGS, "--out", "run", ranks=ranks, RUN_DIR="run", **fault)
+        seen = look(folder / "run")
+        return cut, seen, _run(folder, *ARGS, "--out", "run", ranks=ranks), folder
+    return run
+
+
+@contextmanager
+def side_by_side(jobs: Mapping[Hashable, Callable[[], T]], width: int = 2) -> Iterator[Callable[[Hashable], T]]:
+    """Independent jobs (name -> what runs them: :func:`job`, :func:`cut_and_rerun`), ``width`` at a time: much of a
+    job is its processes waiting on each other, so two share the machine's cores. Gives ``finished(name)``: what that
+    job's function returned, once it ended (its error, if it raised); every job has ended when the block is left."""
+    with ThreadPoolExecutor(max_workers=width) as pool:
+        running = {name: pool.submit(run) for name, run in jobs.items()}
+        yield lambda name: running[name].result()
+
+
+def test_two_ranks_choose_the_single_process_policy_and_one_writes(jobs, single):
+    done, folder = jobs("two ranks")
     assert done.returncode == 0, done.stderr[-3000:]
     assert _rules(folder / "two") == single
     assert single[1] == {"cancel": "fp32"}  # the search had something to find
@@ -96,25 +104,22 @@ def test_two_ranks_choose_the_single_process_policy_and_one_writes(folder, singl
     assert sorted(p.name for p in folder.iterdir()) == ["model.py", "two"]
 
 
-def test_a_killed_rank_ends_the_job_in_one_line_and_the_rerun_resumes(folder, single):
-    # rank 1 is killed at its first forward once the profile and a trial are saved (the model's planted fault)
-    done = _run(folder, *ARGS, "--out", "run", ranks=2, RUN_DIR="run", KILL_RANK="1")
+def test_a_killed_rank_ends_the_job_in_one_line_and_the_rerun_resumes(jobs, single):
+    done, (profiled, chose, before), again, folder = jobs("rank 1 killed")
     assert done.returncode != 0
     assert _errors(done) == ["autoprec tune: error: rank 1: its process ended without saying why (killed, or out "
                              "of memory?)"], done.stderr[-3000:]
-    assert (folder / "run" / "profile.json").exists() and not (folder / "run" / "policy.json").exists()
-    before = _trials(folder / "run")
+    assert profiled and not chose
     assert before, "the trials finished before the kill are kept"
 
-    again = _run(folder, *ARGS, "--out", "run", ranks=2)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "reusing the profile" in again.stderr
     assert _trials(folder / "run")[:len(before)] == before
     assert _rules(folder / "run") == single
 
 
-def test_a_failing_rank_names_itself_and_its_error_once(folder):
-    done = _run(folder, *ARGS, "--out", "run", ranks=2, RUN_DIR="run", FAIL_RANK="1")
+def test_a_failing_rank_names_itself_and_its_error_once(jobs):
+    done, _ = jobs("failing rank")
     assert done.returncode != 0
     errors = _errors(done)
     assert len(errors) == 1 and errors[0].startswith("autoprec tune: error: rank 1: ") and "planted failure" in \
@@ -126,32 +131,76 @@ SHARDED = Path(__file__).parents[2] / "benchmarks" / "models" / "sharded_mlp" / 
 SHARDED_ARGS = ["tune", "model.py", "--target", "h100", "--trials", "4", "--precisions", "bf16"]
 
 
+TINY = {"MLP_WIDTH": "256", "MLP_DEPTH": "2"}  # benchmarks/models/sharded_mlp at a tiny size: two blocks, 0.8 MB
+
+
 @pytest.fixture
 def sharded_folder(tmp_path, monkeypatch) -> Path:
-    """benchmarks/models/sharded_mlp at a tiny size: two blocks of width 256, 0.8 MB."""
-    monkeypatch.setenv("MLP_WIDTH", "256")
-    monkeypatch.setenv("MLP_DEPTH", "2")
+    """benchmarks/models/sharded_mlp at a tiny size (``TINY``)."""
+    for name, value in TINY.items():
+        monkeypatch.setenv(name, value)
     shutil.copy(SHARDED, tmp_path / "model.py")
     return tmp_path
 
 
-def test_a_model_built_on_meta_and_sharded_by_wrap_gets_the_one_process_policy(sharded_folder):
+def _folder(tmp_path_factory, model: Path, extra: str = "") -> Path:
+    folder = tmp_path_factory.mktemp("job")
+    (folder / "model.py").write_text(model.read_text() + extra)
+    return folder
+
+
+def _killed(run: Path) -> tuple[bool, bool, list]:
+    """What a cut tune left: its profile, its policy, its finished trials."""
+    return (run / "profile.json").exists(), (run / "policy.json").exists(), _trials(run)
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> Iterator[Callable[[str], tuple]]:
+    """This file's jobs that need nothing but a folder, run side by side (:func:`side_by_side`), in the order the
+    tests read them."""
+    def new(model: Path = MODEL, extra: str = "") -> Path:
+        return _folder(tmp_path_factory, model, extra)
+
+    walk_cut = {ranks: cut_and_rerun(new(), lambda run: ((run / "policy.json").exists(), _walk(run)), ranks,
+                                     KILL_RANK="0", RANK="0") for ranks in (0, 2)}
+    runs = {
+        "two ranks": job(new(), *ARGS, "--out", "two", ranks=2),
+        # rank 1 is killed at its first forward once the profile and a trial are saved (the model's planted fault)
+        "rank 1 killed": cut_and_rerun(new(), _killed, 2, KILL_RANK="1"),
+        "failing rank": job(new(), *ARGS, "--out", "run", ranks=2, RUN_DIR="run", FAIL_RANK="1"),
+        "sharded one": job(new(SHARDED), *SHARDED_ARGS, "--out", "one", **TINY),
+        "sharded two": job(new(SHARDED), *SHARDED_ARGS, "--out", "two", ranks=2, **TINY),
+        "left on meta": job(new(SHARDED), *SHARDED_ARGS, "--out", "run", ranks=2, **TINY, LEAVE_ON_META="head"),
+        "walk cut 0": walk_cut[0],
+        "walk cut 2": walk_cut[2],
+        "bad wait limit": job(new(), *ARGS, ranks=2, AUTOPREC_DIST_TIMEOUT="ten"),
+        "cuda": job(new(), *ARGS, "--device", "cuda", ranks=2),
+        # timed here (no --target): the profile runs wrap
+        "wrap raises": job(new(extra="\n\ndef wrap(model):\n    raise RuntimeError('no mesh')\n"), "tune", "model.py",
+                           "--trials", "8", ranks=2),
+    }
+    if torch.cuda.is_available():  # --device cuda works here: its test skips
+        del runs["cuda"]
+    with side_by_side(runs) as finished:
+        yield finished
+
+
+def test_a_model_built_on_meta_and_sharded_by_wrap_gets_the_one_process_policy(jobs):
     """Under torchrun get_model() builds the model on meta and wrap() shards it (fully_shard, each block a unit) and
     materialises each rank's shard; in one process the same model is built whole. Every rank runs every forward of
     the tune on the one sharded model (the first rank leads the search), and the policy is the one process's."""
-    whole = _run(sharded_folder, *SHARDED_ARGS, "--out", "one")
+    (whole, alone), (done, sharded) = jobs("sharded one"), jobs("sharded two")
     assert whole.returncode == 0, whole.stderr[-2000:]
-    done = _run(sharded_folder, *SHARDED_ARGS, "--out", "two", ranks=2)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert _rules(sharded_folder / "two") == _rules(sharded_folder / "one") == ("bf16", {"cancel": "fp32"})
-    profile = json.loads((sharded_folder / "two" / "profile.json").read_text())
-    assert profile["cost"]["evaluations"] == json.loads((sharded_folder / "one" / "profile.json").read_text())[
+    assert _rules(sharded / "two") == _rules(alone / "one") == ("bf16", {"cancel": "fp32"})
+    profile = json.loads((sharded / "two" / "profile.json").read_text())
+    assert profile["cost"]["evaluations"] == json.loads((alone / "one" / "profile.json").read_text())[
         "cost"]["evaluations"]  # each evaluation ran once, by both ranks together
     assert done.stdout.count("outputs: two/") == 1
 
 
-def test_a_layer_wrap_leaves_on_meta_is_one_line_naming_it(sharded_folder):
-    done = _run(sharded_folder, *SHARDED_ARGS, "--out", "run", ranks=2, LEAVE_ON_META="head")
+def test_a_layer_wrap_leaves_on_meta_is_one_line_naming_it(jobs):
+    done, sharded_folder = jobs("left on meta")
     assert done.returncode != 0
     errors = _errors(done)
     assert len(errors) == 1 and "wrap(): left 2 of the model's 8 tensors on the meta device, e.g. 'head.weight'" \
@@ -265,7 +314,10 @@ def test_wrap_is_checked_like_the_other_functions(tmp_path):
 @pytest.mark.parametrize("command", ["profile", "bench"])
 def test_profile_and_bench_under_torchrun_say_to_run_them_in_one_process(folder, command):
     policy = ["--policy", "policy.json"] if command == "bench" else []
-    done = _run(folder, command, "model.py", *policy, WORLD_SIZE="2", RANK="0")  # as torchrun starts rank 0
+    import cli_runner  # both commands forked from one process that imported the command line (tests/cli_runner.py)
+
+    done = cli_runner.run(command, "model.py", *policy, cwd=folder, timeout=TIMEOUT,
+                          env={**os.environ, "WORLD_SIZE": "2", "RANK": "0"})  # as torchrun starts rank 0
     assert done.returncode == 1
     assert _errors(done) == [] and done.stderr.strip().splitlines()[-1].startswith(
         f"autoprec {command}: error: {command} runs in one process, and under torchrun")
@@ -330,15 +382,13 @@ def test_one_process_stopped_by_sigterm_says_what_was_kept(folder):
 
 
 @pytest.mark.parametrize("ranks", [0, 2])
-def test_a_seed_walk_cut_short_goes_on_where_it_stopped(folder, single_run, ranks):
+def test_a_seed_walk_cut_short_goes_on_where_it_stopped(jobs, single_run, ranks):
     """The first rank (the one that walks the seeds), or one process, is killed once the walk has a trial: the rerun
     finishes the walk and chooses what an uncut tune chooses."""
-    done = _run(folder, *ARGS, "--out", "run", ranks=ranks, RUN_DIR="run", KILL_RANK="0", RANK="0")
-    assert done.returncode != 0 and not (folder / "run" / "policy.json").exists()
-    cut = _walk(folder / "run")
+    done, (chose, cut), again, folder = jobs(f"walk cut {ranks}")
+    assert done.returncode != 0 and not chose
     assert 0 < len(cut) < len(_walk(single_run)), done.stderr[-3000:]
 
-    again = _run(folder, *ARGS, "--out", "run", ranks=ranks)
     assert again.returncode == 0, again.stderr[-3000:]
     assert _walk(folder / "run") == _walk(single_run)  # each seed once, in the walk's order
     assert _rules(folder / "run") == _rules(single_run)
@@ -359,8 +409,8 @@ def test_two_jobs_on_one_study_share_the_seed_walk_and_the_trial_budget(folder, 
     assert [(t.user_attrs["seed"], t.params) for t in walk] == _walk(single_run)  # each seed once
 
 
-def test_a_bad_wait_limit_is_one_line_naming_the_variable(folder):
-    done = _run(folder, *ARGS, ranks=2, AUTOPREC_DIST_TIMEOUT="ten")
+def test_a_bad_wait_limit_is_one_line_naming_the_variable(jobs):
+    done, _ = jobs("bad wait limit")
     assert done.returncode != 0
     assert _errors(done) == ["autoprec tune: error: AUTOPREC_DIST_TIMEOUT='ten': must be a number of seconds above 0, "
                              "how long a rank waits for the others; e.g. AUTOPREC_DIST_TIMEOUT=600, or unset it for "
@@ -368,18 +418,19 @@ def test_a_bad_wait_limit_is_one_line_naming_the_variable(folder):
 
 
 def test_a_wait_past_the_limit_is_one_line_and_nothing_after_it(folder):
-    # every forward takes two seconds once a trial is saved: the ranks waiting for the seed walk give up after one
-    done = _run(folder, *ARGS, "--out", "run", ranks=2, RUN_DIR="run", HOLD_S="2", AUTOPREC_DIST_TIMEOUT="1")
+    # every forward holds a minute once a trial is saved: the ranks waiting for the seed walk give up after 5 s (not 1:
+    # the limit also bounds joining the job, and a loaded machine can take a second to connect the ranks)
+    done = _run(folder, *ARGS, "--out", "run", ranks=2, RUN_DIR="run", HOLD_S="60", AUTOPREC_DIST_TIMEOUT="5")
     assert done.returncode != 0
     errors = _errors(done)
-    assert len(errors) == 1 and re.fullmatch(r"autoprec tune: error: rank \d: no answer from the other ranks in 1 s "
+    assert len(errors) == 1 and re.fullmatch(r"autoprec tune: error: rank \d: no answer from the other ranks in 5 s "
                                              r"while exchanging results \(AUTOPREC_DIST_TIMEOUT sets the limit\)",
                                              errors[0]), done.stderr[-3000:]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: --device cuda works")
-def test_device_cuda_without_a_gpu_is_the_one_process_line_once(folder):
-    alone, job = _run(folder, *ARGS, "--device", "cuda"), _run(folder, *ARGS, "--device", "cuda", ranks=2)
+def test_device_cuda_without_a_gpu_is_the_one_process_line_once(folder, jobs):
+    alone, (job, _) = _run(folder, *ARGS, "--device", "cuda"), jobs("cuda")
     assert alone.returncode == 1 and job.returncode != 0
     assert _errors(job) == _errors(alone) and len(_errors(alone)) == 1, job.stderr[-3000:]
 
@@ -387,15 +438,16 @@ def test_device_cuda_without_a_gpu_is_the_one_process_line_once(folder):
 def test_a_killed_rank_is_blamed_whichever_rank_answers_last(folder):
     """Rank 2 of three is killed; torchrun stops the others, and rank 1 leaves at once while rank 0 answers only
     after its forward: by then rank 1 is gone too, but rank 2 is the one that was killed."""
-    done = _run(folder, *ARGS, "--out", "run", ranks=3, RUN_DIR="run", KILL_RANK="2", DEAF_RANK="0", DEAF_S="2")
+    # at the first forward: rank 2 is killed while rank 0 holds SIGTERM back, which it answers 2 s later
+    done = _run(folder, *ARGS, "--out", "run", ranks=3, KILL_RANK="2", DEAF_RANK="0", DEAF_S="2")
     assert done.returncode != 0
+    assert (folder / "deaf0").exists() and (folder / "killed").exists(), done.stderr[-3000:]
     assert _errors(done) == ["autoprec tune: error: rank 2: its process ended without saying why (killed, or out "
                              "of memory?)"], done.stderr[-3000:]
 
 
-def test_a_wrap_that_raises_is_told_a_fix_that_can_work_once(folder):
-    (folder / "model.py").write_text(MODEL.read_text() + "\n\ndef wrap(model):\n    raise RuntimeError('no mesh')\n")
-    done = _run(folder, "tune", "model.py", "--trials", "8", ranks=2)  # timed here: the profile runs wrap
+def test_a_wrap_that_raises_is_told_a_fix_that_can_work_once(jobs):
+    done, _ = jobs("wrap raises")
     assert done.returncode != 0
     errors = _errors(done)
     assert len(errors) == 1 and "wrap(): raised RuntimeError: no mesh" in errors[0], done.stderr[-3000:]

@@ -6,8 +6,9 @@ A test plants a fault on one rank once the profile and a finished trial are save
 times there (default 0): ``FAIL_RANK=R`` makes the
 model raise on rank R, ``KILL_RANK=R`` kills rank R's process, ``HOLD_S=S`` makes every forward on every rank
 take S seconds more and writes ``RUN_DIR/holding`` (a test waits for that file before it sends a signal),
-``DEAF_RANK=R`` makes every forward on rank R take ``DEAF_S`` seconds more with SIGTERM held back (a rank busy in
-native code, which answers a signal only when it is done).
+``DEAF_RANK=R`` with ``KILL_RANK=K`` instead, at the first forward: rank R holds SIGTERM back (a rank busy in native
+code, which answers a signal only when it is done) until rank K, which waits for that, has killed itself, and
+``DEAF_S`` seconds more (markers ``deaf<R>`` and ``killed`` in the folder).
 """
 
 import os
@@ -54,15 +55,13 @@ _runs_after_profile = 0
 def _plant_fault():
     global _runs_after_profile
     rank, run = os.environ.get("RANK"), os.environ.get("RUN_DIR")
+    if os.environ.get("DEAF_RANK") is not None:
+        return _killed_while_deaf(rank)
     if rank is None or run is None or not Path(run, "profile.json").exists() or not _a_trial_is_saved(run):
         return
     _runs_after_profile += 1
     if _runs_after_profile <= int(os.environ.get("FAULT_AFTER", "0")):
         return
-    if os.environ.get("DEAF_RANK") == rank:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-        time.sleep(float(os.environ.get("DEAF_S", "1")))
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     if os.environ.get("HOLD_S"):
         Path(run, "holding").touch()
         time.sleep(float(os.environ["HOLD_S"]))
@@ -72,17 +71,44 @@ def _plant_fault():
         raise RuntimeError("planted failure")
 
 
+def _killed_while_deaf(rank):
+    """At each process's first forward: rank DEAF_RANK holds SIGTERM back (writes ``deaf<R>`` in the folder) until rank
+    KILL_RANK was killed, then DEAF_S seconds more; rank KILL_RANK kills itself once DEAF_RANK is deaf (``killed``)."""
+    deaf = Path(f"deaf{os.environ['DEAF_RANK']}")
+    if rank == os.environ["DEAF_RANK"] and not deaf.exists():
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        deaf.touch()
+        _wait_for(Path("killed"))
+        time.sleep(float(os.environ.get("DEAF_S", "1")))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    elif rank == os.environ.get("KILL_RANK"):
+        _wait_for(deaf)
+        Path("killed").touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _wait_for(marker, limit_s=120.0):
+    deadline = time.monotonic() + limit_s
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _a_trial_is_saved(run):
     """Whether the run's study holds a finished trial: a fault planted from then on leaves something to resume."""
+    return _saved_trials(run) > 0
+
+
+def _saved_trials(run):
+    """How many finished trials the run's study holds."""
     import sqlite3
 
     if not Path(run, "study.db").exists():
-        return False
+        return 0
     try:
         with sqlite3.connect(Path(run, "study.db"), timeout=5) as db:
-            return db.execute("SELECT COUNT(*) FROM trials WHERE state = 'COMPLETE'").fetchone()[0] > 0
+            return db.execute("SELECT COUNT(*) FROM trials WHERE state = 'COMPLETE'").fetchone()[0]
     except sqlite3.Error:  # the study's tables are not made yet, or the file is busy: try at the next forward
-        return False
+        return 0
 
 
 def get_model():
