@@ -34,10 +34,12 @@ at equal estimated time, and faster at equal accuracy, equal meaning within 1%.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import json
 import math
+import signal
 import subprocess
 import sys
 import tempfile
@@ -301,10 +303,14 @@ def modelopt_row(bits: float, ctx: dict) -> dict:
         model = work.get_model()
         data = [dict(work.feed(b), labels=b["input_ids"].masked_fill(~b["attention_mask"].bool(), -100))
                 for b in work.calibration]
-        model, _ = mtq.auto_quantize(model, constraints={"effective_bits": bits},
-                                     quantization_formats=["FP8_DEFAULT_CFG"], data_loader=data,
-                                     forward_step=lambda m, b: m(**b), loss_func=lambda out, b: out.loss,
-                                     num_calib_steps=len(data), num_score_steps=len(data), verbose=False)
+        with time_limit(ctx["peer_limit_s"]):
+            model, _ = mtq.auto_quantize(model, constraints={"effective_bits": bits},
+                                         quantization_formats=["FP8_DEFAULT_CFG"], data_loader=data,
+                                         forward_step=lambda m, b: m(**b), loss_func=lambda out, b: out.loss,
+                                         num_calib_steps=len(data), num_score_steps=len(data), verbose=False)
+    except TimeoutError:
+        return {"plan": name, "skipped": f"did not finish in {ctx['peer_limit_s']:.0f} s on this CPU (--peer-limit)",
+                "seconds": time.perf_counter() - start}
     except Exception as e:  # a peer's failure on this CPU is a result to report, not a crash of the harness
         return {"plan": name, "skipped": f"does not run here: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     seconds = time.perf_counter() - start
@@ -317,6 +323,21 @@ def modelopt_row(bits: float, ctx: dict) -> dict:
     del model
     gc.collect()
     return row
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """TimeoutError in this (the main) thread after ``seconds``: a peer that would take hours here is a result."""
+    def expire(signum, frame):
+        raise TimeoutError
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(max(1, round(seconds)))
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def quark_row() -> dict:
@@ -436,6 +457,8 @@ def main() -> None:
                         help="tiny: a 2 x 128 Llama trained here (default); served: 2 layers of a served LLM's "
                              "shapes (4096 wide, MLP 14336), random weights, scored by fidelity")
     parser.add_argument("--trials", type=int, default=12, help="the tune's trials (default 12)")
+    parser.add_argument("--peer-limit", type=float, default=900,
+                        help="seconds a peer's search may run before its row says so (default 900)")
     parser.add_argument("--out", default=None, help="where the checkpoints go (default: the temp folder)")
     parser.add_argument("--json", default=None, help="default benchmarks/results/serving[-served].json")
     args = parser.parse_args()
@@ -445,7 +468,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     work = tiny_workload(out) if args.shape == "tiny" else served_workload()
-    ctx = {"work": work}
+    ctx = {"work": work, "peer_limit_s": args.peer_limit}
     rows = reference_rows(ctx, out)
     precision = fp8_name()
     flags = ["--precisions", f"bf16,{precision}", "--target", "h100", "--trials", str(args.trials)]
