@@ -1,12 +1,20 @@
 """Serving a plan: every plan exported, reloaded as an engine would load it, and scored in one harness.
 
-    python benchmarks/serving.py [--trials 12] [--json benchmarks/results/serving.json]
+    python benchmarks/serving.py [--shape tiny|served] [--trials 12] [--json benchmarks/results/serving.json]
 
 Run it where the peers are installed (`pip install -e .[serve,peers]`: llm-compressor pins transformers <= 5.17).
-The model is benchmarks/llm.py's tiny_llm code at a smaller size (SETTINGS below: it trains here, cached after the
-first run). Each plan is written as a checkpoint (compressed-tensors where it quantizes), loaded back with
-transformers' AutoModelForCausalLM on this CPU (which decompresses it), and scored on held-out documents no tune
-saw. Plans:
+Two models (`--shape`):
+
+- `tiny` (default): benchmarks/llm.py's tiny_llm code at a smaller size (TINY_SETTINGS below: it trains here,
+  cached after the first run), scored on held-out documents no tune saw: perplexity, KL per token and the logits'
+  SQNR against fp32.
+- `served`: benchmarks/models/served_llama/model.py, a Llama with a served LLM's layer shapes (4096 wide, MLP 14336,
+  32 heads over 8 KV heads, 2 layers, vocab 2048) and random weights from a fixed seed (no training at 453M
+  parameters on 2 cores), scored by fidelity: KL per token and the logits' SQNR against fp32 on random tokens.
+  About 1.8 GB per fp32 copy: the harness holds at most one model beside the one a plan is scored on.
+
+Each plan is written as a checkpoint (compressed-tensors where it quantizes), loaded back with transformers'
+AutoModelForCausalLM on this CPU (which decompresses it), and scored. Plans:
 
 - fp32, and bf16 everywhere (autoprec export of the blanket policy);
 - autoprec's plan: `autoprec tune model.py --precisions bf16,<fp8> --target h100`, then `autoprec export`;
@@ -16,40 +24,53 @@ saw. Plans:
   fake-quantized model: ModelOpt's export is for TensorRT-LLM and GPU engines, not reloaded here);
 - AMD Quark: whether its mixed-precision search runs here.
 
-Columns: held-out perplexity, KL per token against fp32, the *estimated* time of the linear layers on an H100 and
-a B200 for one decode step of 8 sequences and a prefill of 8 x 128 tokens (autoprec's cost model; attention and
-the KV cache are not priced; fp8-rowwise is priced as fp8), the checkpoint's weight bytes, and the time to tune or
-quantize.
+Columns: the scores, the *estimated* serving time on an H100 and a B200 of the plan each checkpoint holds
+(autoprec.profile.serving.serving_estimate, SERVE below: decode tokens per second with the weights and the KV
+cache priced by the bytes they move, prefill ms by its FLOPs), the checkpoint's weight bytes, and the time to tune
+or quantize. Then the goal check (benchmarks/serving_goal.py): autoprec's plan at least as accurate as each peer's
+at equal estimated time, and faster at equal accuracy, equal meaning within 1%.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import importlib.util
 import json
+import math
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "benchmarks" / "models" / "tiny_llm"
+SERVED = ROOT / "benchmarks" / "models" / "served_llama" / "model.py"
 sys.path.insert(0, str(TINY))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 # benchmarks/llm.py's model, smaller: on 2 shared cores training and every plan's scoring fit in minutes
-SETTINGS = {"layers": 2, "width": 128, "mlp": 352, "heads": 4, "vocab": 2048, "steps": 60}
+TINY_SETTINGS = {"layers": 2, "width": 128, "mlp": 352, "heads": 4, "vocab": 2048, "steps": 60}
 
 import tiny_llm  # noqa: E402
 
-tiny_llm.SETTINGS.update(SETTINGS)
+tiny_llm.SETTINGS.update(TINY_SETTINGS)
 import model as tiny  # noqa: E402  (benchmarks/models/tiny_llm/model.py, reading the settings above)
+from serving_goal import TOLERANCE, goal_verdict  # noqa: E402
 
 from autoprec.export import engine_schemes, export_checkpoint, plan_export  # noqa: E402
-from autoprec.profile.costmodel import linear_ms  # noqa: E402
+from autoprec.profile.serving import serving_estimate  # noqa: E402
 from autoprec.runtime.policy import Policy  # noqa: E402
 
-SCORED = 4  # held-out batches after the tune's, each 8 x 128
+SCORED = 4  # tiny: held-out batches after the tune's, each 8 x 128
+SERVE = {"batch": 8, "prompt_tokens": 512, "new_tokens": 128}  # what the estimates serve: 8 prompts, 128 tokens each
+TARGETS = ("h100", "b200")
 MODEL_PY = '''"""benchmarks/serving.py's model: tiny_llm at the benchmark's settings."""
 import sys
 
@@ -64,6 +85,50 @@ from model import HIGHER_IS_BETTER, evaluate, get_batches, get_model  # noqa: E4
 def get_tokenizer():
     return tiny.tokenizer()
 '''
+
+
+@dataclass
+class Workload:
+    """One model the harness runs: how to build it, the batches it is scored on and how a batch is fed."""
+
+    shape: str
+    model_py: Path
+    get_model: Callable[[], torch.nn.Module]
+    skeleton: torch.nn.Module  # the model's layers for the serving estimates (on the meta device where large)
+    batches: list
+    calibration: list  # the tune's batches: what a peer calibrates or scores its search on
+    feed: Callable[[dict], dict]  # a batch as the model's keyword arguments
+    perplexity: Callable | None  # tiny: held-out perplexity; served: None (random weights, random tokens)
+    tokenizer: object
+    description: str
+
+
+def tiny_workload(out: Path) -> Workload:
+    trained = json.loads((Path(tiny.folder()) / "trained.json").read_text())  # trains first if not cached
+    model_py = out / "model.py"
+    model_py.write_text(MODEL_PY.format(folder=str(TINY), settings=TINY_SETTINGS))
+    s = TINY_SETTINGS
+    return Workload("tiny", model_py, tiny.get_model, tiny.get_model(),
+                    tiny.get_batches(SCORED, start=tiny.N_BATCHES), tiny.get_batches(3),
+                    lambda b: {**b, "position_ids": tiny.positions(b)}, tiny.evaluate, tiny.tokenizer(),
+                    f"tiny_llm Llama {s['layers']} x {s['width']} (MLP {s['mlp']}, vocab {s['vocab']}, "
+                    f"{trained['parameters'] / 1e6:.2f}M parameters, {s['steps']} training steps), {SCORED} x 8 "
+                    f"held-out documents of {tiny.SEQ_LEN} tokens")
+
+
+def served_workload() -> Workload:
+    spec = importlib.util.spec_from_file_location("served_llama", SERVED)
+    served = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(served)
+    with torch.device("meta"):
+        skeleton = served.get_model()
+    s, n = served.SETTINGS, 2
+    params = sum(p.numel() for p in skeleton.parameters())
+    return Workload("served", SERVED, served.get_model, skeleton,
+                    served.get_batches(n, start=served.N_BATCHES), served.get_batches(3), dict, None, None,
+                    f"served_llama: Llama {s['layers']} x {s['width']} (MLP {s['mlp']}, {s['heads']} heads over "
+                    f"{s['kv_heads']} KV heads, vocab {s['vocab']}, {params / 1e6:.0f}M parameters), random weights "
+                    f"(seed {served.SEED}), {n} x {served.BATCH_SIZE} sequences of {served.SEQ_LEN} random tokens")
 
 
 def fp8_name() -> str:
@@ -84,86 +149,108 @@ def reloaded(folder: Path) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def scores(model: torch.nn.Module, reference: list[torch.Tensor], batches: list) -> dict:
-    """Held-out perplexity, and KL(fp32 || plan) per scored token (nats)."""
-    kl, count = 0.0, 0
-    for batch, ref in zip(batches, reference):
-        logits = model(**batch, position_ids=tiny.positions(batch)).logits[:, :-1].float()
+def scores(model: torch.nn.Module, ctx: dict) -> dict:
+    """KL(fp32 || plan) per scored token (nats), the logits' SQNR against fp32 (dB; None: equal), and the held-out
+    perplexity where the workload has one."""
+    work: Workload = ctx["work"]
+    kl, count, signal, noise = 0.0, 0, 0.0, 0.0
+    for batch, ref in zip(work.batches, ctx["reference"]):
+        logits = model(**work.feed(batch)).logits[:, :-1].float()
         real = (batch["attention_mask"][:, :-1] * batch["attention_mask"][:, 1:]).bool()
         p, q = ref.log_softmax(-1)[real], logits.log_softmax(-1)[real]
         kl += float((p.exp() * (p - q)).sum())
         count += int(real.sum())
-    return {"perplexity": tiny.evaluate(model, batches), "kl_per_token": kl / count}
-
-
-def linear_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
-    return {n: (m.in_features, m.out_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-
-
-def estimated_ms(shapes: dict[str, tuple[int, int]], fp8_layers: set[str], rest: str = "bf16") -> dict:
-    """The linear layers' estimated time (cost model): decode = M 8 (one token of 8 sequences), prefill M 1024;
-    the layers not in ``fp8_layers`` in ``rest``."""
-    out = {}
-    for target in ("h100", "b200"):
-        for phase, m in (("decode", 8), ("prefill", 8 * tiny.SEQ_LEN)):
-            out[f"{target} {phase}"] = sum(linear_ms(target, m, k, n, "fp8" if name in fp8_layers else rest)
-                                           for name, (k, n) in shapes.items())
+        signal += float(ref[real].square().sum())
+        noise += float((ref[real] - logits[real]).square().sum())
+    out = {"kl_per_token": kl / count, "sqnr_db": None if noise == 0 else 10 * math.log10(signal / noise)}
+    if work.perplexity is not None:
+        out["perplexity"] = work.perplexity(model, work.batches)
     return out
 
 
-def fp8_layers_of(folder: Path, names: list[str]) -> set[str]:
-    """The layers a checkpoint's quantization_config quantizes (vLLM's matching, each layer as it is named)."""
-    config = json.loads((folder / "config.json").read_text()).get("quantization_config")
-    if not config:
-        return set()
-    schemes, _ = engine_schemes(names, config, packed={})
-    return {name for name, scheme in schemes.items() if scheme}
+def linear_names(model: torch.nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+def estimated(work: Workload, policy: Policy) -> dict:
+    """The plan served on each target (serving_estimate at SERVE): decode tokens per second and prefill ms."""
+    out = {}
+    for target in TARGETS:
+        e = serving_estimate(work.skeleton, policy, target, **SERVE)
+        out[f"{target} decode tokens/s"] = e.tokens_per_second
+        out[f"{target} prefill ms"] = e.prefill_ms
+        out["weight bytes"], out["kv cache bytes"] = e.weight_bytes, e.kv_cache_bytes
+    return out
+
+
+def served_policy(folder: Path, names: list[str]) -> Policy:
+    """The plan a checkpoint holds, as vLLM's matching reads it: each quantized layer fp8-rowwise (weights scaled
+    per channel) or fp8 (per tensor), the rest in the checkpoint's dtype."""
+    config = json.loads((folder / "config.json").read_text())
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    default = "fp32" if "float32" in dtype else "bf16"
+    quantization = config.get("quantization_config")
+    if not quantization:
+        return Policy(default=default)
+    groups, _ = engine_schemes(names, quantization, packed={})
+    strategy = {g: s.get("weights", {}).get("strategy") for g, s in quantization["config_groups"].items()}
+    return Policy(layers={n: "fp8-rowwise" if strategy[g] == "channel" else "fp8" for n, g in groups.items() if g},
+                  default=default)
+
+
+def fp8_count(policy: Policy) -> int:
+    return sum(p.value.startswith("fp8") for p in policy.layers.values())
 
 
 def weight_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
-def exported_row(name: str, folder: Path, seconds: float, ctx: dict) -> dict:
+def exported_row(name: str, folder: Path, seconds: float, ctx: dict, peer: bool = False) -> dict:
+    policy = served_policy(folder, ctx["names"])
     model = reloaded(folder)
-    fp8 = fp8_layers_of(folder, list(ctx["shapes"]))
-    return {"plan": name, **scores(model, ctx["reference"], ctx["batches"]), "fp8_layers": len(fp8),
-            "estimated_ms": estimated_ms(ctx["shapes"], fp8), "weight_bytes": weight_bytes(folder),
-            "seconds": seconds, "reloaded": True}
+    row = {"plan": name, **scores(model, ctx), "fp8_layers": fp8_count(policy),
+           "estimated": estimated(ctx["work"], policy), "weight_bytes": weight_bytes(folder), "seconds": seconds,
+           "reloaded": True, "peer": peer}
+    del model
+    gc.collect()
+    return row
 
 
-def autoprec_export(policy: Policy, folder: Path) -> float:
+def autoprec_export(work: Workload, policy: Policy, folder: Path) -> float:
     start = time.perf_counter()
-    model = tiny.get_model()
-    export_checkpoint(model, plan_export(model, policy), folder, tokenizer=tiny.tokenizer())
+    model = work.get_model()
+    export_checkpoint(model, plan_export(model, policy), folder, tokenizer=work.tokenizer)
+    del model
+    gc.collect()
     return time.perf_counter() - start
 
 
-def tuned_row(out: Path, precision: str, trials: int, ctx: dict) -> tuple[dict, Policy]:
-    model_py = out / "model.py"
-    model_py.write_text(MODEL_PY.format(folder=str(TINY), settings=SETTINGS))
-    flags = ["--precisions", f"bf16,{precision}", "--target", "h100", "--trials", str(trials)]
+def tuned_row(out: Path, flags: list[str], ctx: dict) -> list[dict]:
+    work: Workload = ctx["work"]
+    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "autoprec", "tune", str(model_py), "--out", str(out / "run"),
+    run = subprocess.run([sys.executable, "-m", "autoprec", "tune", str(work.model_py), "--out", str(out / "run"),
                           *flags], capture_output=True, text=True, check=False)
     tune_s = time.perf_counter() - start
     if run.returncode:
         raise SystemExit(f"autoprec tune failed:\n{run.stderr[-3000:]}")
     name = f"autoprec tune {' '.join(flags)}"
     policy = Policy.load(out / "run" / "policy.json")
-    export = subprocess.run([sys.executable, "-m", "autoprec", "export", str(out / "run"), "--model", str(model_py),
-                             "--out", str(out / "autoprec")], capture_output=True, text=True, check=False)
+    export = subprocess.run([sys.executable, "-m", "autoprec", "export", str(out / "run"), "--model",
+                             str(work.model_py), "--out", str(out / "autoprec")], capture_output=True, text=True,
+                            check=False)
     print(export.stdout, export.stderr[-2000:])
     if export.returncode == 2:  # a plan an engine cannot load: its one line is the result
         refused = {"plan": name, "skipped": export.stderr.strip().splitlines()[-1], "seconds": tune_s}
-        fused = fused_up(policy, tiny.get_model())
+        fused = fused_up(policy, work.skeleton)
         folder = out / "autoprec-fused"
         row = exported_row(f"{name}, each fused group raised to its highest part", folder,
-                           tune_s + autoprec_export(fused, folder), ctx)
-        return [refused, row], policy
+                           tune_s + autoprec_export(work, fused, folder), ctx)
+        return [refused, {**row, "tuned": True}]
     if export.returncode:
         raise SystemExit(f"autoprec export failed:\n{export.stderr[-3000:]}")
-    return [exported_row(name, out / "autoprec", tune_s, ctx)], policy
+    return [{**exported_row(name, out / "autoprec", tune_s, ctx), "tuned": True}]
 
 
 def fused_up(policy: Policy, model: torch.nn.Module) -> Policy:
@@ -186,16 +273,22 @@ def fused_up(policy: Policy, model: torch.nn.Module) -> Policy:
 
 
 def llmcompressor_row(folder: Path, ctx: dict) -> dict:
+    name = "llm-compressor FP8_DYNAMIC, ignore=[lm_head]"
     try:
         from llmcompressor import oneshot
         from llmcompressor.modifiers.quantization import QuantizationModifier
     except ImportError as e:
-        return {"plan": "llm-compressor FP8_DYNAMIC", "skipped": f"not installed ({e}); pip install -e .[peers]"}
+        return {"plan": name, "skipped": f"not installed ({e}); pip install -e .[peers]"}
     start = time.perf_counter()
-    model = tiny.get_model().to(torch.bfloat16)  # as its examples load a model: in bf16
+    model = ctx["work"].get_model().to(torch.bfloat16)  # as its examples load a model: in bf16
+    if not model.config._name_or_path:  # oneshot re-reads the config from where the model came: a model built
+        model.config.save_pretrained(folder.with_name("config-for-llmcompressor"))  # from a config came from none
+        model.config._name_or_path = str(folder.with_name("config-for-llmcompressor"))
     oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"]))
     model.save_pretrained(folder, save_compressed=True)
-    return exported_row("llm-compressor FP8_DYNAMIC, ignore=[lm_head]", folder, time.perf_counter() - start, ctx)
+    del model
+    gc.collect()
+    return exported_row(name, folder, time.perf_counter() - start, ctx, peer=True)
 
 
 def modelopt_row(bits: float, ctx: dict) -> dict:
@@ -204,28 +297,47 @@ def modelopt_row(bits: float, ctx: dict) -> dict:
         import modelopt.torch.quantization as mtq
     except ImportError as e:
         return {"plan": name, "skipped": f"not installed ({e}); pip install -e .[peers]"}
+    work: Workload = ctx["work"]
     start = time.perf_counter()
     try:
-        model = tiny.get_model()
-        data = [dict(b, labels=b["input_ids"].masked_fill(~b["attention_mask"].bool(), -100),
-                     position_ids=tiny.positions(b)) for b in tiny.get_batches(3)]
-        model, _ = mtq.auto_quantize(model, constraints={"effective_bits": bits},
-                                     quantization_formats=["FP8_DEFAULT_CFG"], data_loader=data,
-                                     forward_step=lambda m, b: m(**b), loss_func=lambda out, b: out.loss,
-                                     num_calib_steps=len(data), num_score_steps=len(data), verbose=False)
+        model = work.get_model()
+        data = [dict(work.feed(b), labels=b["input_ids"].masked_fill(~b["attention_mask"].bool(), -100))
+                for b in work.calibration]
+        with time_limit(ctx["peer_limit_s"]):
+            model, _ = mtq.auto_quantize(model, constraints={"effective_bits": bits},
+                                         quantization_formats=["FP8_DEFAULT_CFG"], data_loader=data,
+                                         forward_step=lambda m, b: m(**b), loss_func=lambda out, b: out.loss,
+                                         num_calib_steps=len(data), num_score_steps=len(data), verbose=False)
+    except TimeoutError:
+        return {"plan": name, "skipped": f"did not finish in {ctx['peer_limit_s']:.0f} s on this CPU (--peer-limit)",
+                "seconds": time.perf_counter() - start}
     except Exception as e:  # a peer's failure on this CPU is a result to report, not a crash of the harness
         return {"plan": name, "skipped": f"does not run here: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     seconds = time.perf_counter() - start
     fp8 = {n for n, m in model.named_modules() if getattr(getattr(m, "weight_quantizer", None), "is_enabled", False)}
-    fp8 &= set(ctx["shapes"])
-    # what its checkpoint would hold: FP8 linears at a byte a weight (and a scale per channel), the rest in bf16
-    sizes = {n: (p.numel(), p.shape[0]) for n, p in tiny.get_model().named_parameters()}
-    held = sum(numel + 2 * rows if n.removesuffix(".weight") in fp8 else 2 * numel
-               for n, (numel, rows) in sizes.items())
-    return {"plan": name, **scores(model, ctx["reference"], ctx["batches"]), "fp8_layers": len(fp8),
-            "estimated_ms": estimated_ms(ctx["shapes"], fp8), "seconds": seconds, "reloaded": False,
-            "weight_bytes": None, "estimated_weight_bytes": held,
-            "note": "ModelOpt's own fake-quantized model in process; its export (TensorRT-LLM / vLLM) not reloaded"}
+    policy = Policy(layers=dict.fromkeys(sorted(fp8 & set(ctx["names"])), "fp8"), default="bf16")  # per tensor
+    row = {"plan": name, **scores(model, ctx), "fp8_layers": fp8_count(policy), "estimated": estimated(work, policy),
+           "seconds": seconds, "reloaded": False, "peer": True, "weight_bytes": None,
+           "note": "ModelOpt's own fake-quantized model in process; its export (TensorRT-LLM / vLLM) not reloaded; "
+                   "weight bytes estimated (FP8 per tensor, the rest bf16)"}
+    del model
+    gc.collect()
+    return row
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """TimeoutError in this (the main) thread after ``seconds``: a peer that would take hours here is a result."""
+    def expire(signum, frame):
+        raise TimeoutError
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(max(1, round(seconds)))
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def quark_row() -> dict:
@@ -237,73 +349,147 @@ def quark_row() -> dict:
             "Quark recipe yet, so whether its mixed-precision search runs on a CPU is not known"}
 
 
-def effective_bits(shapes: dict[str, tuple[int, int]], fp8: set[str]) -> float:
-    params = {n: k * m for n, (k, m) in shapes.items()}
+def effective_bits(model: torch.nn.Module, fp8: set[str]) -> float:
+    params = {n: m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     return sum(p * (8 if n in fp8 else 16) for n, p in params.items()) / sum(params.values())
+
+
+def _phase_ms(row: dict, target: str, phase: str) -> float:
+    """A decode step's time per token (1 / tokens per second), or the prefill's ms."""
+    e = row["estimated"]
+    return 1e3 / e[f"{target} decode tokens/s"] if phase == "decode" else e[f"{target} prefill ms"]
+
+
+def goal(rows: list[dict]) -> list[dict]:
+    """The goal check of each of autoprec's plans (the tuned rows that were served) against each peer that ran."""
+    peers = [r for r in rows if r.get("peer") and "skipped" not in r]
+    return [goal_of(r, peers) for r in rows if r.get("tuned") and "skipped" not in r]
+
+
+def goal_of(ours: dict, peers: list[dict]) -> dict:
+    """``ours`` against each peer, on each target's decode step time and prefill time, by KL per token (see
+    benchmarks/serving_goal.py)."""
+    if not peers:
+        return {"plan": ours["plan"], "holds": None, "why": "no peer ran", "comparisons": []}
+    comparisons = []
+    for peer in peers:
+        for target in TARGETS:
+            for phase in ("decode", "prefill"):
+                times = [_phase_ms(r, target, phase) for r in (ours, peer)]
+                verdict = goal_verdict((times[0], ours["kl_per_token"]), (times[1], peer["kl_per_token"]))
+                comparisons.append({"peer": peer["plan"], "target": target, "phase": phase, "verdict": verdict,
+                                    "time_ratio": times[0] / times[1],
+                                    "kl_ratio": ours["kl_per_token"] / max(peer["kl_per_token"], 1e-30)})
+    verdicts = {c["verdict"] for c in comparisons}
+    # a trade-off (faster and less accurate, or the reverse) is neither at equal time nor at equal accuracy
+    holds = False if "fails" in verdicts else True if verdicts <= {"holds", "tie"} else None
+    return {"plan": ours["plan"], "holds": holds, "tolerance": TOLERANCE,
+            "comparisons": comparisons}
+
+
+def _db(db: float | None) -> str:
+    return "inf" if db is None else f"{db:.1f}"
 
 
 def _seconds(s: float | None) -> str:
     return "-" if s is None else f"{s:.0f}"
 
 
-def table(rows: list[dict], trained: dict) -> str:
-    lines = [f"Model: tiny_llm Llama {SETTINGS['layers']} x {SETTINGS['width']} (vocab {SETTINGS['vocab']}, "
-             f"{trained['parameters'] / 1e6:.2f}M parameters, {SETTINGS['steps']} training steps), {SCORED} x 8 "
-             "held-out documents. Times are estimated by autoprec's cost model: linear layers only.", "",
-             "| plan | perplexity | KL / token vs fp32 | FP8 layers | H100 decode / prefill ms | B200 decode / "
-             "prefill ms | weight MiB | tune / quantize s |", "|---|---|---|---|---|---|---|---|"]
+def table(rows: list[dict], work: Workload) -> str:
+    s = SERVE
+    lines = [f"Model: {work.description}. Estimated serving (autoprec.profile.serving): {s['batch']} prompts of "
+             f"{s['prompt_tokens']} tokens, {s['new_tokens']} new tokens each, KV cache included.", "",
+             "| plan | perplexity | KL / token vs fp32 | logits SQNR dB | FP8 layers | H100 decode tok/s / prefill ms "
+             "| B200 decode tok/s / prefill ms | weight MiB | tune / quantize s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['plan']} | {r['skipped']} | | | | | | |")
+            lines.append(f"| {r['plan']} | {r['skipped']} | | | | | | | |")
             continue
-        ms = r["estimated_ms"]
-        size = r["weight_bytes"] if r["weight_bytes"] is not None else r.get("estimated_weight_bytes")
-        size_cell = "-" if size is None else f"{size / 2**20:.2f}" + ("" if r["weight_bytes"] else " (estimated)")
-        lines.append(f"| {r['plan']}{'' if r['reloaded'] else ' (not reloaded)'} | {r['perplexity']:.4f} | "
-                     f"{r['kl_per_token']:.2e} | {r['fp8_layers']} | {ms['h100 decode']:.4f} / "
-                     f"{ms['h100 prefill']:.4f} | {ms['b200 decode']:.4f} / {ms['b200 prefill']:.4f} | {size_cell} | "
+        e = r["estimated"]
+        size = r["weight_bytes"] if r["weight_bytes"] is not None else e["weight bytes"]
+        size_cell = f"{size / 2**20:.2f}" + ("" if r["weight_bytes"] else " (estimated)")
+        perplexity = f"{r['perplexity']:.4f}" if "perplexity" in r else "-"
+        lines.append(f"| {r['plan']}{'' if r['reloaded'] else ' (not reloaded)'} | {perplexity} | "
+                     f"{r['kl_per_token']:.2e} | {_db(r['sqnr_db'])} | {r['fp8_layers']} | "
+                     f"{e['h100 decode tokens/s']:.0f} / {e['h100 prefill ms']:.3f} | "
+                     f"{e['b200 decode tokens/s']:.0f} / {e['b200 prefill ms']:.3f} | {size_cell} | "
                      f"{_seconds(r['seconds'])} |")
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=12, help="the tune's trials (default 12)")
-    parser.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "autoprec-serving-bench"))
-    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "serving.json"))
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    trained = json.loads((Path(tiny.folder()) / "trained.json").read_text())  # trains first if not cached
-    model = tiny.get_model()
-    batches = tiny.get_batches(SCORED, start=tiny.N_BATCHES)
+def goal_lines(check: dict) -> str:
+    if not check["comparisons"]:
+        return f"Goal check of {check['plan']}: not made ({check['why']})."
+    status = {True: "holds", False: "does not hold", None: "not decided: a trade-off, neither at equal time nor at "
+              "equal accuracy"}[check["holds"]]
+    lines = [f"Goal check of {check['plan']} (at least as accurate as each peer's plan at equal estimated time, and "
+             f"faster at equal accuracy; equal = within {TOLERANCE:.0%}): "
+             f"{status}"]
+    for c in check["comparisons"]:
+        lines.append(f"- vs {c['peer']}, {c['target']} {c['phase']}: {c['verdict']} (time x{c['time_ratio']:.3f}, "
+                     f"KL x{c['kl_ratio']:.3f} of the peer's)")
+    return "\n".join(lines)
+
+
+def reference_rows(ctx: dict, out: Path) -> list[dict]:
+    """fp32 (the model scored against itself, then freed), bf16 everywhere and FP8_DYNAMIC-but-lm_head exports."""
+    work: Workload = ctx["work"]
+    model = work.get_model()
+    ctx["names"] = linear_names(model)
     with torch.no_grad():
-        reference = [model(**b, position_ids=tiny.positions(b)).logits[:, :-1].float() for b in batches]
-    ctx = {"batches": batches, "reference": reference, "shapes": linear_shapes(model)}
-    rows = [{"plan": "fp32", **scores(model, reference, batches), "fp8_layers": 0,
-             "estimated_ms": estimated_ms(ctx["shapes"], set(), "fp32"), "reloaded": True, "seconds": None,
-             "weight_bytes": sum(p.numel() * 4 for p in model.parameters())}]
+        ctx["reference"] = [model(**work.feed(b)).logits[:, :-1].float() for b in work.batches]
+    fp32 = Policy(default="fp32")
+    rows = [{"plan": "fp32", **scores(model, ctx), "fp8_layers": 0, "estimated": estimated(work, fp32),
+             "reloaded": True, "seconds": None, "weight_bytes": sum(p.numel() * 4 for p in model.parameters())}]
+    del model
+    gc.collect()
     for name, policy in (("bf16 everywhere", Policy(default="bf16")),
                          ("FP8_DYNAMIC but lm_head, by autoprec export", Policy(default="fp8-rowwise"))):
         folder = out / name.split()[0].lower()
-        rows.append(exported_row(name, folder, autoprec_export(policy, folder), ctx))
+        rows.append(exported_row(name, folder, autoprec_export(work, policy, folder), ctx))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=("tiny", "served"), default="tiny",
+                        help="tiny: a 2 x 128 Llama trained here (default); served: 2 layers of a served LLM's "
+                             "shapes (4096 wide, MLP 14336), random weights, scored by fidelity")
+    parser.add_argument("--trials", type=int, default=12, help="the tune's trials (default 12)")
+    parser.add_argument("--peer-limit", type=float, default=900,
+                        help="seconds a peer's search may run before its row says so (default 900)")
+    parser.add_argument("--out", default=None, help="where the checkpoints go (default: the temp folder)")
+    parser.add_argument("--json", default=None, help="default benchmarks/results/serving[-served].json")
+    args = parser.parse_args()
+    out = Path(args.out or Path(tempfile.gettempdir()) / f"autoprec-serving-bench-{args.shape}")
+    json_path = Path(args.json or ROOT / "benchmarks" / "results" /
+                     f"serving{'' if args.shape == 'tiny' else '-' + args.shape}.json")
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    work = tiny_workload(out) if args.shape == "tiny" else served_workload()
+    ctx = {"work": work, "peer_limit_s": args.peer_limit}
+    rows = reference_rows(ctx, out)
     precision = fp8_name()
-    tuned, _ = tuned_row(out, precision, args.trials, ctx)
-    if precision != "fp8-rowwise":
-        for row in tuned:
-            row["note"] = ("fp8-rowwise is not in this autoprec's runtime yet: tuned with per-tensor fp8 (exported as "
-                           "FP8 per tensor, dynamic per-tensor inputs)")
-    rows += tuned
-    rows.append(llmcompressor_row(out / "llmcompressor", ctx))
-    fp8 = set(ctx["shapes"]) - {"lm_head"}
-    rows.append(modelopt_row(effective_bits(ctx["shapes"], fp8), ctx))
+    flags = ["--precisions", f"bf16,{precision}", "--target", "h100", "--trials", str(args.trials)]
+    rows += tuned_row(out / "tuned", flags, ctx)
+    peer = llmcompressor_row(out / "llmcompressor", ctx)
+    rows.append(peer)
+    if work.perplexity is None and "skipped" not in peer:  # fidelity: a second tune, at the peer's accuracy
+        floor = math.floor(peer["sqnr_db"] * 10) / 10
+        rows += tuned_row(out / "tuned-at-peer", [*flags, "--min-sqnr", f"{floor}"], ctx)
+    fp8 = set(ctx["names"]) - {"lm_head"}
+    rows.append(modelopt_row(effective_bits(work.skeleton, fp8), ctx))
     rows.append(quark_row())
-    print(table(rows, trained))
-    result = {"settings": SETTINGS, "trained": trained, "fp8_tuned_as": precision, "rows": rows,
-              "wall_seconds": time.perf_counter() - started, "torch": torch.__version__}
-    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.json} ({result['wall_seconds']:.0f} s)")
+    check = goal(rows)
+    print(table(rows, work))
+    print("\n".join(goal_lines(c) for c in check))
+    result = {"shape": args.shape, "model": work.description, "serve": SERVE, "fp8_tuned_as": precision,
+              "rows": rows, "goal": check, "wall_seconds": time.perf_counter() - started, "torch": torch.__version__}
+    if args.shape == "tiny":
+        result["settings"] = TINY_SETTINGS
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {json_path} ({result['wall_seconds']:.0f} s)")
 
 
 if __name__ == "__main__":
