@@ -7,6 +7,10 @@ into "slower". So before a decision that ends a tune, autoprec looks at the mach
 beside the threads it runs on (something else wants the cores), and the spread of a fixed reference kernel
 timed a few times (the timings themselves are noisy). Either makes the machine *busy*: the comparisons then run
 longer, and what they conclude says it was measured so.
+
+The load average is a one-minute average: a neighbour that started seconds ago is hardly in it yet. So the threads
+runnable at this instant (``procs_running`` in /proc/stat, read before each run of the reference kernel) are looked
+at too, and whichever of the two sees more of the others counts.
 """
 
 from __future__ import annotations
@@ -38,11 +42,15 @@ class MachineLoad:
     cores: int
     threads: int
     spread: float
+    running: float | None = None  # threads runnable machine-wide at the moments looked at (median), ours included
 
     @property
     def others(self) -> float:
-        """Runnable threads beyond this process's own kernel threads, by the load average (0 where unknown)."""
-        return 0.0 if self.load is None else max(0.0, self.load - self.threads)
+        """Runnable threads beyond this process's own kernel threads (the thread that looks is one of them), by the
+        load average or by the threads runnable at the moments looked at (their median over the reference runs),
+        whichever sees more (0 where neither is known)."""
+        seen = [x - self.threads for x in (self.load, self.running) if x is not None]
+        return max([0.0, *seen])
 
     @property
     def busy(self) -> bool:
@@ -53,11 +61,12 @@ class MachineLoad:
     def words(self) -> str:
         """"load 7.9 on 2 cores, a reference matmul's time varied ±35%": what made it busy, or quiet."""
         load = f"load {self.load:.1f} on {self.cores} cores" if self.load is not None else f"{self.cores} cores"
-        return f"{load}, a reference matmul's time varied ±{self.spread:.0%}"
+        running = f", {self.running:.0f} threads runnable" if self.running is not None else ""
+        return f"{load}{running}, a reference matmul's time varied ±{self.spread:.0%}"
 
     def to_dict(self) -> dict[str, float | int | bool | None]:
         return {"load": self.load, "cores": self.cores, "threads": self.threads, "spread": self.spread,
-                "busy": self.busy}
+                "running": self.running, "busy": self.busy}
 
 
 def _loadavg() -> float | None:
@@ -65,6 +74,18 @@ def _loadavg() -> float | None:
         return os.getloadavg()[0]
     except (AttributeError, OSError):  # Windows has none
         return None
+
+
+def _runnable() -> int | None:
+    """Threads runnable on the machine at this instant (``procs_running`` in /proc/stat; None elsewhere)."""
+    try:
+        with open("/proc/stat") as stat:
+            for line in stat:
+                if line.startswith("procs_running "):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _cores() -> int:
@@ -75,9 +96,11 @@ def _cores() -> int:
 
 
 def machine_load(device: str | torch.device = "cpu", clock: Callable[[], float] = time.perf_counter,
-                 loadavg: Callable[[], float | None] = _loadavg) -> MachineLoad:
+                 loadavg: Callable[[], float | None] = _loadavg,
+                 runnable: Callable[[], int | None] = _runnable) -> MachineLoad:
     """Look at the machine now (about 30 ms): the load average and the spread of a fixed reference kernel timed
-    :data:`REFERENCE_RUNS` times on ``device``. ``clock`` and ``loadavg`` are injected by tests."""
+    :data:`REFERENCE_RUNS` times on ``device``, with the threads runnable before each run. ``clock``, ``loadavg``
+    and ``runnable`` are injected by tests."""
     device = torch.device(device)
     x = torch.randn(REFERENCE_SIZE, REFERENCE_SIZE, generator=torch.Generator().manual_seed(0)).to(device)
 
@@ -85,9 +108,10 @@ def machine_load(device: str | torch.device = "cpu", clock: Callable[[], float] 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    times = []
+    times, running = [], []
     with torch.no_grad():
         for i in range(REFERENCE_RUNS + 2):  # two first runs warm the kernel up
+            running.append(runnable())
             start = clock()
             x @ x
             sync()
@@ -96,4 +120,6 @@ def machine_load(device: str | torch.device = "cpu", clock: Callable[[], float] 
     logs = [math.log(max(t, 1e-12)) for t in times]
     mid = statistics.median(logs)
     spread = math.expm1(_MAD_TO_SIGMA * statistics.median(abs(v - mid) for v in logs))
-    return MachineLoad(loadavg(), _cores(), torch.get_num_threads(), spread)
+    seen = [n for n in running if n is not None]
+    return MachineLoad(loadavg(), _cores(), torch.get_num_threads(), spread,
+                       float(statistics.median(seen)) if seen else None)

@@ -107,8 +107,16 @@ def test_the_machine_is_busy_when_another_process_wants_the_cores_or_a_reference
     ticks = iter(range(10**6))
     steady = lambda: next(ticks) * 1e-3  # noqa: E731 every reading 1 ms after the last: no spread at all
     threads = torch.get_num_threads()
-    quiet = machine_load(clock=steady, loadavg=lambda: threads + 0.5)
+    quiet = machine_load(clock=steady, loadavg=lambda: threads + 0.5, runnable=lambda: threads)
     assert quiet.spread == 0 and not quiet.busy
-    loaded = machine_load(clock=steady, loadavg=lambda: threads + 1.5)
+    loaded = machine_load(clock=steady, loadavg=lambda: threads + 1.5, runnable=lambda: threads)
     assert loaded.busy and loaded.others == 1.5
+    # neighbours that started seconds ago: the one-minute load average has not seen them yet, the threads runnable
+    # right now have (busy_machine.py's busy Llama was first measured with the load average at 1.0)
+    started = machine_load(clock=steady, loadavg=lambda: 1.0, runnable=lambda: threads + 2)
+    assert started.busy and started.others == 2 and "threads runnable" in started.words()
+    # this process alone: its kernel threads, the one that reads the count among them; a moment's other thread
+    # in a few of the looks does not make it busy (the median of the looks is taken)
+    looks = iter([threads + 1] * 4 + [threads] * 100)
+    assert not machine_load(clock=steady, loadavg=lambda: 1.0, runnable=lambda: next(looks)).busy
     assert MachineLoad(None, 2, 2, BUSY_SPREAD * 2).busy  # no load average (Windows): the spread alone decides
