@@ -152,7 +152,17 @@ def _unit(v: Verification) -> str:
 
 
 def decision(v: Verification, budget: Any) -> str:
-    """What was chosen, how fast against fp32 and blanket autocast, how accurate, and why: one paragraph."""
+    """What was chosen, how fast against fp32 and blanket autocast, how accurate, and why: one paragraph; where the
+    machine was busy when verification timed, a last sentence says the times were taken so."""
+    said = _decision(v, budget)
+    if v.machine.get("busy") and v.estimated_for is None:
+        said += (f" These times were taken while the machine was busy ({v.machine.get('words', 'other processes')}): "
+                 "other processes wanted the cores, which slows some kernels more than others, so on a quiet "
+                 "machine the answer may differ; tune again when it is quiet to tell.")
+    return said
+
+
+def _decision(v: Verification, budget: Any) -> str:
     autocast = f"blanket autocast ({v.autocast_precision})"
     metric = f"held-out metric {cell(v.metric['tuned'], '.4g')}"
     if v.policy is None and v.no_gain:

@@ -27,6 +27,7 @@ from autoprec.context import RunContext
 from autoprec.inputs.batches import describe_batch, to_device
 from autoprec.measuring.budget import Budget
 from autoprec.measuring.compare import TIE_TOLERANCE, compare, paired_ratio
+from autoprec.measuring.load import machine_load
 from autoprec.measuring.measure import Evaluator, policy_runs
 from autoprec.measuring.objective import Measurement, Objective
 from autoprec.runtime.apply import effective_precisions
@@ -107,6 +108,9 @@ class Verification:
     # Why blanket autocast could not be the policy (a pin of the search space, a precision not asked for); "" where
     # it could. The decision says what that cost where blanket autocast measured faster within budget.
     autocast_excluded: str = ""
+    # The machine as verification found it before timing (MachineLoad.to_dict() and its words; {} where nothing
+    # was timed): where it was busy, the headline says the times were taken so
+    machine: dict = field(default_factory=dict)
 
     @property
     def latency_ms(self) -> dict[str, float]:
@@ -206,7 +210,8 @@ def verify_candidates(workload: Workload, candidates: Sequence[Candidate], confi
                         tuned_is_autocast=tuned == "autocast", estimated_for=config.estimated_for, notes=run.notes,
                         prediction_error_pct=errors, losses=losses, steps=workload.steps,
                         metric_kind=workload.metric_kind(held.reference), compiled_samples=run.compiled_samples,
-                        compiled_on=run.compiled_on, autocast_excluded=config.autocast_excluded)
+                        compiled_on=run.compiled_on, autocast_excluded=config.autocast_excluded,
+                        machine=run.machine)
 
 
 @dataclass
@@ -229,6 +234,7 @@ class _Ladder:
     compiled_samples: dict[str, list[float]] = field(default_factory=dict)
     compiled_on: str = ""
     refused: dict[str, str] = field(default_factory=dict)  # entry -> why its compiled run is not its eager one
+    machine: dict = field(default_factory=dict)  # the machine before the rounds (MachineLoad), where timed
 
     def measure_held_out(self) -> None:
         """Each entry's metric where the search never looked; the candidates that keep the budget there."""
@@ -273,6 +279,8 @@ class _Ladder:
             self.notes.append(f"latencies are estimated for {config.estimated_for} by the cost model, not measured; "
                               "the metric was measured where the search never looked")
         else:
+            state = machine_load(device)
+            self.machine = {**state.to_dict(), "words": state.words()}
             self.samples, self.timed_on, verdict = workload.time(timed, device)
             if verdict:
                 self.notes.append(verdict)

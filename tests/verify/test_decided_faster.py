@@ -9,6 +9,7 @@ prevents a decision the headline says so and keeps fp32 (a tie with fp32 stays f
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -122,3 +123,24 @@ def test_a_decided_gain_reads_as_decided_in_the_notes_and_the_headline(machine):
     assert "1.25x faster than fp32 (0.80x [0.80, 0.80] of fp32's time over 6 paired rounds, decided faster)" \
         in headline, headline
     assert not any("undecided" in n for n in v.notes)
+
+
+def test_a_verification_timed_on_a_busy_machine_says_so_in_the_headline(machine, monkeypatch):
+    """benchmarks/busy_machine.py: beside two busy neighbours, three small LMs that chose bf16 on a quiet machine
+    chose fp32 with "decided slower" and nothing said of the machine. The headline now says when the times were
+    taken on a busy machine (the load average, or the threads runnable right now)."""
+    from autoprec.measuring.load import MachineLoad
+    from autoprec.verify import end_to_end
+
+    fp32 = [10.0, 14.0, 9.0, 12.0, 10.5, 20.0, 9.5, 11.0]
+    machine(fp32=fp32, autocast=[x * 1.5 for x in fp32])  # under the neighbours, bf16 decided slower
+    busy = MachineLoad(load=1.0, cores=2, threads=2, spread=0.01, running=4.0)
+    monkeypatch.setattr(end_to_end, "machine_load", lambda device: busy)
+    v = blanket_bf16_verified()
+    assert v.policy is None and v.machine["busy"]
+    headline = decision(v, FLOOR)
+    assert "decided slower" in headline
+    assert "while the machine was busy (load 1.0 on 2 cores, 4 threads runnable" in headline, headline
+    assert "on a quiet machine the answer may differ" in headline
+    quiet = MachineLoad(load=0.2, cores=2, threads=2, spread=0.01, running=2.0)
+    assert "busy" not in decision(dataclasses.replace(v, machine=quiet.to_dict()), FLOOR)
