@@ -3,14 +3,14 @@
     nice -n 0 python benchmarks/busy_machine.py [--only llama,qwen2] [--neighbours 2] [--quick]
                                                [--json benchmarks/results/busy_machine.json]
 
-Issue 36 found that two other tunes sharing the 2 cores flipped the answer: 21 of 22 small LMs tuned for
-inference ended on fp32, most of them with a sentence about the CPU, where the same models chose bf16 on a quiet
-machine. Each architecture here (from benchmarks/llm_zoo.py, at 2 layers of 256 wide, MLP 512, vocabulary 512, as
-the issue's Qwen2 was) is tuned with the defaults twice, one after the other in this process: once with the
-machine as it is, then beside ``--neighbours`` busy processes (each a thread of fp32 matmuls that never rests, as
-a neighbour's tune is). The goal, per architecture: the busy tune chooses the quiet tune's policy, or its headline
-says the busy run could not tell (timing noise prevented a decision, or the machine was busy). A busy tune that
-chooses otherwise *and* states it as decided is a failure: the row says so.
+Issue 36 found that two other tunes sharing the 2 cores flipped the answer: 21 of 22 small LMs tuned for inference
+ended on fp32, most of them with a sentence about the CPU, where the same models chose bf16 on a quiet machine. Each
+architecture here (from benchmarks/llm_zoo.py, at 2 layers of 256 wide, MLP 512, vocabulary 512, as the issue's
+Qwen2 was; batches of 8 x 128 tokens) is tuned with the defaults twice, one after the other in this process: once
+with the machine as it is, then beside ``--neighbours`` busy processes (each a thread of fp32 matmuls that never
+rests, as a neighbour's tune is). The goal, per architecture: the busy tune chooses the quiet tune's policy, or its
+headline says the busy run could not tell (timing noise prevented a decision, or the machine was busy). A busy tune
+that chooses otherwise *and* states it as decided is a failure: the row says so.
 
 Run it on a machine with nothing else running: the "quiet" tune is only as quiet as the machine is (the JSON
 records the load average before each tune). The tunes' own timings are not compared: only what they chose and
@@ -34,11 +34,15 @@ from typing import Any, Iterator
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import llm_zoo  # noqa: E402  (the architectures, their tiny configs and token batches)
+import llm_zoo  # noqa: E402  (the architectures and their tiny configs)
+import torch  # noqa: E402
 
 import autoprec  # noqa: E402
+from autoprec.outputs.results import decision  # noqa: E402
 
-DEFAULT_ARCHITECTURES = ("llama", "qwen2", "mistral", "gpt2", "t5", "bart")
+DEFAULT_ARCHITECTURES = ("llama", "qwen2", "gpt2", "t5")
+ROWS, SEQ = 8, 128  # 1,024 tokens a batch: prefill-sized, where bf16 pays off on a CPU with fast bf16 (at the
+# zoo's 2 x 32, a 256-wide model runs faster in fp32 on an AMX Xeon even on a quiet machine: nothing to flip)
 WIDTH = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
 WIDE_NAMES = {  # the same widths under the names other configs use
     "gpt2": dict(n_embd=256, n_inner=512, n_head=4),
@@ -85,8 +89,7 @@ def wide(arch: llm_zoo.Architecture) -> llm_zoo.Architecture:
 def tune_once(arch: llm_zoo.Architecture, busy: int, quick: bool, out: Path) -> dict[str, Any]:
     """One default tune of ``arch`` with ``busy`` neighbours: what it chose and what it said."""
     make = llm_zoo.model_maker(arch)
-    count, seq = (4, 16) if quick else (8, 32)
-    batches = llm_zoo.token_batches(arch, count, seq, seed=1)
+    batches = token_batches(arch, 3 if quick else 6, ROWS, SEQ)
     settings = {"trials": 10, "patience": 5} if quick else {}
     lines: list[str] = []
     with neighbours(busy):
@@ -95,9 +98,25 @@ def tune_once(arch: llm_zoo.Architecture, busy: int, quick: bool, out: Path) -> 
         result = autoprec.tune(make(), batches, progress=False, out=out, log=lines.append, **settings)
         seconds = time.perf_counter() - start
     said = [line for line in lines if line.strip()]
+    if result.verification is not None and result.verification.samples:  # a tune that ran to verification
+        said.append(decision(result.verification, result.budget))
     return {"neighbours": busy, "load_before": round(load, 2), "seconds": round(seconds, 1),
-            "policy": result.policy.to_dict(), "summary": llm_zoo.summary(result.policy), "headline": said[-4:],
+            "policy": result.policy.to_dict(), "summary": llm_zoo.summary(result.policy), "headline": said[-2:],
             "could_not_tell": any(words in line for line in said for words in COULD_NOT_TELL)}
+
+
+def token_batches(arch: llm_zoo.Architecture, count: int, rows: int, seq: int) -> list[dict]:
+    """``count`` batches of ``rows`` x ``seq`` random tokens (as llm_zoo's, larger); a seq2seq model gets a target
+    of ``seq // 2`` tokens as ``decoder_input_ids``."""
+    generator = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(count):
+        ids = torch.randint(3, llm_zoo.VOCAB, (rows, seq), generator=generator)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if arch.seq2seq:
+            batch["decoder_input_ids"] = torch.randint(3, llm_zoo.VOCAB, (rows, seq // 2), generator=generator)
+        batches.append(batch)
+    return batches
 
 
 def same_policy(a: dict, b: dict) -> bool:
