@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from typing import Any, Callable
 
@@ -24,6 +25,9 @@ from autoprec.distributed.agree import digest
 from autoprec.distributed.models import FSDP_CASTS_FIX, fsdp_casts, sharded
 from autoprec.distributed.ranks import RankFailed, Ranks, from_torchrun
 from autoprec.errors import USER_ERRORS, is_users
+
+# How long a rank that refused a setting before joining waits for the first rank to say it (see on_every_rank)
+SAID_BY_THE_FIRST_S = 30.0
 
 __all__ = ["by_layer_names", "check_same_work", "device_of_rank", "job_wrap", "on_every_rank"]
 
@@ -131,8 +135,13 @@ def on_every_rank(run: Callable[[Ranks, Callable[[str], None]], int], device: st
         check()
         ranks = from_torchrun(device)
     except USER_ERRORS as error:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"autoprec tune: error: {' '.join(str(error).split())}", file=sys.stderr)
+        if os.environ.get("RANK", "0") != "0":
+            # The same setting fails on the first rank, which says it; torchrun ends this rank as soon as the first
+            # one exits. Leaving first would end the job, the first rank with it, before its line was printed (a
+            # rank that imported faster got there first). Only a first rank that did not fail leaves this one to say
+            # it, after the wait.
+            time.sleep(SAID_BY_THE_FIRST_S)
+        print(f"autoprec tune: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 1
 
     def log(message: str) -> None:

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +39,13 @@ def _run(folder: Path, *args: str, ranks: int = 0, **env: str) -> subprocess.Com
                "AUTOPREC_DIST_TIMEOUT": "120", **env}
     return subprocess.run([*launch, "-m", "autoprec", *args], cwd=folder, capture_output=True, text=True,
                           timeout=TIMEOUT, env=environ, check=False)
+
+
+def late_first_rank() -> str:
+    """A PYTHONPATH (the repository, then a folder whose sitecustomize.py holds rank 0 back 3 s at start-up)."""
+    folder = Path(tempfile.mkdtemp(prefix="autoprec-late-rank-"))
+    (folder / "sitecustomize.py").write_text("import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(3)\n")
+    return os.pathsep.join([str(Path(__file__).parents[2]), str(folder)])
 
 
 def _rules(run: Path) -> tuple[str, dict]:
@@ -173,7 +181,8 @@ def jobs(tmp_path_factory) -> Iterator[Callable[[str], tuple]]:
         "left on meta": job(new(SHARDED), *SHARDED_ARGS, "--out", "run", ranks=2, **TINY, LEAVE_ON_META="head"),
         "walk cut 0": walk_cut[0],
         "walk cut 2": walk_cut[2],
-        "bad wait limit": job(new(), *ARGS, ranks=2, AUTOPREC_DIST_TIMEOUT="ten"),
+        # the first rank starts 3 s late, as a rank that imported slower: the other refuses the setting first
+        "bad wait limit": job(new(), *ARGS, ranks=2, AUTOPREC_DIST_TIMEOUT="ten", PYTHONPATH=late_first_rank()),
         "cuda": job(new(), *ARGS, "--device", "cuda", ranks=2),
         # timed here (no --target): the profile runs wrap
         "wrap raises": job(new(extra="\n\ndef wrap(model):\n    raise RuntimeError('no mesh')\n"), "tune", "model.py",
