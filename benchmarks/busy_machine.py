@@ -34,8 +34,7 @@ from typing import Any, Iterator
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import llm_zoo  # noqa: E402  (the architectures and their tiny configs)
-import torch  # noqa: E402
+import llm_zoo  # noqa: E402  (the architectures, their tiny configs and token batches)
 
 import autoprec  # noqa: E402
 from autoprec.outputs.results import decision  # noqa: E402
@@ -66,7 +65,7 @@ def neighbours(count: int) -> Iterator[None]:
     """``count`` busy processes for the length of the block (none for 0)."""
     procs = [subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) for _ in range(count)]
     try:
-        time.sleep(2.0 if procs else 0.0)  # let them start and the load average see them
+        time.sleep(2.0 if procs else 0.0)  # let them start (the load average sees them only later)
         yield
     finally:
         for proc in procs:
@@ -89,7 +88,7 @@ def wide(arch: llm_zoo.Architecture) -> llm_zoo.Architecture:
 def tune_once(arch: llm_zoo.Architecture, busy: int, quick: bool, out: Path) -> dict[str, Any]:
     """One default tune of ``arch`` with ``busy`` neighbours: what it chose and what it said."""
     make = llm_zoo.model_maker(arch)
-    batches = token_batches(arch, 3 if quick else 6, ROWS, SEQ)
+    batches = llm_zoo.token_batches(arch, 3 if quick else 6, SEQ, seed=1, rows=ROWS)
     settings = {"trials": 10, "patience": 5} if quick else {}
     lines: list[str] = []
     with neighbours(busy):
@@ -103,20 +102,6 @@ def tune_once(arch: llm_zoo.Architecture, busy: int, quick: bool, out: Path) -> 
     return {"neighbours": busy, "load_before": round(load, 2), "seconds": round(seconds, 1),
             "policy": result.policy.to_dict(), "summary": llm_zoo.summary(result.policy), "headline": said[-2:],
             "could_not_tell": any(words in line for line in said for words in COULD_NOT_TELL)}
-
-
-def token_batches(arch: llm_zoo.Architecture, count: int, rows: int, seq: int) -> list[dict]:
-    """``count`` batches of ``rows`` x ``seq`` random tokens (as llm_zoo's, larger); a seq2seq model gets a target
-    of ``seq // 2`` tokens as ``decoder_input_ids``."""
-    generator = torch.Generator().manual_seed(1)
-    batches = []
-    for _ in range(count):
-        ids = torch.randint(3, llm_zoo.VOCAB, (rows, seq), generator=generator)
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        if arch.seq2seq:
-            batch["decoder_input_ids"] = torch.randint(3, llm_zoo.VOCAB, (rows, seq // 2), generator=generator)
-        batches.append(batch)
-    return batches
 
 
 def same_policy(a: dict, b: dict) -> bool:

@@ -159,16 +159,16 @@ def model_maker(arch: Architecture) -> Callable[[], torch.nn.Module]:
     return make
 
 
-def token_batches(arch: Architecture, count: int, seq: int, seed: int) -> list[dict]:
-    """``count`` batches of 2 rows of ``seq`` random tokens (3 and up: never a pad, bos or eos); a seq2seq model gets
-    a target of ``seq // 2`` tokens as ``decoder_input_ids`` (teacher forcing)."""
+def token_batches(arch: Architecture, count: int, seq: int, seed: int, rows: int = 2) -> list[dict]:
+    """``count`` batches of ``rows`` rows of ``seq`` random tokens (3 and up: never a pad, bos or eos); a seq2seq
+    model gets a target of ``seq // 2`` tokens as ``decoder_input_ids`` (teacher forcing)."""
     generator = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(count):
-        ids = torch.randint(3, VOCAB, (2, seq), generator=generator)
+        ids = torch.randint(3, VOCAB, (rows, seq), generator=generator)
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         if arch.seq2seq:
-            batch["decoder_input_ids"] = torch.randint(3, VOCAB, (2, seq // 2), generator=generator)
+            batch["decoder_input_ids"] = torch.randint(3, VOCAB, (rows, seq // 2), generator=generator)
         batches.append(batch)
     return batches
 

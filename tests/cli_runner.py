@@ -26,7 +26,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["run", "stop_servers"]
+__all__ = ["import_and_freeze", "run", "stop_servers"]
 
 _SERVERS: dict[frozenset, _Server] = {}
 # set anew for every test and read by nothing at an interpreter's start: one server serves every value
@@ -110,26 +110,29 @@ _WARM = ("autoprec.tune", "autoprec.cli.tuning", "autoprec.cli.exporting", "optu
          "torch._dynamo", "matplotlib.pyplot", "transformers")
 
 
-def _serve(path: str) -> None:
+def import_and_freeze(names: tuple[str, ...]) -> None:
+    """Import ``names`` (one this environment lacks is left out: what needs it says so itself) with matplotlib on
+    Agg, as autoprec's plots choose it (:func:`autoprec.common.writing.plot_library`), then freeze every object
+    alive out of the garbage collector: a tune's full collections between stages (``free_memory``) would walk
+    them all, in every tune, and none of them is ever garbage."""
     import gc
     import importlib
 
-    import autoprec.cli  # noqa: F401 - what `python -m autoprec` imports before it parses its arguments
-
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # as autoprec's plots choose it (autoprec.common.writing.plot_library)
-    except ImportError:
-        pass
-    for name in _WARM:
+    for name in ("matplotlib", *names):
         try:
-            importlib.import_module(name)
-        except ImportError:  # an optional dependency this environment lacks: the command says so itself
-            pass
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if name == "matplotlib":
+            module.use("Agg")
     gc.collect()
     gc.freeze()
 
+
+def _serve(path: str) -> None:
+    import autoprec.cli  # noqa: F401 - what `python -m autoprec` imports before it parses its arguments
+
+    import_and_freeze(_WARM)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the children reap themselves
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)

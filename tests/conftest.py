@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gc
-import importlib
 import shutil
 import subprocess
 import sys
@@ -24,13 +22,9 @@ _LONG_LIVED = ("torch", "torch.export", "torch._dynamo", "torch.distributed.fsdp
 
 
 def pytest_sessionstart(session) -> None:
-    for name in _LONG_LIVED:
-        try:
-            importlib.import_module(name)
-        except ImportError:  # an optional dependency this environment lacks: its tests skip on their own
-            pass
-    gc.collect()
-    gc.freeze()
+    import cli_runner
+
+    cli_runner.import_and_freeze(_LONG_LIVED)
 
 
 @pytest.fixture(scope="session")
