@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -41,9 +40,9 @@ def _run(folder: Path, *args: str, ranks: int = 0, **env: str) -> subprocess.Com
                           timeout=TIMEOUT, env=environ, check=False)
 
 
-def late_first_rank() -> str:
-    """A PYTHONPATH (the repository, then a folder whose sitecustomize.py holds rank 0 back 3 s at start-up)."""
-    folder = Path(tempfile.mkdtemp(prefix="autoprec-late-rank-"))
+def late_first_rank(folder: Path) -> str:
+    """A PYTHONPATH: the repository, then ``folder``, where a sitecustomize.py holds rank 0 back 3 s at start-up."""
+    folder.mkdir()
     (folder / "sitecustomize.py").write_text("import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(3)\n")
     return os.pathsep.join([str(Path(__file__).parents[2]), str(folder)])
 
@@ -182,7 +181,8 @@ def jobs(tmp_path_factory) -> Iterator[Callable[[str], tuple]]:
         "walk cut 0": walk_cut[0],
         "walk cut 2": walk_cut[2],
         # the first rank starts 3 s late, as a rank that imported slower: the other refuses the setting first
-        "bad wait limit": job(new(), *ARGS, ranks=2, AUTOPREC_DIST_TIMEOUT="ten", PYTHONPATH=late_first_rank()),
+        "bad wait limit": job(late := new(), *ARGS, ranks=2, AUTOPREC_DIST_TIMEOUT="ten",
+                              PYTHONPATH=late_first_rank(late / "late_rank")),
         "cuda": job(new(), *ARGS, "--device", "cuda", ranks=2),
         # timed here (no --target): the profile runs wrap
         "wrap raises": job(new(extra="\n\ndef wrap(model):\n    raise RuntimeError('no mesh')\n"), "tune", "model.py",
