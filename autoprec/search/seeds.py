@@ -3,9 +3,10 @@
 Seed trials in a deliberate order: all-fp32, all-fastest, blanket low precision, all-fastest with the layers the
 search space prefers fp32 kept so; then, unless the all-fastest assignment is within budget, a greedy walk
 (:func:`autoprec.search.walks.greedy`) or, over a model's repeated blocks, coarse to fine
-(:func:`autoprec.search.walks.coarse_to_fine`). Each step is one trial of the study, numbered in order: a step the
-study holds already (the walk was stopped and resumes, or another job walks it at once) is read back, not
-measured again, so the walk goes on where it was.
+(:func:`autoprec.search.walks.coarse_to_fine`); with more than one low precision (bf16 and FP8), a walk down from
+the fastest plan within budget (:func:`autoprec.search.walks.walk_down`). Each step is one trial of the study,
+numbered in order: a step the study holds already (the walk was stopped and resumes, or another job walks it at
+once) is read back, not measured again, so the walk goes on where it was.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from autoprec.measuring.candidate import Candidate
 from autoprec.profile import Profile
 from autoprec.search.space import SearchSpace
 from autoprec.search.trials import REGION_DEFAULTS, TrialObjective, best_ms, candidates_of
-from autoprec.search.walks import coarse_to_fine, greedy
+from autoprec.search.walks import coarse_to_fine, greedy, walk_down
 
 __all__ = ["SeedWalk", "walk_seeds"]
 
@@ -45,12 +46,19 @@ def walk_seeds(objective: TrialObjective, profile: Profile, space: SearchSpace, 
     if all_fast is not None and all_fast.feasible and all_fast.predicted_ms <= best_ms(
             [t for t in objective.state.completed() if t.number in walk.walked]):
         return "the fastest assignment is within budget"
+    left = lambda: objective.trials - walk.taken()  # noqa: E731
+    # With more than one low precision (bf16 and FP8), a plan within budget that is not all fp32 is where the walk
+    # goes down from (walk_down), not fp32: lowering from fp32 leaves the rest fp32, slower than that plan.
+    several = any(len(u.candidates) > 2 for u in searchable)
+    start = walk.best()
     if objective.structured:
-        coarse_to_fine(objective.structure, profile, walk.run, walk.latest, walk.walk_so_far,
-                       lambda: objective.trials - walk.taken())
-    else:
+        coarse_to_fine(objective.structure, profile, walk.run, walk.latest, walk.walk_so_far, left,
+                       objective.predict)
+    elif not several or start is None or start.number == walk.last.get("fp32"):
         greedy(searchable, fastest, profile, lambda params: walk.run(1, params, "greedy"), walk.latest,
                objective.trials - 2)
+    if several:
+        walk_down(searchable, profile, walk.best, lambda params: walk.run(1, params, "walk-down"), walk.latest, left)
     return "trials"
 
 
@@ -75,7 +83,7 @@ class SeedWalk:
 
     def run(self, n: int, params: Mapping[str, str] | None = None, seed_name: str | None = None) -> None:
         for _ in range(min(n, self.objective.trials - self.taken())):  # seed trials count: --trials is the most
-            probe = seed_name in ("greedy", "refine")  # these walks read back the trial they asked for
+            probe = seed_name in ("greedy", "refine", "walk-down")  # these walks read back the trial they asked for
             # a seed the study has tried already gives its step to a sampled trial (as Optuna's skip_if_exists did)
             sampled = not probe and params is not None and any(
                 t.params == params or t.system_attrs.get("fixed_params") == params
@@ -93,6 +101,11 @@ class SeedWalk:
     def walk_so_far(self) -> list[Candidate]:
         return [c for c in candidates_of(self.state.completed(), self.objective.structure.assignment)
                 if c.number in self.walked]
+
+    def best(self) -> Candidate | None:
+        """The walk's fastest step within budget so far (the first, on a tie)."""
+        feasible = [c for c in self.walk_so_far() if c.feasible]
+        return min(feasible, key=lambda c: (c.predicted_ms, c.number)) if feasible else None
 
     def latest(self, seed_name: str | None = None) -> Candidate | None:
         done = [c for c in self.walk_so_far() if c.number == self.last.get(seed_name)]

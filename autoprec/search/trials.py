@@ -56,6 +56,20 @@ class TrialObjective:
                 else "searched per layer (no block structure)",
                 f"one region boundary costs {self.per_region:.3g} ms here (measured in profiling, added per region)"]
 
+    def plan(self, params: Mapping[str, str]) -> tuple[Policy, str, float]:
+        """The policy study parameters give, its region default, and its predicted latency (ms): layers, casts at
+        boundaries, the remainder of the default, and one measured region cost per rule."""
+        assignment, regions = self.structure.assignment(params)
+        default = choose_default(assignment, self.profile)
+        policy = Policy.from_assignment({**regions, **assignment}, default)
+        predicted = (predict_ms(assignment, default, self.latency, self.casts, self.profile.remainder_ms)
+                     + self.per_region * count_regions(policy))
+        return policy, default, predicted
+
+    def predict(self, params: Mapping[str, str]) -> float:
+        """The latency predicted for study parameters (ms), without measuring them."""
+        return self.plan(params)[2]
+
     def __call__(self, trial: Any) -> float:
         if "walk" not in trial.user_attrs and self.state.ahead_of(trial) >= self.trials:
             # --trials caps the study: workers that start trials at once would each start one past it
@@ -63,11 +77,7 @@ class TrialObjective:
             raise self.optuna.TrialPruned("beyond --trials")
         keys = trial.user_attrs.get("keys") or list(self.sampled)  # a seed names its own parameters
         params = {key: trial.suggest_categorical(key, list(self.every[key].choices)) for key in keys}
-        assignment, regions = self.structure.assignment(params)
-        default = choose_default(assignment, self.profile)
-        policy = Policy.from_assignment({**regions, **assignment}, default)
-        predicted = (predict_ms(assignment, default, self.latency, self.casts, self.profile.remainder_ms)
-                     + self.per_region * count_regions(policy))
+        policy, default, predicted = self.plan(params)
         key = policy_key(policy)
         trial.set_user_attr("default", default)
         trial.set_user_attr("predicted_ms", predicted)

@@ -196,3 +196,47 @@ def test_a_floor_just_above_blanket_autocast_still_lowers_most_of_the_model(stor
     assert best is not None and best.feasible and best.sqnr_db >= floor
     lowered = sum(p == "bf16" for p in best.assignment.values())
     assert lowered >= len(names) // 2, best.policy()
+
+
+def fp8_profile(ev: Evaluator, names: list[str]) -> Profile:
+    """Every layer 10 ms in fp32, 2 ms in bf16 (60 dB), 1 ms in fp8 (each layer's own fp8 SQNR, measured)."""
+    ms = {"fp32": 10.0, "bf16": 2.0, "fp8": 1.0}
+
+    def measured(name: str, p: str) -> Sensitivity:
+        return Sensitivity(sqnr_db=ev.measure(Policy.from_assignment({name: p})).sqnr_db, metric_drop=None,
+                           nonfinite=False)
+
+    layers = [LayerProfile(name=n, kind="linear", type="Linear", flops=1, latency_ms=dict(ms),
+                           cast_ms={"bf16": 0.01, "fp8": 0.01},
+                           sensitivity={"bf16": Sensitivity(sqnr_db=60.0, metric_drop=None, nonfinite=False),
+                                        "fp8": measured(n, "fp8")})
+              for n in names]
+    return Profile(fingerprint="test", device="cpu", torch=torch.__version__, precisions=["bf16", "fp8"],
+                   capabilities={}, capture_method="test", layers=layers, end_to_end_ms={},
+                   remainder_ms={"fp32": 1.0, "bf16": 0.5}, prediction_error_pct={},
+                   metric={"kind": "fidelity"}, cost={"evaluations": 0, "seconds": {}})
+
+
+@pytest.mark.parametrize("blocks", [True, False], ids=["blocks", "plain"])
+def test_a_floor_just_above_all_fp8_gives_mostly_fp8_not_blanket_bf16(storage, blocks):
+    """Blanket bf16 is within budget, all-FP8 misses it by 1 dB: the plan lowers most layers to FP8 and keeps the
+    rest bf16 (walked down from blanket bf16), in 12 trials. Before, the walk only lowered from fp32 (FP8 layers
+    beside fp32 ones, slower than blanket bf16) and the tune chose blanket bf16."""
+    model = Stack(lambda i, path: nn.Linear(32, 32)).eval()
+    if not blocks:
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(6)]).eval()
+    names = layer_names(model)
+    ev = Evaluator(model, batches())
+    all_fp8 = ev.measure(Policy.from_assignment({n: "fp8" for n in names})).sqnr_db
+    floor = all_fp8 + 1.0
+    assert ev.measure(Policy(default="bf16")).sqnr_db > floor + 10  # blanket bf16 is well within budget
+    result = search(fp8_profile(ev, names), ev, Budget.parse(None, floor), SearchSpace.load("default"),
+                    precisions=["bf16", "fp8"], trials=12, patience=5, storage=storage, progress=False)
+    best = result.best
+    assert best is not None and best.feasible and best.sqnr_db >= floor
+    blanket = next(c for c in result.trials if c.seed == "blanket-bf16")
+    assert best.predicted_ms < blanket.predicted_ms
+    assert sum(p == "fp8" for p in best.assignment.values()) >= len(names) * 2 // 3, best.assignment
+    assert set(best.assignment.values()) <= {"fp8", "bf16"}  # the layers kept from FP8 are bf16, not fp32
+    assert any(c.seed == "walk-down" for c in result.trials)
+    assert not any(c.seed and c.seed.startswith(("heuristic:", "refine")) for c in result.trials)  # no dominated steps
