@@ -209,7 +209,9 @@ def weight_bytes(folder: Path) -> int:
 def exported_row(name: str, folder: Path, seconds: float, ctx: dict, peer: bool = False) -> dict:
     policy = served_policy(folder, ctx["names"])
     model = reloaded(folder)
+    fp8 = {n for n, p in policy.layers.items() if p.value.startswith("fp8")}
     row = {"plan": name, **scores(model, ctx), "fp8_layers": fp8_count(policy),
+           "effective_bits": effective_bits(ctx["work"].skeleton, fp8),
            "estimated": estimated(ctx["work"], policy), "weight_bytes": weight_bytes(folder), "seconds": seconds,
            "reloaded": True, "peer": peer}
     del model
@@ -291,8 +293,10 @@ def llmcompressor_row(folder: Path, ctx: dict) -> dict:
     return exported_row(name, folder, time.perf_counter() - start, ctx, peer=True)
 
 
-def modelopt_row(bits: float, ctx: dict) -> dict:
-    name = f"ModelOpt auto_quantize FP8, effective_bits={bits:.2f}"
+def modelopt_row(bits: float, ctx: dict, of: str = "") -> dict:
+    """ModelOpt's auto_quantize (a loss-scored search over which linears take FP8) within ``bits`` effective bits per
+    weight; ``of``: whose plan's bits they are, for the row's name."""
+    name = f"ModelOpt auto_quantize FP8, effective_bits={bits:.2f}{f' ({of})' if of else ''}"
     try:
         import modelopt.torch.quantization as mtq
     except ImportError as e:
@@ -300,7 +304,7 @@ def modelopt_row(bits: float, ctx: dict) -> dict:
     work: Workload = ctx["work"]
     start = time.perf_counter()
     try:
-        model = work.get_model()
+        model = work.get_model().to(torch.bfloat16)  # the layers it leaves unquantized serve in bf16, as the others'
         data = [dict(work.feed(b), labels=b["input_ids"].masked_fill(~b["attention_mask"].bool(), -100))
                 for b in work.calibration]
         with time_limit(ctx["peer_limit_s"]):
@@ -316,7 +320,8 @@ def modelopt_row(bits: float, ctx: dict) -> dict:
     seconds = time.perf_counter() - start
     fp8 = {n for n, m in model.named_modules() if getattr(getattr(m, "weight_quantizer", None), "is_enabled", False)}
     policy = Policy(layers=dict.fromkeys(sorted(fp8 & set(ctx["names"])), "fp8"), default="bf16")  # per tensor
-    row = {"plan": name, **scores(model, ctx), "fp8_layers": fp8_count(policy), "estimated": estimated(work, policy),
+    row = {"plan": name, **scores(model, ctx), "fp8_layers": fp8_count(policy),
+           "effective_bits": effective_bits(work.skeleton, set(policy.layers)), "estimated": estimated(work, policy),
            "seconds": seconds, "reloaded": False, "peer": True, "weight_bytes": None,
            "note": "ModelOpt's own fake-quantized model in process; its export (TensorRT-LLM / vLLM) not reloaded; "
                    "weight bytes estimated (FP8 per tensor, the rest bf16)"}
@@ -399,8 +404,8 @@ def table(rows: list[dict], work: Workload) -> str:
     s = SERVE
     lines = [f"Model: {work.description}. Estimated serving (autoprec.profile.serving): {s['batch']} prompts of "
              f"{s['prompt_tokens']} tokens, {s['new_tokens']} new tokens each, KV cache included.", "",
-             "| plan | perplexity | KL / token vs fp32 | logits SQNR dB | FP8 layers | H100 decode tok/s / prefill ms "
-             "| B200 decode tok/s / prefill ms | weight MiB | tune / quantize s |",
+             "| plan | perplexity | KL / token vs fp32 | logits SQNR dB | FP8 layers (bits / weight) "
+             "| H100 decode tok/s / prefill ms | B200 decode tok/s / prefill ms | weight MiB | tune / quantize s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "skipped" in r:
@@ -411,7 +416,8 @@ def table(rows: list[dict], work: Workload) -> str:
         size_cell = f"{size / 2**20:.2f}" + ("" if r["weight_bytes"] else " (estimated)")
         perplexity = f"{r['perplexity']:.4f}" if "perplexity" in r else "-"
         lines.append(f"| {r['plan']}{'' if r['reloaded'] else ' (not reloaded)'} | {perplexity} | "
-                     f"{r['kl_per_token']:.2e} | {_db(r['sqnr_db'])} | {r['fp8_layers']} | "
+                     f"{r['kl_per_token']:.2e} | {_db(r['sqnr_db'])} | {r['fp8_layers']} "
+                     f"({r['effective_bits']:.2f}) | "
                      f"{e['h100 decode tokens/s']:.0f} / {e['h100 prefill ms']:.3f} | "
                      f"{e['b200 decode tokens/s']:.0f} / {e['b200 prefill ms']:.3f} | {size_cell} | "
                      f"{_seconds(r['seconds'])} |")
@@ -440,7 +446,8 @@ def reference_rows(ctx: dict, out: Path) -> list[dict]:
     with torch.no_grad():
         ctx["reference"] = [model(**work.feed(b)).logits[:, :-1].float() for b in work.batches]
     fp32 = Policy(default="fp32")
-    rows = [{"plan": "fp32", **scores(model, ctx), "fp8_layers": 0, "estimated": estimated(work, fp32),
+    rows = [{"plan": "fp32", **scores(model, ctx), "fp8_layers": 0, "effective_bits": 32.0,
+             "estimated": estimated(work, fp32),
              "reloaded": True, "seconds": None, "weight_bytes": sum(p.numel() * 4 for p in model.parameters())}]
     del model
     gc.collect()
@@ -479,7 +486,12 @@ def main() -> None:
         floor = math.floor(peer["sqnr_db"] * 10) / 10
         rows += tuned_row(out / "tuned-at-peer", [*flags, "--min-sqnr", f"{floor}"], ctx)
     fp8 = set(ctx["names"]) - {"lm_head"}
-    rows.append(modelopt_row(effective_bits(work.skeleton, fp8), ctx))
+    rows.append(modelopt_row(effective_bits(work.skeleton, fp8), ctx, "FP8_DYNAMIC's"))
+    # equal time, asked of a peer's search: ModelOpt at the effective bits of each of autoprec's mixed plans
+    for tuned in [r for r in rows if r.get("tuned") and "skipped" not in r and r["fp8_layers"]]:
+        floor = tuned["plan"].partition("--min-sqnr")[2].strip()
+        rows.append(modelopt_row(tuned["effective_bits"], ctx,
+                                 f"autoprec's plan's, {f'--min-sqnr {floor}' if floor else 'default floor'}"))
     rows.append(quark_row())
     check = goal(rows)
     print(table(rows, work))
