@@ -302,22 +302,18 @@ def modelopt_row(bits: float, ctx: dict) -> dict:
     except ImportError as e:
         return {"plan": name, "skipped": f"not installed ({e}); pip install -e .[peers]"}
     work: Workload = ctx["work"]
-    start = time.perf_counter()
-    try:
-        model = work.get_model()
+
+    def search() -> torch.nn.Module:
         data = [dict(work.feed(b), labels=b["input_ids"].masked_fill(~b["attention_mask"].bool(), -100))
                 for b in work.calibration]
-        with time_limit(ctx["peer_limit_s"]):
-            model, _ = mtq.auto_quantize(model, constraints={"effective_bits": bits},
-                                         quantization_formats=["FP8_DEFAULT_CFG"], data_loader=data,
-                                         forward_step=lambda m, b: m(**b), loss_func=lambda out, b: out.loss,
-                                         num_calib_steps=len(data), num_score_steps=len(data), verbose=False)
-    except TimeoutError:
-        return {"plan": name, "skipped": f"did not finish in {ctx['peer_limit_s']:.0f} s on this CPU (--peer-limit)",
-                "seconds": time.perf_counter() - start}
-    except Exception as e:  # a peer's failure on this CPU is a result to report, not a crash of the harness
-        return {"plan": name, "skipped": f"does not run here: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-    seconds = time.perf_counter() - start
+        return mtq.auto_quantize(work.get_model(), constraints={"effective_bits": bits},
+                                 quantization_formats=["FP8_DEFAULT_CFG"], data_loader=data,
+                                 forward_step=lambda m, b: m(**b), loss_func=lambda out, b: out.loss,
+                                 num_calib_steps=len(data), num_score_steps=len(data), verbose=False)[0]
+
+    model, seconds, failed = peer_attempt(name, ctx, search)
+    if failed:
+        return failed
     fp8 = {n for n, m in model.named_modules() if getattr(getattr(m, "weight_quantizer", None), "is_enabled", False)}
     policy = Policy(layers=dict.fromkeys(sorted(fp8 & set(ctx["names"])), "fp8"), default="bf16")  # per tensor
     row = {"plan": name, **scores(model, ctx), "fp8_layers": fp8_count(policy), "estimated": estimated(work, policy),
@@ -327,6 +323,20 @@ def modelopt_row(bits: float, ctx: dict) -> dict:
     del model
     gc.collect()
     return row
+
+
+def peer_attempt(name: str, ctx: dict, run: Callable[[], object]) -> tuple[object, float, dict | None]:
+    """``run()`` within --peer-limit: its result and seconds, or the row that says why it did not finish here."""
+    start = time.perf_counter()
+    try:
+        with time_limit(ctx["peer_limit_s"]):
+            return run(), time.perf_counter() - start, None
+    except TimeoutError:
+        return None, 0.0, {"plan": name, "seconds": time.perf_counter() - start,
+                           "skipped": f"did not finish in {ctx['peer_limit_s']:.0f} s on this CPU (--peer-limit)"}
+    except Exception as e:  # a peer's failure on this CPU is a result to report, not a crash of the harness
+        return None, 0.0, {"plan": name, "skipped": f"does not run here: {type(e).__name__}: "
+                                                    f"{str(e).splitlines()[0][:200]}"}
 
 
 @contextlib.contextmanager
@@ -445,28 +455,26 @@ def quark_row(folder: Path, ctx: dict) -> dict:
     if "QUARK_LOG_LEVEL" not in os.environ:
         ScreenLogger.set_shared_level(logging.WARNING)  # its INFO tables run to thousands of lines
     work: Workload = ctx["work"]
-    start = time.perf_counter()
     factory = lambda: work.get_model().to(torch.bfloat16).eval()  # noqa: E731  (the planner takes bf16 or fp16)
-    try:
+
+    def quantize() -> tuple:
         tokens = quark_tokens(work)
-        with time_limit(ctx["peer_limit_s"]):
-            planner, space, plan, bits, failed = quark_plan(work, factory, tokens)
-            model = factory()
-            quantizer = ModelQuantizer(planner.build_qconfig(model, space, plan))
-            model = quantizer.freeze(quantizer.quantize_model(model, tokens[0].to_dataloader("cpu")))
-            shutil.rmtree(folder, ignore_errors=True)
-            export_safetensors(model=model, output_dir=folder, custom_mode="quark", weight_format="real_quantized",
-                               pack_method="reorder")
-            del model
-            gc.collect()
-    except TimeoutError:
-        return {"plan": name, "skipped": f"did not finish in {ctx['peer_limit_s']:.0f} s on this CPU (--peer-limit)",
-                "seconds": time.perf_counter() - start}
-    except Exception as e:  # a peer's failure on this CPU is a result to report, not a crash of the harness
-        return {"plan": name, "skipped": f"does not run here: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-    seconds = time.perf_counter() - start
+        planner, space, plan, bits, failed = quark_plan(work, factory, tokens)
+        model = factory()
+        quantizer = ModelQuantizer(planner.build_qconfig(model, space, plan))
+        model = quantizer.freeze(quantizer.quantize_model(model, tokens[0].to_dataloader("cpu")))
+        shutil.rmtree(folder, ignore_errors=True)
+        export_safetensors(model=model, output_dir=folder, custom_mode="quark", weight_format="real_quantized",
+                           pack_method="reorder")
+        return plan, bits, failed, tokens[3]
+
+    done, seconds, skipped = peer_attempt(name, ctx, quantize)
+    if skipped:
+        return skipped
+    gc.collect()
+    plan, bits, failed, repeats = done
     chosen = next(e for e in plan.payload.evaluations if e.candidate_id == plan.payload.selected_candidate.candidate_id)
-    repeated = f" (the tune's tokens, {tokens[3]} times over)" if tokens[3] > 1 else " (the tune's tokens)"
+    repeated = f" (the tune's tokens, {repeats} times over)" if repeats > 1 else " (the tune's tokens)"
     note = (f"Quark's planner on this CPU at {bits} effective bits on the linears but lm_head, the lowest of "
             f"{list(QUARK_BITS)} where a plan passed its gate{f' (none did at {failed})' if failed else ''}: its gate "
             f"PPL {plan.payload.baseline.ppl:.2f} in bf16, {chosen.ppl.ppl:.2f} its plan's, on {QUARK_PPL_TOKENS} "
