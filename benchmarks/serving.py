@@ -22,7 +22,10 @@ AutoModelForCausalLM on this CPU (which decompresses it), and scored. Plans:
   llm-compressor (`oneshot` with QuantizationModifier on the bf16 model, as its examples do);
 - ModelOpt's auto_quantize at the effective bits of the FP8_DYNAMIC plan, where it runs on a CPU (its own
   fake-quantized model: ModelOpt's export is for TensorRT-LLM and GPU engines, not reloaded here);
-- AMD Quark: whether its mixed-precision search runs here.
+- AMD Quark: its MixedPrecisionPlanner (experimental: weight-MSE sensitivity, a linear program over fp8 / ptpc_fp8 /
+  bf16 per fused group at an effective-bits budget, candidates gated on perplexity; the harness tries budgets 8.5 to
+  16 bits and keeps the lowest that passes) on this CPU, exported in Quark's format and reloaded with transformers;
+  its roofline-guided MixPrecisionQuantizer needs vLLM on a GPU and is said so.
 
 Columns: the scores, the *estimated* serving time on an H100 and a B200 of the plan each checkpoint holds
 (autoprec.profile.serving.serving_estimate, SERVE below: decode tokens per second with the weights and the KV
@@ -206,8 +209,9 @@ def weight_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
-def exported_row(name: str, folder: Path, seconds: float, ctx: dict, peer: bool = False) -> dict:
-    policy = served_policy(folder, ctx["names"])
+def exported_row(name: str, folder: Path, seconds: float, ctx: dict, peer: bool = False,
+                 policy: Policy | None = None) -> dict:
+    policy = policy or served_policy(folder, ctx["names"])
     model = reloaded(folder)
     fp8 = {n for n, p in policy.layers.items() if p.value.startswith("fp8")}
     row = {"plan": name, **scores(model, ctx), "fp8_layers": fp8_count(policy),
@@ -302,22 +306,19 @@ def modelopt_row(bits: float, ctx: dict, of: str = "") -> dict:
     except ImportError as e:
         return {"plan": name, "skipped": f"not installed ({e}); pip install -e .[peers]"}
     work: Workload = ctx["work"]
-    start = time.perf_counter()
-    try:
-        model = work.get_model().to(torch.bfloat16)  # the layers it leaves unquantized serve in bf16, as the others'
+
+    def search() -> torch.nn.Module:
         data = [dict(work.feed(b), labels=b["input_ids"].masked_fill(~b["attention_mask"].bool(), -100))
                 for b in work.calibration]
-        with time_limit(ctx["peer_limit_s"]):
-            model, _ = mtq.auto_quantize(model, constraints={"effective_bits": bits},
-                                         quantization_formats=["FP8_DEFAULT_CFG"], data_loader=data,
-                                         forward_step=lambda m, b: m(**b), loss_func=lambda out, b: out.loss,
-                                         num_calib_steps=len(data), num_score_steps=len(data), verbose=False)
-    except TimeoutError:
-        return {"plan": name, "skipped": f"did not finish in {ctx['peer_limit_s']:.0f} s on this CPU (--peer-limit)",
-                "seconds": time.perf_counter() - start}
-    except Exception as e:  # a peer's failure on this CPU is a result to report, not a crash of the harness
-        return {"plan": name, "skipped": f"does not run here: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-    seconds = time.perf_counter() - start
+        model = work.get_model().to(torch.bfloat16)  # the layers it leaves unquantized serve in bf16, as the others'
+        return mtq.auto_quantize(model, constraints={"effective_bits": bits},
+                                 quantization_formats=["FP8_DEFAULT_CFG"], data_loader=data,
+                                 forward_step=lambda m, b: m(**b), loss_func=lambda out, b: out.loss,
+                                 num_calib_steps=len(data), num_score_steps=len(data), verbose=False)[0]
+
+    model, seconds, failed = peer_attempt(name, ctx, search)
+    if failed:
+        return failed
     fp8 = {n for n, m in model.named_modules() if getattr(getattr(m, "weight_quantizer", None), "is_enabled", False)}
     policy = Policy(layers=dict.fromkeys(sorted(fp8 & set(ctx["names"])), "fp8"), default="bf16")  # per tensor
     row = {"plan": name, **scores(model, ctx), "fp8_layers": fp8_count(policy),
@@ -328,6 +329,20 @@ def modelopt_row(bits: float, ctx: dict, of: str = "") -> dict:
     del model
     gc.collect()
     return row
+
+
+def peer_attempt(name: str, ctx: dict, run: Callable[[], object]) -> tuple[object, float, dict | None]:
+    """``run()`` within --peer-limit: its result and seconds, or the row that says why it did not finish here."""
+    start = time.perf_counter()
+    try:
+        with time_limit(ctx["peer_limit_s"]):
+            return run(), time.perf_counter() - start, None
+    except TimeoutError:
+        return None, 0.0, {"plan": name, "seconds": time.perf_counter() - start,
+                           "skipped": f"did not finish in {ctx['peer_limit_s']:.0f} s on this CPU (--peer-limit)"}
+    except Exception as e:  # a peer's failure on this CPU is a result to report, not a crash of the harness
+        return None, 0.0, {"plan": name, "skipped": f"does not run here: {type(e).__name__}: "
+                                                    f"{str(e).splitlines()[0][:200]}"}
 
 
 @contextlib.contextmanager
@@ -345,13 +360,150 @@ def time_limit(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
-def quark_row() -> dict:
+# the planner's effective-bits budgets (lm_head aside; scales counted: ptpc_fp8 is 8 + 32 / in_features bits), tried
+# lowest first: 8.5 lets every layer be FP8 with per-channel scales down to 64 inputs wide, 16 keeps all in bf16
+QUARK_BITS = (8.5, 10, 12, 14, 16)
+QUARK_GATE = 0.01  # its perplexity gate: at most 1% above bf16's (autoprec's default budget)
+QUARK_CANDIDATES = 4  # the plans its linear program proposes per budget, each quantized and scored
+QUARK_PPL_TOKENS = 2048  # its gate's chunk length: the planner's MVP accepts no other
+
+
+def quark_strategy(bits: float, calibration: tuple[int, int]):
+    """The planner's settings: MI355 (fp8 per tensor, ptpc_fp8 = per-channel weights and per-token activations,
+    or native bf16), vLLM's fused groups deciding together, weight-MSE sensitivity, one 2048-token gate chunk."""
+    from quark.experimental.torch.mixed_precision_planner import MixedPrecisionStrategy
+
+    samples, length = calibration
+    return MixedPrecisionStrategy.from_dict({
+        "schema_version": 1, "hardware": {"target": "mi355"}, "deployment_backend": {"name": "vllm"},
+        "decision_space": {"exclude_patterns": []}, "sensitivity_profile": {"methods": ["weight_mse"]},
+        "calibration": {"dataset": "pileval", "num_samples": samples, "max_length": length, "batch_size": 1},
+        "search": {"granularity": "fine", "algorithm": "linear_programming", "num_candidates": QUARK_CANDIDATES,
+                   "budget": {"metric": "effective_bits", "value": bits, "scope": "quantizable"}},
+        "plan_selection": {"quality_gate": {"metric": "ppl", "dataset": "wikitext2", "max_degradation": QUARK_GATE,
+                                            "num_chunks": 1, "max_length": QUARK_PPL_TOKENS},
+                           "selection_policy": "lowest_effective_bits",
+                           "evaluator": {"backend": "hf", "protocol": "token_ppl_v1"}},
+        "output": {"dir": "unused"}, "seed": 42})
+
+
+def quark_tokens(work: Workload) -> tuple:
+    """The tune's batches as the planner's token manifests: their tokens in one stream (each row's real tokens, then
+    EOS), cut into calibration rows of the batches' length and one gate chunk (the stream repeated where short).
+    Its MVP accepts only pile-val and wikitext-2 manifests, so these carry those labels over the harness's tokens."""
+    from quark.experimental.torch.mixed_precision_planner import TokenDataset
+    from quark.experimental.torch.mixed_precision_planner.data import TokenPurpose, fingerprint_tokenizer
+
+    eos = getattr(work.tokenizer, "eos_token_id", None)
+    stream = [int(t) for b in work.calibration for ids, mask in zip(b["input_ids"], b["attention_mask"])
+              for t in [*ids[mask.bool()].tolist(), *([eos] if isinstance(eos, int) else [])]]
+    length = work.calibration[0]["input_ids"].shape[1]
+    samples = min(128, len(stream) // length)
+    repeats = math.ceil(QUARK_PPL_TOKENS / len(stream))
+    labels = {"revision": None, "tokenizer_id": work.shape,
+              "tokenizer_fingerprint": fingerprint_tokenizer(work.tokenizer)}
+    calibration = TokenDataset.create(
+        purpose=TokenPurpose.CALIBRATION, dataset="mit-han-lab/pile-val-backup", split="validation", sampling_seed=42,
+        sequences=tuple(tuple(stream[i * length:(i + 1) * length]) for i in range(samples)), **labels)
+    gate = TokenDataset.create(purpose=TokenPurpose.PPL, dataset="Salesforce/wikitext/wikitext-2-raw-v1", split="test",
+                               sequences=(tuple((stream * repeats)[:QUARK_PPL_TOKENS]),), **labels)
+    return calibration, gate, (samples, length), repeats
+
+
+def quark_plan(work: Workload, factory: Callable, tokens: tuple) -> tuple:
+    """The planner's five stages, at the lowest budget of QUARK_BITS where one of its plans passes its gate: the
+    decision space and weight-MSE sensitivity once, then per budget its linear program and the candidates scored."""
+    from quark.experimental.torch.mixed_precision_planner import EvaluationRuntimeContext, MixedPrecisionPlanner
+    from quark.experimental.torch.mixed_precision_planner.errors import NoCandidatePassedError
+    from quark.experimental.torch.mixed_precision_planner.plan_selection import prepend_model
+
+    calibration, gate, shape, _ = tokens
+    model = factory()
+    planner = MixedPrecisionPlanner(quark_strategy(QUARK_BITS[0], shape))
+    space = planner.decision_space(model)
+    profile = planner.sensitivity_profile(model, space)
+    failed = []
+    for bits in QUARK_BITS:
+        planner = MixedPrecisionPlanner(quark_strategy(bits, shape))
+        candidates = planner.search(space, profile)
+        runtime = EvaluationRuntimeContext(model_source=str(work.model_py), device="cpu",
+                                           model_factory=factory if model is None else prepend_model(model, factory))
+        model = None  # the profiled model scores the baseline, then goes: one model at a time
+        try:
+            return planner, space, planner.select_best_plan_with_runtime(runtime, space, candidates, calibration,
+                                                                         gate), bits, failed
+        except NoCandidatePassedError:
+            failed.append(bits)
+    raise RuntimeError(f"no plan passed its gate at any budget {QUARK_BITS}")
+
+
+def quark_policy(folder: Path) -> Policy:
+    """The plan a Quark checkpoint holds: its layer_quant_config's layers FP8 (per channel: fp8-rowwise), the rest
+    bf16."""
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]
+    return Policy(layers={n: "fp8-rowwise" if c["weight"]["qscheme"] == "per_channel" else "fp8"
+                          for n, c in config["layer_quant_config"].items() if c.get("weight")}, default="bf16")
+
+
+def quark_row(folder: Path, ctx: dict) -> dict:
+    """AMD Quark's MixedPrecisionPlanner (experimental), its plan exported in Quark's format (what vLLM's `quark`
+    method loads), reloaded with transformers and scored."""
+    name = f"AMD Quark MixedPrecisionPlanner (native/fp8/ptpc_fp8, PPL gate +{QUARK_GATE:.0%})"
+    try:
+        import logging
+        import os
+        import shutil
+
+        from quark.common.utils.log import ScreenLogger
+        from quark.torch import ModelQuantizer, export_safetensors
+    except ImportError as e:
+        return {"plan": name, "skipped": f"not installed ({e}); pip install amd-quark pulp"}
+    if "QUARK_LOG_LEVEL" not in os.environ:
+        ScreenLogger.set_shared_level(logging.WARNING)  # its INFO tables run to thousands of lines
+    work: Workload = ctx["work"]
+    factory = lambda: work.get_model().to(torch.bfloat16).eval()  # noqa: E731  (the planner takes bf16 or fp16)
+
+    def quantize() -> tuple:
+        tokens = quark_tokens(work)
+        planner, space, plan, bits, failed = quark_plan(work, factory, tokens)
+        model = factory()
+        quantizer = ModelQuantizer(planner.build_qconfig(model, space, plan))
+        model = quantizer.freeze(quantizer.quantize_model(model, tokens[0].to_dataloader("cpu")))
+        shutil.rmtree(folder, ignore_errors=True)
+        export_safetensors(model=model, output_dir=folder, custom_mode="quark", weight_format="real_quantized",
+                           pack_method="reorder")
+        return plan, bits, failed, tokens[3]
+
+    done, seconds, skipped = peer_attempt(name, ctx, quantize)
+    if skipped:
+        return skipped
+    gc.collect()
+    plan, bits, failed, repeats = done
+    chosen = next(e for e in plan.payload.evaluations if e.candidate_id == plan.payload.selected_candidate.candidate_id)
+    repeated = f" (the tune's tokens, {repeats} times over)" if repeats > 1 else " (the tune's tokens)"
+    note = (f"Quark's planner on this CPU at {bits} effective bits on the linears but lm_head, the lowest of "
+            f"{list(QUARK_BITS)} where a plan passed its gate{f' (none did at {failed})' if failed else ''}: its gate "
+            f"PPL {plan.payload.baseline.ppl:.2f} in bf16, {chosen.ppl.ppl:.2f} its plan's, on {QUARK_PPL_TOKENS} "
+            f"tokens{repeated}; exported in Quark's format (quant_method quark), reloaded by transformers; its own "
+            "fresh-process reload check (verify_export_roundtrip) not run")
+    return {**exported_row(name, folder, seconds, ctx, peer=True, policy=quark_policy(folder)), "quark_bits": bits,
+            "note": note}
+
+
+def quark_roofline_row() -> dict:
+    """Quark's roofline-guided MixPrecisionQuantizer, the search with MoE experts and file-to-file export."""
+    name = "AMD Quark MixPrecisionQuantizer (roofline-guided search)"
+    why = "its search() scores each candidate in a vllm.LLM engine on a GPU (mix_precision/quantizer.py)"
     try:
         import quark  # noqa: F401
     except ImportError as e:
-        return {"plan": "AMD Quark mixed precision", "skipped": f"not installed ({e})"}
-    return {"plan": "AMD Quark mixed precision", "skipped": "installed (amd-quark), not run: this harness has no "
-            "Quark recipe yet, so whether its mixed-precision search runs on a CPU is not known"}
+        return {"plan": name, "skipped": f"not installed ({e})"}
+    try:
+        from quark.experimental.torch.mix_precision import MixPrecisionQuantizer  # noqa: F401
+    except ImportError as e:  # plugin/vllm_plugin.py defines what plugin/fakequant_worker.py imports only with vLLM
+        return {"plan": name, "skipped": f"does not run on a CPU: {why}, and without vLLM it does not import "
+                f"({str(e).split(' (')[0]})"}
+    return {"plan": name, "skipped": f"not run: {why}"}
 
 
 def effective_bits(model: torch.nn.Module, fp8: set[str]) -> float:
@@ -492,7 +644,8 @@ def main() -> None:
         floor = tuned["plan"].partition("--min-sqnr")[2].strip()
         rows.append(modelopt_row(tuned["effective_bits"], ctx,
                                  f"autoprec's plan's, {f'--min-sqnr {floor}' if floor else 'default floor'}"))
-    rows.append(quark_row())
+    rows.append(quark_row(out / "quark", ctx))
+    rows.append(quark_roofline_row())
     check = goal(rows)
     print(table(rows, work))
     print("\n".join(goal_lines(c) for c in check))
