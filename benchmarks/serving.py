@@ -321,14 +321,25 @@ def modelopt_row(bits: float, ctx: dict, of: str = "") -> dict:
         return failed
     fp8 = {n for n, m in model.named_modules() if getattr(getattr(m, "weight_quantizer", None), "is_enabled", False)}
     policy = Policy(layers=dict.fromkeys(sorted(fp8 & set(ctx["names"])), "fp8"), default="bf16")  # per tensor
+    split = split_groups(set(policy.layers), ctx["names"])
     row = {"plan": name, **scores(model, ctx), "fp8_layers": fp8_count(policy),
            "effective_bits": effective_bits(work.skeleton, set(policy.layers)), "estimated": estimated(work, policy),
            "seconds": seconds, "reloaded": False, "peer": True, "weight_bytes": None,
            "note": "ModelOpt's own fake-quantized model in process; its export (TensorRT-LLM / vLLM) not reloaded; "
-                   "weight bytes estimated (FP8 per tensor, the rest bf16)"}
+                   "weight bytes estimated (FP8 per tensor, the rest bf16)"
+                   + (f"; splits what vLLM fuses ({', '.join(split)}: FP8 and bf16 parts in one GEMM, which vLLM "
+                      "refuses to load)" if split else "")}
     del model
     gc.collect()
     return row
+
+
+def split_groups(fp8: set[str], names: list[str]) -> list[str]:
+    """The layers vLLM fuses (q/k/v, gate/up) that a plan puts partly in FP8: vLLM runs one scheme per fused GEMM."""
+    from autoprec.export.vllm import engine_layers
+
+    return [fused for fused, parts in engine_layers(names).linears.items()
+            if len(parts) > 1 and 0 < len(fp8 & set(parts)) < len(parts)]
 
 
 def peer_attempt(name: str, ctx: dict, run: Callable[[], object]) -> tuple[object, float, dict | None]:
@@ -537,10 +548,12 @@ def goal_of(ours: dict, peers: list[dict]) -> dict:
                 comparisons.append({"peer": peer["plan"], "target": target, "phase": phase, "verdict": verdict,
                                     "time_ratio": times[0] / times[1],
                                     "kl_ratio": ours["kl_per_token"] / max(peer["kl_per_token"], 1e-30)})
-    verdicts = {c["verdict"] for c in comparisons}
-    # a trade-off (faster and less accurate, or the reverse) is neither at equal time nor at equal accuracy
-    holds = False if "fails" in verdicts else True if verdicts <= {"holds", "tie"} else None
-    return {"plan": ours["plan"], "holds": holds, "tolerance": TOLERANCE,
+    verdicts = [c["verdict"] for c in comparisons]
+    # a trade-off (faster and less accurate, or the reverse) is neither at equal time nor at equal accuracy: it does
+    # not decide the goal; the pairs that do (tie, holds, fails) decide it, and one that fails is enough
+    decided = [v for v in verdicts if v != "trade-off"]
+    holds = False if "fails" in decided else True if decided else None
+    return {"plan": ours["plan"], "holds": holds, "tolerance": TOLERANCE, "decided": len(decided),
             "comparisons": comparisons}
 
 
@@ -552,9 +565,9 @@ def _seconds(s: float | None) -> str:
     return "-" if s is None else f"{s:.0f}"
 
 
-def table(rows: list[dict], work: Workload) -> str:
+def table(rows: list[dict], description: str) -> str:
     s = SERVE
-    lines = [f"Model: {work.description}. Estimated serving (autoprec.profile.serving): {s['batch']} prompts of "
+    lines = [f"Model: {description}. Estimated serving (autoprec.profile.serving): {s['batch']} prompts of "
              f"{s['prompt_tokens']} tokens, {s['new_tokens']} new tokens each, KV cache included.", "",
              "| plan | perplexity | KL / token vs fp32 | logits SQNR dB | FP8 layers (bits / weight) "
              "| H100 decode tok/s / prefill ms | B200 decode tok/s / prefill ms | weight MiB | tune / quantize s |",
@@ -579,8 +592,10 @@ def table(rows: list[dict], work: Workload) -> str:
 def goal_lines(check: dict) -> str:
     if not check["comparisons"]:
         return f"Goal check of {check['plan']}: not made ({check['why']})."
-    status = {True: "holds", False: "does not hold", None: "not decided: a trade-off, neither at equal time nor at "
-              "equal accuracy"}[check["holds"]]
+    decided = sum(c["verdict"] != "trade-off" for c in check["comparisons"])
+    status = {True: "holds", False: "does not hold", None: "not decided"}[check["holds"]] + (
+        f" ({decided} of {len(check['comparisons'])} pairs at equal time or equal accuracy; the rest are trade-offs, "
+        "faster and less accurate or the reverse, which decide nothing)")
     lines = [f"Goal check of {check['plan']} (at least as accurate as each peer's plan at equal estimated time, and "
              f"faster at equal accuracy; equal = within {TOLERANCE:.0%}): "
              f"{status}"]
@@ -620,10 +635,20 @@ def main() -> None:
                         help="seconds a peer's search may run before its row says so (default 900)")
     parser.add_argument("--out", default=None, help="where the checkpoints go (default: the temp folder)")
     parser.add_argument("--json", default=None, help="default benchmarks/results/serving[-served].json")
+    parser.add_argument("--table", action="store_true",
+                        help="print the table and the goal check of the rows in --json (the goal recomputed from "
+                             "them and written back), run nothing")
     args = parser.parse_args()
     out = Path(args.out or Path(tempfile.gettempdir()) / f"autoprec-serving-bench-{args.shape}")
     json_path = Path(args.json or ROOT / "benchmarks" / "results" /
                      f"serving{'' if args.shape == 'tiny' else '-' + args.shape}.json")
+    if args.table:
+        result = json.loads(json_path.read_text())
+        result["goal"] = goal(result["rows"])
+        json_path.write_text(json.dumps(result, indent=1) + "\n")
+        print(table(result["rows"], result["model"]))
+        print("\n".join(goal_lines(c) for c in result["goal"]))
+        return
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     work = tiny_workload(out) if args.shape == "tiny" else served_workload()
@@ -647,7 +672,7 @@ def main() -> None:
     rows.append(quark_row(out / "quark", ctx))
     rows.append(quark_roofline_row())
     check = goal(rows)
-    print(table(rows, work))
+    print(table(rows, work.description))
     print("\n".join(goal_lines(c) for c in check))
     result = {"shape": args.shape, "model": work.description, "serve": SERVE, "fp8_tuned_as": precision,
               "rows": rows, "goal": check, "wall_seconds": time.perf_counter() - started, "torch": torch.__version__}
