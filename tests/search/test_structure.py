@@ -240,3 +240,28 @@ def test_a_floor_just_above_all_fp8_gives_mostly_fp8_not_blanket_bf16(storage, b
     assert set(best.assignment.values()) <= {"fp8", "bf16"}  # the layers kept from FP8 are bf16, not fp32
     assert any(c.seed == "walk-down" for c in result.trials)
     assert not any(c.seed and c.seed.startswith(("heuristic:", "refine")) for c in result.trials)  # no dominated steps
+
+
+def test_a_walk_down_cut_short_goes_on_where_it_stopped(tmp_path):
+    """Interrupted in its walk down (the 5th measurement: fp32, all-fastest, blanket bf16, then walk-down steps) and
+    run again on the same study, the search measures the trials an uncut search does, in order."""
+    from test_search_resume import CutAt
+
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(6)]).eval()
+    names = layer_names(model)
+    ev = Evaluator(model, batches())
+    profile = fp8_profile(ev, names)
+    floor = ev.measure(Policy.from_assignment({n: "fp8" for n in names})).sqnr_db + 1.0
+
+    def run(evaluator: Evaluator, db: str):
+        return search(profile, evaluator, Budget.parse(None, floor), SearchSpace.load("default"),
+                      precisions=["bf16", "fp8"], trials=10, patience=100, storage=f"sqlite:///{tmp_path / db}",
+                      progress=False)
+
+    uncut = run(ev, "uncut.db")
+    with pytest.raises(KeyboardInterrupt):
+        run(CutAt(model, batches(), at=5), "cut.db")
+    again = run(Evaluator(model, batches()), "cut.db")
+    assert [t.params for t in again.trials] == [t.params for t in uncut.trials]
+    assert [t.seed for t in uncut.trials][3:5] == ["walk-down", "walk-down"]
+    assert again.best.assignment == uncut.best.assignment
