@@ -46,8 +46,11 @@ class TrialObjective:
         # With repeated blocks, the sampler searches blocks and outside parts (coarse); finer parts and
         # layers enter through the seeds and the refinement at the block boundary.
         self.structured = config.space.structure and any(structure.searchable(b) for b in structure.blocks)
-        self.sampled = ({p.key: self.every[p.key] for p in structure.top if p.key in self.every} if self.structured
-                        else distributions)
+        # With more than one low precision, FP8 (a per-layer swap, never a region) is a choice only of the layer units:
+        # the sampler searches those, or it could propose nothing but regions of bf16 and fp32.
+        several = any(len(u.candidates) > 2 for u in self.searchable)
+        self.sampled = ({p.key: self.every[p.key] for p in structure.top if p.key in self.every}
+                        if self.structured and not several else distributions)
 
     def notes(self) -> list[str]:
         structure = self.structure

@@ -265,3 +265,16 @@ def test_a_walk_down_cut_short_goes_on_where_it_stopped(tmp_path):
     assert [t.params for t in again.trials] == [t.params for t in uncut.trials]
     assert [t.seed for t in uncut.trials][3:5] == ["walk-down", "walk-down"]
     assert again.best.assignment == uncut.best.assignment
+
+
+def test_with_fp8_among_the_precisions_the_sampler_proposes_fp8_layers(storage):
+    """FP8 swaps single layers, never a region: with it among the precisions the sampler searches the layer units
+    (before, it searched blocks in bf16 or fp32 only, so no sampled trial could hold an FP8 layer)."""
+    model = Stack(lambda i, path: nn.Linear(32, 32)).eval()
+    names = layer_names(model)
+    ev = Evaluator(model, batches())
+    floor = ev.measure(Policy.from_assignment({n: "fp8" for n in names})).sqnr_db + 1.0
+    result = search(fp8_profile(ev, names), ev, Budget.parse(None, floor), SearchSpace.load("default"),
+                    precisions=["bf16", "fp8"], trials=14, patience=100, storage=storage, progress=False)
+    sampled = [c for c in result.trials if c.seed is None]
+    assert sampled and any("fp8" in c.assignment.values() for c in sampled)
