@@ -51,13 +51,33 @@ def shortfall(weights: int, batch: int, free: int, where: str, training: int = 0
             "with torchrun")
 
 
+MEMINFO = "/proc/meminfo"
+
+
 def _free_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    available = _available_bytes(MEMINFO)
+    if available is not None:
+        return available
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # not a POSIX system: nothing to check against
         return None
+
+
+def _available_bytes(meminfo: str) -> int | None:
+    """Linux's MemAvailable: free memory plus the page cache the kernel gives back on demand. Free memory alone
+    (SC_AVPHYS_PAGES) is small on a machine that has just written or read gigabytes of files (checkpoints,
+    datasets), and would refuse a model that fits."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def check_fits(model: nn.Module, batch: Any, device: torch.device, training: bool = False) -> None:
