@@ -22,7 +22,7 @@ class Candidate:
     sqnr_db: float
     violation: float
     error: str | None = None
-    seed: str | None = None  # "fp32", "fastest", "preferred", "greedy", "heuristic:<name>", "refine" for seed trials
+    seed: str | None = None  # "fp32", "fastest", "preferred", "greedy", "heuristic:<name>", "refine", "walk-down"
     regions: dict[str, str] = field(default_factory=dict)  # module region (block, sub-block) -> precision
     params: dict[str, str] = field(default_factory=dict)  # the study parameters it came from
 
