@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from autoprec.common.procfs import proc_number
 from autoprec.distributed.models import local_part
 
 __all__ = ["check_fits", "free_memory", "model_bytes", "shortfall"]
@@ -70,14 +71,8 @@ def _available_bytes(meminfo: str) -> int | None:
     """Linux's MemAvailable: free memory plus the page cache the kernel gives back on demand. Free memory alone
     (SC_AVPHYS_PAGES) is small on a machine that has just written or read gigabytes of files (checkpoints,
     datasets), and would refuse a model that fits."""
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    kb = proc_number(meminfo, "MemAvailable:")
+    return None if kb is None else kb * 1024
 
 
 def check_fits(model: nn.Module, batch: Any, device: torch.device, training: bool = False) -> None:

@@ -24,6 +24,8 @@ from typing import Callable
 
 import torch
 
+from autoprec.common.procfs import proc_number
+
 __all__ = ["BUSY_SPREAD", "MachineLoad", "machine_load"]
 
 BUSY_SPREAD = 0.10  # a reference kernel whose time varies more than this (robust sigma) means a busy machine
@@ -78,14 +80,7 @@ def _loadavg() -> float | None:
 
 def _runnable() -> int | None:
     """Threads runnable on the machine at this instant (``procs_running`` in /proc/stat; None elsewhere)."""
-    try:
-        with open("/proc/stat") as stat:
-            for line in stat:
-                if line.startswith("procs_running "):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return proc_number("/proc/stat", "procs_running ")
 
 
 def _cores() -> int:
