@@ -49,15 +49,14 @@ def walk_seeds(objective: TrialObjective, profile: Profile, space: SearchSpace, 
     left = lambda: objective.trials - walk.taken()  # noqa: E731
     # With more than one low precision (bf16 and FP8), a plan within budget that is not all fp32 is where the walk
     # goes down from (walk_down), not fp32: lowering from fp32 leaves the rest fp32, slower than that plan.
-    several = any(len(u.candidates) > 2 for u in searchable)
     start = walk.best()
     if objective.structured:
         coarse_to_fine(objective.structure, profile, walk.run, walk.latest, walk.walk_so_far, left,
                        objective.predict)
-    elif not several or start is None or start.number == walk.last.get("fp32"):
+    elif not objective.several or start is None or start.number == walk.last.get("fp32"):
         greedy(searchable, fastest, profile, lambda params: walk.run(1, params, "greedy"), walk.latest,
                objective.trials - 2)
-    if several:
+    if objective.several:
         walk_down(searchable, profile, walk.best, lambda params: walk.run(1, params, "walk-down"), walk.latest, left)
     return "trials"
 

@@ -48,9 +48,9 @@ class TrialObjective:
         self.structured = config.space.structure and any(structure.searchable(b) for b in structure.blocks)
         # With more than one low precision, FP8 (a per-layer swap, never a region) is a choice only of the layer units:
         # the sampler searches those, or it could propose nothing but regions of bf16 and fp32.
-        several = any(len(u.candidates) > 2 for u in self.searchable)
+        self.several = any(len(u.candidates) > 2 for u in self.searchable)  # more than one low precision
         self.sampled = ({p.key: self.every[p.key] for p in structure.top if p.key in self.every}
-                        if self.structured and not several else distributions)
+                        if self.structured and not self.several else distributions)
 
     def notes(self) -> list[str]:
         structure = self.structure

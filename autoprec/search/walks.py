@@ -47,7 +47,7 @@ def greedy(units: list[Unit], target: Mapping[str, str], profile: Profile, run: 
         added = sum(max(0.0, noise(n, target[u.key]) - noise(n, now.get(n, "fp32"))) for n in u.layers)
         return added / max(saved(u), 1e-9)
 
-    order = sorted((u for u in units if target[u.key] != "fp32" and base.get(u.key) != target[u.key]
+    order = sorted((u for u in units if target[u.key] != "fp32"
                     and any(now.get(n, "fp32") != target[u.key] for n in u.layers)), key=score)
 
     def params(lowered: Sequence[Unit]) -> dict[str, str]:
@@ -88,7 +88,7 @@ def walk_down(units: list[Unit], profile: Profile, best: Callable[[], Candidate 
     tried: set[tuple[tuple[str, str], ...]] = set()
     while left() > 0:
         start = best()
-        if start is None or start.params is None:
+        if start is None:
             return
         key = tuple(sorted(start.params.items()))
         if key in tried:
@@ -132,12 +132,15 @@ def coarse_to_fine(structure: Structure, profile: Profile, run: Callable[..., No
     done = [c for c in every() if c.feasible and c.params and set(c.params) <= coarse]
     start = min(done, key=lambda c: (c.predicted_ms, c.number)) if done else None
     base = dict(start.params) if start else {p.key: "fp32" for p in top}
-    furthest = {**base, **{u.key: min(u.candidates[1:], key=lambda p: sum(profile.layer(n).latency_ms[p]
-                                                                          for n in u.layers))
-                           for b in structure.blocks if base.get(b.key, "fp32") == "fp32"
-                           for u in structure.units_in(b)}}
+    furthest = {**base, **{u.key: _fastest_low(u, profile) for b in structure.blocks
+                           if base.get(b.key, "fp32") == "fp32" for u in structure.units_in(b)}}
     if not beaten(furthest):  # the most the refinement can lower
         _refine(structure, profile, base, lambda params: run(1, params, "refine"), latest, left)
+
+
+def _fastest_low(unit: Unit, profile: Profile) -> str:
+    """The unit's fastest candidate but fp32, by the profile's latencies."""
+    return min(unit.candidates[1:], key=lambda p: sum(profile.layer(n).latency_ms[p] for n in unit.layers))
 
 
 def _refine(structure: Structure, profile: Profile, base: dict[str, str], run: Callable[[dict], None],
@@ -149,9 +152,6 @@ def _refine(structure: Structure, profile: Profile, base: dict[str, str], run: C
     block-level answer thus becomes a sub-block or single-layer island only where that measures
     within budget, and stays one island where it does not.
     """
-    def fastest(unit: Unit) -> str:
-        return min(unit.candidates[1:], key=lambda p: sum(profile.layer(n).latency_ms[p] for n in unit.layers))
-
     def attempt(key: str, precision: str) -> bool:
         nonlocal base
         if left() <= 0:
@@ -176,4 +176,4 @@ def _refine(structure: Structure, profile: Profile, base: dict[str, str], run: C
         for region in kept:
             for unit in structure.units_in(region):
                 if base.get(unit.key, "fp32") == "fp32":
-                    attempt(unit.key, fastest(unit))
+                    attempt(unit.key, _fastest_low(unit, profile))
