@@ -1,2 +1,3 @@
-"""What every layer of autoprec shares: standard JSON, how numbers and tables are written, the SQNR measure.
+"""What every layer of autoprec shares: standard JSON, how numbers and tables are written, the SQNR measure,
+reading a number from /proc.
 """
