@@ -80,7 +80,7 @@ def test_export_never_writes_into_a_folder_of_the_users_files(run_dir):
 PEAK_SCRIPT = textwrap.dedent('''
     import json, sys, threading, time
     sys.path.insert(0, {tests!r})
-    import export_models, safetensors.torch  # noqa: F401  (imported before measuring)
+    import export_models, safetensors.torch, compressed_tensors.compressors  # noqa: F401  (imported before measuring)
     from autoprec.export import export_checkpoint, plan_export
     from autoprec.runtime.policy import Policy
 
