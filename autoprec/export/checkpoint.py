@@ -86,9 +86,22 @@ def checkpoint_layout(model: nn.Module, plan: ExportPlan) -> CheckpointLayout:
         if not names and isinstance(getattr(module, "weight", None), torch.Tensor):  # a tied head: not written
             names = list(_reverted(model, {f"{layer}.weight": module.weight.to("meta")}))  # but named as it would be
         layout.layers[layer] = [n.removesuffix(".weight") for n in names]
-    for layer in fused_experts(model):
+    for layer, module in fused_experts(model).items():
         layout.experts[layer] = _experts_pattern(layer, layout.layers.get(layer, []))
+        if layer in plan.quantized:
+            _check_expert_rows(layer, module, tensors)
     return layout
+
+
+def _check_expert_rows(layer: str, module: nn.Module, tensors: dict[str, dict[str, tuple[int, ...]]]) -> None:
+    """Each expert projection the checkpoint holds keeps the module's rows (a weight scale per output channel is a
+    scale per row of the 3-D parameter, as the emulation computes it): a transposing layout is refused."""
+    for param, value in module.named_parameters(recurse=False):
+        shapes = tensors.get(f"{layer}.{param}", {})
+        if any(len(shape) != 2 or shape[-1] != value.shape[-1] for shape in shapes.values()):
+            raise ExportRefused(f"layer {layer!r} (a MoE layer's experts) is written transposed or reshaped "
+                                f"({param} {tuple(value.shape)} as {sorted(shapes.values())[0]}), which this export "
+                                "does not quantize yet; fix: give it bf16 in policy.json")
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -231,7 +244,8 @@ def _model_config(model: nn.Module) -> dict[str, Any]:
     """The model's config.json content: a transformers config, or what ``save_pretrained`` writes."""
     config = getattr(model, "config", None)
     if callable(getattr(config, "to_dict", None)):
-        return config.to_dict()
+        # as save_pretrained writes it: the class that wrote it (engines pick their implementation by it)
+        return {**config.to_dict(), "architectures": [type(model).__name__]}
     if callable(getattr(model, "save_pretrained", None)):
         with tempfile.TemporaryDirectory() as folder:  # its weights are thrown away: only its config.json is read
             model.save_pretrained(folder)
