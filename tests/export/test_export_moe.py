@@ -299,6 +299,9 @@ def test_vllm_builds_fp8_moe_layers_loads_every_expert_and_scores_as_the_emulati
             module.quantize_inputs = False  # vLLM's CPU FP8 MoE: bf16 inputs
     with torch.no_grad():
         emulated = torch.log_softmax(served(ids).logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+        fp32 = torch.log_softmax(model(ids).logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
     theirs = torch.tensor(result["logprobs"])
     diff = (theirs - emulated).abs()
-    assert diff.median() < 0.01 and diff.max() < 0.1, (diff.median(), diff.max())
+    # measured: median 0.0033, largest 0.011 (bf16 rounding: logits of about 0.6, 2^-8 relative, through 2 layers),
+    # where the plan's FP8 moved them up to 0.026 from fp32
+    assert diff.median() < 0.01 and diff.max() < 0.05, (diff.median(), diff.max(), (fp32 - emulated).abs().max())
