@@ -74,7 +74,8 @@ def checkpoint_layout(model: nn.Module, plan: ExportPlan) -> CheckpointLayout:
     tensors = {k: {n: tuple(t.shape) for n, t in _reverted(model, {k: v}).items()} for k, v in meta.items()}
     whole = {n: tuple(t.shape) for n, t in _reverted(model, meta).items()}
     if whole != {n: shape for names in tensors.values() for n, shape in names.items()}:
-        odd = sorted(set(whole) ^ {n for names in tensors.values() for n in names})
+        apart = {n for names in tensors.values() for n in names}
+        odd = sorted(set(whole) - apart) or sorted(apart - set(whole))  # the joined tensor's name, where it has one
         raise ExportRefused(f"{type(model).__name__}'s checkpoint joins several of its tensors into one "
                             f"({odd[0] if odd else 'a tensor'!r}), which this export does not write yet (it converts "
                             "one tensor at a time); fix: export a model whose checkpoint layout is its module layout")
@@ -97,8 +98,9 @@ def _check_expert_rows(layer: str, module: nn.Module, tensors: dict[str, dict[st
     """Each expert projection the checkpoint holds keeps the module's rows (a weight scale per output channel is a
     scale per row of the 3-D parameter, as the emulation computes it): a transposing layout is refused."""
     for param, value in module.named_parameters(recurse=False):
-        shapes = tensors.get(f"{layer}.{param}", {})
-        if any(len(shape) != 2 or shape[-1] != value.shape[-1] for shape in shapes.values()):
+        shapes = tensors.get(f"{layer}.{param}", {}) if value.dim() == 3 else {}
+        if any(len(shape) != 2 or shape[-1] != value.shape[-1] or not name.endswith(".weight")
+               for name, shape in shapes.items()):
             raise ExportRefused(f"layer {layer!r} (a MoE layer's experts) is written transposed or reshaped "
                                 f"({param} {tuple(value.shape)} as {sorted(shapes.values())[0]}), which this export "
                                 "does not quantize yet; fix: give it bf16 in policy.json")
@@ -257,21 +259,18 @@ def _model_config(model: nn.Module) -> dict[str, Any]:
                         "Face folder; fix: return the transformers model (e.g. AutoModelForCausalLM...)")
 
 
-def _quantized_layer(key: str, plan: ExportPlan) -> str | None:
+def _quantized_layer(key: str, tensor: torch.Tensor, plan: ExportPlan) -> str | None:
     """The planned quantized layer whose weight the state-dict tensor ``key`` is (a linear's ``weight``, a fused
-    experts module's 3-D parameter), or None."""
+    experts module's 3-D parameter: its biases are not), or None."""
     layer, _, leaf = key.rpartition(".")
     if layer not in plan.quantized:
         return None
-    return layer if leaf == "weight" or leaf in _EXPERT_PARAMS else None
-
-
-_EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_proj", "up_proj")  # transformers 5's fused experts' weights
+    return layer if leaf == "weight" or tensor.dim() == 3 else None
 
 
 def _out_bytes(key: str, layout: CheckpointLayout, plan: ExportPlan, tensor: torch.Tensor) -> int:
     """What the tensor ``key`` takes in the checkpoint, converted (known before converting it)."""
-    layer = _quantized_layer(key, plan)
+    layer = _quantized_layer(key, tensor, plan)
     numel = tensor.numel()
     if layer is None:
         itemsize = plan.torch_dtype.itemsize if tensor.is_floating_point() else tensor.element_size()
@@ -292,7 +291,7 @@ class _Writer:
         self.model, self.plan, self.layout, self.global_scales = model, plan, layout, global_scales
 
     def converted(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        layer = _quantized_layer(key, self.plan)
+        layer = _quantized_layer(key, tensor, self.plan)
         out: dict[str, torch.Tensor] = {}
         for name, value in _reverted(self.model, {key: tensor.detach()}).items():
             if layer is not None and name.endswith(".weight"):

@@ -122,6 +122,13 @@ def plan_export(model: nn.Module, policy: Policy, keep_fp32: bool = False,
              for n, p in linears.items() if p in SCHEMES and n not in quantized and n not in routers]
     notes += [f"{n}: the plan has {p}, but engines run a MoE router unquantized: exported in the model's dtype"
               for n, p in linears.items() if p in SCHEMES and isinstance(routers.get(n), nn.Linear)]
+    fp8_experts = [n for n in quantized if n in experts]
+    if fp8_experts:  # the runtime swaps nn.Linear layers only: under an FP8 rule, 3-D experts ran unquantized
+        notes.append(f"{_count(fp8_experts, 'MoE expert layer')} in fp8-rowwise written in FP8, as vLLM serves "
+                     f"them ({', '.join(fp8_experts[:_SHOWN])}{' and more' if len(fp8_experts) > _SHOWN else ''}); "
+                     "autoprec's runtime runs FP8 on nn.Linear layers only, so the tune measured these experts "
+                     "unquantized: the served model has their FP8 error too (autoprec.export.served_model "
+                     "computes it)")
     unquantized = {n: p for n, p in linears.items() if n not in quantized}
     dtype = "fp32" if keep_fp32 else _one_dtype(unquantized, precisions)
     notes += _dtype_notes(unquantized, dtype, profile)

@@ -198,6 +198,47 @@ def test_a_linear_router_planned_in_fp8_is_served_unquantized_and_said():
                             "MoE router unquantized") for n in plan.notes)
 
 
+def test_fp8_experts_are_said_to_be_measured_unquantized_by_the_tune():
+    """autoprec's runtime swaps nn.Linear layers for FP8 ones: 3-D experts under an FP8 rule ran unquantized in
+    the tune. The export writes the plan (FP8 experts, as vLLM serves them) and says so; a plan without FP8 experts
+    says nothing of it."""
+    plan = plan_export(tiny_moe("mixtral"), PLAN)
+    (note,) = [n for n in plan.notes if "MoE expert layer" in n]
+    assert note.startswith("2 MoE expert layers in fp8-rowwise written in FP8, as vLLM serves them "
+                           "(model.layers.0.mlp.experts, model.layers.1.mlp.experts)")
+    experts_bf16 = {f"model.layers.{n}.mlp.experts": "bf16" for n in range(LAYERS)}
+    plan = plan_export(tiny_moe("mixtral"), Policy(layers={BLOCKS: "fp8-rowwise", **experts_bf16}, default="bf16"))
+    assert not any("MoE expert layer" in n for n in plan.notes)
+
+
+def test_an_experts_layout_that_transposes_or_joins_tensors_is_refused(monkeypatch, tmp_path):
+    """The three families keep each expert's rows and convert tensor by tensor (the tests above); a checkpoint
+    layout that does not is refused before anything is written."""
+    from autoprec.export import checkpoint
+
+    model = tiny_moe("mixtral")
+    plan = plan_export(model, PLAN)
+    rows = {"model.layers.0.mlp.experts.down_proj": {"model.layers.0.block_sparse_moe.experts.0.w2.weight": (128, 64)}}
+    with pytest.raises(ExportRefused, match=r"'model\.layers\.0\.mlp\.experts' \(a MoE layer's experts\) is written "
+                                            r"transposed or reshaped \(down_proj \(4, 64, 128\) as \(128, 64\)\)"):
+        checkpoint._check_expert_rows("model.layers.0.mlp.experts", model.get_submodule("model.layers.0.mlp.experts"),
+                                      rows)
+    reverted = checkpoint._reverted
+
+    def joining(model, tensors):  # as a checkpoint holding q and k in one tensor would be reverted
+        out = reverted(model, tensors)
+        q, k = (f"model.layers.0.self_attn.{p}_proj.weight" for p in "qk")
+        if q in out and k in out:
+            out["model.layers.0.self_attn.qk_proj.weight"] = torch.cat([out.pop(q), out.pop(k)])
+        return out
+
+    monkeypatch.setattr(checkpoint, "_reverted", joining)
+    with pytest.raises(ExportRefused, match=r"MixtralForCausalLM's checkpoint joins several of its tensors into one "
+                                            r"\('model\.layers\.0\.self_attn\.qk_proj\.weight'\)"):
+        export_checkpoint(model, plan, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 # ---- vLLM loads it ------------------------------------------------------------------------------------------------
 def vllm_python() -> str | None:
     """The python of a vLLM venv: AUTOPREC_VLLM_PYTHON, else .venv-vllm/bin/python at the repository root."""
