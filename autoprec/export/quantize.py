@@ -20,6 +20,10 @@ them.
 MoE experts in fp8-rowwise (:class:`ServedExperts`) are what vLLM's ``CompressedTensorsW8A8Fp8MoE`` computes: each
 expert projection's weight with a scale per output channel (each expert's own), each input with a dynamic scale per
 token.
+
+The checkpoint's quantized tensors are made by compressed-tensors' own compressors (:mod:`.checkpoint`), from the
+fp32 weights and the scales computed here: the emulation's functions below give the very same values (the tests
+hold them to it, bit for bit).
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ from autoprec.inputs.batches import call_model
 from autoprec.runtime.fp8 import E4M3, E4M3_MAX, fp8_dequantize_rows, fp8_per_token
 from autoprec.runtime.mx import nvfp4_dequantize, nvfp4_fake_quantize, nvfp4_global_scale, nvfp4_quantize
 
-__all__ = ["ServedExperts", "ServedLinear", "calibrate_inputs", "fake_quantize_input", "fused_parts", "nvfp4_weight", "pack_e2m1",
-           "quantize_weight", "served_model", "shared_global_scales", "weight_scale"]
+__all__ = ["ServedExperts", "ServedLinear", "calibrate_inputs", "fake_quantize_input", "fused_parts", "nvfp4_weight",
+           "pack_e2m1", "quantize_weight", "served_model", "shared_global_scales", "weight_scale"]
 
 
 def _no_zero(scale: torch.Tensor) -> torch.Tensor:
