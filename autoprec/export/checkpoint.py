@@ -221,7 +221,7 @@ def export_checkpoint(model: nn.Module, plan: ExportPlan, out: str | Path, token
         filename_pattern="model{suffix}.safetensors", max_shard_size=shard_bytes)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    writer = _Writer(model, plan, layout, shared_global_scales(model, plan))
+    writer = _Writer(model, plan, shared_global_scales(model, plan))
     weight_map, written = {}, 0
     for file_name, keys in split.filename_to_tensors.items():
         tensors = {name: t for key in keys for name, t in writer.converted(key, state[key]).items()}
@@ -286,9 +286,8 @@ class _Writer:
     """Each state-dict tensor as the checkpoint holds it: transformers' reverse conversion (names, layout), then the
     quantized weights by compressed-tensors' compressors, from the fp32 weights and autoprec's scales."""
 
-    def __init__(self, model: nn.Module, plan: ExportPlan, layout: CheckpointLayout,
-                 global_scales: dict[str, torch.Tensor]):
-        self.model, self.plan, self.layout, self.global_scales = model, plan, layout, global_scales
+    def __init__(self, model: nn.Module, plan: ExportPlan, global_scales: dict[str, torch.Tensor]):
+        self.model, self.plan, self.global_scales = model, plan, global_scales
 
     def converted(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         layer = _quantized_layer(key, tensor, self.plan)
