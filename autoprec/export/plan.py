@@ -5,11 +5,20 @@ dtype. A policy can say more than that (an fp32 layer inside a bf16 model, fp16 
 the plan is checked here, before anything is written: what an engine would serve differently from what was
 measured is said in one line (an fp32 island served in bf16, with what that costs); what an engine cannot load at
 all is refused in one line naming the layer and the fix (:class:`ExportRefused`).
+
+MoE layers: transformers 5 keeps a layer's routed experts in one module with 3-D parameters (``MixtralExperts``:
+``gate_up_proj`` (experts, 2 x inter, hidden), ``down_proj`` (experts, hidden, inter)); capture sees it as one layer,
+so the plan gives all of a layer's experts one precision, as vLLM's ``FusedMoE`` needs (one scheme per layer). Such a
+module is a planned layer here like a linear: in ``quantized`` (fp8-rowwise, the scheme vLLM's
+``CompressedTensorsW8A8Fp8MoE`` runs per expert projection) or in ``ignore``. A MoE block's router (``gate``, a
+shared expert's ``shared_expert_gate``: the layers directly inside the block that hold a weight) is always served
+unquantized (vLLM builds it without a quantization config) and is in ``ignore``.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +31,7 @@ from autoprec.runtime.apply import effective_precisions
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
 
-__all__ = ["SCHEMES", "DTYPES", "ExportPlan", "ExportRefused", "Scheme", "plan_export"]
+__all__ = ["SCHEMES", "DTYPES", "ExportPlan", "ExportRefused", "Scheme", "fused_experts", "plan_export"]
 
 
 class ExportRefused(UserError):
@@ -67,14 +76,15 @@ NVFP4_GROUP = 16  # compressed-tensors' NVFP4 groups run along the input dimensi
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _UNQUANTIZED = (Precision.FP32, Precision.BF16, Precision.FP16)
 _SHOWN = 6  # layers named in one line before "and N more"
+_EXPERTS_NAME = re.compile(r"(.*_)?experts?", re.IGNORECASE)  # capture's name for a MoE block's expert list
 
 
 @dataclass
 class ExportPlan:
     """Each linear's scheme (quantized) or its place in ``ignore``, the one dtype of the rest, and the notes."""
 
-    quantized: dict[str, Precision]  # linear name -> fp8, fp8-rowwise or nvfp4
-    ignore: list[str]  # every linear served unquantized, lm_head included
+    quantized: dict[str, Precision]  # linear (or fused experts module) name -> fp8, fp8-rowwise or nvfp4
+    ignore: list[str]  # every linear (experts module, MoE router) served unquantized, lm_head included
     dtype: str  # "bf16", "fp16" or "fp32": every tensor that is not a quantized weight or its scale
     notes: list[str] = field(default_factory=list)  # one line each: what is served otherwise than measured
     # nvfp4 layer -> the largest |input| seen on the calibration batches (its input_global_scale: 448 * 6 / amax)
@@ -101,11 +111,24 @@ def plan_export(model: nn.Module, policy: Policy, keep_fp32: bool = False,
     """The export plan of ``policy`` on ``model``; ``profile``: the run's profile.json, for the sensitivities
     that the notes on fp32 islands quote. Raises :class:`ExportRefused` where an engine cannot load the plan."""
     precisions = effective_precisions(model, policy)
-    linears = {name: precisions[name] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    experts = fused_experts(model)
+    routers = _routers(model, experts)
+    linears = {name: precisions[name] for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) or name in experts or name in routers}
     _refuse_other_formats(model, precisions)
-    quantized = {n: p for n, p in linears.items() if p in SCHEMES and not _is_head(model, n)}
+    _refuse_experts(experts, precisions)
+    quantized = {n: p for n, p in linears.items() if p in SCHEMES and not _is_head(model, n) and n not in routers}
     notes = [f"{n}: the plan has {p}, but engines run the output head unquantized: exported in the model's dtype"
-             for n, p in linears.items() if p in SCHEMES and n not in quantized]
+             for n, p in linears.items() if p in SCHEMES and n not in quantized and n not in routers]
+    notes += [f"{n}: the plan has {p}, but engines run a MoE router unquantized: exported in the model's dtype"
+              for n, p in linears.items() if p in SCHEMES and isinstance(routers.get(n), nn.Linear)]
+    fp8_experts = [n for n in quantized if n in experts]
+    if fp8_experts:  # the runtime swaps nn.Linear layers only: under an FP8 rule, 3-D experts ran unquantized
+        notes.append(f"{_count(fp8_experts, 'MoE expert layer')} in fp8-rowwise written in FP8, as vLLM serves "
+                     f"them ({', '.join(fp8_experts[:_SHOWN])}{' and more' if len(fp8_experts) > _SHOWN else ''}); "
+                     "autoprec's runtime runs FP8 on nn.Linear layers only, so the tune measured these experts "
+                     "unquantized: the served model has their FP8 error too (autoprec.export.served_model "
+                     "computes it)")
     unquantized = {n: p for n, p in linears.items() if n not in quantized}
     dtype = "fp32" if keep_fp32 else _one_dtype(unquantized, precisions)
     notes += _dtype_notes(unquantized, dtype, profile)
@@ -113,6 +136,42 @@ def plan_export(model: nn.Module, policy: Policy, keep_fp32: bool = False,
         notes.append(f"fp8 layers: the plan scaled their inputs over the last {policy.fp8.amax_history} batches "
                      "(delayed); engines scale each batch's own (dynamic, per tensor), as amax_history=1 measures")
     return ExportPlan(quantized, list(unquantized), dtype, notes)
+
+
+def fused_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """name -> module, for each module holding all routed experts of a MoE layer in 3-D parameters (transformers 5's
+    ``MixtralExperts``, ``Qwen2MoeExperts``, ``Qwen3MoeExperts``: one weight per expert along the first dim)."""
+    return {name: m for name, m in model.named_modules()
+            if any(p.dim() == 3 and p.is_floating_point() for p in m.parameters(recurse=False))}
+
+
+def _routers(model: nn.Module, experts: Mapping[str, nn.Module]) -> dict[str, nn.Module]:
+    """name -> module, for each MoE router: a module with its own weight directly inside a MoE block (the parent of
+    a fused experts module, or of an expert list ``experts.0``, ``experts.1``, ...), other than the experts."""
+    blocks = {n.rpartition(".")[0] for n in experts}
+    for name, module in model.named_modules():
+        numbered = [c for c, _ in module.named_children() if c.isdigit()]
+        if name and _EXPERTS_NAME.fullmatch(name.rpartition(".")[2]) and len(numbered) > 1:
+            blocks.add(name.rpartition(".")[0])
+    out = {}
+    for block in blocks:
+        for child, module in model.get_submodule(block).named_children():
+            name = f"{block}.{child}" if block else child
+            if name not in experts and _has_weight(module) and module.weight.dim() == 2:
+                out[name] = module
+    return out
+
+
+def _refuse_experts(experts: Mapping[str, nn.Module], precisions: Mapping[str, Precision]) -> None:
+    """MoE experts are written in fp8-rowwise (vLLM's CompressedTensorsW8A8Fp8MoE, per expert projection) or
+    unquantized; any other format: one line."""
+    for name in experts:
+        precision = precisions[name]
+        if precision not in _UNQUANTIZED and precision is not Precision.FP8_ROWWISE:
+            raise ExportRefused(f"layer {name!r} (a MoE layer's experts) is {precision} in the plan, and `autoprec "
+                                "export` writes MoE experts in fp8-rowwise only (per-channel weights, per-token "
+                                "inputs: vLLM's CompressedTensorsW8A8Fp8MoE); fix: give it fp8-rowwise or bf16 in "
+                                "policy.json")
 
 
 def _is_head(model: nn.Module, name: str) -> bool:

@@ -16,6 +16,14 @@ is calibrated (the largest |input| over the calibration batches, as compressed-t
 observer), its group scales computed at every forward. vLLM runs the parts of a fused GEMM (q/k/v, gate/up, an
 expert's gate/up) with one global scale, so they share one (from their largest weight), as llm-compressor writes
 them.
+
+MoE experts in fp8-rowwise (:class:`ServedExperts`) are what vLLM's ``CompressedTensorsW8A8Fp8MoE`` computes: each
+expert projection's weight with a scale per output channel (each expert's own), each input with a dynamic scale per
+token.
+
+The checkpoint's quantized tensors are made by compressed-tensors' own compressors (:mod:`.checkpoint`), from the
+fp32 weights and the scales computed here: the emulation's functions below give the very same values (the tests
+hold them to it, bit for bit).
 """
 
 from __future__ import annotations
@@ -26,14 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoprec.export.plan import SCHEMES, ExportPlan, Scheme
+from autoprec.export.plan import SCHEMES, ExportPlan, Scheme, fused_experts
 from autoprec.export.vllm import engine_layers
 from autoprec.inputs.batches import call_model
 from autoprec.runtime.fp8 import E4M3, E4M3_MAX, fp8_dequantize_rows, fp8_per_token
 from autoprec.runtime.mx import nvfp4_dequantize, nvfp4_fake_quantize, nvfp4_global_scale, nvfp4_quantize
 
-__all__ = ["ServedLinear", "calibrate_inputs", "fake_quantize_input", "fused_parts", "nvfp4_weight", "pack_e2m1",
-           "quantize_weight", "served_model", "shared_global_scales", "weight_scale"]
+__all__ = ["ServedExperts", "ServedLinear", "calibrate_inputs", "fake_quantize_input", "fused_parts", "nvfp4_weight",
+           "pack_e2m1", "quantize_weight", "served_model", "shared_global_scales", "weight_scale"]
 
 
 def _no_zero(scale: torch.Tensor) -> torch.Tensor:
@@ -165,19 +173,70 @@ class ServedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}"
 
 
+class ServedExperts(nn.Module):
+    """What an engine computes for a MoE layer's routed experts in fp8-rowwise, on transformers 5's experts layout
+    (``gate_up_proj`` (experts, 2 x inter, hidden), ``down_proj`` (experts, hidden, inter), ``act_fn``): for each
+    expert, its tokens' FP8 input (a dynamic scale per token) times its FP8 gate/up weight (a scale per output
+    channel: the checkpoint's w1/w3, or gate_proj/up_proj, rows), accumulated in fp32 and returned in the model's
+    dtype; the activation of gate times up in that dtype; the same for down; each token's experts weighted by the
+    router and summed. ``quantize_inputs = False`` runs the same weights on unquantized inputs (what transformers
+    computes when it reloads FP8 experts: it dequantizes them at load)."""
+
+    def __init__(self, experts: nn.Module, scheme: Scheme, dtype: torch.dtype):
+        super().__init__()
+        gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+        biases = [getattr(experts, f"{p}_bias", None) for p in ("gate_up_proj", "down_proj")]
+        if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and hasattr(experts, "act_fn")
+                and not any(isinstance(b, torch.Tensor) for b in biases)):
+            raise ValueError(f"{type(experts).__name__}: the emulation knows experts with gate_up_proj, down_proj "
+                             "(3-D, no bias) and act_fn (Mixtral's, Qwen2-MoE's, Qwen3-MoE's)")
+        self.scheme, self.act_fn, self.quantize_inputs = scheme, experts.act_fn, True
+        self.register_buffer("gate_up_proj", _served_weights(gate_up, scheme, dtype))
+        self.register_buffer("down_proj", _served_weights(down, scheme, dtype))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                ) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for expert in top_k_index.unique().tolist():
+            token, slot = torch.where(top_k_index == expert)
+            gate, up = self._linear(hidden_states[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = self._linear(self.act_fn(gate) * up, self.down_proj[expert])
+            out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
+        return out
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        xq = fake_quantize_input(x, per_token=True) if self.quantize_inputs else x.float()
+        return F.linear(xq, weight).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.gate_up_proj.shape[0]}, scheme={self.scheme.name}"
+
+
+def _served_weights(weights: torch.Tensor, scheme: Scheme, dtype: torch.dtype) -> torch.Tensor:
+    """(experts, out, in) weights as the FP8 GEMM multiplies them: each expert's rows quantized with their scale."""
+    q, scale = quantize_weight(weights.detach().reshape(-1, weights.shape[-1]), scheme, dtype)
+    return (q.float() * scale.float()).reshape(weights.shape)
+
+
 @torch.no_grad()
 def served_model(model: nn.Module, plan: ExportPlan) -> nn.Module:
-    """A copy of ``model`` as the export serves it: in ``plan.dtype``, each FP8 or NVFP4 linear a :class:`ServedLinear`.
-    For checks (it holds a second copy of the model): the export itself never does."""
+    """A copy of ``model`` as the export serves it: in ``plan.dtype``, each FP8 or NVFP4 linear a :class:`ServedLinear`,
+    each MoE layer's experts in FP8 a :class:`ServedExperts`. For checks (it holds a second copy of the model): the
+    export itself never does."""
     missing = [n for n in plan.nvfp4_layers if n not in plan.input_amax]
     if missing:
         raise ValueError(f"nvfp4 layer {missing[0]!r} has no calibrated input; fix: plan.input_amax = "
                          "calibrate_inputs(model, plan, batches)")
     served = copy.deepcopy(model).to(plan.torch_dtype).eval()
     global_scales = shared_global_scales(model, plan)
+    experts = fused_experts(model)
     for name, precision in plan.quantized.items():
         parent_name, _, attr = name.rpartition(".")
         original = model.get_submodule(name)  # the fp32 weights: the export quantizes from them too
-        setattr(served.get_submodule(parent_name), attr, ServedLinear(
-            original, SCHEMES[precision], plan.torch_dtype, global_scales.get(name), plan.input_amax.get(name)))
+        if name in experts:
+            served_layer: nn.Module = ServedExperts(original, SCHEMES[precision], plan.torch_dtype)
+        else:
+            served_layer = ServedLinear(original, SCHEMES[precision], plan.torch_dtype, global_scales.get(name),
+                                        plan.input_amax.get(name))
+        setattr(served.get_submodule(parent_name), attr, served_layer)
     return served

@@ -26,12 +26,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["LLAMA_PACKED", "EngineLayers", "engine_layers", "engine_schemes"]
+__all__ = ["EXPERT", "LLAMA_PACKED", "EngineLayers", "engine_layers", "engine_schemes"]
 
 # Llama's (and Mistral's, Qwen's) packed_modules_mapping in vLLM
 LLAMA_PACKED: dict[str, list[str]] = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
                                       "gate_up_proj": ["gate_proj", "up_proj"]}
-_EXPERT = re.compile(r"(?P<moe>.*\.experts)\.(?P<index>\d+)\.(?P<proj>[^.]+)$")
+EXPERT = re.compile(r"(?P<moe>.*\.experts)\.(?P<index>\d+)\.(?P<proj>[^.]+)$")
 
 
 @dataclass
@@ -48,7 +48,7 @@ def engine_layers(names: Iterable[str], packed: Mapping[str, list[str]] = LLAMA_
     present = set(names)
     out = EngineLayers()
     for name in names:
-        expert = _EXPERT.match(name)
+        expert = EXPERT.match(name)
         if expert:
             out.moe.setdefault(expert["moe"], []).append(name)
             continue
@@ -130,9 +130,10 @@ def _linear_scheme(layer: str, parts: list[str], ignore: list[str], target_group
 
 def _moe_scheme(moe: str, experts: list[str], ignore: list[str], target_group: Mapping[str, str],
                 problems: list[str]) -> str | None:
-    """vLLM reads expert 0's gate/up/down and runs every expert so; every expert must agree with it."""
-    first = [f"{moe}.0.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
-    wanted = {p: _part_group(p, ignore, target_group) for p in first if p in experts}
+    """vLLM reads expert 0's gate/up/down (as the checkpoint names them: w1/w3/w2 for Mixtral) and runs every
+    expert so; every expert must agree with it."""
+    first = [e for e in experts if e.startswith(f"{moe}.0.")]
+    wanted = {p: _part_group(p, ignore, target_group) for p in first}
     if len(set(wanted.values())) > 1:
         shown = ", ".join(f"{p.rpartition('.')[2]} {g or 'unquantized'}" for p, g in wanted.items())
         problems.append(f"{moe}: vLLM refuses to load it (\"All MoE projections need to have same quantization "

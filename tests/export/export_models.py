@@ -17,6 +17,34 @@ def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 64, mlp: int = 128,
     return LlamaForCausalLM(config).eval()
 
 
+MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def tiny_moe(kind: str = "mixtral", seed: int = 0, layers: int = 2, hidden: int = 64, experts: int = 4,
+             vocab: int = VOCAB, heads: int = 4):
+    """A tiny MoE LM of transformers 5's classes (experts in one module of 3-D weights), its experts eager (the
+    loop over experts capture and the emulation see), seeded. vLLM's CPU attention needs a head dim of 32 or more
+    (hidden / heads)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=max(1, heads // 2), num_experts_per_tok=2, tie_word_embeddings=False)
+    if kind == "mixtral":
+        config = transformers.MixtralConfig(**common, intermediate_size=2 * hidden, num_local_experts=experts)
+        cls = transformers.MixtralForCausalLM
+    elif kind == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(**common, intermediate_size=2 * hidden, num_experts=experts,
+                                             moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=hidden)
+        cls = transformers.Qwen2MoeForCausalLM
+    else:
+        config = transformers.Qwen3MoeConfig(**common, intermediate_size=2 * hidden, num_experts=experts,
+                                             moe_intermediate_size=hidden // 2, head_dim=hidden // heads)
+        cls = transformers.Qwen3MoeForCausalLM
+    config._experts_implementation = "eager"
+    return cls(config).eval()
+
+
 def tiny_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -80,7 +80,7 @@ def test_export_never_writes_into_a_folder_of_the_users_files(run_dir):
 PEAK_SCRIPT = textwrap.dedent('''
     import json, sys, threading, time
     sys.path.insert(0, {tests!r})
-    import export_models, safetensors.torch  # noqa: F401  (imported before measuring)
+    import export_models, safetensors.torch, compressed_tensors.compressors  # noqa: F401  (imported before measuring)
     from autoprec.export import export_checkpoint, plan_export
     from autoprec.runtime.policy import Policy
 
@@ -88,7 +88,7 @@ PEAK_SCRIPT = textwrap.dedent('''
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * 4096
 
-    model = export_models.tiny_llama(layers=8, hidden=512, mlp=1536, vocab=4096)
+    model = {model}
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     plan = plan_export(model, Policy(default={precision!r}))
     peak, done = [rss()], []
@@ -107,20 +107,28 @@ PEAK_SCRIPT = textwrap.dedent('''
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident size from /proc (Linux)")
-@pytest.mark.parametrize("precision", ["bf16", "fp8-rowwise"])
-def test_an_export_holds_one_shard_beside_the_model_never_a_second_copy(tmp_path, precision):
-    """A 117 MB fp32 model, written in 8 MiB shards: what the export adds to the process's resident memory stays
-    below a bf16 copy of it (0.5x) or an FP8 one (about 0.28x, its bf16 head included); measured 0.13x.
+@pytest.mark.parametrize(("kind", "precision", "bound"), [("llama", "bf16", 0.2), ("llama", "fp8-rowwise", 0.2),
+                                                          ("mixtral", "fp8-rowwise", 0.25)])
+def test_an_export_holds_one_shard_beside_the_model_never_a_second_copy(tmp_path, kind, precision, bound):
+    """A 117 MB fp32 Llama, written in 8 MiB shards: what the export adds to the process's resident memory stays
+    below a bf16 copy of it (0.5x) or an FP8 one (about 0.28x, its bf16 head included); measured 0.09x for a bf16
+    plan, 0.18x for fp8-rowwise (compressed-tensors' compressor holds a few fp32 temporaries of the weight it
+    quantizes, 3 MiB each here; autoprec's own arithmetic, before, measured 0.13x). A 115 MB
+    Mixtral (8 layers of 8 experts): a shard (0.07x) and one tensor's reverse conversion to the hub layout (a
+    layer's fused gate_up_proj, 8 MiB: transformers' conversion copies it) beside it; measured 0.19x.
 
     glibc's malloc raises its mmap threshold each time a large block is freed, and then keeps later blocks of that
     size in its heap once freed, resident though free (0.35x here): a fixed threshold makes the resident size
     what is held."""
     shard = 8 * 2**20
-    script = PEAK_SCRIPT.format(tests=str(TESTS), precision=precision, out=str(tmp_path / "out"), shard=shard)
+    model = {"llama": "export_models.tiny_llama(layers=8, hidden=512, mlp=1536, vocab=4096)",
+             "mixtral": "export_models.tiny_moe('mixtral', layers=8, hidden=256, experts=8, vocab=4096)"}[kind]
+    script = PEAK_SCRIPT.format(tests=str(TESTS), precision=precision, out=str(tmp_path / "out"), shard=shard,
+                                model=model)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**16)}
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False,
                          env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     measured = json.loads(run.stdout.strip().splitlines()[-1])
     assert measured["model_bytes"] > 100 * 2**20
-    assert measured["extra"] < 0.2 * measured["model_bytes"], measured
+    assert measured["extra"] < bound * measured["model_bytes"], measured
