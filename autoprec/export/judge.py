@@ -72,6 +72,7 @@ class Verdict:
     lines: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     layers: dict[str, str] = field(default_factory=dict)  # each layer vLLM built -> the scheme it runs
+    scored: bool = False  # vLLM loaded the folder and its logprobs were compared (not on a platform that cannot)
     figures: dict[str, float] = field(default_factory=dict)  # the logprob comparison's numbers
 
     @property
@@ -96,7 +97,8 @@ def find_vllm_python(given: str | Path | None = None, root: Path | None = None) 
 def judge_export(folder: str | Path, model_py: str | Path, policy: str | Path | None = None,
                  vllm_python: str | Path | None = None) -> Verdict:
     """Load ``folder`` in vLLM and hold what it serves to the plan: ``policy``'s (the file the folder was exported
-    from: refused if it changed since), else the one the folder's config.json says. Raises :class:`JudgeRefused` where it cannot check (no vLLM, a folder of another plan)."""
+    from: refused if it changed since), else the one the folder's config.json says. Raises :class:`JudgeRefused`
+    where it cannot check (no vLLM, a folder of another plan)."""
     folder = Path(folder).resolve()
     policy = read_run(policy).path if policy is not None else None  # a tune's folder: its policy.json
     summary = _read_export(folder, policy)
@@ -113,12 +115,11 @@ def judge_export(folder: str | Path, model_py: str | Path, policy: str | Path | 
         plan.input_amax = calibrate_inputs(model, plan, batches)  # as the export calibrated them
     prompts = _prompts(holdout)
     with tempfile.TemporaryDirectory(prefix="autoprec-judge-") as tmp:
-        folders = [folder]
+        reference = None
         if plan.quantized:  # bf16 rounding as this vLLM and this torch differ on it: the same model, plain
             reference = Path(tmp) / "plain-bf16"
             export_checkpoint(model, plan_export(model, Policy(default="bf16")), reference)
-            folders.append(reference)
-        result = _run_side(python, folders, prompts, Path(tmp))
+        result = _run_side(python, folder, reference, prompts, Path(tmp))
     return _verdict(result, folder, plan, model, prompts)
 
 
@@ -130,10 +131,13 @@ def _read_export(folder: Path, policy: str | Path | None) -> dict[str, Any]:
     if policy is not None:
         recorded = (summary.get("source") or {}).get("policy_sha256")
         now = policy_sha256(policy)
+        if recorded is None:
+            raise JudgeRefused(f"{folder} records no policy hash (an export older than the check), so it cannot be "
+                               f"held to {policy}; fix: export it again, or check it without the policy")
         if recorded != now:
-            said = "records no policy hash" if recorded is None else f"holds the plan {recorded[:12]}"
-            raise JudgeRefused(f"{folder} {said}, and {policy} is now {now[:12]}: the policy changed after the "
-                               "export; fix: export it again (autoprec export ... --out) and check that")
+            raise JudgeRefused(f"{folder} holds the plan {recorded[:12]}, and {policy} is now {now[:12]}: the policy "
+                               "changed after the export; fix: export it again (autoprec export ... --out) and "
+                               "check that")
     return summary
 
 
@@ -178,10 +182,11 @@ def _folder_plan(folder: Path, summary: dict[str, Any]) -> ExportPlan:
     return ExportPlan(quantized, list(quant.get("ignore", summary.get("ignore", []))), summary["dtype"])
 
 
-def _run_side(python: Path, folders: list[Path], prompts: list[list[int]], tmp: Path) -> dict[str, Any]:
+def _run_side(python: Path, folder: Path, reference: Path | None, prompts: list[list[int]], tmp: Path
+              ) -> dict[str, Any]:
     request, result = tmp / "request.json", tmp / "result.json"
-    request.write_text(json.dumps({"folders": [str(f) for f in folders], "prompts": prompts, "load": True,
-                                   "cannot_run": CANNOT_RUN}))
+    request.write_text(json.dumps({"folder": str(folder), "reference": reference and str(reference),
+                                   "prompts": prompts, "cannot_run": CANNOT_RUN}))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.pop("PYTHONPATH", None)  # the vLLM venv's own packages, none of this process's
@@ -200,15 +205,17 @@ def _run_side(python: Path, folders: list[Path], prompts: list[list[int]], tmp: 
 def _verdict(result: dict[str, Any], folder: Path, plan: ExportPlan, model: torch.nn.Module,
              prompts: list[list[int]]) -> Verdict:
     verdict = Verdict()
-    entry, *rest = result["folders"]
+    entry = result["folder"]
     head = f"vLLM {result['vllm']} ({result['platform']})"
     if "mapping_error" in entry:
         verdict.problems.append(f"{folder}: vLLM cannot parse its quantization_config: {entry['mapping_error']}")
     else:
-        verdict.problems += _scheme_problems(entry["mapping"]["layers"], plan, "vLLM's config maps", config=True)
+        verdict.problems += _scheme_problems(entry["mapping"]["layers"], plan)
     if "not_run" in entry:
+        mapped = entry.get("mapping", {}).get("layers", {})
+        verdict.layers = {name: info["scheme"] for name, info in mapped.items()}
         verdict.lines.append(f"{head}: {entry['not_run']}: checked its config parsing and scheme mapping for "
-                             f"{len(entry['mapping']['layers'])} layers, not its logprobs")
+                             f"{len(mapped)} layers, not its logprobs")
         return verdict
     if "load_error" in entry:
         verdict.problems.append(f"{folder}: vLLM cannot load it: {entry['load_error']}")
@@ -222,7 +229,9 @@ def _verdict(result: dict[str, Any], folder: Path, plan: ExportPlan, model: torc
         counts[info["scheme"]] = counts.get(info["scheme"], 0) + 1
     verdict.lines.append(f"{head} loaded {folder} as {entry['architecture']}: {len(layers)} layers; "
                          + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
-    _compare_logprobs(verdict, entry, rest[0] if rest else entry, plan, model, prompts)
+    _compare_logprobs(verdict, entry, result["reference"] or entry, plan, model, prompts)
+    verdict.scored = True
+    verdict.figures["vllm_seconds"] = result["seconds"]
     return verdict
 
 
@@ -241,19 +250,19 @@ def _matches(group: str, scheme: str | None, strategy: str | None, moe: bool) ->
     return scheme == _SCHEME_CLASS[group][1 if moe else 0] and strategy in (None, wanted.weights)
 
 
-def _scheme_problems(mapped: dict[str, Any], plan: ExportPlan, said: str, config: bool) -> list[str]:
-    """vLLM's config mapping per layer (the side script's), held to the plan."""
+def _scheme_problems(mapped: dict[str, Any], plan: ExportPlan) -> list[str]:
+    """vLLM's config mapping per layer (the side script's; an experts block by its expert 0's linear scheme, as
+    vLLM's get_moe_method looks it up), held to the plan."""
     problems = []
     for layer, info in mapped.items():
         groups, _ = _expected(info["parts"], plan)
         if info.get("error"):
-            problems.append(f"{layer}: {said} it to an error: {info['error']}")
+            problems.append(f"{layer}: vLLM's config maps it to an error: {info['error']}")
         elif len(groups) != 1:
             problems.append(f"{layer}: the plan splits its parts across {sorted(groups)}, and vLLM runs them as "
                             "one layer")
-        elif not _matches(next(iter(groups)), info["scheme"], info.get("strategy"), moe=config is False
-                          and info["kind"] == "moe"):
-            problems.append(f"{layer}: the plan has {next(iter(groups))}, {said} it to {info['scheme']}")
+        elif not _matches(next(iter(groups)), info["scheme"], info.get("strategy"), moe=False):
+            problems.append(f"{layer}: the plan has {next(iter(groups))}, vLLM's config maps it to {info['scheme']}")
     return problems
 
 
@@ -304,7 +313,8 @@ def _gap(a: list, b: list[torch.Tensor]) -> tuple[float, float]:
 def _compare_logprobs(verdict: Verdict, entry: dict[str, Any], reference: dict[str, Any], plan: ExportPlan,
                       model: torch.nn.Module, prompts: list[list[int]]) -> None:
     if "logprobs" not in reference:
-        verdict.problems.append(f"the plain bf16 reference did not load in vLLM: {reference.get('load_error')}")
+        verdict.problems.append(f"the plain bf16 export of the same model (the bound's reference) did not load in "
+                                f"vLLM: {reference.get('load_error')}")
         return
     fp32 = _logprobs(model, prompts)
     served = _logprobs(served_model(model, plan), prompts)

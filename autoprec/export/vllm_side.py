@@ -4,17 +4,19 @@ It runs in vLLM's own venv, where autoprec is not installed, so it imports nothi
 JSON request (argv[1]) and writes one JSON result (argv[2]); vLLM's log goes to stdout/stderr, which the caller
 keeps only to quote the last line of an error.
 
-The request: ``{"folders": [FOLDER, ...], "prompts": [[token ids], ...], "load": true|false, "cannot_run":
-{platform: {config group name: why}}}`` (a folder holding such a group on that platform is mapped, not loaded). For each folder the
-result holds:
+The request: ``{"folder": FOLDER, "reference": FOLDER or null, "prompts": [[token ids], ...], "cannot_run":
+{platform: {config group name: why}}}`` (a folder holding such a group on that platform is mapped, not loaded).
+The result holds, for the folder:
 
 - ``mapping``: what vLLM's compressed-tensors config (``CompressedTensorsConfig.from_config``) gives each layer
   vLLM builds, without loading a weight: fused layers (the model class's ``packed_modules_mapping``) and MoE
   experts folded as vLLM folds them; per layer the scheme class it would build, or the error it raises;
-- with ``load``: ``layers``, the scheme each layer of the loaded engine actually holds (its ``quant_method``'s or
-  ``scheme``'s class), read inside the engine with ``LLM.apply_model``; ``architecture``, the model class vLLM
-  resolved; ``logprobs``, per prompt the logprob vLLM gives each actual next token (``prompt_logprobs``,
-  ``max_tokens=1``: prompts scored, one token generated).
+- unless it cannot run here (``not_run``: why): ``layers``, the scheme each layer of the loaded engine actually
+  holds (its ``quant_method``'s or ``scheme``'s class), read inside the engine with ``LLM.apply_model``;
+  ``architecture``, the model class vLLM resolved; ``logprobs``, per prompt the logprob vLLM gives each actual
+  next token (``prompt_logprobs``, ``max_tokens=1``: prompts scored, one token generated);
+
+and for the reference (a plain bf16 export of the same model), loaded after the folder, its logprobs likewise.
 
 Run it with VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine in this process, so that apply_model reaches the model).
 """
@@ -25,6 +27,7 @@ import gc
 import json
 import re
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -103,12 +106,33 @@ def scheme_of(ct, stub, names: list[str]) -> dict:
         if dicts[0] is None or dicts[0].get("weights") is None:
             return {"scheme": "unquantized", "error": None}
         d = dicts[0]
-        scheme = ct._get_scheme_from_parts(weight_quant=d.get("weights"), input_quant=d.get("input_activations"),
-                                           output_quant=d.get("output_activations"), format=d.get("format"),
-                                           layer_name=names[0])
-        return {"scheme": type(scheme).__name__, "strategy": strategy(d.get("weights")), "error": None}
+        found = {"strategy": strategy(d.get("weights")), "error": None}
+        try:
+            scheme = ct._get_scheme_from_parts(weight_quant=d.get("weights"), input_quant=d.get("input_activations"),
+                                               output_quant=d.get("output_activations"), format=d.get("format"),
+                                               layer_name=names[0])
+        except Exception as e:  # noqa: BLE001
+            chosen = scheme_being_built(e)
+            if chosen is None:
+                raise
+            # the lookup chose a scheme, whose kernel this platform lacks (NVFP4 on a CPU): the mapping is right
+            return dict(found, scheme=chosen, unavailable=one_line(e))
+        return dict(found, scheme=type(scheme).__name__)
     except Exception as e:  # noqa: BLE001 - what vLLM raises for this layer is the finding
         return {"scheme": None, "error": one_line(e)}
+
+
+def scheme_being_built(error: BaseException) -> str | None:
+    """The compressed-tensors scheme class whose constructor raised ``error`` (vLLM chose it, then found no
+    kernel for it here), or None where the error came from elsewhere."""
+    tb = error.__traceback__
+    chosen = None
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self") if tb.tb_frame.f_code.co_name == "__init__" else None
+        if owner is not None and type(owner).__name__.startswith("CompressedTensors") and chosen is None:
+            chosen = type(owner).__name__
+        tb = tb.tb_next
+    return chosen
 
 
 def strategy(weights) -> str | None:
@@ -156,31 +180,40 @@ def main(request_path: str, result_path: str) -> int:
     import vllm
     from vllm.platforms import current_platform
 
+    started = time.perf_counter()
     request = json.loads(Path(request_path).read_text())
-    results: list[dict] = []
-    head = {"vllm": vllm.__version__, "platform": str(current_platform.device_type), "folders": results}
-    for folder in map(Path, request["folders"]):
-        entry: dict = {"folder": str(folder)}
-        try:
-            entry["mapping"] = config_mapping(folder)
-        except Exception as e:  # noqa: BLE001
-            entry["mapping_error"] = one_line(e)
-            traceback.print_exc()
-        config = json.loads((folder / "config.json").read_text())
-        groups = (config.get("quantization_config") or {}).get("config_groups", {})
-        cannot = [why for name, why in request.get("cannot_run", {}).get(head["platform"], {}).items()
-                  if name in groups]
-        if cannot:
-            entry["not_run"] = cannot[0]
-        elif request.get("load", True):
-            try:
-                entry.update(score(folder, request["prompts"]))
-            except Exception as e:  # noqa: BLE001
-                entry["load_error"] = one_line(e)
-                traceback.print_exc()
-        results.append(entry)
-        Path(result_path).write_text(json.dumps(head))  # what is done so far, should a later folder crash
+    folder = Path(request["folder"])
+    platform = str(current_platform.device_type)
+    result: dict = {"vllm": vllm.__version__, "platform": platform, "folder": {}, "reference": None}
+    entry = result["folder"]
+    try:
+        entry["mapping"] = config_mapping(folder)
+    except Exception as e:  # noqa: BLE001 - vLLM's own words on the folder's config are the finding
+        entry["mapping_error"] = one_line(e)
+        traceback.print_exc()
+    groups = (json.loads((folder / "config.json").read_text()).get("quantization_config") or {}).get(
+        "config_groups", {})
+    cannot = [why for name, why in request.get("cannot_run", {}).get(platform, {}).items() if name in groups]
+    if cannot:
+        entry["not_run"] = cannot[0]
+    else:
+        entry.update(load(folder, request["prompts"]))
+        if "load_error" not in entry and request.get("reference"):  # the same prompts on a plain bf16 export
+            result["reference"] = load(Path(request["reference"]), request["prompts"])
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    Path(result_path).write_text(json.dumps(result))
     return 0
+
+
+def load(folder: Path, prompts: list[list[int]]) -> dict:
+    started = time.perf_counter()
+    try:
+        out = score(folder, prompts)
+    except Exception as e:  # noqa: BLE001 - vLLM's refusal to load the folder is the finding
+        traceback.print_exc()
+        out = {"load_error": one_line(e)}
+    out["seconds"] = round(time.perf_counter() - started, 1)
+    return out
 
 
 if __name__ == "__main__":

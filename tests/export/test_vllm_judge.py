@@ -1,14 +1,16 @@
 """vLLM is the judge (issue 42, part 3): a real vLLM, in a process of its own, loads an export and says which
 scheme each layer it builds runs and what logprobs it gives; the check holds both to the plan.
 
-Run against the engine where a Python with vLLM is found (--vllm-python's lookup: $AUTOPREC_VLLM_PYTHON, else
-.venv-vllm/bin/python); skipped with the reason otherwise. Each engine check takes tens of seconds on a CPU (vLLM
-imports and loads the folder and a plain bf16 one), so there are few.
+Run against the engine where a Python with vLLM is found (the check's lookup: $AUTOPREC_VLLM_PYTHON, else a
+finished .venv-vllm); skipped with the reason otherwise. .ci/run builds .venv-vllm and runs them (`-m vllm`).
+Each engine check takes tens of seconds on a CPU (vLLM imports, loads the folder and a plain bf16 one), so there
+are few.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,9 +26,20 @@ safetensors = pytest.importorskip("safetensors.torch")
 TESTS = Path(__file__).parent
 ROOT = TESTS.parents[1]
 
-VLLM = find_vllm_python(root=ROOT)
-needs_vllm = pytest.mark.skipif(VLLM is None or not VLLM.is_file(),
-                                reason=f"no Python with vLLM (set AUTOPREC_VLLM_PYTHON or: {INSTALL_VLLM})")
+
+
+def vllm_python() -> Path | None:
+    """The check's own lookup; a .venv-vllm only once its build finished (.ci/run writes .venv-vllm/READY after
+    it: the suite runs while it is built). $AUTOPREC_VLLM_PYTHON naming no file fails the tests, never skips them."""
+    found = find_vllm_python(root=ROOT)
+    if found is not None and found.parent.parent.name == ".venv-vllm" and not os.environ.get("AUTOPREC_VLLM_PYTHON"):
+        return found if (found.parent.parent / "READY").is_file() else None
+    return found
+
+
+VLLM = vllm_python()
+needs_vllm = pytest.mark.skipif(VLLM is None, reason="no Python with vLLM: set AUTOPREC_VLLM_PYTHON, or build "
+                                f"{INSTALL_VLLM} && touch .venv-vllm/READY")
 
 # head_dim 32: vLLM's CPU attention runs head sizes 32, 64, 80, ... (not 16)
 MODEL_PY = '''"""A small Llama (random weights, seeded) that vLLM's CPU build serves: head_dim 32."""
@@ -162,3 +175,22 @@ def test_weights_that_are_not_the_plans_fail_on_logprobs(tmp_path):
     assert verdict.layers == MIXED_SCHEMES  # vLLM's schemes are the plan's ...
     assert len(verdict.problems) == 1 and "vLLM's logprobs are" in verdict.problems[0]  # ... its arithmetic is not
     assert verdict.figures["mean"] > verdict.figures["margin"] * verdict.figures["bf16_mean"]
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_schemes_the_cpu_build_cannot_run_are_said_and_still_mapped_layer_for_layer(tmp_path):
+    """Per-tensor FP8 and NVFP4 do not run on vLLM's CPU build: the check says so, and holds vLLM's config parsing
+    and scheme lookup for every layer to the plan (without loading a weight)."""
+    policy = Policy(layers={r"re:model\.layers\.0\.self_attn\.[qkv]_proj": "fp8",
+                            r"re:model\.layers\.1\.mlp\.(gate|up)_proj": "nvfp4",
+                            "model.layers.1.mlp.down_proj": "fp8-rowwise"}, default="bf16")
+    out, model_py, policy_path = export(tmp_path, policy, "mixed")
+    verdict = judge_export(out, model_py, policy=policy_path, vllm_python=VLLM)
+    if not verdict.scored:  # a platform that runs them (a GPU) scores the logprobs as for the other plans
+        assert "cannot run per-tensor FP8" in verdict.lines[0] and "checked its config parsing" in verdict.lines[0]
+    assert verdict.ok, verdict.problems
+    assert verdict.layers["model.layers.0.self_attn.qkv_proj"] == FP8
+    assert verdict.layers["model.layers.1.mlp.gate_up_proj"] == "CompressedTensorsW4A4Fp4"
+    assert verdict.layers["model.layers.1.mlp.down_proj"] == FP8
+    assert verdict.layers["model.layers.0.mlp.gate_up_proj"] in (PLAIN, "unquantized")
