@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -222,8 +223,9 @@ def _verdict(result: dict[str, Any], folder: Path, plan: ExportPlan, model: torc
         return verdict
     layers = entry["layers"]
     verdict.layers = {name: info["scheme"] for name, info in layers.items()}
-    packed = entry["mapping"]["packed"]
-    verdict.problems += _engine_problems(layers, packed, plan)
+    said = {problem.partition(":")[0] for problem in verdict.problems}  # a layer the mapping named: once
+    verdict.problems += [p for p in _engine_problems(layers, entry.get("mapping", {}).get("packed", {}), plan)
+                         if p.partition(":")[0] not in said]
     counts: dict[str, int] = {}
     for info in layers.values():
         counts[info["scheme"]] = counts.get(info["scheme"], 0) + 1
@@ -274,7 +276,7 @@ def _engine_problems(layers: dict[str, Any], packed: dict[str, list[str]], plan:
         moe = "MoE" in info["method"] or "Experts" in info["class"]
         prefix, _, leaf = name.rpartition(".")
         if moe:
-            parts = [p for p in planned if p.startswith(f"{name}.")]
+            parts = _expert_parts(name, planned)
         else:
             parts = [f"{prefix}.{p}" if prefix else p for p in packed.get(leaf, [leaf])]
         covered.update(parts)
@@ -292,6 +294,17 @@ def _engine_problems(layers: dict[str, Any], packed: dict[str, list[str]], plan:
         problems.append(f"{missed[0]}: the plan quantizes it and vLLM built no layer of that name"
                         + (f" ({len(missed) - 1} more)" if len(missed) > 1 else ""))
     return problems
+
+
+def _expert_parts(name: str, planned: list[str]) -> list[str]:
+    """The checkpoint's expert projections a FusedMoE layer runs: those named ``<ancestor>.<index>.<proj>`` under
+    the nearest ancestor of vLLM's module (``...experts.routed_experts`` runs ``...experts.0.w1`` ...)."""
+    while name:
+        parts = [p for p in planned if re.match(re.escape(name) + r"\.\d+\.[^.]+$", p)]
+        if parts:
+            return parts
+        name = name.rpartition(".")[0]
+    return []
 
 
 @torch.no_grad()
