@@ -55,6 +55,11 @@ ENGINE_TIMEOUT_S = 900
 CANNOT_RUN = {"cpu": {SCHEMES[Precision.FP8].name: "vLLM's CPU build cannot run per-tensor FP8 "
                       "(_C::static_scaled_fp8_quant is a stub there)",
                       SCHEMES[Precision.NVFP4].name: "vLLM's CPU build cannot run NVFP4 (Blackwell's FP4 kernels)"}}
+# vLLM's CPU build runs FP8 MoE only for 128-blocked weights (W8A16 on AMX): channel- or tensor-scaled FP8 experts
+# stop in process_weights_after_loading ("Unsupported FP8 MoE backend: NONE")
+CANNOT_RUN_EXPERTS = {"cpu": {SCHEMES[p].name: "vLLM's CPU build cannot run FP8 MoE experts scaled per channel or "
+                              "per tensor (its FP8 MoE needs 128-blocked weights)"
+                              for p in (Precision.FP8_ROWWISE, Precision.FP8)}}
 # the folder's config group -> the scheme class vLLM builds for a linear, for a FusedMoE; and the weight strategy
 _SCHEME_CLASS = {SCHEMES[Precision.FP8_ROWWISE].name: ("CompressedTensorsW8A8Fp8", "CompressedTensorsW8A8Fp8MoEMethod"),
                  SCHEMES[Precision.FP8].name: ("CompressedTensorsW8A8Fp8", "CompressedTensorsW8A8Fp8MoEMethod"),
@@ -187,7 +192,8 @@ def _run_side(python: Path, folder: Path, reference: Path | None, prompts: list[
               ) -> dict[str, Any]:
     request, result = tmp / "request.json", tmp / "result.json"
     request.write_text(json.dumps({"folder": str(folder), "reference": reference and str(reference),
-                                   "prompts": prompts, "cannot_run": CANNOT_RUN}))
+                                   "prompts": prompts, "cannot_run": CANNOT_RUN,
+                                   "cannot_run_experts": CANNOT_RUN_EXPERTS}))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.pop("PYTHONPATH", None)  # the vLLM venv's own packages, none of this process's
@@ -207,11 +213,12 @@ def _verdict(result: dict[str, Any], folder: Path, plan: ExportPlan, model: torc
              prompts: list[list[int]]) -> Verdict:
     verdict = Verdict()
     entry = result["folder"]
+    planned = planned_layers(plan)
     head = f"vLLM {result['vllm']} ({result['platform']})"
     if "mapping_error" in entry:
         verdict.problems.append(f"{folder}: vLLM cannot parse its quantization_config: {entry['mapping_error']}")
     else:
-        verdict.problems += _scheme_problems(entry["mapping"]["layers"], plan)
+        verdict.problems += _scheme_problems(entry["mapping"]["layers"], planned)
     if "not_run" in entry:
         mapped = entry.get("mapping", {}).get("layers", {})
         verdict.layers = {name: info["scheme"] for name, info in mapped.items()}
@@ -224,7 +231,7 @@ def _verdict(result: dict[str, Any], folder: Path, plan: ExportPlan, model: torc
     layers = entry["layers"]
     verdict.layers = {name: info["scheme"] for name, info in layers.items()}
     said = {problem.partition(":")[0] for problem in verdict.problems}  # a layer the mapping named: once
-    verdict.problems += [p for p in _engine_problems(layers, entry.get("mapping", {}).get("packed", {}), plan)
+    verdict.problems += [p for p in _engine_problems(layers, entry.get("mapping", {}).get("packed", {}), planned)
                          if p.partition(":")[0] not in said]
     counts: dict[str, int] = {}
     for info in layers.values():
@@ -237,12 +244,16 @@ def _verdict(result: dict[str, Any], folder: Path, plan: ExportPlan, model: torc
     return verdict
 
 
-def _expected(parts: list[str], plan: ExportPlan) -> tuple[set[str], list[str]]:
-    """The folder's config groups of ``parts`` ("unquantized" for ignored ones), and the parts it does not name."""
-    ignored = set(plan.ignore)
-    groups = {SCHEMES[plan.quantized[p]].name if p in plan.quantized else "unquantized"
-              for p in parts if p in plan.quantized or p in ignored}
-    return groups, [p for p in parts if p not in plan.quantized and p not in ignored]
+def planned_layers(plan: ExportPlan) -> dict[str, str]:
+    """Each layer of the plan as the checkpoint names it -> its config group ("unquantized": served in the model's
+    dtype). The checkpoint's layer names are the plan's module names here: an export that renames layers (a
+    MoE's experts in the hub layout) maps them here, with the layout it writes them in."""
+    return {**dict.fromkeys(plan.ignore, "unquantized"), **{n: SCHEMES[p].name for n, p in plan.quantized.items()}}
+
+
+def _expected(parts: list[str], planned: dict[str, str]) -> set[str]:
+    """The plan's config groups of ``parts`` ("unquantized" for ignored ones)."""
+    return {planned[p] for p in parts if p in planned}
 
 
 def _matches(group: str, scheme: str | None, strategy: str | None, moe: bool) -> bool:
@@ -252,26 +263,33 @@ def _matches(group: str, scheme: str | None, strategy: str | None, moe: bool) ->
     return scheme == _SCHEME_CLASS[group][1 if moe else 0] and strategy in (None, wanted.weights)
 
 
-def _scheme_problems(mapped: dict[str, Any], plan: ExportPlan) -> list[str]:
+def _scheme_problems(mapped: dict[str, Any], planned: dict[str, str]) -> list[str]:
     """vLLM's config mapping per layer (the side script's; an experts block by its expert 0's linear scheme, as
     vLLM's get_moe_method looks it up), held to the plan."""
     problems = []
     for layer, info in mapped.items():
-        groups, _ = _expected(info["parts"], plan)
+        groups = _expected(info["parts"], planned)
         if info.get("error"):
             problems.append(f"{layer}: vLLM's config maps it to an error: {info['error']}")
-        elif len(groups) != 1:
+        elif not groups:
+            if info["scheme"] not in _UNQUANTIZED:
+                problems.append(f"{layer}: vLLM's config maps it to {info['scheme']}, and the plan does not name it")
+        elif len(groups) > 1:
             problems.append(f"{layer}: the plan splits its parts across {sorted(groups)}, and vLLM runs them as "
                             "one layer")
         elif not _matches(next(iter(groups)), info["scheme"], info.get("strategy"), moe=False):
             problems.append(f"{layer}: the plan has {next(iter(groups))}, vLLM's config maps it to {info['scheme']}")
+    covered = {part for info in mapped.values() for part in info["parts"]}
+    missed = [p for p, group in planned.items() if group != "unquantized" and p not in covered]
+    if missed:
+        problems.append(f"{missed[0]}: the plan quantizes it and the folder's quantization_config does not name it"
+                        + (f" ({len(missed) - 1} more)" if len(missed) > 1 else ""))
     return problems
 
 
-def _engine_problems(layers: dict[str, Any], packed: dict[str, list[str]], plan: ExportPlan) -> list[str]:
+def _engine_problems(layers: dict[str, Any], packed: dict[str, list[str]], planned: dict[str, str]) -> list[str]:
     """Each layer the loaded engine holds, held to the plan; and every planned layer vLLM did not build."""
     problems, covered = [], set()
-    planned = [*plan.quantized, *plan.ignore]
     for name, info in layers.items():
         moe = "MoE" in info["method"] or "Experts" in info["class"]
         prefix, _, leaf = name.rpartition(".")
@@ -280,7 +298,7 @@ def _engine_problems(layers: dict[str, Any], packed: dict[str, list[str]], plan:
         else:
             parts = [f"{prefix}.{p}" if prefix else p for p in packed.get(leaf, [leaf])]
         covered.update(parts)
-        groups, unnamed = _expected(parts, plan)
+        groups = _expected(parts, planned)
         if len(groups) > 1:
             problems.append(f"{name}: the plan splits its parts across {sorted(groups)}, and vLLM runs them as one "
                             f"layer with {info['scheme']}")
@@ -289,14 +307,14 @@ def _engine_problems(layers: dict[str, Any], packed: dict[str, list[str]], plan:
                 problems.append(f"{name}: vLLM runs it {info['scheme']}, and the plan does not name it")
         elif not _matches(next(iter(groups)), info["scheme"], info["strategy"] or None, moe):
             problems.append(f"{name}: the plan has {next(iter(groups))}, vLLM runs {info['scheme']}")
-    missed = [p for p in plan.quantized if p not in covered]
+    missed = [p for p, group in planned.items() if group != "unquantized" and p not in covered]
     if missed:
         problems.append(f"{missed[0]}: the plan quantizes it and vLLM built no layer of that name"
                         + (f" ({len(missed) - 1} more)" if len(missed) > 1 else ""))
     return problems
 
 
-def _expert_parts(name: str, planned: list[str]) -> list[str]:
+def _expert_parts(name: str, planned: dict[str, str]) -> list[str]:
     """The checkpoint's expert projections a FusedMoE layer runs: those named ``<ancestor>.<index>.<proj>`` under
     the nearest ancestor of vLLM's module (``...experts.routed_experts`` runs ``...experts.0.w1`` ...)."""
     while name:

@@ -5,7 +5,8 @@ JSON request (argv[1]) and writes one JSON result (argv[2]); vLLM's log goes to 
 keeps only to quote the last line of an error.
 
 The request: ``{"folder": FOLDER, "reference": FOLDER or null, "prompts": [[token ids], ...], "cannot_run":
-{platform: {config group name: why}}}`` (a folder holding such a group on that platform is mapped, not loaded).
+{platform: {config group name: why}}, "cannot_run_experts": likewise, for a group holding MoE experts}`` (a
+folder holding such a group on that platform is mapped, not loaded).
 The result holds, for the folder:
 
 - ``mapping``: what vLLM's compressed-tensors config (``CompressedTensorsConfig.from_config``) gives each layer
@@ -85,7 +86,7 @@ def config_mapping(folder: Path) -> dict:
     ct = CompressedTensorsConfig.from_config(quant)
     ct.packed_modules_mapping = packed
     model_config = ModelConfig(model=str(folder), dtype="auto", skip_tokenizer_init=True, max_model_len=256)
-    names = [t for g in quant.get("config_groups", {}).values() for t in g.get("targets", [])] + quant.get("ignore", [])
+    names = linear_names(folder, quant)
     stub = torch.nn.Linear(1, 1, device="meta")  # a class-name target ("Linear") matches it as it would vLLM's
     layers = {}
     with set_current_vllm_config(VllmConfig(model_config=model_config)):  # the schemes read the dtype from it
@@ -94,6 +95,26 @@ def config_mapping(folder: Path) -> dict:
             lookup = [p for p in info["parts"] if p.startswith(f"{layer}.0.")] if info["kind"] == "moe" else [layer]
             layers[layer] = dict(info, **scheme_of(ct, stub, lookup))
     return {"quantized": True, "packed": packed, "model_class": getattr(cls, "__name__", None), "layers": layers}
+
+
+def linear_names(folder: Path, quant: dict) -> list[str]:
+    """The checkpoint's layers the quantization_config speaks of: each weight's layer (from the safetensors
+    headers: no tensor read) that a target names (exactly, or a ``re:`` pattern matching from the start, as vLLM
+    matches) or ``ignore`` lists; ``ignore`` entries without a weight too (a tied head)."""
+    from safetensors import safe_open
+
+    targets = [t for g in quant.get("config_groups", {}).values() for t in g.get("targets", [])]
+    ignore = list(quant.get("ignore", []))
+    layers: list[str] = []
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            layers += [k.rpartition(".")[0] for k in f.keys() if k.rpartition(".")[2] in ("weight", "weight_packed")]
+
+    def named(layer: str) -> bool:
+        return layer in ignore or any(re.match(t[3:], layer) if t.startswith("re:") else t == layer for t in targets)
+
+    found = [layer for layer in dict.fromkeys(layers) if named(layer)]
+    return found + [layer for layer in ignore if layer not in found]
 
 
 def scheme_of(ct, stub, names: list[str]) -> dict:
@@ -194,6 +215,8 @@ def main(request_path: str, result_path: str) -> int:
     groups = (json.loads((folder / "config.json").read_text()).get("quantization_config") or {}).get(
         "config_groups", {})
     cannot = [why for name, why in request.get("cannot_run", {}).get(platform, {}).items() if name in groups]
+    experts = {name for name, g in groups.items() for t in g.get("targets", []) if ".experts" in t}
+    cannot += [why for name, why in request.get("cannot_run_experts", {}).get(platform, {}).items() if name in experts]
     if cannot:
         entry["not_run"] = cannot[0]
     else:
