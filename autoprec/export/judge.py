@@ -116,7 +116,7 @@ def judge_export(folder: str | Path, model_py: str | Path, policy: str | Path | 
     model, batches, holdout = _model_and_batches(model_py)
     # given the policy, the plan is the policy's own (the folder's config is then checked, by vLLM, against it)
     plan = (plan_export(model, Policy.load(policy), keep_fp32=bool(summary.get("source", {}).get("keep_fp32")))
-            if policy is not None else _folder_plan(folder, summary))
+            if policy is not None else _folder_plan(folder, summary, model))
     if plan.nvfp4_layers:
         plan.input_amax = calibrate_inputs(model, plan, batches)  # as the export calibrated them
     prompts = _prompts(holdout)
@@ -179,12 +179,21 @@ def _prompts(batches: list) -> list[list[int]]:
     return rows[:MAX_PROMPTS]
 
 
-def _folder_plan(folder: Path, summary: dict[str, Any]) -> ExportPlan:
-    """The plan the folder holds, from its config.json's quantization_config: layer -> precision, the ignore list."""
+def _folder_plan(folder: Path, summary: dict[str, Any], model: torch.nn.Module) -> ExportPlan:
+    """The plan the folder holds, from its config.json's quantization_config: layer -> precision, the ignore list.
+    Its names must be the model's own layers (the in-process plan is built from them): a folder that names them
+    otherwise (a pattern, the hub's names of MoE experts) is checked against its policy instead."""
     config = json.loads((folder / "config.json").read_text())
     quant = config.get("quantization_config") or {}
     by_name = {scheme.name: precision for precision, scheme in SCHEMES.items()}
-    quantized = {t: by_name[name] for name, group in quant.get("config_groups", {}).items() for t in group["targets"]}
+    quantized = {t: by_name.get(name) for name, group in quant.get("config_groups", {}).items()
+                 for t in group["targets"]}
+    modules = dict(model.named_modules())
+    odd = next((t for t, precision in quantized.items() if precision is None or t not in modules), None)
+    if odd is not None:
+        raise JudgeRefused(f"{folder}: its quantization_config names {odd!r}, which is not a layer of model.py's "
+                           "model in a scheme autoprec writes, so the plan cannot be read back from it; fix: give "
+                           "the policy it was exported from (autoprec export --check-only FOLDER RUN_DIR --model ...)")
     return ExportPlan(quantized, list(quant.get("ignore", summary.get("ignore", []))), summary["dtype"])
 
 

@@ -111,7 +111,19 @@ def test_a_policy_edited_after_the_export_is_refused_in_one_line(tmp_path):
     assert "Traceback" not in run.stderr
 
 
-def test_without_vllm_it_says_how_to_install_it(tmp_path, monkeypatch):
+def test_a_folder_whose_names_are_not_the_models_asks_for_the_policy(tmp_path):
+    """Without the policy the plan is read back from the folder's config: a pattern there cannot be, in one line."""
+    out, model_py, _ = export(tmp_path, MIXED, "mixed")
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["FP8_DYNAMIC"]["targets"] = [r"re:model\.layers\.0\..*"]
+    (out / "config.json").write_text(json.dumps(config))
+    run = autoprec("export", "--check-only", str(out), "--model", str(model_py), "--vllm-python", sys.executable)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert "names 're:model" in last and "fix: give the policy it was exported from" in last
+
+
+def test_without_vllm_it_says_how_to_install_it(tmp_path):
     out, model_py, _ = export(tmp_path, Policy(default="bf16"), "plain")
     run = autoprec("export", "--check-only", str(out), "--model", str(model_py),
                    "--vllm-python", str(tmp_path / "no-such-python"))
