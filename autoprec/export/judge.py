@@ -22,7 +22,6 @@ import math
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 
 from autoprec.errors import UserError
-from autoprec.export.checkpoint import EXPORT_FILE, export_checkpoint
+from autoprec.export.checkpoint import EXPORT_FILE, checkpoint_layout, export_checkpoint
 from autoprec.export.plan import SCHEMES, ExportPlan, plan_export
 from autoprec.export.quantize import calibrate_inputs, served_model
 from autoprec.export.run import policy_sha256, read_run
@@ -222,7 +221,7 @@ def _verdict(result: dict[str, Any], folder: Path, plan: ExportPlan, model: torc
              prompts: list[list[int]]) -> Verdict:
     verdict = Verdict()
     entry = result["folder"]
-    planned = planned_layers(plan)
+    planned = planned_layers(model, plan)
     head = f"vLLM {result['vllm']} ({result['platform']})"
     if "mapping_error" in entry:
         verdict.problems.append(f"{folder}: vLLM cannot parse its quantization_config: {entry['mapping_error']}")
@@ -254,11 +253,14 @@ def _verdict(result: dict[str, Any], folder: Path, plan: ExportPlan, model: torc
     return verdict
 
 
-def planned_layers(plan: ExportPlan) -> dict[str, str]:
+def planned_layers(model: torch.nn.Module, plan: ExportPlan) -> dict[str, str]:
     """Each layer of the plan as the checkpoint names it -> its config group ("unquantized": served in the model's
     dtype). The checkpoint's layer names are the plan's module names here: an export that renames layers (a
     MoE's experts in the hub layout) maps them here, with the layout it writes them in."""
-    return {**dict.fromkeys(plan.ignore, "unquantized"), **{n: SCHEMES[p].name for n, p in plan.quantized.items()}}
+    layers = checkpoint_layout(model, plan).layers  # plan layer -> the checkpoint's layers (hub names)
+    out = {c: "unquantized" for n in plan.ignore for c in layers.get(n, [n])}
+    out.update({c: SCHEMES[p].name for n, p in plan.quantized.items() for c in layers.get(n, [n])})
+    return out
 
 
 def _expected(parts: list[str], planned: dict[str, str]) -> set[str]:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from export_models import MOE_KINDS, perplexity, tiny_moe, token_batch
+from vllm_engine import VLLM, needs_vllm
 
 from autoprec.export import ExportRefused, engine_schemes, export_checkpoint, plan_export, served_model
 from autoprec.export.quantize import ServedExperts
@@ -240,12 +241,6 @@ def test_an_experts_layout_that_transposes_or_joins_tensors_is_refused(monkeypat
 
 
 # ---- vLLM loads it ------------------------------------------------------------------------------------------------
-def vllm_python() -> str | None:
-    """The python of a vLLM venv: AUTOPREC_VLLM_PYTHON, else .venv-vllm/bin/python at the repository root."""
-    found = os.environ.get("AUTOPREC_VLLM_PYTHON") or str(Path(__file__).parents[2] / ".venv-vllm" / "bin" / "python")
-    return found if Path(found).is_file() else None
-
-
 VLLM_SCRIPT = textwrap.dedent('''
     """vLLM's CPU build runs FP8 MoE for 128-block weights only (W8A16, AMX): for channel-scaled FP8 experts it
     builds CompressedTensorsW8A8Fp8MoEMethod, loads the weights and scales, then stops in
@@ -295,15 +290,14 @@ VLLM_SCRIPT = textwrap.dedent('''
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@needs_vllm
 def test_vllm_builds_fp8_moe_layers_loads_every_expert_and_scores_as_the_emulation(tmp_path):
     """A Mixtral (hidden 128: vLLM's CPU attention needs head dim >= 32) with its experts and attention in
     fp8-rowwise: vLLM builds each FusedMoE with CompressedTensorsW8A8Fp8MoEMethod and each attention linear with
     CompressedTensorsW8A8Fp8; the w13 it loads is each expert's w1 over its w3 (and their scales), w2 its w2, as
     the file holds them; its prompt logprobs (experts as its CPU runs FP8 MoE: dequantized weights, bf16 inputs)
     are the emulation's (the same, for the experts) within bf16 rounding but where rounding reroutes a token."""
-    python = vllm_python()
-    if python is None:
-        pytest.skip("no vLLM venv (set AUTOPREC_VLLM_PYTHON or make .venv-vllm)")
+    python = str(VLLM)
     model = tiny_moe("mixtral", hidden=128, heads=2)
     plan = plan_export(model, PLAN)
     folder, out = tmp_path / "served", tmp_path / "vllm"

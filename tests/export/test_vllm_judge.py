@@ -10,14 +10,14 @@ are few.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from vllm_engine import VLLM, needs_vllm
 
-from autoprec.export.judge import INSTALL_VLLM, find_vllm_python, judge_export
+from autoprec.export.judge import judge_export
 from autoprec.export.run import TunedRun, export_model_py, policy_sha256
 from autoprec.runtime.policy import Policy
 
@@ -27,19 +27,6 @@ TESTS = Path(__file__).parent
 ROOT = TESTS.parents[1]
 
 
-
-def vllm_python() -> Path | None:
-    """The check's own lookup; a .venv-vllm only once its build finished (.ci/run writes .venv-vllm/READY after
-    it: the suite runs while it is built). $AUTOPREC_VLLM_PYTHON naming no file fails the tests, never skips them."""
-    found = find_vllm_python(root=ROOT)
-    if found is not None and found.parent.parent.name == ".venv-vllm" and not os.environ.get("AUTOPREC_VLLM_PYTHON"):
-        return found if (found.parent.parent / "READY").is_file() else None
-    return found
-
-
-VLLM = vllm_python()
-needs_vllm = pytest.mark.skipif(VLLM is None, reason="no Python with vLLM: set AUTOPREC_VLLM_PYTHON, or build "
-                                f"{INSTALL_VLLM} && touch .venv-vllm/READY")
 
 # head_dim 32: vLLM's CPU attention runs head sizes 32, 64, 80, ... (not 16)
 MODEL_PY = '''"""A small Llama (random weights, seeded) that vLLM's CPU build serves: head_dim 32."""
@@ -206,3 +193,47 @@ def test_schemes_the_cpu_build_cannot_run_are_said_and_still_mapped_layer_for_la
     assert verdict.layers["model.layers.1.mlp.gate_up_proj"] == "CompressedTensorsW4A4Fp4"
     assert verdict.layers["model.layers.1.mlp.down_proj"] == FP8
     assert verdict.layers["model.layers.0.mlp.gate_up_proj"] in (PLAIN, "unquantized")
+
+
+MOE_PY = '''"""A small Mixtral (random weights, seeded): 4 experts, head_dim 64."""
+import torch
+from transformers import MixtralConfig, MixtralForCausalLM
+
+
+def get_model():
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           tie_word_embeddings=False, architectures=["MixtralForCausalLM"])
+    return MixtralForCausalLM(config).eval()
+
+
+def get_batches():
+    return [torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(seed)) for seed in range(4)]
+'''
+MOE = "model.layers.{}.block_sparse_moe.experts"
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_moe_is_judged_layer_for_layer(tmp_path):
+    """Experts in FP8: vLLM maps each MoE layer (by its expert 0's projections) to FP8, not run on a CPU (its FP8
+    MoE needs 128-blocked weights); experts unquantized beside FP8 attention: loaded, each RoutedExperts
+    unquantized, the logprobs within the bound."""
+    (tmp_path / "model.py").write_text(MOE_PY)
+    model_py = tmp_path / "model.py"
+    for name, layers in {"experts": {r"re:model\.layers\.\d+\.(self_attn|mlp)\..*": "fp8-rowwise"},
+                         "attention": {r"re:model\.layers\.\d+\.self_attn\..*": "fp8-rowwise"}}.items():
+        policy_path = tmp_path / f"{name}.json"
+        Policy(layers=layers, default="bf16").save(policy_path)
+        out = tmp_path / name
+        export_model_py(model_py, TunedRun(Policy.load(policy_path), None, policy_path), out)
+        verdict = judge_export(out, model_py, policy=policy_path, vllm_python=VLLM)
+        assert verdict.ok, verdict.problems
+        if name == "experts":
+            assert {verdict.layers[MOE.format(n)] for n in range(2)} == {FP8}
+        else:
+            assert verdict.scored
+            routed = {verdict.layers[MOE.format(n) + ".routed_experts"] for n in range(2)}
+            assert routed == {"UnquantizedFusedMoEMethod"}
+            assert {verdict.layers[f"model.layers.{n}.self_attn.qkv_proj"] for n in range(2)} == {FP8}
