@@ -13,6 +13,7 @@ import importlib.util
 import itertools
 import math
 import random
+import re
 import sys
 import types
 from pathlib import Path
@@ -25,7 +26,7 @@ from autoprec.capture.layers import capture
 from autoprec.measuring import load as load_module
 from autoprec.measuring.load import (BUSY_SPREAD, MIN_SPREAD_LIMIT, SPREAD_FACTOR, MachineLoad, machine_load,
                                      quiet_spreads)
-from autoprec.profile.probe import BUSY_LONGER, MODEL_SECONDS, nothing_pays_off, probe_precisions
+from autoprec.profile.probe import BUSY_LONGER, MODEL_SECONDS, device_words, nothing_pays_off, probe_precisions
 from autoprec.runtime.precision import Capability, Precision
 
 QUIET = MachineLoad(load=0.4, cores=2, threads=2, spread=0.02)
@@ -99,7 +100,7 @@ def test_the_whole_model_overrules_its_largest_layer_before_a_tune_ends():
 def test_a_tune_that_ends_with_fp32_says_what_was_measured_and_claims_no_more():
     probes, spent = probes_of(FakeMachine(), rest_low_ms=15.0, state=QUIET)  # the model, too, is slower in bf16
     line = nothing_pays_off(probes, torch.device("cpu"))
-    assert line.startswith("nothing is faster than fp32 for this model on this CPU")
+    assert line.startswith("nothing measured faster than fp32 for this model on this CPU")
     assert "bf16 is 1.6x slower than fp32 for this model" in line
     assert "the whole model under blanket bf16 autocast took 1.59x [1.59, 1.59] of fp32's time" in line
     assert "the largest layer, 0, timed alone: 2.50x" in line
@@ -248,3 +249,61 @@ def test_the_quiet_series_holds_with_at_most_one_flag(benchmark, monkeypatch, fl
     arch = types.SimpleNamespace(name="llama")
     series = benchmark.quiet_series(arch, types.SimpleNamespace(quiet_series=len(flags)), Path("unused"))
     assert series["quiet"] == 10 and series["flagged"] == sum(flags) and series["verdict"] == expected
+
+
+AMX_XEON = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu sse sse2 avx avx2 avx512f avx512dq avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8
+processor\t: 1
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+"""
+EPYC = "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse sse2 avx avx2 fma\n"
+
+
+@pytest.mark.parametrize(("cpuinfo", "said", "not_said"), [
+    (AMX_XEON, "this CPU (Intel(R) Xeon(R) Platinum 8480+ with AMX-BF16, AVX512-BF16, AVX512-FP16, AVX512F, AVX2)",
+     "no bf16"),
+    (EPYC, "this CPU (AMD EPYC 7B13 with AVX2, no bf16 instructions)", "AVX512"),
+    ("processor\t: 0\n", "this CPU (torch's", "None"),  # no model name: torch's dispatch level, named as such
+])
+def test_the_cpu_is_named_by_its_model_and_features(tmp_path, cpuinfo, said, not_said):
+    """An AMX Xeon was called "this CPU (AVX512)": torch's dispatch level, not the CPU (bf16 matmuls 5-8x faster
+    than fp32 on it when quiet)."""
+    path = tmp_path / "cpuinfo"
+    path.write_text(cpuinfo)
+    words = device_words(torch.device("cpu"), str(path))
+    assert said in words and not_said not in words
+    assert "(AVX512)" not in words
+
+
+def test_nothing_faster_says_when_it_was_measured_and_the_load_beside_it(tmp_path):
+    """What ends a tune is what was measured at that moment: its time and the load beside it; on a busy machine it
+    says the answer may differ when quiet, and the CPU is named by its model, not by torch's dispatch level."""
+    path = tmp_path / "cpuinfo"
+    path.write_text(AMX_XEON)
+    slower, _ = probes_of(FakeMachine(), rest_low_ms=15.0, state=BUSY)
+    line = nothing_pays_off(slower, torch.device("cpu"), str(path))
+    assert line.startswith("nothing measured faster than fp32 for this model on this CPU (Intel(R) Xeon(R) Platinum "
+                           "8480+ with AMX-BF16")
+    assert re.search(r", measured \d{4}-\d\d-\d\d \d\d:\d\d UTC, so the policy is fp32", line), line
+    assert "Measured while the machine was busy: on a quiet machine the answer may differ" in line
+    quiet, _ = probes_of(FakeMachine(), rest_low_ms=15.0, state=QUIET)
+    line = nothing_pays_off(quiet, torch.device("cpu"), str(path))
+    assert re.search(r", measured \d{4}-\d\d-\d\d \d\d:\d\d UTC \(load 0\.4 on 2 cores, torch's kernels on 2, a "
+                     r"reference matmul's time varied ±2% \(±25% allowed\)\), so the policy is fp32", line), line
+    assert "busy" not in line
+
+
+def test_a_tune_ended_on_the_layer_alone_says_the_load_too():
+    """An emulated precision clearly slower on the largest layer ends the tune without the whole model: that timing,
+    too, is said with the machine's load beside it."""
+    machine = FakeMachine()
+    torch.manual_seed(0)
+    model = nn.Sequential(Clocked(machine, 64, 256, 1.0, 9.0), nn.ReLU(), Clocked(machine, 256, 8, 1.0, 9.0)).eval()
+    batch = torch.randn(4, 64)
+    probes = probe_precisions(model, capture(model, [batch]), batch, [Precision.BF16],
+                              {Precision.BF16: Capability.EMULATED}, torch.device("cpu"), clock=machine.clock,
+                              machine=QUIET)
+    assert not probes["bf16"].pays_off and probes["bf16"].machine["load"] == 0.4
+    assert "(load 0.4 on 2 cores" in nothing_pays_off(probes, torch.device("cpu"))
