@@ -7,13 +7,14 @@ the code it describes says so (``git log <commit>..HEAD -- autoprec`` lists what
 from __future__ import annotations
 
 import datetime
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
-__all__ = ["measured_on", "stamped"]
+__all__ = ["measured_on", "stamped", "stamped_dumps"]
 
 
 def _git(*args: str) -> str:
@@ -37,3 +38,8 @@ def measured_on() -> dict[str, Any]:
 def stamped(result: Any) -> Any:
     """``result`` (a dict) with ``measured_on`` first; anything else as it is."""
     return {"measured_on": measured_on(), **result} if isinstance(result, dict) else result
+
+
+def stamped_dumps(result: Any, **options: Any) -> str:
+    """``json.dumps`` of ``result`` with :func:`measured_on` in it: what every results file is written with."""
+    return json.dumps(stamped(result), **options)

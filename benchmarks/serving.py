@@ -67,6 +67,7 @@ import tiny_llm  # noqa: E402
 tiny_llm.SETTINGS.update(TINY_SETTINGS)
 import model as tiny  # noqa: E402  (benchmarks/models/tiny_llm/model.py, reading the settings above)
 from serving_goal import goal, goal_lines  # noqa: E402
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 from autoprec.export import engine_schemes, export_checkpoint, plan_export  # noqa: E402
 from autoprec.profile.serving import serving_estimate  # noqa: E402
@@ -598,7 +599,7 @@ def main() -> None:
     if args.table:
         result = json.loads(json_path.read_text())
         result["goal"] = goal(result["rows"], args.spread)
-        json_path.write_text(json.dumps(result, indent=1) + "\n")
+        json_path.write_text(stamped_dumps(result, indent=1) + "\n")
         print(table(result["rows"], result["model"]))
         print("\n".join(goal_lines(c) for c in result["goal"]))
         return
@@ -631,7 +632,7 @@ def main() -> None:
               "rows": rows, "goal": check, "wall_seconds": time.perf_counter() - started, "torch": torch.__version__}
     if args.shape == "tiny":
         result["settings"] = TINY_SETTINGS
-    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    json_path.write_text(stamped_dumps(result, indent=1) + "\n")
     print(f"wrote {json_path} ({result['wall_seconds']:.0f} s)")
 
 
