@@ -50,6 +50,7 @@ from torch import nn
 from autoprec import Policy, apply_policy
 from autoprec.measuring.compare import compare
 from autoprec.runtime.apply import applied_policy
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 BATCH, TOKENS = 64, 128
 GOAL = 1.05
@@ -196,7 +197,7 @@ def llama_main(args: argparse.Namespace) -> None:
             entry["policy_over"][key] = vars(ratio)
         results[name] = entry
     if args.json:
-        args.json.write_text(json.dumps({"model": "LlamaConfig 4x256, vocab 8192", "device": "cpu",
+        args.json.write_text(stamped_dumps({"model": "LlamaConfig 4x256, vocab 8192", "device": "cpu",
                                          "threads": torch.get_num_threads(), "torch": torch.__version__,
                                          "goal": LLAMA_GOAL, "settings": results}, indent=2) + "\n")
         print(f"wrote {args.json}")
@@ -243,7 +244,7 @@ def main() -> None:
     print(f"goal policy-layers / autocast <= {GOAL}: {met} ({layers})")
 
     if args.json:
-        args.json.write_text(json.dumps({
+        args.json.write_text(stamped_dumps({
             "model": "all-MiniLM-L6-v2", "batch": BATCH, "tokens": TOKENS, "device": "cpu",
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "timing": timing.verdict, "load_average": [load_before, load_after],

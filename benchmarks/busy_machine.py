@@ -1,6 +1,7 @@
 """Same model, same answer, quiet or busy: small transformers tuned alone and beside busy neighbours.
 
     nice -n 0 python benchmarks/busy_machine.py [--only llama,qwen2] [--neighbours 2] [--quick]
+                                               [--quiet-load 0.5] [--wait 600] [--quiet-series 10]
                                                [--json benchmarks/results/busy_machine.json]
 
 Issue 36 found that two other tunes sharing the 2 cores flipped the answer: 21 of 22 small LMs tuned for inference
@@ -11,6 +12,13 @@ with the machine as it is, then beside ``--neighbours`` busy processes (each a t
 rests, as a neighbour's tune is). The goal, per architecture: the busy tune chooses the quiet tune's policy, or its
 headline says the busy run could not tell (timing noise prevented a decision, or the machine was busy). A busy tune
 that chooses otherwise *and* states it as decided is a failure: the row says so.
+
+The busy flag must mean busy, so the quiet side is checked too: before each quiet tune the benchmark waits (up to
+``--wait`` seconds) for the one-minute load average to decay below ``--quiet-load`` (a busy run just before leaves
+it at 3 and more for a minute), and a quiet tune that says the machine was busy is a failure (``QUIET FLAGGED``),
+as a busy run that flips its answer silently is. A quiet tune whose wait ran out is marked ``not quiet`` (the load
+it started at is recorded) and proves nothing either way. ``--quiet-series N`` then tunes the first architecture N
+times in a row on the quiet machine: the goal is at most one of the N flagged busy.
 
 Run it on a machine with nothing else running: the "quiet" tune is only as quiet as the machine is (the JSON
 records the load average before each tune). The tunes' own timings are not compared: only what they chose and
@@ -35,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import llm_zoo  # noqa: E402  (the architectures, their tiny configs and token batches)
+from provenance import measured_on  # noqa: E402
 
 import autoprec  # noqa: E402
 from autoprec.outputs.results import decision  # noqa: E402
@@ -58,6 +67,18 @@ while True:
     a = torch.tanh(a @ a)
 """
 COULD_NOT_TELL = ("timing noise prevented a decision", "while the machine was busy", "undecided")
+FLAGGED_BUSY = "while the machine was busy"  # the profile's whole-model line and the headline both say it so
+
+
+def wait_for_quiet(below: float, seconds: float, poll: float = 5.0) -> dict[str, Any]:
+    """Wait until the one-minute load average is below ``below`` (at most ``seconds``): the load it reached, how
+    long it took, and whether it got there."""
+    start = time.monotonic()
+    load = os.getloadavg()[0]
+    while load >= below and time.monotonic() - start < seconds:
+        time.sleep(poll)
+        load = os.getloadavg()[0]
+    return {"load": round(load, 2), "waited_s": round(time.monotonic() - start), "quiet": load < below}
 
 
 @contextlib.contextmanager
@@ -85,8 +106,10 @@ def wide(arch: llm_zoo.Architecture) -> llm_zoo.Architecture:
                                 arch.seq2seq)
 
 
-def tune_once(arch: llm_zoo.Architecture, busy: int, quick: bool, out: Path) -> dict[str, Any]:
-    """One default tune of ``arch`` with ``busy`` neighbours: what it chose and what it said."""
+def tune_once(arch: llm_zoo.Architecture, busy: int, quick: bool, out: Path,
+              quiet: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One default tune of ``arch`` with ``busy`` neighbours: what it chose and what it said (and, for a quiet tune,
+    ``quiet``: how the wait for a quiet machine before it went, :func:`wait_for_quiet`)."""
     make = llm_zoo.model_maker(arch)
     batches = llm_zoo.token_batches(arch, 3 if quick else 6, SEQ, seed=1, rows=ROWS)
     settings = {"trials": 10, "patience": 5} if quick else {}
@@ -97,11 +120,25 @@ def tune_once(arch: llm_zoo.Architecture, busy: int, quick: bool, out: Path) -> 
         result = autoprec.tune(make(), batches, progress=False, out=out, log=lines.append, **settings)
         seconds = time.perf_counter() - start
     said = [line for line in lines if line.strip()]
+    machine: dict[str, Any] = {}
     if result.verification is not None and result.verification.samples:  # a tune that ran to verification
         said.append(decision(result.verification, result.budget))
+        machine = dict(result.verification.machine)
     return {"neighbours": busy, "load_before": round(load, 2), "seconds": round(seconds, 1),
             "policy": result.policy.to_dict(), "summary": llm_zoo.summary(result.policy), "headline": said[-2:],
-            "could_not_tell": any(words in line for line in said for words in COULD_NOT_TELL)}
+            "could_not_tell": any(words in line for line in said for words in COULD_NOT_TELL),
+            "flagged_busy": any(FLAGGED_BUSY in line for line in said), "machine": machine,
+            **({"wait": quiet} if quiet is not None else {})}
+
+
+def quiet_tune(arch: llm_zoo.Architecture, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """A tune with no neighbours, once the load has decayed (:func:`wait_for_quiet`)."""
+    return tune_once(arch, 0, args.quick, out, wait_for_quiet(args.quiet_load, args.wait))
+
+
+def quiet_failed(run: dict[str, Any]) -> bool:
+    """A quiet tune (the machine reached quiet before it) that says the machine was busy: the flag misfired."""
+    return run.get("wait", {}).get("quiet", False) and run["flagged_busy"]
 
 
 def same_policy(a: dict, b: dict) -> bool:
@@ -109,6 +146,10 @@ def same_policy(a: dict, b: dict) -> bool:
 
 
 def verdict(quiet: dict, busy: dict) -> str:
+    if quiet_failed(quiet):
+        return "QUIET FLAGGED: the quiet tune said the machine was busy"
+    if not quiet.get("wait", {}).get("quiet", True):
+        return "not quiet: the load had not decayed before the quiet tune; " + verdict({**quiet, "wait": {}}, busy)
     if same_policy(quiet, busy):
         return "same policy"
     if busy["could_not_tell"]:
@@ -119,7 +160,7 @@ def verdict(quiet: dict, busy: dict) -> str:
 def run_one(arch: llm_zoo.Architecture, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     row: dict[str, Any] = {"label": arch.label}
     try:
-        row["quiet"] = tune_once(arch, 0, args.quick, out / arch.name / "quiet")
+        row["quiet"] = quiet_tune(arch, args, out / arch.name / "quiet")
         row["busy"] = tune_once(arch, args.neighbours, args.quick, out / arch.name / "busy")
     except Exception as e:  # a row that says why, the others still run
         return {**row, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1:]}"}
@@ -134,7 +175,8 @@ def table(rows: dict[str, dict]) -> str:
             lines.append(f"| {row['label']} | - | - | error: {row['error']} |")
             continue
         q, b = row["quiet"], row["busy"]
-        lines.append(f"| {row['label']} | {q['summary']} ({q['load_before']:.1f}) | {b['summary']} "
+        flag = ", flagged busy" if q.get("flagged_busy") else ""
+        lines.append(f"| {row['label']} | {q['summary']} ({q['load_before']:.1f}{flag}) | {b['summary']} "
                      f"({b['load_before']:.1f}) | {row['verdict']} |")
     return "\n".join(lines)
 
@@ -144,6 +186,13 @@ def main() -> None:
     parser.add_argument("--only", help=f"comma-separated architectures (default {','.join(DEFAULT_ARCHITECTURES)})")
     parser.add_argument("--neighbours", type=int, default=2, help="busy processes beside the busy tune (default 2)")
     parser.add_argument("--quick", action="store_true", help="smoke run: fewer batches and trials, not a result")
+    parser.add_argument("--quiet-load", type=float, default=0.5,
+                        help="a quiet tune starts once the 1-minute load average is below this (default 0.5)")
+    parser.add_argument("--wait", type=float, default=600,
+                        help="seconds to wait for it at most; then the tune runs marked 'not quiet' (default 600)")
+    parser.add_argument("--quiet-series", type=int, default=0, metavar="N",
+                        help="then tune the first architecture N times in a row on the quiet machine (goal: at "
+                             "most one flagged busy)")
     parser.add_argument("--out", default="autoprec-runs/busy_machine", help="folder for the tunes' outputs")
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "busy_machine.json"))
     args = parser.parse_args()
@@ -157,12 +206,34 @@ def main() -> None:
         rows[name] = run_one(wide(known[name]), args, Path(args.out))
         print(f"{name}: {rows[name].get('verdict', rows[name].get('error'))}", flush=True)
     print(table(rows))
+    series = quiet_series(wide(known[names[0]]), args, Path(args.out)) if args.quiet_series else None
     flipped = sum("FLIPPED" in row.get("verdict", "") for row in rows.values())
+    flagged = sum("QUIET FLAGGED" in row.get("verdict", "") for row in rows.values())
     about = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
              "machine": llm_zoo.machine(), "python": platform.python_version(), "quick": args.quick,
-             "neighbours": args.neighbours, "flipped": flipped}
-    Path(args.json).write_text(json.dumps({"about": about, "rows": rows}, indent=1))
-    print(f"{flipped} of {len(rows)} flipped; figures in {args.json}")
+             "neighbours": args.neighbours, "quiet_load": args.quiet_load, "flipped": flipped,
+             "quiet_flagged": flagged}
+    Path(args.json).write_text(json.dumps({"about": about, "measured_on": measured_on(), "rows": rows,
+                                           **({"quiet_series": series} if series else {})}, indent=1))
+    print(f"{flipped} of {len(rows)} flipped, {flagged} quiet tunes flagged busy; figures in {args.json}")
+    if series:
+        print(f"quiet series ({names[0]}): {series['flagged']} of {series['quiet']} quiet tunes flagged busy "
+              f"({series['verdict']})")
+
+
+def quiet_series(arch: llm_zoo.Architecture, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """``--quiet-series`` tunes of ``arch`` in a row, each once the load has decayed: how many said busy. The goal:
+    at most one (a machine that is quiet for a minute may still have a moment that is not)."""
+    runs = []
+    for i in range(args.quiet_series):
+        run = quiet_tune(arch, args, out / arch.name / f"quiet-{i}")
+        runs.append({k: run[k] for k in ("wait", "load_before", "summary", "flagged_busy", "machine", "headline")})
+        print(f"quiet {i + 1}/{args.quiet_series}: load {run['load_before']:.2f}, "
+              f"{'FLAGGED busy' if run['flagged_busy'] else 'not flagged'}", flush=True)
+    quiet = [r for r in runs if r["wait"]["quiet"]]
+    flagged = sum(r["flagged_busy"] for r in quiet)
+    return {"architecture": arch.name, "runs": runs, "quiet": len(quiet), "flagged": flagged,
+            "verdict": "holds" if quiet and flagged <= 1 else "FAILS" if quiet else "no quiet run"}
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from reproducibility import machine  # noqa: E402  (benchmarks/reproducibility.p
 
 import autoprec  # noqa: E402
 from autoprec.common.jsonsafe import dumps  # noqa: E402
+from provenance import stamped  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 from autoprec.common.sqnr import sqnr_db  # noqa: E402
 from autoprec.inputs.batches import fidelity_outputs  # noqa: E402
 from autoprec.measuring.compare import compare  # noqa: E402
@@ -147,7 +148,7 @@ def main() -> None:
         "goals": goals, "comparison": comparison.to_dict(),
     }
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(dumps(report) + "\n")
+    json_path.write_text(dumps(stamped(report)) + "\n")
     print(f"\nwritten: {json_path}")
 
 

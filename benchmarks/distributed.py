@@ -46,6 +46,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_PY = ROOT / "benchmarks" / "models" / "gpt2_tiny" / "model.py"
@@ -116,7 +117,7 @@ def main() -> None:
     if args.only in (None, "training"):
         results.update(training(args))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        Path(args.json).write_text(stamped_dumps(results, indent=2) + "\n")
         print(f"wrote {args.json}")
 
 

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 ROOT = Path(__file__).resolve().parents[1]
 CEILING_DB = 120.0
@@ -72,7 +73,7 @@ def main() -> None:
         "same_policy": estimated["policy"] == exact["policy"],
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(summary, indent=1) + "\n")
+    args.json.write_text(stamped_dumps(summary, indent=1) + "\n")
     print(json.dumps({k: summary[k] for k in ("items", "sqnr_difference_db", "sensitivity_speedup", "same_policy")}))
 
 

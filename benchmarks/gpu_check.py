@@ -53,6 +53,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -461,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = args.out or ROOT / "benchmarks" / "results" / "gpu_check.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    out.write_text(stamped_dumps(results, indent=1, default=str) + "\n")
     print(f"wrote {out} ({results['total_seconds']} s)")
     return 0
 

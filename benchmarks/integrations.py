@@ -49,6 +49,7 @@ from minilm_finetune import model as finetune  # noqa: E402
 
 from autoprec import Policy, TrainStep, apply_policy  # noqa: E402
 from autoprec.runtime.apply import effective_precisions, structure_fingerprint  # noqa: E402
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 GOAL_OVERHEAD = 1.05
 GOAL_CURVE = 0.01
@@ -272,7 +273,7 @@ def main() -> None:
     for name, wrong in mismatches.items():
         print(f"  dtypes {name}: {'every linear ran in its policy precision' if not wrong else wrong}")
     if args.json:
-        args.json.write_text(json.dumps({
+        args.json.write_text(stamped_dumps({
             "batch": [finetune.BATCH_SIZE, finetune.SEQ_LEN], "rounds": args.rounds, "timed_steps": args.steps - 1,
             "policy": "blanket bf16" if blanket else str(args.policy), "median_ms": median,
             "round_median_spread_ms": spread, "policy_over_own_bf16": overhead, "goal_overhead": GOAL_OVERHEAD,

@@ -45,6 +45,7 @@ import autoprec  # noqa: E402
 from autoprec.measuring.compare import Ratio, compare  # noqa: E402
 from autoprec.measuring.measure import policy_runs, shared_copy  # noqa: E402
 from autoprec.runtime.precision import Precision  # noqa: E402
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 UNSEEN = tiny.N_BATCHES  # the first batch after the tune's: timing; the ones after it: perplexity
 PERPLEXITY_BATCHES = 4
@@ -216,7 +217,7 @@ def main() -> None:
             raise SystemExit(f"--rows: unknown row {row!r}; use prefill, training or generation")
     print(table(rows, trained))
     if args.json:
-        Path(args.json).write_text(json.dumps({"trained": trained, "rows": rows}, indent=1) + "\n")
+        Path(args.json).write_text(stamped_dumps({"trained": trained, "rows": rows}, indent=1) + "\n")
         print(f"wrote {args.json}")
 
 

@@ -38,6 +38,7 @@ import torch
 
 import autoprec
 from autoprec.common.sqnr import sqnr_db
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 512
@@ -353,7 +354,7 @@ def save(path: Path | None, name: str, row: dict, quick: bool) -> dict:
     order = [a.name for a in ARCHITECTURES]
     saved = {"machine": machine(), "quick": quick, "rows": {n: rows[n] for n in sorted(rows, key=order.index)}}
     tmp = path.with_name(path.name + f".{name}.tmp")
-    tmp.write_text(json.dumps(saved, indent=1, default=str) + "\n")
+    tmp.write_text(stamped_dumps(saved, indent=1, default=str) + "\n")
     tmp.replace(path)  # atomic: two runs of --only other architectures may save into one file
     return saved
 

@@ -32,6 +32,7 @@ import model as minilm  # noqa: E402  (examples/minilm/model.py)
 from autoprec import Policy  # noqa: E402
 from autoprec.measuring.compare import compare  # noqa: E402
 from autoprec.measuring.measure import Evaluator, policy_runs  # noqa: E402
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 # A sub-block's share of a block's matmul work at 128 tokens, hidden 384, MLP 1536 (q/k/v 3, scores and
 # values about 1.3, attention output 1, MLP up 4, MLP down 4): the cost the greedy divides by.
@@ -89,7 +90,7 @@ def main() -> None:
     print(f"\nfastest greedy step meeting {args.floor:g} dB unseen: {best}"
           + (f", {timing.ratio(best, hand)} of the hand policy" if best else ""))
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"floor_db": args.floor, "timing": timing.verdict, "steps": steps,
+    args.json.write_text(stamped_dumps({"floor_db": args.floor, "timing": timing.verdict, "steps": steps,
                                      "policies": rows, "best_meeting_floor": best,
                                      "torch_threads": torch.get_num_threads()}, indent=2) + "\n")
     print(f"written: {args.json}")

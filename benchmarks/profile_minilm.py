@@ -32,6 +32,7 @@ import model as minilm  # noqa: E402  (examples/minilm/model.py)
 from autoprec.capture.layers import capture  # noqa: E402
 from autoprec.outputs.report import profile_summary, profile_table  # noqa: E402
 from autoprec.profile import profile_model  # noqa: E402
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 
 def main() -> None:
@@ -62,7 +63,7 @@ def main() -> None:
     for key, err in profile.prediction_error_pct.items():
         print(f"additive latency model vs measured, {key}: {err:+.1f}% (goal within 15%)")
     if args.json:
-        Path(args.json).write_text(json.dumps({
+        Path(args.json).write_text(stamped_dumps({
             "wall_s": wall, "evaluations": profile.cost["evaluations"], "seconds": profile.cost["seconds"],
             "bf16_over_fp32_by_kind": per_kind, "end_to_end_ms": profile.end_to_end_ms,
             "prediction_error_pct": profile.prediction_error_pct, "device": profile.device,

@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 import autoprec  # noqa: E402
 from autoprec.capture.layers import capture  # noqa: E402
 from autoprec.common.jsonsafe import dumps  # noqa: E402
+from provenance import stamped  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 from autoprec.measuring.compare import Comparison, Ratio, compare  # noqa: E402
 from autoprec.measuring.measure import Evaluator, call_model  # noqa: E402
 from autoprec.runtime.apply import effective_precisions  # noqa: E402
@@ -350,7 +351,7 @@ def main() -> None:
                    for name, result in (("planted", planted_result), ("minilm45", minilm_result))},
     })
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(dumps(report) + "\n")
+    json_path.write_text(dumps(stamped(report)) + "\n")
     print(f"\nwritten: {json_path}")
 
 

@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPTHS = (6, 12, 24, 48)
@@ -319,7 +320,7 @@ def main() -> None:
                         "MiniLM where nothing is faster <= 30 s": (figures["minilm_nothing_faster"]["wall_s"] <= 30
                                                                    if "minilm_nothing_faster" in figures else None)}
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(data, indent=1) + "\n")
+    args.json.write_text(stamped_dumps(data, indent=1) + "\n")
     print(f"48/12 blocks wall time: {growth}; goals: {figures['goals']}; written to {args.json}")
 
 

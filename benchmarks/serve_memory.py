@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS, WIDTH = 16, 2048
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": f"{LAYERS} x Linear({WIDTH}, {WIDTH}, bias=False), fp32 {fp32_mib:g} MiB",
               "forwards": 3, "input": [8, WIDTH], "repeats": args.repeats, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.write_text(stamped_dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
 

@@ -42,6 +42,7 @@ from autoprec.runtime.precision import Precision  # noqa: E402
 from autoprec.search.space import SearchSpace  # noqa: E402
 from autoprec.search.structure import Structure, predict_policy_ms, region_cost_ms  # noqa: E402
 from autoprec.search.study import choose_default  # noqa: E402
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 # Issue 8's four-rule hand policy: bf16, with the first and last encoder blocks, the embeddings and the pooler fp32.
 HAND = autoprec.Policy(default=Precision.BF16, layers={
@@ -148,7 +149,7 @@ def main() -> None:
               f"({len(p.layers)} regions)")
 
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({
+    Path(args.json).write_text(stamped_dumps({
         "latency_ms_64x128": ms, "ratio_to_fp32": {k: vars(r) for k, r in timing.ratios.items()},
         "timing": timing.verdict, "timing_16x128": small_timing.verdict,
         "sqnr_db_unseen": {k: (v if v != float("inf") else "inf") for k, v in sqnr.items()},

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from apply_overhead import load_model, per_layer_policy  # noqa: E402  (the same model and per-layer policy)
 
 from autoprec import Policy, TrainStep, apply_policy  # noqa: E402
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 BATCH, TOKENS = 16, 128
 GOAL = 1.05
@@ -93,7 +94,7 @@ def main() -> None:
     ratio = median["policy-layers"] / median["autocast"]
     print(f"policy-layers / autocast = {ratio:.3f} (goal <= {GOAL})")
     if args.json:
-        args.json.write_text(json.dumps({"batch": [args.batch, args.tokens], "steps_per_round": args.steps,
+        args.json.write_text(stamped_dumps({"batch": [args.batch, args.tokens], "steps_per_round": args.steps,
                                          "repeats": args.repeats, "median_ms": median, "samples_ms": samples,
                                          "policy_layers_over_autocast": ratio, "goal": GOAL}, indent=2) + "\n")
 

@@ -30,6 +30,7 @@ import autoprec  # noqa: E402
 from autoprec.measuring.compare import compare  # noqa: E402
 from autoprec.measuring.measure import Evaluator, policy_runs  # noqa: E402
 from autoprec.runtime.precision import Precision  # noqa: E402
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 
 def main() -> None:
@@ -65,7 +66,7 @@ def main() -> None:
     print(f"  tuned / autocast: {versus} ({versus.decision})")
     print(f"  budget: {result.budget}; met: {fidelity >= (result.budget.min_sqnr or 0)}")
     if args.json:
-        Path(args.json).write_text(json.dumps({
+        Path(args.json).write_text(stamped_dumps({
             "tune_s": tune_s, "seconds": result.seconds, "trials": len(result.search.trials),
             "latency_ms_64x128": ms, "samples_ms_64x128": timing.samples, "verdict": timing.verdict,
             "ratio_to_fp32": {k: vars(r) for k, r in timing.ratios.items()}, "tuned_over_autocast": vars(versus),

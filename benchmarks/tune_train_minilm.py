@@ -32,6 +32,7 @@ import autoprec  # noqa: E402
 from autoprec.inputs.trainspec import load_train_spec  # noqa: E402
 from autoprec.runtime.precision import Precision  # noqa: E402
 from autoprec.workloads.training import metric_after, train_runs  # noqa: E402
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 
 def main() -> None:
@@ -74,7 +75,7 @@ def main() -> None:
     print(f"  tuned / autocast step time: {ratio:.3f} (goal <= 1.03 where autocast is within budget)")
     print(f"  tuned speed-up over fp32: {step_ms['fp32'] / step_ms['tuned']:.2f}x (goal >= 1.5)")
     if args.json:
-        Path(args.json).write_text(json.dumps({
+        Path(args.json).write_text(stamped_dumps({
             "tune_s": tune_s, "seconds": result.seconds, "trials": len(result.search.trials), "steps": args.steps,
             "step_ms": step_ms, "speedup_tuned": step_ms["fp32"] / step_ms["tuned"],
             "speedup_autocast": step_ms["fp32"] / step_ms["autocast"], "tuned_over_autocast": ratio,

@@ -103,8 +103,26 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
+    """Tune as the command says, and print the result on the first rank. Ctrl-C or SIGTERM, wherever it lands (the
+    search, or a rank still importing or building its model when a SIGTERM reaches a torchrun job), is said as that
+    signal with what was kept, and tells the other ranks (so none is blamed as gone without a word)."""
+    out = Path(args.out) if args.out else default_out(args.model_py)
+    try:
+        result = _tuned(args, ranks, log, out)
+    except KeyboardInterrupt as stop:  # a TuneInterrupted knows its phase; before the tune started, nothing was
+        signal_name = getattr(stop, "signal", "SIGTERM" if isinstance(stop, Terminated) else "SIGINT")
+        ranks.interrupted(signal_name)  # the other ranks of a job stop as this one did
+        status = 143 if signal_name == "SIGTERM" else 130
+        return _interrupted(getattr(stop, "phase", "checking"), signal_name, out) if ranks.writes else status
+    if not ranks.writes:  # the first rank prints the result and wrote the outputs
+        return 0
     from autoprec.outputs.results import results_table
-    from autoprec.tune import TuneInterrupted
+
+    return _print_tuned(results_table(result.verification), result, out)
+
+
+def _tuned(args: argparse.Namespace, ranks: Any, log: Any, out: Path) -> Any:
+    """The tune's result (:func:`autoprec.tune.tune`), every setting checked before the model is loaded."""
     from autoprec.tune import tune as run_tune
 
     check_device(args.device)  # said as --device, before the config says it as device=
@@ -113,22 +131,14 @@ def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
         for dest, what in cls.cli_options.items():
             if cls is not for_ and getattr(args, dest, None) is not None:
                 raise CommandError(f"{what}: tune --for {name}, or leave it out (this tune is --for {args.for_})")
-    config = _config(args, out=Path(args.out) if args.out else default_out(args.model_py),  # before loading
-                     compile=args.compile, profile_all=args.profile_all,
+    config = _config(args, out=out, compile=args.compile, profile_all=args.profile_all,  # before loading
                      exact_sensitivity=args.exact_sensitivity, progress=ranks.writes, fuse=args.fuse)
     workload, spec = for_.from_command(args, ranks)
     if ranks.world_size > 1 and not spec.sharded:  # verification times the job as it runs: wrapped, or DDP replicas
         from autoprec.distributed.tuning import job_wrap
 
         workload.wrap = job_wrap(spec, workload.trains)
-    try:
-        result = run_tune(workload, config, log=log, ranks=ranks)
-    except TuneInterrupted as stop:
-        ranks.interrupted(stop.signal)  # the other ranks of a job stop as this one did
-        return _interrupted(stop, config.out) if ranks.writes else stop.status
-    if not ranks.writes:  # the first rank prints the result and wrote the outputs
-        return 0
-    return _print_tuned(results_table(result.verification), result, config.out)
+    return run_tune(workload, config, log=log, ranks=ranks)
 
 
 def _config(args: argparse.Namespace, **fields: Any) -> Any:
@@ -155,16 +165,16 @@ def _print_tuned(table: str, result: Any, out: Path) -> int:
     return 0
 
 
-def _interrupted(stop: Any, out: Path) -> int:
+def _interrupted(phase: str, signal_name: str, out: Path) -> int:
     """Ctrl-C or SIGTERM: say what was kept and how to go on (exit 130, or 143 for SIGTERM)."""
     kept = {"checking": "nothing was started",
             "profile": "nothing is saved yet (the profile is written when it is complete)",
             "search": "the profile and every finished trial are saved",
             "verify": "the profile and the search are saved; only the verification runs again",
-            "outputs": "the search is saved; the outputs are written again"}[stop.phase]
-    how = "stopped by SIGTERM" if stop.signal == "SIGTERM" else "interrupted"
-    print(f"\n{how} during {stop.phase}: {kept}; run the same command to go on ({out})", file=sys.stderr)
-    return stop.status
+            "outputs": "the search is saved; the outputs are written again"}[phase]
+    how = "stopped by SIGTERM" if signal_name == "SIGTERM" else "interrupted"
+    print(f"\n{how} during {phase}: {kept}; run the same command to go on ({out})", file=sys.stderr)
+    return 143 if signal_name == "SIGTERM" else 130
 
 
 # ---- profile -------------------------------------------------------------------------------------------

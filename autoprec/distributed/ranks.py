@@ -216,14 +216,33 @@ class _TorchrunRanks(Ranks):
         try:
             work.wait()
         except RuntimeError as e:  # a peer's connection closed: it stopped on a signal, or died before it could say why
-            self._stop_if_interrupted()
-            why = self._why_stopped()
+            why = self._cause()
             grace = time.monotonic() + 3.0  # its last words (or its exit) may reach the store a moment later
             while why is None and time.monotonic() < grace:
                 time.sleep(_POLL_S)
-                why = self._why_stopped()
+                why = self._cause()
             raise RankFailed(why or f"rank {self.rank}: lost the other ranks while {what}: "
                              f"{str(e).splitlines()[0]}") from None
+
+    def _cause(self) -> str | None:
+        """Why the other ranks are going: raises as a signal stopped them (:meth:`_stop_if_interrupted`), else the
+        failure a rank said or a rank whose process is gone (:meth:`_why_stopped`), else None.
+
+        The signal is looked at *after* the processes: a rank a signal stopped says so in the store before its
+        process ends, so a rank found gone either said it by then or was killed. Looked at before (as it was), a
+        rank that said it and left between the two looks, on a loaded machine, was blamed as killed."""
+        why = self._why_stopped()
+        self._stop_if_interrupted()
+        return why
+
+    def on_sigterm(self) -> None:
+        """SIGTERM: the job stops as on Ctrl-C (:class:`~autoprec.errors.Terminated`), whichever rank it reaches
+        first, unless another rank failed first (torchrun stopping the rest): then :attr:`stopped` says why."""
+        why = self._cause()  # stops as another rank did when the signal reached it first
+        if why is None:  # nobody failed: the user or a scheduler stopped the job, as Ctrl-C would
+            raise Terminated()
+        self.stopped = Stopped(why)
+        raise _Leaving  # not self.stopped itself: code on the way out that catches Exception would take it for its own
 
     def _check_peers(self) -> None:
         said = self._failure()
@@ -375,14 +394,5 @@ def from_torchrun(device: str) -> Ranks:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=timedelta(seconds=min(timeout_s, STEP_TIMEOUT_S)))
     ranks = _TorchrunRanks(timeout_s)
-
-    def stop(_signum: int, _frame: Any) -> None:
-        ranks._stop_if_interrupted()  # torchrun ends the others when one rank left on Ctrl-C: stop as it did
-        why = ranks._why_stopped()
-        if why is None:  # nobody failed: the user or a scheduler stopped the job, as Ctrl-C would
-            raise Terminated()
-        ranks.stopped = Stopped(why)
-        raise _Leaving  # not ranks.stopped itself: code on the way out that catches Exception would take it for its own
-
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: ranks.on_sigterm())
     return ranks

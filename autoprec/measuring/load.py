@@ -10,7 +10,16 @@ longer, and what they conclude says it was measured so.
 
 The load average is a one-minute average: a neighbour that started seconds ago is hardly in it yet. So the threads
 runnable at this instant (``procs_running`` in /proc/stat, read before each run of the reference kernel) are looked
-at too, and whichever of the two sees more of the others counts.
+at too, and whichever of the two sees more of the others counts. Other threads are weighed against the cores torch's
+kernels leave free: on 64 cores with torch on 32, one other thread takes an idle core and slows nothing; on 2 cores
+with torch on both, it takes a slice of one of ours.
+
+The spread that means busy is the machine's own: a quiet 2-core CPU times a short matmul ±10% and more, a GPU timed
+by events far less. Each look the load calls quiet records its spread (this process's looks on the same device and
+threads); once one is known, the limit is :data:`SPREAD_FACTOR` times their median (at least
+:data:`MIN_SPREAD_LIMIT`), and before that :data:`BUSY_SPREAD`, generous, so a first look on a quiet machine is not
+called busy by a spread that machine always has. On CUDA the reference kernel is larger and timed by CUDA events,
+so the launch and the synchronisation are not in the spread.
 """
 
 from __future__ import annotations
@@ -26,12 +35,17 @@ import torch
 
 from autoprec.common.procfs import proc_number
 
-__all__ = ["BUSY_SPREAD", "MachineLoad", "machine_load"]
+__all__ = ["BUSY_SPREAD", "MIN_SPREAD_LIMIT", "SPREAD_FACTOR", "MachineLoad", "machine_load", "quiet_spreads"]
 
-BUSY_SPREAD = 0.10  # a reference kernel whose time varies more than this (robust sigma) means a busy machine
+BUSY_SPREAD = 0.25  # the spread limit (robust sigma) before this machine's quiet spread is known
+SPREAD_FACTOR = 2.5  # once known: a spread this many times the quiet looks' median means busy
+MIN_SPREAD_LIMIT = 0.05  # however steady the quiet looks were (a GPU's events): the limit is never below this
+QUIET_LOOKS = 8  # the quiet looks' spreads kept per device, the latest
 REFERENCE_RUNS = 15  # timed runs of the reference kernel (about 30 ms on 2 cores)
 REFERENCE_SIZE = 384  # the reference kernel: a square fp32 matmul of this size, on every thread torch uses
+CUDA_REFERENCE_SIZE = 2048  # on a GPU (a fraction of a millisecond on an H100: long beside an event's resolution)
 _MAD_TO_SIGMA = 1.4826
+_QUIET: dict[tuple[str, int], list[float]] = {}  # (device, threads) -> spreads of the looks the load called quiet
 
 
 @dataclass(frozen=True)
@@ -45,6 +59,8 @@ class MachineLoad:
     threads: int
     spread: float
     running: float | None = None  # threads runnable machine-wide at the moments looked at (median), ours included
+    limit: float = BUSY_SPREAD  # the spread that means busy here: this machine's quiet spread times SPREAD_FACTOR
+    quiet_looks: int = 0  # the quiet looks the limit came from (0: none yet, BUSY_SPREAD)
 
     @property
     def others(self) -> float:
@@ -55,20 +71,33 @@ class MachineLoad:
         return max([0.0, *seen])
 
     @property
+    def free(self) -> int:
+        """Cores torch's kernel threads leave free."""
+        return max(0, self.cores - self.threads)
+
+    @property
+    def crowding(self) -> float:
+        """Other runnable threads that find no free core, so share one of ours."""
+        return max(0.0, self.others - self.free)
+
+    @property
     def busy(self) -> bool:
-        """Another process wants the cores (one runnable thread or more beyond ours), or the reference kernel's
-        time varied more than :data:`BUSY_SPREAD`."""
-        return self.others >= 1.0 or self.spread > BUSY_SPREAD
+        """Other processes want more cores than torch's threads leave free (by one thread or more), or the reference
+        kernel's time varied more than this machine's quiet spread allows (:attr:`limit`)."""
+        return self.crowding >= 1.0 or self.spread > self.limit
 
     def words(self) -> str:
-        """"load 7.9 on 2 cores, a reference matmul's time varied ±35%": what made it busy, or quiet."""
+        """"load 7.9 on 2 cores, torch's kernels on 2, a reference matmul's time varied ±35% (±25% allowed)": what
+        made it busy, or quiet."""
         load = f"load {self.load:.1f} on {self.cores} cores" if self.load is not None else f"{self.cores} cores"
         running = f", {self.running:.0f} threads runnable" if self.running is not None else ""
-        return f"{load}{running}, a reference matmul's time varied ±{self.spread:.0%}"
+        quiet = f", {self.quiet_looks} quiet look{'s' * (self.quiet_looks != 1)} here" if self.quiet_looks else ""
+        return (f"{load}{running}, torch's kernels on {self.threads}, a reference matmul's time varied "
+                f"±{self.spread:.0%} (±{self.limit:.0%} allowed{quiet})")
 
     def to_dict(self) -> dict[str, float | int | bool | None]:
         return {"load": self.load, "cores": self.cores, "threads": self.threads, "spread": self.spread,
-                "running": self.running, "busy": self.busy}
+                "running": self.running, "limit": self.limit, "quiet_looks": self.quiet_looks, "busy": self.busy}
 
 
 def _loadavg() -> float | None:
@@ -90,31 +119,65 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+def quiet_spreads(device: str | torch.device = "cpu", threads: int | None = None) -> list[float]:
+    """The spreads of this process's looks the load called quiet, on ``device`` with ``threads`` kernel threads (the
+    latest :data:`QUIET_LOOKS`): the machine's own quiet spread, which sets :attr:`MachineLoad.limit`."""
+    return _QUIET.setdefault((str(torch.device(device)), threads or torch.get_num_threads()), [])
+
+
+def _spread_limit(quiet: list[float]) -> float:
+    return max(MIN_SPREAD_LIMIT, SPREAD_FACTOR * statistics.median(quiet)) if quiet else BUSY_SPREAD
+
+
+def _reference(device: torch.device, clock: Callable[[], float]) -> Callable[[], float]:
+    """One timed run of the reference kernel on ``device``: its seconds. On CUDA by events around the kernel (the
+    GPU's own time), elsewhere by ``clock``."""
+    size = CUDA_REFERENCE_SIZE if device.type == "cuda" else REFERENCE_SIZE
+    x = torch.randn(size, size, generator=torch.Generator().manual_seed(0)).to(device)
+    if device.type == "cuda":
+        def on_gpu() -> float:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            x @ x
+            end.record()
+            end.synchronize()
+            return begin.elapsed_time(end) / 1e3
+        return on_gpu
+
+    def on_cpu() -> float:
+        start = clock()
+        x @ x
+        return clock() - start
+    return on_cpu
+
+
 def machine_load(device: str | torch.device = "cpu", clock: Callable[[], float] = time.perf_counter,
-                 loadavg: Callable[[], float | None] = _loadavg,
-                 runnable: Callable[[], int | None] = _runnable) -> MachineLoad:
+                 loadavg: Callable[[], float | None] = _loadavg, runnable: Callable[[], int | None] = _runnable, *,
+                 cores: Callable[[], int] = _cores, threads: int | None = None,
+                 timer: Callable[[], float] | None = None) -> MachineLoad:
     """Look at the machine now (about 30 ms): the load average and the spread of a fixed reference kernel timed
-    :data:`REFERENCE_RUNS` times on ``device``, with the threads runnable before each run. ``clock``, ``loadavg``
-    and ``runnable`` are injected by tests."""
+    :data:`REFERENCE_RUNS` times on ``device``, with the threads runnable before each run. A look the load calls
+    quiet adds its spread to this machine's quiet ones (:func:`quiet_spreads`). ``clock``, ``loadavg``,
+    ``runnable``, ``cores``, ``threads`` (torch's kernel threads) and ``timer`` (one timed run of the reference
+    kernel, its seconds) are injected by tests."""
     device = torch.device(device)
-    x = torch.randn(REFERENCE_SIZE, REFERENCE_SIZE, generator=torch.Generator().manual_seed(0)).to(device)
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
+    threads = threads or torch.get_num_threads()
+    timer = timer or _reference(device, clock)
     times, running = [], []
     with torch.no_grad():
         for i in range(REFERENCE_RUNS + 2):  # two first runs warm the kernel up
             running.append(runnable())
-            start = clock()
-            x @ x
-            sync()
+            took = timer()
             if i >= 2:
-                times.append(clock() - start)
+                times.append(took)
     logs = [math.log(max(t, 1e-12)) for t in times]
     mid = statistics.median(logs)
     spread = math.expm1(_MAD_TO_SIGMA * statistics.median(abs(v - mid) for v in logs))
     seen = [n for n in running if n is not None]
-    return MachineLoad(loadavg(), _cores(), torch.get_num_threads(), spread,
-                       float(statistics.median(seen)) if seen else None)
+    quiet = quiet_spreads(device, threads)
+    state = MachineLoad(loadavg(), cores(), threads, spread, float(statistics.median(seen)) if seen else None,
+                        _spread_limit(quiet), len(quiet))
+    if state.crowding < 1.0 and spread <= state.limit:  # quiet by both: the machine's own spread, for the next looks
+        quiet.append(spread)
+        del quiet[:-QUIET_LOOKS]
+    return state

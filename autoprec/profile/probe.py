@@ -18,6 +18,7 @@ model, the largest layer, and whether the machine was busy.
 
 from __future__ import annotations
 
+import datetime
 import math
 import time
 from dataclasses import dataclass, replace
@@ -27,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from autoprec.capture.layers import LayerTable
+from autoprec.common.procfs import cpu_words
 from autoprec.distributed.models import sharded
 from autoprec.inputs.batches import call_model
 from autoprec.measuring.compare import Ratio, compare
@@ -61,14 +63,20 @@ class PrecisionProbe:
         return not self.why
 
 
-def device_words(device: torch.device) -> str:
-    """The device as a user knows it: "this CPU (AVX2)" or the GPU's name."""
+def device_words(device: torch.device, cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The device as a user knows it: the GPU's name, or "this CPU (Intel(R) Xeon(R) Platinum 8480+ with AMX-BF16,
+    AVX512-BF16, AVX512F, AVX2)": its model and the features that matter, from ``cpuinfo`` (injected by tests);
+    where that names no CPU, the instructions torch dispatches to ("torch's AVX512 kernels"), which are not the
+    CPU's (an AMX Xeon runs torch's AVX512 build)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
+    cpu = cpu_words(cpuinfo)
+    if cpu is not None:
+        return f"this CPU ({cpu})"
     capability = torch.backends.cpu.get_cpu_capability()
     bf16 = "" if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported() else \
         ", no bf16 instructions"
-    return f"this CPU ({capability}{bf16})"
+    return f"this CPU (torch's {capability} kernels{bf16})"
 
 
 class _Reached(Exception):
@@ -195,7 +203,19 @@ def probe_precisions(model: nn.Module, table: LayerTable, batch: Any, precisions
         how = f"{p.value} measured {_how(ratio[0])} fp32"
         result[p.value] = PrecisionProbe(p.value, f"{how} on {where} {detail}", largest.name, ratio,
                                          short=f"{how} {detail}")
-    return confirm_on_the_model(model, batch, result, capabilities, device, clock=clock, machine=machine)
+    result = confirm_on_the_model(model, batch, result, capabilities, device, clock=clock, machine=machine)
+    timed_alone = [probe for probe in result.values() if probe.ratio and not probe.machine]
+    if timed_alone and not any(probe.pays_off or probe.machine for probe in result.values()):
+        # the tune ends on the layer alone (an emulation): its times, too, are of this moment and this load
+        looked = _looked(machine if machine is not None else machine_load(device, clock))
+        result = {p: replace(probe, machine=looked) if probe.ratio else probe for p, probe in result.items()}
+    return result
+
+
+def _looked(state: MachineLoad) -> dict:
+    """The machine as a probe records it: its load (:meth:`MachineLoad.to_dict`), in words, and when."""
+    at = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return {**state.to_dict(), "words": state.words(), "at": at}
 
 
 def confirm_on_the_model(model: nn.Module, batch: Any, probes: dict[str, PrecisionProbe],
@@ -231,6 +251,7 @@ def confirm_on_the_model(model: nn.Module, batch: Any, probes: dict[str, Precisi
         return probes
     busy = (f" while the machine was busy ({state.words()}), so for up to {limit:g} s and {MODEL_ROUNDS * longer} "
             "rounds" if state.busy else "")
+    looked = _looked(state)  # the moment the times below are of
     out = dict(probes)
     for p in timed:
         layer, r = probes[p.value], ratios[p.value]
@@ -241,13 +262,12 @@ def confirm_on_the_model(model: nn.Module, batch: Any, probes: dict[str, Precisi
             told = "it may pay off after all" if r.outcome == "faster" else "it could not be told from fp32"
             note = (f"{p.value}: {alone}, but the whole model under blanket {p.value} autocast took {said}{busy}: "
                     f"{told}, so it is profiled and verification decides")
-            out[p.value] = replace(layer, why="", short="", model_ratio=model_ratio, note=note,
-                                   machine=state.to_dict())
+            out[p.value] = replace(layer, why="", short="", model_ratio=model_ratio, note=note, machine=looked)
             continue
         detail = f"the whole model under blanket {p.value} autocast took {said}; {alone}{busy}"
         how = f"{p.value} is {_how(r.estimate)} fp32 for this model"
         out[p.value] = replace(layer, why=f"{how} on {device_words(device)}: {detail}", short=f"{how}: {detail}",
-                               model_ratio=model_ratio, machine=state.to_dict())
+                               model_ratio=model_ratio, machine=looked)
     return out
 
 
@@ -258,11 +278,20 @@ def _paired(fp32: Callable[[], Any], low: Callable[[], Any], device: torch.devic
     return result.samples["low"], result.samples["fp32"]
 
 
-def nothing_pays_off(probes: dict[str, PrecisionProbe], device: torch.device) -> str:
+def nothing_pays_off(probes: dict[str, PrecisionProbe], device: torch.device, cpuinfo: str = "/proc/cpuinfo") -> str:
     """The one line a tune ends with where no precision can pay off here; empty where one may. It claims what
-    was measured: the model where it was compared, the largest layer alone, an emulation."""
+    was measured, and when: the model where it was compared (at what time, with the machine's load beside it),
+    the largest layer alone, an emulation. Timings are of that moment, not of the CPU: where the machine was busy
+    the line says the answer may differ on a quiet one."""
     if not probes or any(p.pays_off for p in probes.values()):
         return ""
     why = "; ".join(p.short or p.why for p in probes.values())
-    return (f"nothing is faster than fp32 for this model on {device_words(device)}, so the policy is fp32: {why}. "
-            "To plan for a GPU instead, tune with --target NAME (h100, a100, l4, ...)")
+    looked = next((p.machine for p in probes.values() if p.machine), None)
+    when, after = "", ""
+    if looked:
+        said = "while the machine was busy" in why  # the whole model's line named the load already
+        when = f", measured {looked.get('at', 'now')}" + ("" if said else f" ({looked.get('words')})")
+        if looked.get("busy") and any(p.model_ratio is not None for p in probes.values()):  # an emulation stays
+            after = " Measured while the machine was busy: on a quiet machine the answer may differ (tune again then)."
+    return (f"nothing measured faster than fp32 for this model on {device_words(device, cpuinfo)}{when}, so the "
+            f"policy is fp32: {why}.{after} To plan for a GPU instead, tune with --target NAME (h100, a100, l4, ...)")

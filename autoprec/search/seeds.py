@@ -57,7 +57,8 @@ def walk_seeds(objective: TrialObjective, profile: Profile, space: SearchSpace, 
         greedy(searchable, fastest, profile, lambda params: walk.run(1, params, "greedy"), walk.latest,
                objective.trials - 2)
     if objective.several:
-        walk_down(searchable, profile, walk.best, lambda params: walk.run(1, params, "walk-down"), walk.latest, left)
+        walk_down(searchable, profile, walk.best, lambda params: walk.run(1, params, "walk-down"), walk.latest, left,
+                  walk.walk_so_far)
     return "trials"
 
 

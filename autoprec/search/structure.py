@@ -282,6 +282,8 @@ class Structure:
                 out[f"first-last-{n}-fp32"] = {**base, **ends}
                 if outside:
                     out[f"first-last-{n}+outside-fp32"] = {**base, **ends, **outside}
+        if len(blocks) > 4:  # the last blocks fp32, the rest low (a pretrained MiniLM's hand policy: blocks 4, 5)
+            out["last-2-fp32"] = {**base, **{b.key: "fp32" for b in blocks[-2:]}}
         out["first-fp32"] = {**base, blocks[0].key: "fp32"}
         out["last-fp32"] = {**base, blocks[-1].key: "fp32"}
         for role in ("attention", "mlp"):

@@ -22,13 +22,16 @@ __all__ = ["coarse_to_fine", "greedy", "walk_down"]
 
 def greedy(units: list[Unit], target: Mapping[str, str], profile: Profile, run: Callable[[dict], None],
            latest: Callable[[str], Candidate | None], max_trials: int, base: Mapping[str, str] | None = None,
-           now: Mapping[str, str] | None = None, seed: str = "greedy") -> None:
+           now: Mapping[str, str] | None = None, seed: str = "greedy",
+           known: Callable[[Mapping[str, str]], bool | None] | None = None) -> None:
     """Lower units to ``target`` in order of noise added per millisecond saved while the budget holds.
 
     Each step is ``base`` (study parameters; default every unit fp32) with a set of units lowered; ``now`` is the
     precision each layer has under ``base`` (default fp32). A binary search finds the longest feasible prefix of the
     order (log2(n) trials); then each later unit is tried on its own on top of it, skipping the ones that break
-    the budget.
+    the budget. ``known(params)``: whether a plan already measured held the budget (None: not measured); it is
+    read, not run again, and every other step is tried, the whole order lowered included. Without it (the first
+    walk up from fp32, after the all-fastest seed broke the budget) the whole order is taken to break it.
     """
     layers = {layer.name: layer for layer in profile.layers}
     now = now or {}
@@ -49,18 +52,24 @@ def greedy(units: list[Unit], target: Mapping[str, str], profile: Profile, run: 
 
     order = sorted((u for u in units if target[u.key] != "fp32"
                     and any(now.get(n, "fp32") != target[u.key] for n in u.layers)), key=score)
-
-    def params(lowered: Sequence[Unit]) -> dict[str, str]:
-        return {**base, **{u.key: target[u.key] for u in lowered}}
-
     used = 0
-    lo, hi = 0, len(order) - 1  # order[:lo] is known feasible; all of order is known infeasible
-    while lo < hi and used < max_trials:
-        mid = (lo + hi + 1) // 2
-        run(params(order[:mid]))
+
+    def holds(lowered: Sequence[Unit]) -> bool:
+        nonlocal used
+        params = {**base, **{u.key: target[u.key] for u in lowered}}
+        was = known(params) if known is not None else None
+        if was is not None:
+            return was
+        run(params)
         used += 1
         result = latest(seed)
-        if result is not None and result.feasible:
+        return result is not None and result.feasible
+
+    # order[:lo] is known feasible, order[:hi + 1] is not (hi = len(order): the whole order is still to try)
+    lo, hi = 0, len(order) - 1 if known is None else len(order)
+    while lo < hi and used < max_trials:
+        mid = (lo + hi + 1) // 2
+        if holds(order[:mid]):
             lo = mid
         else:
             hi = mid - 1
@@ -68,23 +77,28 @@ def greedy(units: list[Unit], target: Mapping[str, str], profile: Profile, run: 
     for unit in order[lo + 1:]:
         if used >= max_trials // 2:
             break
-        run(params(kept + [unit]))
-        used += 1
-        result = latest(seed)
-        if result is not None and result.feasible:
+        if holds(kept + [unit]):
             kept.append(unit)
 
 
 def walk_down(units: list[Unit], profile: Profile, best: Callable[[], Candidate | None], run: Callable[[dict], None],
-              latest: Callable[[str], Candidate | None], left: Callable[[], int]) -> None:
+              latest: Callable[[str], Candidate | None], left: Callable[[], int],
+              walked: Callable[[], list[Candidate]] = list) -> None:
     """From the fastest plan within budget so far, lower each unit one step further (to the slowest of its
     candidates that is faster than its precision there), in :func:`greedy`'s order, while the budget holds; again
     from the new best while a pass lowers something and trials are left.
 
     This finds what walking up from fp32 cannot: a mostly-FP8 plan with the few layers FP8 breaks kept bf16, where
     blanket bf16 is within budget and all-FP8 is not (and a bf16 plan with fp32 islands, where FP8 broke a layer).
+    Every step of each pass is tried (a later pass starts from a plan within budget, so nothing says its whole
+    step breaks the budget) but one the walk has measured already (``walked()``: its trials so far), read back.
     """
     layers = {layer.name: layer for layer in profile.layers}
+
+    def known(params: Mapping[str, str]) -> bool | None:
+        same = [c for c in walked() if c.params == params]
+        return same[-1].feasible if same else None
+
     tried: set[tuple[tuple[str, str], ...]] = set()
     while left() > 0:
         start = best()
@@ -100,7 +114,8 @@ def walk_down(units: list[Unit], profile: Profile, best: Callable[[], Candidate 
                   for p in {*u.candidates, start.assignment[u.layers[0]]}}
             faster = [p for p in u.candidates if ms[p] < ms[start.assignment[u.layers[0]]]]
             step[u.key] = max(faster, key=lambda p: ms[p]) if faster else "fp32"
-        greedy(units, step, profile, run, latest, left(), base=start.params, now=start.assignment, seed="walk-down")
+        greedy(units, step, profile, run, latest, left(), base=start.params, now=start.assignment, seed="walk-down",
+               known=known)
 
 
 def coarse_to_fine(structure: Structure, profile: Profile, run: Callable[..., None],

@@ -381,6 +381,21 @@ def test_a_signal_during_the_search_is_one_line_saying_what_was_kept(folder, how
     assert _trials(folder / "run")  # what it said was kept is
 
 
+@pytest.mark.parametrize("deaf", ["0", "1"])
+def test_a_sigterm_is_said_as_such_whichever_rank_hears_it_first(folder, deaf):
+    """SIGTERM to torchrun while one rank holds it back 3 s (busy in native code): the other rank hears it first and
+    leaves. The job says it was stopped by SIGTERM, once, whichever rank that was (before, on a loaded machine, the
+    rank that heard it last could find the first gone and blame it: "its process ended without saying why")."""
+    job = _start(folder, *ARGS, "--out", "run", DEAF_RANK=deaf, DEAF_S="3")
+    _wait_for(folder / f"deaf{deaf}", job)
+    os.kill(job.pid, signal.SIGTERM)
+    err = _finish(job)
+    ours = [line for line in err.splitlines() if "autoprec" in line.lower() or "during" in line or "[rank" in line]
+    assert len(ours) == 1 and re.fullmatch(r"stopped by SIGTERM during \w+: .*; run the same command to go on \(run\)",
+                                           ours[0]), err[-3000:]
+    assert "without saying why" not in err
+
+
 def test_one_process_stopped_by_sigterm_says_what_was_kept(folder):
     job = _start(folder, *ARGS, "--out", "run", ranks=0, RUN_DIR="run", HOLD_S="0.3", RANK="0")
     _wait_for(folder / "run" / "holding", job)

@@ -47,14 +47,14 @@ def test_where_nothing_is_faster_the_tune_ends_with_fp32_and_says_why(tmp_path):
         assert "bf16 is" in profile.not_profiled["bf16"] and "for this model" in profile.not_profiled["bf16"]
         assert "the whole model under blanket bf16 autocast took" in profile.not_profiled["bf16"]
     assert "emulated" in profile.not_profiled["fp8"]
-    said = [line for line in lines if line.startswith("nothing is faster than fp32 for this model on this CPU")]
+    said = [line for line in lines if line.startswith("nothing measured faster than fp32 for this model on this CPU")]
     assert len(said) == 1 and "--target" in said[0]
     assert result.search.trials == [] and result.policy.layers == {}
     assert result.policy.default is autoprec.Precision.FP32
     written = json.loads((tmp_path / "policy.json").read_text())
     assert written["default"] == "fp32" and written["result"]["speedup"] == 1.0
     report = (tmp_path / "report.md").read_text()
-    assert "The policy stays fp32" in report and "Nothing is faster than fp32" in report
+    assert "The policy stays fp32" in report and "Nothing measured faster than fp32" in report
 
 
 def test_profile_all_still_profiles_what_cannot_pay_off():

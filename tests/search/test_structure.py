@@ -46,15 +46,15 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    """stem -> four blocks -> head; ``layer(block, path)`` builds each layer, so a test can plant one."""
+    """stem -> ``count`` blocks -> head; ``layer(block, path)`` builds each layer, so a test can plant one."""
 
-    def __init__(self, layer, width: int = 32):
+    def __init__(self, layer, width: int = 32, count: int = 4):
         super().__init__()
         with seeded(0):
             self.stem = nn.Linear(width, width)
             self.blocks = nn.ModuleList(
                 Block(Pair(layer(i, "attn.a"), layer(i, "attn.b")), Pair(layer(i, "mlp.a"), layer(i, "mlp.b")))
-                for i in range(4))
+                for i in range(count))
             self.head = nn.Linear(width, width)
 
     def forward(self, x):
@@ -154,6 +154,29 @@ def test_a_block_sensitive_as_a_whole_becomes_one_fp32_island(storage):
     assert best.default == "bf16"
     assert best.policy().layers == {"blocks.1": Precision.FP32}  # one island, not four layer rules
     assert any(c.seed and c.seed.startswith("heuristic:") for c in result.trials)
+
+
+def test_the_last_two_blocks_sensitive_together_are_found_by_a_seed(storage):
+    """Blocks 4 and 5 of six break the floor lowered with the rest, while the profile (each layer alone) ranks
+    them like any other: the seed "last two blocks fp32, the rest bf16" (a pretrained MiniLM's hand policy, which
+    beat its tune) is tried among the first trials, within budget, and is what the search keeps."""
+    model = Stack(lambda i, path: Cancel(32, 10.0) if i >= 4 else nn.Linear(32, 32), count=6).eval()
+    names = layer_names(model)
+    ev = Evaluator(model, batches())
+    last = [n for n in names if n.startswith(("blocks.4.", "blocks.5."))]
+    rest = [n for n in names if n not in last]
+    floor = (max(sqnr_with(ev, [*rest, n]) for n in last) + sqnr_with(ev, rest)) / 2
+    assert max(sqnr_with(ev, [*rest, n]) for n in last) + 0.5 < floor < sqnr_with(ev, rest) - 0.5  # the plant
+    result = search(make_profile(names, {}), ev, Budget.parse(None, floor), SearchSpace.load("default"),
+                    trials=TRIALS_LAST_TWO, patience=5, storage=storage, progress=False)
+    seed = next(c for c in result.trials if c.seed == "heuristic:last-2-fp32")
+    assert seed.feasible
+    best = result.best
+    assert best is not None and best.feasible and best.default == "bf16"
+    assert best.policy().layers == {"blocks.4": Precision.FP32, "blocks.5": Precision.FP32}
+
+
+TRIALS_LAST_TWO = 8
 
 
 def test_one_sensitive_layer_inside_a_block_becomes_a_single_layer_island(storage):

@@ -92,7 +92,7 @@ def test_dashboard_on_a_run_that_ended_before_searching_says_so(fp32_run):
 
     with pytest.raises(DashboardError) as e:
         study_storage(fp32_run[0])
-    assert "this run ended before searching (nothing is faster than fp32" in str(e.value)
+    assert "this run ended before searching (nothing measured faster than fp32" in str(e.value)
     assert "fills as" not in str(e.value)
 
 

@@ -8,7 +8,9 @@ model raise on rank R, ``KILL_RANK=R`` kills rank R's process, ``HOLD_S=S`` make
 take S seconds more and writes ``RUN_DIR/holding`` (a test waits for that file before it sends a signal),
 ``DEAF_RANK=R`` with ``KILL_RANK=K`` instead, at the first forward: rank R holds SIGTERM back (a rank busy in native
 code, which answers a signal only when it is done) until rank K, which waits for that, has killed itself, and
-``DEAF_S`` seconds more (markers ``deaf<R>`` and ``killed`` in the folder).
+``DEAF_S`` seconds more (markers ``deaf<R>`` and ``killed`` in the folder). ``DEAF_RANK=R`` alone: rank R holds
+SIGTERM back for ``DEAF_S`` seconds from its first forward (marker ``deaf<R>``), so a SIGTERM sent to the job then
+reaches the other ranks first.
 """
 
 import os
@@ -78,7 +80,8 @@ def _killed_while_deaf(rank):
     if rank == os.environ["DEAF_RANK"] and not deaf.exists():
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         deaf.touch()
-        _wait_for(Path("killed"))
+        if os.environ.get("KILL_RANK") is not None:
+            _wait_for(Path("killed"))
         time.sleep(float(os.environ.get("DEAF_S", "1")))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     elif rank == os.environ.get("KILL_RANK"):
