@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from autoprec.runtime.engines import IN_PROCESS, check_engine, engine_precision_problem, served_dtype
 from autoprec.runtime.precision import DEFAULT_PRECISIONS, Precision
 
 if TYPE_CHECKING:
@@ -35,14 +36,14 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "precisions": (str, tuple, list), "search_space": (str, Path), "timeout": (int, float, type(None)),
     "out": (str, Path, type(None)), "storage": (str, type(None)), "study_name": (str, type(None)),
     "sensitivity_batches": (int, type(None)), "seed": (int,), "progress": (bool,), "target": (str, type(None)),
-    "profile_all": (bool,), "exact_sensitivity": (bool,), "fuse": (bool,),
+    "profile_all": (bool,), "exact_sensitivity": (bool,), "fuse": (bool,), "engine": (str,),
 }
 _EXAMPLES = {"budget": "0.5 or '1%'", "min_sqnr": "30", "device": "'cpu' or 'cuda'", "precisions": "('bf16', 'fp16')",
              "search_space": "'auto', a preset name or a .yaml path", "timeout": "600 (seconds)",
              "out": "'runs/mine'", "storage": "'sqlite:///study.db'", "study_name": "'mine'",
              "sensitivity_batches": "1, or None for all", "seed": "0", "progress": "True or False",
              "profile_all": "True or False", "exact_sensitivity": "True or False", "fuse": "True or False",
-             "target": "'h100'"}
+             "target": "'h100'", "engine": "'vllm' or 'in-process'"}
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,8 @@ class TuneConfig:
     ``min_sqnr``: a floor in dB (output fidelity, or the gradient floor in training). Unset, the
     workload's defaults apply (1% of the user's metric or 30 dB for inference; 2% of the loss and
     10 dB of gradient fidelity for training). ``target``: plan for that GPU with its cost model
-    instead of measuring here. ``out``: the run folder (None: nothing is written, the study lives in
+    instead of measuring here. ``engine``: what the plan is for, ``"in-process"`` or ``"vllm"`` (candidates and
+    measurements as vLLM serves them: :mod:`autoprec.runtime.engines`). ``out``: the run folder (None: nothing is written, the study lives in
     ``./study.db`` unless ``storage`` says otherwise). ``compile``: verification times every entry both eager
     and compiled with torch.compile (regionally: :mod:`autoprec.runtime.compiled`), and chooses by the compiled times.
     """
@@ -83,6 +85,9 @@ class TuneConfig:
     # layers a serving engine runs as one GEMM (q/k/v, gate/up, the experts of one MoE layer; found by capture) take
     # one precision; False decides them apart, for an engine that does not fuse (tune --no-fuse)
     fuse: bool = True
+    # what the plan is for (autoprec.runtime.engines): "in-process" (apply_policy, anything goes) or "vllm" (a
+    # compressed-tensors export served by vLLM or SGLang: its candidates and every measurement are the engine's)
+    engine: str = IN_PROCESS
 
     def __post_init__(self) -> None:
         for name, types in _TYPES.items():
@@ -113,6 +118,10 @@ class TuneConfig:
             raise ValueError(f"precisions {','.join(precisions) or '(none)'} hold no low precision to tune to: "
                              f"give one or more of {', '.join(p.value for p in Precision if p.is_low)}")
         object.__setattr__(self, "precisions", precisions)
+        check_engine(self.engine, "TuneConfig's engine")
+        problem = engine_precision_problem(self.engine, precisions)
+        if problem is not None:
+            raise ValueError(problem)
         if self.budget is not None or self.min_sqnr is not None:  # "abc", -1 or 0 dB: one line now, not after loading
             from autoprec.measuring.budget import Budget
 
@@ -133,7 +142,14 @@ class TuneConfig:
         from autoprec.profile.config import ProfileConfig
 
         return ProfileConfig(self.precisions, self.sensitivity_batches, progress=self.progress, target=self.target,
-                             profile_all=self.profile_all, exact_sensitivity=self.exact_sensitivity)
+                             profile_all=self.profile_all, exact_sensitivity=self.exact_sensitivity,
+                             engine=check_engine(self.engine))
+
+    @property
+    def serving(self) -> tuple[str, Precision] | None:
+        """(the engine, the dtype it serves the plan in) of a tune for a serving engine; None in-process."""
+        engine = check_engine(self.engine)
+        return None if engine is None else (engine, served_dtype(self.precisions))
 
     def for_search(self, budget: Budget, space: SearchSpace, study_name: str, fail_stale: bool) -> SearchConfig:
         """``study_name``: the name the study has unless this config names one."""

@@ -25,6 +25,7 @@ from autoprec.cli.options import (
     seed,
 )
 from autoprec.errors import Terminated
+from autoprec.runtime.engines import ENGINES, IN_PROCESS
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import DEFAULT_PRECISIONS
 from autoprec.workloads.registry import DEFAULT_WORKLOAD, either, workload_class, workload_classes
@@ -59,6 +60,10 @@ def tune_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decide apart the layers a serving engine runs as one GEMM (q/k/v, gate/up, the "
                              "experts of one MoE layer), for an engine that does not fuse them (by default each "
                              "group takes one precision)")
+    parser.add_argument("--engine", choices=tuple(ENGINES), default=IN_PROCESS,
+                        help="what the plan is for: in-process (apply_policy, the default) or vllm (an `autoprec "
+                             "export` served by vLLM or SGLang: every layer measured as the engine serves it, one dtype "
+                             "for all that is not quantized, the output head unquantized)")
     parser.add_argument("--target", help="plan for a GPU that is not here (h100, h200, a100, l4, b200, gb200): latency "
                                          "estimated by a cost model, accuracy measured here")
     workloads = workload_classes()
@@ -115,7 +120,8 @@ def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
                 raise CommandError(f"{what}: tune --for {name}, or leave it out (this tune is --for {args.for_})")
     config = _config(args, out=Path(args.out) if args.out else default_out(args.model_py),  # before loading
                      compile=args.compile, profile_all=args.profile_all,
-                     exact_sensitivity=args.exact_sensitivity, progress=ranks.writes, fuse=args.fuse)
+                     exact_sensitivity=args.exact_sensitivity, progress=ranks.writes, fuse=args.fuse,
+                     engine=args.engine)
     workload, spec = for_.from_command(args, ranks)
     if ranks.world_size > 1 and not spec.sharded:  # verification times the job as it runs: wrapped, or DDP replicas
         from autoprec.distributed.tuning import job_wrap

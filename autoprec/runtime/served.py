@@ -38,7 +38,7 @@ from autoprec.runtime.fp8 import E4M3, E4M3_MAX, fp8_dequantize_rows, fp8_per_to
 from autoprec.runtime.policy import Policy, PolicyError
 from autoprec.runtime.precision import Precision
 
-__all__ = ["EngineFP8Linear", "Served", "ServedAs", "fake_quantize_input", "fp8_served_values", "fused_gemms",
+__all__ = ["EngineFP8Linear", "Served", "ServedAs", "cast_stored", "fake_quantize_input", "fp8_served_values", "fused_gemms",
            "install_served", "output_heads", "quantize_weight", "remove_served", "requantize_with_max_scale",
            "served_policy", "weight_scale"]
 
@@ -228,9 +228,16 @@ def _fp8_values(model: nn.Module, fp8: list[tuple[str, nn.Module, Precision]],
     return values
 
 
+def cast_stored(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``model`` (a copy: in place) with what a checkpoint stores in ``dtype``, as an engine loads it: every floating
+    parameter and persistent buffer; what the model computes for itself (non-persistent buffers) as it was."""
+    _cast_stored(model, dtype, Served())
+    return model
+
+
 def _cast_stored(model: nn.Module, dtype: torch.dtype, state: Served) -> None:
-    """Every floating parameter and persistent buffer as a new tensor in ``dtype`` (the originals kept for
-    :func:`remove_served`; a tensor two modules share stays shared); the served FP8 linears' own stay."""
+    """Every floating parameter and persistent buffer as a new tensor in ``dtype`` (the originals kept in ``state``
+    for :func:`remove_served`; a tensor two modules share stays shared); the served FP8 linears' own stay."""
     copies: dict[int, Any] = {}
     for module in model.modules():
         if isinstance(module, EngineFP8Linear):
