@@ -3,8 +3,9 @@
 An engine quantizes some linears (FP8 or NVFP4, each with one compressed-tensors scheme) and runs everything else in one
 dtype. A policy can say more than that (an fp32 layer inside a bf16 model, fp16 beside bf16, an FP8 conv), so
 the plan is checked here, before anything is written: what an engine would serve differently from what was
-measured is said in one line (an fp32 island served in bf16, with what that costs); what an engine cannot load at
-all is refused in one line naming the layer and the fix (:class:`ExportRefused`).
+measured is said in one line, with the fix (re-tune with ``--engine vllm``: a plan tuned so is served as measured,
+layer for layer, and needs no note); what an engine cannot load at all is refused in one line naming the layer and
+the fix (:class:`ExportRefused`), ``--keep-fp32`` for a plan vLLM would then refuse included.
 """
 
 from __future__ import annotations
@@ -104,15 +105,38 @@ def plan_export(model: nn.Module, policy: Policy, keep_fp32: bool = False,
     linears = {name: precisions[name] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     _refuse_other_formats(model, precisions)
     quantized = {n: p for n, p in linears.items() if p in SCHEMES and not _is_head(model, n)}
-    notes = [f"{n}: the plan has {p}, but engines run the output head unquantized: exported in the model's dtype"
+    heads = [f"{n}: the plan has {p}, served unquantized (engines never quantize the output head)"
              for n, p in linears.items() if p in SCHEMES and n not in quantized]
     unquantized = {n: p for n, p in linears.items() if n not in quantized}
+    _refuse_unservable_fp32(policy, quantized, keep_fp32)
     dtype = "fp32" if keep_fp32 else _one_dtype(unquantized, precisions)
-    notes += _dtype_notes(unquantized, dtype, profile)
+    moved = _dtype_notes(unquantized, dtype, profile)
+    if policy.engine is not None:  # tuned as the engine serves it: the export is the plan, layer for layer
+        if heads or moved:
+            raise ExportRefused(f"this plan records engine {policy.engine!r}, but {(heads or moved)[0]}: it was "
+                                f"edited after the tune; fix: re-tune with --engine {policy.engine}")
+        return ExportPlan(quantized, list(unquantized), dtype, [])
     if quantized and policy.fp8.amax_history > 1 and Precision.FP8 in quantized.values():
-        notes.append(f"fp8 layers: the plan scaled their inputs over the last {policy.fp8.amax_history} batches "
-                     "(delayed); engines scale each batch's own (dynamic, per tensor), as amax_history=1 measures")
+        moved.append(f"fp8 layers scaled per token (the plan scaled their inputs per tensor, over the last "
+                     f"{policy.fp8.amax_history} batches)")
+    notes = [] if not heads and not moved else [
+        f"the plan was tuned in-process, and vLLM serves it otherwise than measured: {'; '.join(heads + moved)}; to "
+        "plan and measure what vLLM serves, re-tune with --engine vllm"]
     return ExportPlan(quantized, list(unquantized), dtype, notes)
+
+
+def _refuse_unservable_fp32(policy: Policy, quantized: Mapping[str, Precision], keep_fp32: bool) -> None:
+    """--keep-fp32 writes dtype float32, which vLLM's compressed-tensors path refuses (it serves bf16 or fp16): one
+    line, for a plan tuned for vLLM and for any plan with quantized layers."""
+    if not keep_fp32 or (policy.engine is None and not quantized):
+        return
+    why = (f"this plan was tuned for {policy.engine}, which serves every unquantized layer in {policy.default}"
+           if policy.engine is not None else
+           f"{next(iter(quantized))!r} and the other quantized layers make it a compressed-tensors checkpoint, "
+           "which vLLM serves in bf16 or fp16 only")
+    raise ExportRefused(f"--keep-fp32 writes dtype float32, and {why}; fix: export without --keep-fp32"
+                        + ("" if policy.engine is not None else
+                           " (to measure its fp32 islands as vLLM serves them, re-tune with --engine vllm)"))
 
 
 def _is_head(model: nn.Module, name: str) -> bool:
@@ -177,7 +201,7 @@ def _dtype_notes(unquantized: dict[str, Precision], dtype: str, profile: Mapping
     shown = ", ".join(f"{n} ({cost[n]})" if n in cost else n for n in moved[:_SHOWN])
     more = f" and {len(moved) - _SHOWN} more" if len(moved) > _SHOWN else ""
     return [f"{_count(moved, 'fp32 island')} served in {dtype} (engines run every unquantized layer in one dtype; "
-            f"each alone in {dtype}, as profiled): {shown}{more}; to keep them fp32, export with --keep-fp32"]
+            f"each alone in {dtype}, as profiled): {shown}{more}"]
 
 
 def _count(items: list, noun: str) -> str:
