@@ -55,9 +55,9 @@ class TuneConfig:
     workload's defaults apply (1% of the user's metric or 30 dB for inference; 2% of the loss and
     10 dB of gradient fidelity for training). ``target``: plan for that GPU with its cost model
     instead of measuring here. ``engine``: what the plan is for, ``"in-process"`` or ``"vllm"`` (candidates and
-    measurements as vLLM serves them: :mod:`autoprec.runtime.engines`). ``out``: the run folder (None: nothing is written, the study lives in
-    ``./study.db`` unless ``storage`` says otherwise). ``compile``: verification times every entry both eager
-    and compiled with torch.compile (regionally: :mod:`autoprec.runtime.compiled`), and chooses by the compiled times.
+    measurements as vLLM serves them: :mod:`autoprec.runtime.engines`). ``out``: the run folder (None: nothing is
+    written, the study lives in ``./study.db`` unless ``storage`` says otherwise). ``compile``: verification times
+    every entry both eager and compiled with torch.compile (regionally: :mod:`autoprec.runtime.compiled`), and chooses by the compiled times.
     """
 
     budget: str | float | None = None

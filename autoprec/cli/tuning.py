@@ -62,8 +62,8 @@ def tune_arguments(parser: argparse.ArgumentParser) -> None:
                              "group takes one precision)")
     parser.add_argument("--engine", choices=tuple(ENGINES), default=IN_PROCESS,
                         help="what the plan is for: in-process (apply_policy, the default) or vllm (an `autoprec "
-                             "export` served by vLLM or SGLang: every layer measured as the engine serves it, one dtype "
-                             "for all that is not quantized, the output head unquantized)")
+                             "export` served by vLLM or SGLang: every layer measured as the engine serves it, one "
+                             "dtype for all that is not quantized, the output head unquantized)")
     parser.add_argument("--target", help="plan for a GPU that is not here (h100, h200, a100, l4, b200, gb200): latency "
                                          "estimated by a cost model, accuracy measured here")
     workloads = workload_classes()

@@ -332,7 +332,8 @@ class Evaluator(Objective):
         """How much worse ``evaluate(model, [batch])`` is under ``policy`` than in fp32."""
         with torch.no_grad():
             fp32 = as_metric(self.evaluate(self.model, [batch]), "evaluate")
-            low = _applied(self.model, self.as_served(policy), lambda: as_metric(self.evaluate(self.model, [batch]), "evaluate"),
+            low = _applied(self.model, self.as_served(policy),
+                           lambda: as_metric(self.evaluate(self.model, [batch]), "evaluate"),
                            fp32_outputs=True)
         return self.drop(low) - self.drop(fp32)
 

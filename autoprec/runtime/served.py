@@ -38,9 +38,9 @@ from autoprec.runtime.fp8 import E4M3, E4M3_MAX, fp8_dequantize_rows, fp8_per_to
 from autoprec.runtime.policy import Policy, PolicyError
 from autoprec.runtime.precision import Precision
 
-__all__ = ["EngineFP8Linear", "Served", "ServedAs", "cast_stored", "fake_quantize_input", "fp8_served_values", "fused_gemms",
-           "install_served", "output_heads", "quantize_weight", "remove_served", "requantize_with_max_scale",
-           "served_policy", "weight_scale"]
+__all__ = ["EngineFP8Linear", "Served", "ServedAs", "cast_stored", "fake_quantize_input", "fp8_served_values",
+           "fused_gemms", "install_served", "output_heads", "quantize_weight", "remove_served",
+           "requantize_with_max_scale", "served_policy", "weight_scale"]
 
 
 # ---- the arithmetic ---------------------------------------------------------------------------------------
