@@ -57,7 +57,8 @@ class TuneConfig:
     instead of measuring here. ``engine``: what the plan is for, ``"in-process"`` or ``"vllm"`` (candidates and
     measurements as vLLM serves them: :mod:`autoprec.runtime.engines`). ``out``: the run folder (None: nothing is
     written, the study lives in ``./study.db`` unless ``storage`` says otherwise). ``compile``: verification times
-    every entry both eager and compiled with torch.compile (regionally: :mod:`autoprec.runtime.compiled`), and chooses by the compiled times.
+    every entry both eager and compiled with torch.compile (regionally: :mod:`autoprec.runtime.compiled`), and
+    chooses by the compiled times.
     """
 
     budget: str | float | None = None
