@@ -191,7 +191,7 @@ def _one_dtype(unquantized: dict[str, Precision], precisions: dict[str, Precisio
 def _dtype_notes(unquantized: dict[str, Precision], dtype: str, profile: Mapping[str, Any] | None) -> list[str]:
     """One line for the layers served in another dtype than the plan measured: fp32 islands in bf16 (with their
     measured sensitivity in it), or bf16 layers kept fp32 by --keep-fp32."""
-    moved = [n for n, p in unquantized.items() if p.value != dtype]
+    moved = [n for n, p in unquantized.items() if p in _UNQUANTIZED and p.value != dtype]  # a head's fp8: said apart
     if not moved:
         return []
     if dtype == "fp32":
