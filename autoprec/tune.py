@@ -186,7 +186,8 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
             space = space or SearchSpace.load(choose_preset([layer.kind for layer in profile.layers]))
             space = space.fusing(config.fuse)  # tune --no-fuse: a serving engine's fused layers decided apart
             _measure_as_served(workload, objective, config, profile)
-            if profile.nothing_pays_off and config.target is None:  # the answer is fp32: say why, skip the rest
+            # the answer is fp32: say why, skip the rest (an engine serves no fp32: its tune goes on)
+            if profile.nothing_pays_off and config.target is None and config.serving is None:
                 phase = "outputs"
                 result, verification = _fp32_answer(workload, profile, space, objective, config, context)
                 seconds.update(search=0.0, verify=0.0)
@@ -203,6 +204,7 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
 
             phase, start = "verify", time.perf_counter()
             verification = _verify(workload, profile, result, config, context, budget, space, autocast, objective)
+            _servable(verification, workload, config)
             seconds["verify"] = time.perf_counter() - start
             _add_notes(verification, workload, budget, margin, device)
 
@@ -263,6 +265,30 @@ def _measure_as_served(workload: Workload, objective: Any, config: TuneConfig, p
     served = ServedAs(engine, dtype, profile.fusion_groups)
     objective.served = served
     workload.served = served
+
+
+def _servable(verification: Verification, workload: Workload, config: TuneConfig) -> None:
+    """For a serving engine, the verdict in its terms: the chosen trial's layers as the engine serves them (what the
+    report shows beside the policy); and, as it serves no fp32 model, where verification kept fp32 (nothing
+    measured faster within budget) the plan is the served dtype everywhere (blanket autocast as served, measured
+    beside it), and the notes say so."""
+    if config.serving is None:
+        return
+    v, (engine, dtype) = verification, config.serving
+    if v.chosen is not None and v.policy is not None:
+        served = {name: (v.policy.rule_for(name) or v.policy.default).value for name in v.chosen.assignment}
+        v.chosen = dataclasses.replace(v.chosen, assignment=served, default=dtype.value, regions={})
+    if v.policy is not None or "autocast" not in v.samples:
+        return
+    v.policy = workload.served(workload.model, Policy(default=dtype))
+    for figures in (v.samples, v.metric, v.sqnr_db, v.within_budget, v.compiled_samples):
+        if "autocast" in figures:
+            figures["tuned"] = figures["autocast"]
+    v.tuned_is_autocast = True
+    over = "" if v.within_budget.get("autocast") else (
+        "; it is over the budget on the held-out batches: give a looser budget, or tune in-process (no --engine)")
+    v.notes.append(f"{engine} serves no fp32 model: the plan is {dtype.value} everywhere, as {engine} serves it"
+                   f"{over}")
 
 
 def _context(config: TuneConfig, device: torch.device, ranks: Ranks, out_dir: Path | None,
