@@ -206,7 +206,9 @@ class Policy:
         width = max(len(n) for n, _ in rows)
         lines = [f"{'layer'.ljust(width)}  precision", f"{'-' * width}  ---------"]
         lines += [f"{n.ljust(width)}  {p}" for n, p in rows]
-        if Precision.FP8 in self.precisions_used():
+        if self.engine is not None:
+            lines.append(f"engine: {self.engine} (tuned as it serves the plan; applied, the model runs so)")
+        elif Precision.FP8 in self.precisions_used():  # an engine scales each input per token: no recipe
             lines.append(f"fp8: {self.fp8.recipe}, amax_history={self.fp8.amax_history}")
         if self.needs_grad_scaler:
             lines.append("training: fp16 layers present, use a GradScaler (policy.grad_scaler())")

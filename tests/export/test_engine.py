@@ -20,7 +20,7 @@ from autoprec.runtime.apply import apply_policy, remove_policy
 from autoprec.runtime.fp8 import FP8Recipe
 from autoprec.runtime.fp8_linear import FP8Linear
 from autoprec.runtime.policy import Policy, PolicyError
-from autoprec.runtime.served import EngineFP8Linear
+from autoprec.runtime.served import EngineFP8Linear, fused_gemms
 
 pytest.importorskip("transformers")
 
@@ -189,3 +189,13 @@ def test_the_engine_key_round_trips_and_old_files_load_unchanged(tmp_path):
     assert policy.engine == "vllm" and old.engine is None and "engine" not in old.to_dict()
     assert policy.to_dict() == json.loads((ASSETS / "policy_v1_engine.json").read_text())
     assert Policy.load(policy.save(tmp_path / "again.json")) == policy
+
+
+def test_a_moe_layers_experts_take_one_decision_and_are_requantized_per_expert_gemm():
+    """Capture gives a MoE layer's experts one decision (vLLM runs them with one scheme); vLLM requantizes per-tensor
+    scales per expert, over its gate and up (w13) and its down (w2) apart."""
+    experts = [f"moe.experts.{e}.{p}" for e in range(2) for p in ("w1", "w2", "w3")]
+    assert fused_gemms({"moe.experts": experts, "attn.{q,k,v}": ["attn.q", "attn.k", "attn.v"]}) == [
+        ["moe.experts.0.w1", "moe.experts.0.w3"], ["moe.experts.0.w2"],
+        ["moe.experts.1.w1", "moe.experts.1.w3"], ["moe.experts.1.w2"], ["attn.q", "attn.k", "attn.v"]]
+    assert "engine: vllm" in str(vllm_policy()) and "amax_history" not in str(vllm_policy())
