@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from autoprec.runtime.engines import IN_PROCESS, check_engine, engine_precision_problem, served_dtype
+from autoprec.runtime.engines import (
+    IN_PROCESS,
+    SERVED_DEFAULT,
+    check_engine,
+    engine_precision_problem,
+    served_dtype,
+)
 from autoprec.runtime.precision import DEFAULT_PRECISIONS, Precision
 
 if TYPE_CHECKING:
@@ -33,7 +39,7 @@ MAX_SEED = 2**31 - 1  # room for a rank number on top: the sampler's seed is see
 # line naming the setting here, not a traceback from wherever the value is first used.
 _TYPES: dict[str, tuple[type, ...]] = {
     "budget": (str, int, float, type(None)), "min_sqnr": (int, float, type(None)), "device": (str, torch.device),
-    "precisions": (str, tuple, list), "search_space": (str, Path), "timeout": (int, float, type(None)),
+    "precisions": (str, tuple, list, type(None)), "search_space": (str, Path), "timeout": (int, float, type(None)),
     "out": (str, Path, type(None)), "storage": (str, type(None)), "study_name": (str, type(None)),
     "sensitivity_batches": (int, type(None)), "seed": (int,), "progress": (bool,), "target": (str, type(None)),
     "profile_all": (bool,), "exact_sensitivity": (bool,), "fuse": (bool,), "engine": (str,),
@@ -64,7 +70,8 @@ class TuneConfig:
     budget: str | float | None = None
     min_sqnr: float | None = None
     device: str = "cpu"
-    precisions: tuple[str, ...] = tuple(DEFAULT_PRECISIONS)
+    # None: bf16,fp16,fp8 (autoprec.runtime.precision.DEFAULT_PRECISIONS), or bf16,fp8-rowwise for a serving engine
+    precisions: tuple[str, ...] | None = None
     search_space: str | Path = "auto"  # a preset name, a YAML file, or "auto" (chosen by the layers found)
     trials: int = 60  # most trials in the study, seed trials included
     timeout: float | None = None  # seconds of search, at most
@@ -112,6 +119,9 @@ class TuneConfig:
             raise ValueError(f"patience must be a whole number >= 1, got {self.patience!r}")
         if not 0 <= self.seed <= MAX_SEED:  # the sampler's generator takes 0 .. 2**32 - 1, and each rank adds its own
             raise ValueError(f"seed must be a whole number from 0 to {MAX_SEED}, got {self.seed}; e.g. seed=0")
+        engine = check_engine(self.engine, "TuneConfig's engine")
+        if self.precisions is None:
+            object.__setattr__(self, "precisions", SERVED_DEFAULT if engine else DEFAULT_PRECISIONS)
         if isinstance(self.precisions, str):
             object.__setattr__(self, "precisions", tuple(p for p in self.precisions.split(",") if p.strip()))
         precisions = tuple(dict.fromkeys(Precision.parse(p).value for p in self.precisions))
@@ -119,8 +129,13 @@ class TuneConfig:
             raise ValueError(f"precisions {','.join(precisions) or '(none)'} hold no low precision to tune to: "
                              f"give one or more of {', '.join(p.value for p in Precision if p.is_low)}")
         object.__setattr__(self, "precisions", precisions)
-        check_engine(self.engine, "TuneConfig's engine")
-        problem = engine_precision_problem(self.engine, precisions)
+        problem = engine_precision_problem(engine, precisions)
+        if problem is None and engine is not None and not self.fuse:
+            problem = (f"--engine {self.engine} runs q/k/v and gate/up as one GEMM each, in one scheme: --no-fuse "
+                       "would plan what it cannot serve; leave out --no-fuse")
+        if problem is None and engine is not None and self.compile:
+            problem = (f"--engine {self.engine} times the plan as the engine serves it, which compiles its own "
+                       "graphs: leave out --compile")
         if problem is not None:
             raise ValueError(problem)
         if self.budget is not None or self.min_sqnr is not None:  # "abc", -1 or 0 dB: one line now, not after loading

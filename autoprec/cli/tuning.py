@@ -25,7 +25,7 @@ from autoprec.cli.options import (
     seed,
 )
 from autoprec.errors import Terminated
-from autoprec.runtime.engines import ENGINES, IN_PROCESS
+from autoprec.runtime.engines import ENGINES, IN_PROCESS, SERVED_DEFAULT
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import DEFAULT_PRECISIONS
 from autoprec.workloads.registry import DEFAULT_WORKLOAD, either, workload_class, workload_classes
@@ -40,8 +40,9 @@ def tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trials", type=positive_int, default=60, help="most trials in the study (default 60)")
     parser.add_argument("--timeout", type=positive_number, metavar="S", help="stop searching after S seconds")
     parser.add_argument("--out", help="output folder (default: autoprec-runs/<model name>)")
-    parser.add_argument("--precisions", type=precisions, default=list(DEFAULT_PRECISIONS),
-                        help="candidate low precisions, comma-separated (default bf16,fp16,fp8)")
+    parser.add_argument("--precisions", type=precisions,
+                        help=f"candidate low precisions, comma-separated (default {','.join(DEFAULT_PRECISIONS)}; "
+                             f"with --engine vllm {','.join(SERVED_DEFAULT)})")
     parser.add_argument("--search-space", default="auto",
                         help="preset name (default, transformer, transformer-blocks, cnn) or a YAML file; "
                              "default: auto (by the layers found)")
@@ -143,7 +144,8 @@ def _config(args: argparse.Namespace, **fields: Any) -> Any:
 
     try:
         return TuneConfig(budget=args.budget, min_sqnr=args.min_sqnr, device=args.device,
-                          precisions=tuple(args.precisions), search_space=args.search_space, trials=args.trials,
+                          precisions=tuple(args.precisions) if args.precisions else None,
+                          search_space=args.search_space, trials=args.trials,
                           timeout=args.timeout, storage=args.storage, study_name=args.study_name,
                           sensitivity_batches=args.sensitivity_batches, seed=args.seed, target=args.target, **fields)
     except ValueError as e:

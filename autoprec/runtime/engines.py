@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 
 from autoprec.runtime.precision import Precision
 
-__all__ = ["ENGINES", "IN_PROCESS", "SERVED_DTYPES", "SERVED_QUANTIZED", "VLLM", "check_engine",
+__all__ = ["ENGINES", "IN_PROCESS", "SERVED_DEFAULT", "SERVED_DTYPES", "SERVED_QUANTIZED", "VLLM", "check_engine",
            "engine_precision_problem", "policy_problems", "served_dtype"]
 
 IN_PROCESS = "in-process"
@@ -30,6 +30,7 @@ ENGINES = {IN_PROCESS: "apply_policy in this process (torch, torchao): any preci
 SERVED_DTYPES = (Precision.BF16, Precision.FP16)
 # what the in-process emulation of the engine covers; NVFP4's calibrated static input scale is not emulated yet
 SERVED_QUANTIZED = (Precision.FP8, Precision.FP8_ROWWISE)
+SERVED_DEFAULT = ("bf16", "fp8-rowwise")  # a tune's precisions for an engine unless asked otherwise: FP8_DYNAMIC
 
 
 def check_engine(engine: str | None, where: str = "engine") -> str | None:

@@ -35,8 +35,20 @@ def test_engine_vllm_with_two_half_precisions_is_one_line(cli_models):
     assert "--precisions bf16,fp8-rowwise" in _one_line(run)
     run = autoprec("tune", str(cli_models / "mlp.py"), "--engine", "vllm", "--precisions", "bf16,mxfp8")
     assert run.returncode != 0 and "mxfp8 is not among what autoprec emulates as vllm serves it" in _one_line(run)
+    run = autoprec("tune", str(cli_models / "mlp.py"), "--engine", "vllm", "--no-fuse")
+    assert run.returncode != 0 and "--no-fuse would plan what it cannot serve" in _one_line(run)
     run = autoprec("tune", str(cli_models / "mlp.py"), "--engine", "sglang")
     assert run.returncode == 2 and "invalid choice: 'sglang'" in run.stderr
+
+
+def test_engine_vllm_tunes_bf16_and_fp8_rowwise_unless_asked_otherwise():
+    from autoprec.config import TuneConfig
+
+    assert TuneConfig(engine="vllm").precisions == ("bf16", "fp8-rowwise")  # what vLLM serves: FP8_DYNAMIC
+    assert TuneConfig().precisions == ("bf16", "fp16", "fp8")  # in-process: as before
+    assert TuneConfig(engine="vllm", precisions="fp16,fp8").precisions == ("fp16", "fp8")
+    with pytest.raises(ValueError, match="TuneConfig's engine: unknown engine 'trt'"):
+        TuneConfig(engine="trt")
 
 
 def test_engine_is_for_inference_tunes():
