@@ -58,6 +58,9 @@ def test_in_process_the_plan_puts_the_output_head_in_fp8(in_process):
     """The case the engine's rule must change: without it the output head is the first layer lowered."""
     tuned, _ = in_process
     assert tuned.policy.engine is None and tuned.policy.rule_for("lm_head") is Precision.FP8
+    head = next(layer for layer in tuned.profile.layers if layer.name == "lm_head")
+    assert tuned.verification.latency_ms["tuned"] == costmodel.policy_ms(tuned.profile, tuned.policy)
+    assert head.latency_ms["fp8"] < head.latency_ms["bf16"]  # its estimate counts the head in FP8
     assert "engine" not in tuned.policy.to_dict()  # in-process plans are written as before there were engines
 
 
@@ -71,8 +74,11 @@ def test_for_vllm_the_plan_never_quantizes_the_head_nor_keeps_fp32(for_vllm):
     # each fusion group takes one decision, as vLLM runs it as one GEMM
     for members in policy.model["fusion_groups"].values():
         assert len({policy.rule_for(m) for m in members}) == 1, members
-    # the estimate counts what is served: lm_head in bf16
+    # the estimate counts what is served: lm_head in bf16, never priced in FP8
     assert "as vllm serves it" in policy.tuned_on["device"]
+    assert tuned.verification.latency_ms["tuned"] == costmodel.policy_ms(tuned.profile, policy)
+    head = next(layer for layer in tuned.profile.layers if layer.name == "lm_head")
+    assert "fp8" not in head.latency_ms and "fp8" not in head.sensitivity
 
 
 def test_the_verdict_is_the_served_models_sqnr(for_vllm):
