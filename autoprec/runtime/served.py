@@ -99,9 +99,10 @@ class EngineFP8Linear(nn.Module):
     """An FP8 linear as the engine runs it: ``values`` (the dequantized E4M3 weight, fp32) times the input
     quantized per token, in fp32, plus the bias; the result in the input's dtype."""
 
-    def __init__(self, linear: nn.Linear, values: torch.Tensor, precision: Precision, dtype: torch.dtype):
+    def __init__(self, linear: nn.Linear, values: torch.Tensor, precision: Precision | str, dtype: torch.dtype):
         super().__init__()
-        self.in_features, self.out_features, self.precision = linear.in_features, linear.out_features, precision
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.precision = Precision.parse(precision).value  # as the other swapped linears say it (check_policy_runs)
         self.register_buffer("weight", values)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(dtype))
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from export_models import tiny_llama, token_batch
 
 from autoprec.export import ExportRefused, plan_export, served_model
+from autoprec import check_policy_runs
 from autoprec.runtime.apply import apply_policy, remove_policy
 from autoprec.runtime.fp8 import FP8Recipe
 from autoprec.runtime.fp8_linear import FP8Linear
@@ -113,6 +114,8 @@ def test_a_vllm_policy_runs_every_tensor_in_bf16_and_comes_off_bit_for_bit():
     assert model.model.rotary_emb.inv_freq.dtype is torch.float32  # computed by the model, as on a reload
     with torch.no_grad():
         assert model(ids).logits.dtype is torch.bfloat16
+    ran = check_policy_runs(model, ids)
+    assert {n: ran[n] for n in GATE_UP} == dict.fromkeys(GATE_UP, "fp8-rowwise")
     remove_policy(model)
     with pytest.raises(PolicyError, match="for inference only: use mode='inference'"):
         apply_policy(model, vllm_policy(), mode="training")
