@@ -14,6 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from autoprec.runtime.engines import (
+    IN_PROCESS,
+    SERVED_DEFAULT,
+    check_engine,
+    engine_precision_problem,
+    served_dtype,
+)
 from autoprec.runtime.precision import DEFAULT_PRECISIONS, Precision
 
 if TYPE_CHECKING:
@@ -32,17 +39,17 @@ MAX_SEED = 2**31 - 1  # room for a rank number on top: the sampler's seed is see
 # line naming the setting here, not a traceback from wherever the value is first used.
 _TYPES: dict[str, tuple[type, ...]] = {
     "budget": (str, int, float, type(None)), "min_sqnr": (int, float, type(None)), "device": (str, torch.device),
-    "precisions": (str, tuple, list), "search_space": (str, Path), "timeout": (int, float, type(None)),
+    "precisions": (str, tuple, list, type(None)), "search_space": (str, Path), "timeout": (int, float, type(None)),
     "out": (str, Path, type(None)), "storage": (str, type(None)), "study_name": (str, type(None)),
     "sensitivity_batches": (int, type(None)), "seed": (int,), "progress": (bool,), "target": (str, type(None)),
-    "profile_all": (bool,), "exact_sensitivity": (bool,), "fuse": (bool,),
+    "profile_all": (bool,), "exact_sensitivity": (bool,), "fuse": (bool,), "engine": (str,),
 }
 _EXAMPLES = {"budget": "0.5 or '1%'", "min_sqnr": "30", "device": "'cpu' or 'cuda'", "precisions": "('bf16', 'fp16')",
              "search_space": "'auto', a preset name or a .yaml path", "timeout": "600 (seconds)",
              "out": "'runs/mine'", "storage": "'sqlite:///study.db'", "study_name": "'mine'",
              "sensitivity_batches": "1, or None for all", "seed": "0", "progress": "True or False",
              "profile_all": "True or False", "exact_sensitivity": "True or False", "fuse": "True or False",
-             "target": "'h100'"}
+             "target": "'h100'", "engine": "'vllm' or 'in-process'"}
 
 
 @dataclass(frozen=True)
@@ -53,15 +60,18 @@ class TuneConfig:
     ``min_sqnr``: a floor in dB (output fidelity, or the gradient floor in training). Unset, the
     workload's defaults apply (1% of the user's metric or 30 dB for inference; 2% of the loss and
     10 dB of gradient fidelity for training). ``target``: plan for that GPU with its cost model
-    instead of measuring here. ``out``: the run folder (None: nothing is written, the study lives in
-    ``./study.db`` unless ``storage`` says otherwise). ``compile``: verification times every entry both eager
-    and compiled with torch.compile (regionally: :mod:`autoprec.runtime.compiled`), and chooses by the compiled times.
+    instead of measuring here. ``engine``: what the plan is for, ``"in-process"`` or ``"vllm"`` (candidates and
+    measurements as vLLM serves them: :mod:`autoprec.runtime.engines`). ``out``: the run folder (None: nothing is
+    written, the study lives in ``./study.db`` unless ``storage`` says otherwise). ``compile``: verification times
+    every entry both eager and compiled with torch.compile (regionally: :mod:`autoprec.runtime.compiled`), and
+    chooses by the compiled times.
     """
 
     budget: str | float | None = None
     min_sqnr: float | None = None
     device: str = "cpu"
-    precisions: tuple[str, ...] = tuple(DEFAULT_PRECISIONS)
+    # None: bf16,fp16,fp8 (autoprec.runtime.precision.DEFAULT_PRECISIONS), or bf16,fp8-rowwise for a serving engine
+    precisions: tuple[str, ...] | None = None
     search_space: str | Path = "auto"  # a preset name, a YAML file, or "auto" (chosen by the layers found)
     trials: int = 60  # most trials in the study, seed trials included
     timeout: float | None = None  # seconds of search, at most
@@ -83,6 +93,9 @@ class TuneConfig:
     # layers a serving engine runs as one GEMM (q/k/v, gate/up, the experts of one MoE layer; found by capture) take
     # one precision; False decides them apart, for an engine that does not fuse (tune --no-fuse)
     fuse: bool = True
+    # what the plan is for (autoprec.runtime.engines): "in-process" (apply_policy, anything goes) or "vllm" (a
+    # compressed-tensors export served by vLLM or SGLang: its candidates and every measurement are the engine's)
+    engine: str = IN_PROCESS
 
     def __post_init__(self) -> None:
         for name, types in _TYPES.items():
@@ -106,6 +119,9 @@ class TuneConfig:
             raise ValueError(f"patience must be a whole number >= 1, got {self.patience!r}")
         if not 0 <= self.seed <= MAX_SEED:  # the sampler's generator takes 0 .. 2**32 - 1, and each rank adds its own
             raise ValueError(f"seed must be a whole number from 0 to {MAX_SEED}, got {self.seed}; e.g. seed=0")
+        engine = check_engine(self.engine, "TuneConfig's engine")
+        if self.precisions is None:
+            object.__setattr__(self, "precisions", SERVED_DEFAULT if engine else DEFAULT_PRECISIONS)
         if isinstance(self.precisions, str):
             object.__setattr__(self, "precisions", tuple(p for p in self.precisions.split(",") if p.strip()))
         precisions = tuple(dict.fromkeys(Precision.parse(p).value for p in self.precisions))
@@ -113,6 +129,15 @@ class TuneConfig:
             raise ValueError(f"precisions {','.join(precisions) or '(none)'} hold no low precision to tune to: "
                              f"give one or more of {', '.join(p.value for p in Precision if p.is_low)}")
         object.__setattr__(self, "precisions", precisions)
+        problem = engine_precision_problem(engine, precisions)
+        if problem is None and engine is not None and not self.fuse:
+            problem = (f"--engine {self.engine} runs q/k/v and gate/up as one GEMM each, in one scheme: --no-fuse "
+                       "would plan what it cannot serve; leave out --no-fuse")
+        if problem is None and engine is not None and self.compile:
+            problem = (f"--engine {self.engine} times the plan as the engine serves it, which compiles its own "
+                       "graphs: leave out --compile")
+        if problem is not None:
+            raise ValueError(problem)
         if self.budget is not None or self.min_sqnr is not None:  # "abc", -1 or 0 dB: one line now, not after loading
             from autoprec.measuring.budget import Budget
 
@@ -133,7 +158,14 @@ class TuneConfig:
         from autoprec.profile.config import ProfileConfig
 
         return ProfileConfig(self.precisions, self.sensitivity_batches, progress=self.progress, target=self.target,
-                             profile_all=self.profile_all, exact_sensitivity=self.exact_sensitivity)
+                             profile_all=self.profile_all, exact_sensitivity=self.exact_sensitivity,
+                             engine=check_engine(self.engine))
+
+    @property
+    def serving(self) -> tuple[str, Precision] | None:
+        """(the engine, the dtype it serves the plan in) of a tune for a serving engine; None in-process."""
+        engine = check_engine(self.engine)
+        return None if engine is None else (engine, served_dtype(self.precisions))
 
     def for_search(self, budget: Budget, space: SearchSpace, study_name: str, fail_stale: bool) -> SearchConfig:
         """``study_name``: the name the study has unless this config names one."""

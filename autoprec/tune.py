@@ -41,6 +41,7 @@ from autoprec.profile import Profile, ProfileConfig, ProfileError, device_name, 
 from autoprec.runtime.apply import structure_fingerprint
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision, device_capabilities
+from autoprec.runtime.served import ServedAs
 from autoprec.search.space import SearchSpace, allows_everywhere, choose_preset
 from autoprec.search.study import Candidate, SearchResult, open_storage, plan_units, run_search
 from autoprec.verify.end_to_end import Verification, autocast_baseline, verify_candidates
@@ -78,11 +79,14 @@ def load_or_profile(workload: Workload, config: ProfileConfig, context: RunConte
     path = context.out_dir / "profile.json" if context.out_dir else None
     # timings taken by a torchrun job hold for that job only: its profile says so, and is reused by it only
     job = f", {ranks.world_size} ranks" if ranks.several and config.target is None else ""
+    # sensitivities measured as an engine serves the model
+    job += f", as {config.engine} serves it" if config.engine is not None else ""  # the profile holds for that only
     cached = None
     if path is not None and path.exists():
         try:
             cached = Profile.load(path)
-            where = f"estimated for {config.target}" if config.target is not None else device_name(context.device) + job
+            where = (f"estimated for {config.target}" if config.target is not None
+                     else device_name(context.device)) + job
             # a profile that left out what could not pay off is not the whole profile --profile-all asks for
             partial = config.profile_all and bool(cached.not_profiled or cached.not_faster)
             # nor is an estimated one the exact one --exact-sensitivity asks for
@@ -181,7 +185,9 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
             seconds["profile"] = time.perf_counter() - start - seconds["capture"]
             space = space or SearchSpace.load(choose_preset([layer.kind for layer in profile.layers]))
             space = space.fusing(config.fuse)  # tune --no-fuse: a serving engine's fused layers decided apart
-            if profile.nothing_pays_off and config.target is None:  # the answer is fp32: say why, skip the rest
+            _measure_as_served(workload, objective, config, profile)
+            # the answer is fp32: say why, skip the rest (an engine serves no fp32: its tune goes on)
+            if profile.nothing_pays_off and config.target is None and config.serving is None:
                 phase = "outputs"
                 result, verification = _fp32_answer(workload, profile, space, objective, config, context)
                 seconds.update(search=0.0, verify=0.0)
@@ -198,6 +204,7 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
 
             phase, start = "verify", time.perf_counter()
             verification = _verify(workload, profile, result, config, context, budget, space, autocast, objective)
+            _servable(verification, workload, config)
             seconds["verify"] = time.perf_counter() - start
             _add_notes(verification, workload, budget, margin, device)
 
@@ -222,6 +229,9 @@ def _checked(workload: Workload, config: TuneConfig, ranks: Ranks, log: Callable
                              f"{workload.name}: build the model whole in get_model() (wrap may still shard it)")
         ranks = ranks.together()
     workload.check(config)
+    if config.serving is not None and not workload.serves_engines:
+        raise ValueError(f"--engine {config.engine} plans what an engine serves, which tune --for inference measures; "
+                         f"tune --for {workload.name} runs in-process: leave out --engine")
     # every rank profiles the same weights and batches, or the job ends here naming the rank that differs
     check_same_work(workload, ranks)
     return workload, ranks
@@ -246,6 +256,41 @@ def _one_model_memory(ranks: Ranks, model: nn.Module, device: torch.device) -> I
         torch.set_autocast_cache_enabled(cache_was)
 
 
+def _measure_as_served(workload: Workload, objective: Any, config: TuneConfig, profile: Profile) -> None:
+    """A tune for a serving engine (``tune --engine vllm``): from here on the search's objective and the
+    verification measure every policy as the engine serves it (:mod:`autoprec.runtime.served`)."""
+    if config.serving is None:
+        return
+    engine, dtype = config.serving
+    served = ServedAs(engine, dtype, profile.fusion_groups)
+    objective.served = served
+    workload.served = served
+
+
+def _servable(verification: Verification, workload: Workload, config: TuneConfig) -> None:
+    """For a serving engine, the verdict in its terms: the chosen trial's layers as the engine serves them (what the
+    report shows beside the policy); and, as it serves no fp32 model, where verification kept fp32 (nothing
+    measured faster within budget) the plan is the served dtype everywhere (blanket autocast as served, measured
+    beside it), and the notes say so."""
+    if config.serving is None:
+        return
+    v, (engine, dtype) = verification, config.serving
+    if v.chosen is not None and v.policy is not None:
+        served = {name: (v.policy.rule_for(name) or v.policy.default).value for name in v.chosen.assignment}
+        v.chosen = dataclasses.replace(v.chosen, assignment=served, default=dtype.value, regions={})
+    if v.policy is not None or "autocast" not in v.samples:
+        return
+    v.policy = workload.served(workload.model, Policy(default=dtype))
+    for figures in (v.samples, v.metric, v.sqnr_db, v.within_budget, v.compiled_samples):
+        if "autocast" in figures:
+            figures["tuned"] = figures["autocast"]
+    v.tuned_is_autocast = True
+    over = "" if v.within_budget.get("autocast") else (
+        "; it is over the budget on the held-out batches: give a looser budget, or tune in-process (no --engine)")
+    v.notes.append(f"{engine} serves no fp32 model: the plan is {dtype.value} everywhere, as {engine} serves it"
+                   f"{over}")
+
+
 def _context(config: TuneConfig, device: torch.device, ranks: Ranks, out_dir: Path | None,
              log: Callable[[str], None]) -> RunContext:
     """The run context every stage is handed; the study's storage opened (the writing rank's run folder holds the
@@ -267,6 +312,7 @@ def _search(workload: Workload, profile: Profile, objective: Any, config: TuneCo
             budget: Budget, space: SearchSpace) -> SearchResult:
     """The search stage, as the ranks search (see :meth:`Ranks.led`)."""
     prefix = f"autoprec-{workload.tag}" if workload.tag else "autoprec"
+    prefix += f"-{config.engine}" if config.serving is not None else ""  # measured otherwise: a study of its own
     # a single worker owns its study (one rank fails its stale trials before the others start); other workers'
     # running trials are theirs
     searching = config.for_search(budget, space, f"{prefix}-{profile.fingerprint}-{space.name}-{budget.tag()}",
@@ -293,8 +339,10 @@ def _verify(workload: Workload, profile: Profile, result: SearchResult, config: 
         from autoprec.profile.costmodel import policy_ms
 
         estimated_ms = lambda policy: policy_ms(profile, policy)  # noqa: E731
+    served = getattr(workload, "served", None)
     verifying = config.for_verify(
         budget, autocast, estimated_ms=estimated_ms, dropped_because=result.dropped_because(),
+        served=None if served is None else lambda policy: served(workload.model, policy),
         prefer_fp32=tuple(space.preferred([name for name, _ in layers])),
         autocast_excluded="" if blanket_allowed else _why_not_blanket(space, layers, autocast, config.precisions))
     with timed_together(context.ranks.slowest):  # the ranks of a job time it together (the slowest is the job's)

@@ -25,6 +25,7 @@ from autoprec.cli.options import (
     seed,
 )
 from autoprec.errors import Terminated
+from autoprec.runtime.engines import ENGINES, IN_PROCESS, SERVED_DEFAULT
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import DEFAULT_PRECISIONS
 from autoprec.workloads.registry import DEFAULT_WORKLOAD, either, workload_class, workload_classes
@@ -39,8 +40,9 @@ def tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trials", type=positive_int, default=60, help="most trials in the study (default 60)")
     parser.add_argument("--timeout", type=positive_number, metavar="S", help="stop searching after S seconds")
     parser.add_argument("--out", help="output folder (default: autoprec-runs/<model name>)")
-    parser.add_argument("--precisions", type=precisions, default=list(DEFAULT_PRECISIONS),
-                        help="candidate low precisions, comma-separated (default bf16,fp16,fp8)")
+    parser.add_argument("--precisions", type=precisions,
+                        help=f"candidate low precisions, comma-separated (default {','.join(DEFAULT_PRECISIONS)}; "
+                             f"with --engine vllm {','.join(SERVED_DEFAULT)})")
     parser.add_argument("--search-space", default="auto",
                         help="preset name (default, transformer, transformer-blocks, cnn) or a YAML file; "
                              "default: auto (by the layers found)")
@@ -59,6 +61,10 @@ def tune_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decide apart the layers a serving engine runs as one GEMM (q/k/v, gate/up, the "
                              "experts of one MoE layer), for an engine that does not fuse them (by default each "
                              "group takes one precision)")
+    parser.add_argument("--engine", choices=tuple(ENGINES), default=IN_PROCESS,
+                        help="what the plan is for: in-process (apply_policy, the default) or vllm (an `autoprec "
+                             "export` served by vLLM or SGLang: every layer measured as the engine serves it, one "
+                             "dtype for all that is not quantized, the output head unquantized)")
     parser.add_argument("--target", help="plan for a GPU that is not here (h100, h200, a100, l4, b200, gb200): latency "
                                          "estimated by a cost model, accuracy measured here")
     workloads = workload_classes()
@@ -132,7 +138,8 @@ def _tuned(args: argparse.Namespace, ranks: Any, log: Any, out: Path) -> Any:
             if cls is not for_ and getattr(args, dest, None) is not None:
                 raise CommandError(f"{what}: tune --for {name}, or leave it out (this tune is --for {args.for_})")
     config = _config(args, out=out, compile=args.compile, profile_all=args.profile_all,  # before loading
-                     exact_sensitivity=args.exact_sensitivity, progress=ranks.writes, fuse=args.fuse)
+                     exact_sensitivity=args.exact_sensitivity, progress=ranks.writes, fuse=args.fuse,
+                     engine=args.engine)
     workload, spec = for_.from_command(args, ranks)
     if ranks.world_size > 1 and not spec.sharded:  # verification times the job as it runs: wrapped, or DDP replicas
         from autoprec.distributed.tuning import job_wrap
@@ -147,7 +154,8 @@ def _config(args: argparse.Namespace, **fields: Any) -> Any:
 
     try:
         return TuneConfig(budget=args.budget, min_sqnr=args.min_sqnr, device=args.device,
-                          precisions=tuple(args.precisions), search_space=args.search_space, trials=args.trials,
+                          precisions=tuple(args.precisions) if args.precisions else None,
+                          search_space=args.search_space, trials=args.trials,
                           timeout=args.timeout, storage=args.storage, study_name=args.study_name,
                           sensitivity_batches=args.sensitivity_batches, seed=args.seed, target=args.target, **fields)
     except ValueError as e:

@@ -3,8 +3,9 @@
 An engine quantizes some linears (FP8 or NVFP4, each with one compressed-tensors scheme) and runs everything else in one
 dtype. A policy can say more than that (an fp32 layer inside a bf16 model, fp16 beside bf16, an FP8 conv), so
 the plan is checked here, before anything is written: what an engine would serve differently from what was
-measured is said in one line (an fp32 island served in bf16, with what that costs); what an engine cannot load at
-all is refused in one line naming the layer and the fix (:class:`ExportRefused`).
+measured is said in one line, with the fix (re-tune with ``--engine vllm``: a plan tuned so is served as measured,
+layer for layer, and needs no note); what an engine cannot load at all is refused in one line naming the layer and
+the fix (:class:`ExportRefused`), ``--keep-fp32`` for a plan vLLM would then refuse included.
 
 MoE layers: transformers 5 keeps a layer's routed experts in one module with 3-D parameters (``MixtralExperts``:
 ``gate_up_proj`` (experts, 2 x inter, hidden), ``down_proj`` (experts, hidden, inter)); capture sees it as one layer,
@@ -118,24 +119,49 @@ def plan_export(model: nn.Module, policy: Policy, keep_fp32: bool = False,
     _refuse_other_formats(model, precisions)
     _refuse_experts(experts, precisions)
     quantized = {n: p for n, p in linears.items() if p in SCHEMES and not _is_head(model, n) and n not in routers}
-    notes = [f"{n}: the plan has {p}, but engines run the output head unquantized: exported in the model's dtype"
+    heads = [f"{n}: the plan has {p}, served unquantized (engines never quantize the output head)"
              for n, p in linears.items() if p in SCHEMES and n not in quantized and n not in routers]
-    notes += [f"{n}: the plan has {p}, but engines run a MoE router unquantized: exported in the model's dtype"
+    heads += [f"{n}: the plan has {p}, served unquantized (engines never quantize a MoE router)"
               for n, p in linears.items() if p in SCHEMES and isinstance(routers.get(n), nn.Linear)]
+    unquantized = {n: p for n, p in linears.items() if n not in quantized}
+    _refuse_unservable_fp32(policy, quantized, keep_fp32)
+    dtype = "fp32" if keep_fp32 else _one_dtype(unquantized, precisions)
+    moved = _dtype_notes(unquantized, dtype, profile)
     fp8_experts = [n for n in quantized if n in experts]
+    if policy.engine is not None:  # tuned as the engine serves it: the export is the plan, layer for layer
+        edited = heads + moved + [f"{n} (MoE experts) is fp8-rowwise, which the tune does not plan"
+                                  for n in fp8_experts]
+        if edited:
+            raise ExportRefused(f"this plan records engine {policy.engine!r}, but {edited[0]}: it was "
+                                f"edited after the tune; fix: re-tune with --engine {policy.engine}")
+        return ExportPlan(quantized, list(unquantized), dtype, [])
+    if quantized and policy.fp8.amax_history > 1 and Precision.FP8 in quantized.values():
+        moved.append(f"fp8 layers scaled per token (the plan scaled their inputs per tensor, over the last "
+                     f"{policy.fp8.amax_history} batches)")
+    notes = [] if not heads and not moved else [
+        f"the plan was tuned in-process, and vLLM serves it otherwise than measured: {'; '.join(heads + moved)}; to "
+        "plan and measure what vLLM serves, re-tune with --engine vllm"]
     if fp8_experts:  # the runtime swaps nn.Linear layers only: under an FP8 rule, 3-D experts ran unquantized
         notes.append(f"{_count(fp8_experts, 'MoE expert layer')} in fp8-rowwise written in FP8, as vLLM serves "
                      f"them ({', '.join(fp8_experts[:_SHOWN])}{' and more' if len(fp8_experts) > _SHOWN else ''}); "
                      "autoprec's runtime runs FP8 on nn.Linear layers only, so the tune measured these experts "
                      "unquantized: the served model has their FP8 error too (autoprec.export.served_model "
                      "computes it)")
-    unquantized = {n: p for n, p in linears.items() if n not in quantized}
-    dtype = "fp32" if keep_fp32 else _one_dtype(unquantized, precisions)
-    notes += _dtype_notes(unquantized, dtype, profile)
-    if quantized and policy.fp8.amax_history > 1 and Precision.FP8 in quantized.values():
-        notes.append(f"fp8 layers: the plan scaled their inputs over the last {policy.fp8.amax_history} batches "
-                     "(delayed); engines scale each batch's own (dynamic, per tensor), as amax_history=1 measures")
     return ExportPlan(quantized, list(unquantized), dtype, notes)
+
+
+def _refuse_unservable_fp32(policy: Policy, quantized: Mapping[str, Precision], keep_fp32: bool) -> None:
+    """--keep-fp32 writes dtype float32, which vLLM's compressed-tensors path refuses (it serves bf16 or fp16): one
+    line, for a plan tuned for vLLM and for any plan with quantized layers."""
+    if not keep_fp32 or (policy.engine is None and not quantized):
+        return
+    why = (f"this plan was tuned for {policy.engine}, which serves every unquantized layer in {policy.default}"
+           if policy.engine is not None else
+           f"{next(iter(quantized))!r} and the other quantized layers make it a compressed-tensors checkpoint, "
+           "which vLLM serves in bf16 or fp16 only")
+    raise ExportRefused(f"--keep-fp32 writes dtype float32, and {why}; fix: export without --keep-fp32"
+                        + ("" if policy.engine is not None else
+                           " (to measure its fp32 islands as vLLM serves them, re-tune with --engine vllm)"))
 
 
 def fused_experts(model: nn.Module) -> dict[str, nn.Module]:
@@ -226,7 +252,7 @@ def _one_dtype(unquantized: dict[str, Precision], precisions: dict[str, Precisio
 def _dtype_notes(unquantized: dict[str, Precision], dtype: str, profile: Mapping[str, Any] | None) -> list[str]:
     """One line for the layers served in another dtype than the plan measured: fp32 islands in bf16 (with their
     measured sensitivity in it), or bf16 layers kept fp32 by --keep-fp32."""
-    moved = [n for n, p in unquantized.items() if p.value != dtype]
+    moved = [n for n, p in unquantized.items() if p in _UNQUANTIZED and p.value != dtype]  # a head's fp8: said apart
     if not moved:
         return []
     if dtype == "fp32":
@@ -236,7 +262,7 @@ def _dtype_notes(unquantized: dict[str, Precision], dtype: str, profile: Mapping
     shown = ", ".join(f"{n} ({cost[n]})" if n in cost else n for n in moved[:_SHOWN])
     more = f" and {len(moved) - _SHOWN} more" if len(moved) > _SHOWN else ""
     return [f"{_count(moved, 'fp32 island')} served in {dtype} (engines run every unquantized layer in one dtype; "
-            f"each alone in {dtype}, as profiled): {shown}{more}; to keep them fp32, export with --keep-fp32"]
+            f"each alone in {dtype}, as profiled): {shown}{more}"]
 
 
 def _count(items: list, noun: str) -> str:

@@ -5,9 +5,11 @@ compressed-tensors scales a tensor by ``scale = amax / 448`` (the dequantization
 quantizes ``clamp(x / scale, -448, 448)`` to E4M3 and stores ``scale`` beside ``q`` (``weight_scale``); a scale of
 0 (an all-zero row) is replaced by its dtype's eps. Weight scales are per output channel (FP8_DYNAMIC) or one per
 tensor, and are stored in the dtype the model is served in, as llm-compressor writes them for a model in that
-dtype, so that the engine, transformers and this emulation all multiply by the very same number. Inputs are
-scaled dynamically, per token or per tensor, in fp32 as vLLM's kernels do (``tests/export/test_export.py`` holds
-these functions to compressed-tensors' own).
+dtype, so that the engine, transformers and this emulation all multiply by the very same number. The FP8
+arithmetic is the runtime's (:mod:`autoprec.runtime.served`, which a ``tune --engine vllm`` measures with): vLLM
+scales a dynamic FP8 input per token under either scheme, in fp32, and requantizes the per-tensor weights of a fused
+GEMM to the largest scale of its parts on loading (``tests/export/test_export.py`` holds these functions to
+compressed-tensors' own).
 
 NVFP4 (``nvfp4-pack-quantized``) is the runtime's arithmetic (:mod:`autoprec.runtime.mx`, compressed-tensors' bit
 for bit): each weight as E2M1 codes packed two to a byte (``weight_packed``, the even column in the low nibble),
@@ -37,40 +39,24 @@ from torch import nn
 from autoprec.export.plan import SCHEMES, ExportPlan, Scheme, fused_experts
 from autoprec.export.vllm import engine_layers
 from autoprec.inputs.batches import call_model
-from autoprec.runtime.fp8 import E4M3, E4M3_MAX, fp8_dequantize_rows, fp8_per_token
+from autoprec.runtime import served
 from autoprec.runtime.mx import nvfp4_dequantize, nvfp4_fake_quantize, nvfp4_global_scale, nvfp4_quantize
+from autoprec.runtime.precision import Precision
+from autoprec.runtime.served import cast_stored, fake_quantize_input, fp8_served_values
 
 __all__ = ["ServedExperts", "ServedLinear", "calibrate_inputs", "fake_quantize_input", "fused_parts", "nvfp4_weight",
            "pack_e2m1", "quantize_weight", "served_model", "shared_global_scales", "weight_scale"]
 
 
-def _no_zero(scale: torch.Tensor) -> torch.Tensor:
-    return torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
-
-
 def weight_scale(weight: torch.Tensor, scheme: Scheme, scale_dtype: torch.dtype) -> torch.Tensor:
     """The weight's dequantization scale, as stored: shape (out, 1) per channel, (1,) per tensor."""
-    w = weight.detach().float().abs()
-    amax = w.amax(dim=1, keepdim=True) if scheme.per_channel else w.amax().reshape(1)
-    return _no_zero((amax / E4M3_MAX).to(scale_dtype))
+    return served.weight_scale(weight, scheme.per_channel, scale_dtype)
 
 
 def quantize_weight(weight: torch.Tensor, scheme: Scheme, scale_dtype: torch.dtype
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the weight in float8_e4m3fn, its scale): quantized from the fp32 weight with the stored scale's value."""
-    scale = weight_scale(weight, scheme, scale_dtype)
-    q = (weight.detach().float() / scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return q, scale
-
-
-def fake_quantize_input(x: torch.Tensor, per_token: bool) -> torch.Tensor:
-    """A dynamic FP8 input scale (per token: over the last dim, the runtime's fp8-rowwise arithmetic),
-    quantize-dequantize, in fp32."""
-    if per_token:
-        return fp8_dequantize_rows(*fp8_per_token(x)).reshape(x.shape)
-    x = x.float()
-    scale = _no_zero(x.abs().amax() / E4M3_MAX)
-    return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).float() * scale
+    return served.quantize_weight(weight, scheme.per_channel, scale_dtype)
 
 
 # ---- NVFP4 --------------------------------------------------------------------------------------------------
@@ -149,15 +135,15 @@ class ServedLinear(nn.Module):
     accumulated in fp32 with the scales applied, the bias added, the result in the model's dtype."""
 
     def __init__(self, linear: nn.Linear, scheme: Scheme, dtype: torch.dtype,
-                 global_scale: torch.Tensor | None = None, input_amax: float | None = None):
+                 global_scale: torch.Tensor | None = None, input_amax: float | None = None,
+                 values: torch.Tensor | None = None):
         super().__init__()
         self.in_features, self.out_features, self.scheme = linear.in_features, linear.out_features, scheme
         if scheme.nvfp4:
             values = nvfp4_weight(linear.weight, global_scale)[3]
             self.register_buffer("input_global_scale", nvfp4_global_scale(torch.tensor(input_amax)))
-        else:
-            q, scale = quantize_weight(linear.weight, scheme, dtype)
-            values = q.float() * scale.float()
+        elif values is None:  # FP8 alone; a fused GEMM's parts come with theirs (requantized together)
+            values = fp8_served_values([linear.weight], scheme.per_channel, dtype)[0]
         self.register_buffer("weight", values)  # the exact values the FP8 or FP4 GEMM multiplies
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(dtype))
 
@@ -165,7 +151,7 @@ class ServedLinear(nn.Module):
         if self.scheme.nvfp4:
             xq = nvfp4_fake_quantize(x, -1, self.input_global_scale)
         else:
-            xq = fake_quantize_input(x, per_token=self.scheme.inputs == "token")
+            xq = fake_quantize_input(x, per_token=True)  # vLLM scales a dynamic FP8 input per token, either scheme
         y = F.linear(xq, self.weight, None if self.bias is None else self.bias.float())
         return y.to(x.dtype)
 
@@ -227,9 +213,10 @@ def served_model(model: nn.Module, plan: ExportPlan) -> nn.Module:
     if missing:
         raise ValueError(f"nvfp4 layer {missing[0]!r} has no calibrated input; fix: plan.input_amax = "
                          "calibrate_inputs(model, plan, batches)")
-    served = copy.deepcopy(model).to(plan.torch_dtype).eval()
+    engine_copy = cast_stored(copy.deepcopy(model), plan.torch_dtype).eval()  # as tune --engine vllm measures it
     global_scales = shared_global_scales(model, plan)
     experts = fused_experts(model)
+    values = _requantized(model, plan)
     for name, precision in plan.quantized.items():
         parent_name, _, attr = name.rpartition(".")
         original = model.get_submodule(name)  # the fp32 weights: the export quantizes from them too
@@ -237,6 +224,18 @@ def served_model(model: nn.Module, plan: ExportPlan) -> nn.Module:
             served_layer: nn.Module = ServedExperts(original, SCHEMES[precision], plan.torch_dtype)
         else:
             served_layer = ServedLinear(original, SCHEMES[precision], plan.torch_dtype, global_scales.get(name),
-                                        plan.input_amax.get(name))
-        setattr(served.get_submodule(parent_name), attr, served_layer)
-    return served
+                                        plan.input_amax.get(name), values.get(name))
+        setattr(engine_copy.get_submodule(parent_name), attr, served_layer)
+    return engine_copy
+
+
+def _requantized(model: nn.Module, plan: ExportPlan) -> dict[str, torch.Tensor]:
+    """Per-tensor fp8 layer -> its served values, where vLLM fuses it with others into one GEMM: requantized to the
+    parts' largest scale on loading (:func:`autoprec.runtime.served.requantize_with_max_scale`)."""
+    names = [n for n, p in plan.quantized.items() if p is Precision.FP8]
+    out: dict[str, torch.Tensor] = {}
+    for parts in fused_parts(names):
+        if len(parts) > 1:
+            weights = [model.get_submodule(p).weight for p in parts]
+            out.update(zip(parts, fp8_served_values(weights, per_channel=False, dtype=plan.torch_dtype)))
+    return out

@@ -183,8 +183,12 @@ class Evaluator(Objective):
 
     def __init__(self, model: nn.Module, batches: Sequence[Any],
                  evaluate: Callable[[nn.Module, list], float] | None = None, higher_is_better: bool = True,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu",
+                 served: Callable[[nn.Module, Policy], Policy] | None = None) -> None:
         self.model = model
+        # a tune for a serving engine (autoprec.runtime.served.ServedAs): each policy measured as the engine serves
+        # it; the fp32 reference stays the plain model's
+        self.served = served
         self.device = torch.device(device)
         self.batches = [to_device(b, self.device) for b in batches]
         self.masks = [padding_mask(b) for b in self.batches]  # fidelity compares real tokens only
@@ -243,9 +247,14 @@ class Evaluator(Objective):
         return self.evaluate is None
 
     def measure(self, policy: Policy | None, watch: Sequence[str] = ()) -> Measurement:
-        """Run every batch with ``policy`` applied (then removed) and compare to fp32."""
+        """Run every batch with ``policy`` applied (then removed) and compare to fp32; for a serving engine
+        (``served``), the policy as the engine serves it."""
         self.evaluations += 1
-        return self._run(policy, watch)
+        return self._run(self.as_served(policy), watch)
+
+    def as_served(self, policy: Policy | None) -> Policy | None:
+        """``policy`` as it runs: as the serving engine serves it where the tune is for one."""
+        return policy if policy is None or self.served is None else self.served(self.model, policy)
 
     def _run(self, policy: Policy | None, watch: Sequence[str]) -> Measurement:
         start = time.perf_counter()
@@ -302,6 +311,7 @@ class Evaluator(Objective):
                     return None
                 drops = [self._drop_on(batch, policy) for batch in self.batches]
                 return Spread(tuple(drops), fidelity=False, under=under)
+            policy = self.as_served(policy)
             with torch.no_grad():
                 outputs = _applied(self.model, policy,
                                    lambda: [output_tensors(call_model(self.model, b)) for b in self.batches])
@@ -322,7 +332,8 @@ class Evaluator(Objective):
         """How much worse ``evaluate(model, [batch])`` is under ``policy`` than in fp32."""
         with torch.no_grad():
             fp32 = as_metric(self.evaluate(self.model, [batch]), "evaluate")
-            low = _applied(self.model, policy, lambda: as_metric(self.evaluate(self.model, [batch]), "evaluate"),
+            low = _applied(self.model, self.as_served(policy),
+                           lambda: as_metric(self.evaluate(self.model, [batch]), "evaluate"),
                            fp32_outputs=True)
         return self.drop(low) - self.drop(fp32)
 

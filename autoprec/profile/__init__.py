@@ -28,7 +28,9 @@ from autoprec.profile.latency import fp32_latency, layers_not_faster, measure_la
 from autoprec.profile.probe import nothing_pays_off, probe_precisions
 from autoprec.profile.result import LayerProfile, Profile, ProfileError, Sensitivity, device_name, fingerprint
 from autoprec.profile.sensitivity import measure_sensitivity, sensitivity_work
+from autoprec.runtime.engines import SERVED_QUANTIZED, served_dtype
 from autoprec.runtime.precision import DEFAULT_PRECISIONS, Capability, Precision, device_capabilities
+from autoprec.runtime.served import ServedAs, output_heads
 
 __all__ = ["Profile", "LayerProfile", "ProfileConfig", "Sensitivity", "ProfileError", "profile_layers", "profile_model",
            "fingerprint", "predict_ms", "device_name"]
@@ -81,6 +83,7 @@ def profile_layers(workload: Any, table: LayerTable, config: ProfileConfig, cont
     # A layer only held-out batches run cannot be measured on the search batches: no candidates.
     searched = {layer.name for layer in table if not layer.batches or min(layer.batches) < len(batches)}
     candidates = layer_candidates(model, table, low, searched)
+    served = _served(model, table, config, candidates)
     # The linears that fp8, mxfp8 and nvfp4 rules swap (every nn.Linear takes all three).
     fp8_layers = [n for n in names if any(Precision(p).swaps_linear for p in candidates[n])]
     seconds: dict[str, float] = {"capture": table.seconds}
@@ -92,14 +95,17 @@ def profile_layers(workload: Any, table: LayerTable, config: ProfileConfig, cont
 
     start = time.perf_counter()
     evaluator = Evaluator(model, _sensitivity_batches(table, batches, config.sensitivity_batches),
-                          workload.evaluate, workload.higher_is_better, device)
+                          workload.evaluate, workload.higher_is_better, device, served=served)
     work = sensitivity_work(candidates, {**{p: names for p in timing.not_profiled}, **timing.not_faster})
+    work, alike = _served_work(work, served)
     with tqdm(total=len(ranks.share(work)), desc="sensitivity", unit="eval", disable=not config.progress or not work,
               leave=False) as bar:
         how: list[str] = []
         sensitivity = measure_sensitivity(evaluator, work, progress=lambda _n: bar.update(), layers=names,
                                           ranks=ranks if ranks.several else None, log=how.append,
-                                          estimate=not config.exact_sensitivity)
+                                          estimate=not config.exact_sensitivity and served is None)
+    for name, (first, precision) in alike.items():  # as served, the same computation: measured once
+        sensitivity[name][precision] = sensitivity[first][precision]
     seconds["sensitivity"] = time.perf_counter() - start
 
     latency = timing.latency
@@ -111,6 +117,30 @@ def profile_layers(workload: Any, table: LayerTable, config: ProfileConfig, cont
                           **({"sensitivity": how[0].removeprefix("sensitivity: ")} if how else {}),
                           **({"speed_probe": timing.looked} if timing.looked else {})},
                     not_profiled=timing.not_profiled, not_faster=timing.not_faster, nothing_pays_off=timing.nothing)
+
+
+def _served(model: nn.Module, table: LayerTable, config: ProfileConfig, candidates: dict[str, list[str]]
+            ) -> ServedAs | None:
+    """For a serving engine (``config.engine``): how a policy is measured (as the engine serves it), with the
+    output head and embeddings taken out of ``candidates``' quantized formats (engines never quantize them)."""
+    if config.engine is None:
+        return None
+    for head in output_heads(model):
+        if head in candidates:
+            candidates[head] = [p for p in candidates[head] if Precision(p) not in SERVED_QUANTIZED]
+    groups = {group.name: list(group.layers) for group in table.fusion_groups}
+    return ServedAs(config.engine, served_dtype(config.precisions), groups)
+
+
+def _served_work(work: list, served: ServedAs | None) -> tuple[list, dict[str, tuple[str, str]]]:
+    """The work with the served dtype measured once (as the engine serves it, every layer in it alone is the
+    whole model in it), and layer -> (the layer measured for it, the dtype)."""
+    if served is None:
+        return work, {}
+    dtype = served.dtype.value
+    alike = [name for name, p in work if p == dtype]
+    return ([(n, p) for n, p in work if p != dtype or n == alike[0]],
+            {name: (alike[0], dtype) for name in alike[1:]})
 
 
 @dataclass

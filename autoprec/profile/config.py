@@ -18,3 +18,4 @@ class ProfileConfig:
     target: str | None = None  # a GPU to estimate latency for with the cost model, instead of measuring here
     profile_all: bool = False  # also what latency shows cannot pay off here
     exact_sensitivity: bool = False  # every layer's sensitivity on the whole model, never estimated
+    engine: str | None = None  # a serving engine (autoprec.runtime.engines): sensitivity measured as it serves

@@ -87,6 +87,7 @@ from autoprec.runtime.rulecheck import (
     takes_precision,
 )
 from autoprec.runtime.serve import NOT_REMOVABLE, NOT_TRAINABLE, serve_linears, store_low_weights
+from autoprec.runtime.served import Served, install_served, remove_served
 from autoprec.runtime.weights import CastWeights, casts_weights, hand_back_parameters
 
 __all__ = ["applied_mode", "applied_policy", "apply_policy", "effective_precisions", "remove_policy",
@@ -110,6 +111,7 @@ class _Installed:
     fsdp_float8_all_gather: bool = False
     new_weights: set[int] = field(default_factory=set)  # swapped-in modules with weight Parameters of their own
     cast_once: list[nn.Module] = field(default_factory=list)  # linears and convs given CastWeights as their forward
+    served: Served | None = None  # a policy for a serving engine, run as it serves it (autoprec.runtime.served)
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype, only_from: tuple[torch.dtype, ...]) -> Any:
@@ -284,13 +286,7 @@ def _remove_region(module: nn.Module) -> None:
 
 def effective_precisions(model: nn.Module, policy: Policy) -> dict[str, Precision]:
     """The precision every module of ``model`` runs in under ``policy`` (innermost rule wins)."""
-    result: dict[str, Precision] = {}
-    for name, _ in model.named_modules(remove_duplicate=False):
-        rule = policy.rule_for(name)
-        if rule is None:
-            rule = result[name.rpartition(".")[0]] if name else policy.default
-        result[name] = rule
-    return result
+    return policy.effective_precisions(model)
 
 
 def _aliases(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
@@ -367,6 +363,8 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
         raise RuntimeError("this model already has a policy applied; call autoprec.remove_policy(model) first")
     check_names(model, policy, strict)  # these two warn at the caller's line (stacklevel): called from here
     check_model(model, policy)
+    if policy.engine is not None:  # tuned for a serving engine: the model runs as that engine serves it
+        return _apply_served(wrapper, model, policy, mode)
     precisions = _checked_precisions(model, wrapper, policy, mode)
 
     state = _Installed(policy=policy, mode=mode, fsdp_float8_all_gather=fsdp_float8_all_gather)
@@ -387,6 +385,24 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     elif mode == "serve":
         _store_once(model, precisions)
     _install_regions(model, precisions, state, own_dtype)
+    object.__setattr__(model, _STATE_ATTR, state)
+    return wrapper
+
+
+def _apply_served(wrapper: nn.Module, model: nn.Module, policy: Policy, mode: str) -> nn.Module:
+    """A policy tuned for a serving engine, installed as :mod:`autoprec.runtime.served` runs it: for inference."""
+    if mode != "inference":
+        raise PolicyError(f"this policy was tuned for {policy.engine} (its 'engine'), and applied it runs the model "
+                          f"as {policy.engine} serves it, for inference only: use mode='inference' (to train or to "
+                          "serve in-process, tune without --engine)")
+    if fsdp_managed(model):
+        raise PolicyError(f"a policy for {policy.engine} runs the model as the engine serves it, unsharded: apply "
+                          "it before fully_shard, or to a model that is not sharded")
+    precisions = effective_precisions(model, policy)
+    check_rules_reach(model, policy, precisions)
+    check_shared(_aliases(model), precisions)
+    state = _Installed(policy=policy, mode=mode)
+    state.served = install_served(model, policy, precisions)
     object.__setattr__(model, _STATE_ATTR, state)
     return wrapper
 
@@ -541,6 +557,10 @@ def remove_policy(model: nn.Module) -> nn.Module:
         raise RuntimeError("this model has no policy applied")
     if state.mode == "serve":
         raise RuntimeError(NOT_REMOVABLE)
+    if state.served is not None:
+        remove_served(model, state.served)
+        object.__delattr__(model, _STATE_ATTR)
+        return wrapper
     sharded = fsdp_managed(model)
     stuck = [type(getattr(parent, attr)).__name__ for parent, attr, _ in state.swapped
              if id(getattr(parent, attr)) in sharded and id(getattr(parent, attr)) not in state.revertible]

@@ -6,6 +6,9 @@ A policy is plain JSON (never pickle)::
      "layers": {"encoder.layer.0.attention.self.query": "bf16", "re:.*\\.output\\.dense": "fp16"},
      "fp8": {"recipe": "tensorwise", "amax_history": 16}, ...}
 
+An optional ``"engine": "vllm"`` says the plan was tuned for that serving engine (:mod:`autoprec.runtime.engines`):
+applied, it runs as the engine serves it (:mod:`autoprec.runtime.served`). A file without it is for in-process use.
+
 Precedence, for one module: an exact module path wins; otherwise the first ``re:`` pattern,
 in file order, that matches the whole path. A module with no rule inherits the precision of
 its parent, the root inherits ``default``: the innermost module with a rule decides.
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 
 from autoprec.common.jsonsafe import dumps, json_safe
+from autoprec.runtime.engines import check_engine, policy_problems
 from autoprec.runtime.fp8 import FP8Recipe
 from autoprec.runtime.precision import Precision
 
@@ -32,7 +36,7 @@ __all__ = ["SCHEMA", "VERSION", "Policy", "PolicyError"]
 SCHEMA = "autoprec.policy"
 VERSION = 1
 PATTERN_PREFIX = "re:"
-_KEYS = {"schema", "version", "default", "layers", "fp8", "model", "tuned_on", "result"}
+_KEYS = {"schema", "version", "default", "layers", "fp8", "engine", "model", "tuned_on", "result"}
 _FP8_KEYS = {"recipe", "amax_history"}
 _INFO_KEYS = ("model", "tuned_on", "result")  # what the policy was tuned on and achieved: free-form objects
 MAX_FILE_BYTES = 16 * 2**20  # a policy names each layer once: even 100k layers fit in a few MiB
@@ -54,6 +58,7 @@ class Policy:
     model: dict[str, Any] = field(default_factory=dict)
     tuned_on: dict[str, Any] = field(default_factory=dict)
     result: dict[str, Any] = field(default_factory=dict)
+    engine: str | None = None  # the serving engine it was tuned for (None: in-process); see autoprec.runtime.engines
 
     def __post_init__(self) -> None:
         # Every problem is collected, then all are named in one message: fixing a file should
@@ -64,6 +69,12 @@ class Policy:
         self.layers, self._patterns = _rules(self.layers, problems)
         self._warned: set[str] = set()  # what applying this policy has warned about: each said once
         self.fp8 = _fp8(self.fp8, problems)
+        try:
+            self.engine = check_engine(self.engine, "'engine'")
+        except ValueError as e:
+            problems.append(str(e))
+            self.engine = None
+        problems += policy_problems(self.engine, self.default, self.layers)
         for key in _INFO_KEYS:
             if not isinstance(getattr(self, key), Mapping):
                 problems.append(f"{key!r} must be an object, got {type(getattr(self, key)).__name__}")
@@ -114,6 +125,16 @@ class Policy:
                 return precision
         return None
 
+    def effective_precisions(self, model: torch.nn.Module) -> dict[str, Precision]:
+        """The precision every module of ``model`` runs in under this policy (innermost rule wins)."""
+        result: dict[str, Precision] = {}
+        for name, _ in model.named_modules(remove_duplicate=False):
+            rule = self.rule_for(name)
+            if rule is None:
+                rule = result[name.rpartition(".")[0]] if name else self.default
+            result[name] = rule
+        return result
+
     def precisions_used(self) -> set[Precision]:
         return {self.default, *self.layers.values()}
 
@@ -136,6 +157,8 @@ class Policy:
             "layers": {name: p.value for name, p in self.layers.items()},
             "fp8": {"recipe": self.fp8.recipe, "amax_history": self.fp8.amax_history},
         }
+        if self.engine is not None:  # in-process plans stay as they were written before there were engines
+            out["engine"] = self.engine
         for key in _INFO_KEYS:
             block = getattr(self, key)
             if block:
@@ -183,7 +206,9 @@ class Policy:
         width = max(len(n) for n, _ in rows)
         lines = [f"{'layer'.ljust(width)}  precision", f"{'-' * width}  ---------"]
         lines += [f"{n.ljust(width)}  {p}" for n, p in rows]
-        if Precision.FP8 in self.precisions_used():
+        if self.engine is not None:
+            lines.append(f"engine: {self.engine} (tuned as it serves the plan; applied, the model runs so)")
+        elif Precision.FP8 in self.precisions_used():  # an engine scales each input per token: no recipe
             lines.append(f"fp8: {self.fp8.recipe}, amax_history={self.fp8.amax_history}")
         if self.needs_grad_scaler:
             lines.append("training: fp16 layers present, use a GradScaler (policy.grad_scaler())")
@@ -208,7 +233,7 @@ def _from_dict(cls: type[Policy], data: Any, source: str, problems: list[str]) -
     _unknown_keys(data, _KEYS, "", problems)
     try:
         policy = cls(layers=data.get("layers", {}), default=data.get("default", "fp32"), fp8=data.get("fp8", {}),
-                     **{key: data.get(key, {}) for key in _INFO_KEYS})
+                     engine=data.get("engine"), **{key: data.get(key, {}) for key in _INFO_KEYS})
     except PolicyError as e:
         problems.append(str(e))
     if problems:

@@ -25,3 +25,6 @@ class VerifyConfig:
     dropped_because: str = ""  # why the search had no candidate, for the note that says so
     prefer_fp32: Sequence[str] = ()  # layers the search space prefers fp32: among ties, the fewest lowered wins
     autocast_excluded: str = ""  # why blanket autocast cannot be the policy ("" where it can)
+    # a tune for a serving engine: each candidate (and blanket autocast) as the engine serves it, which is what is
+    # measured, timed, estimated and chosen (autoprec.runtime.served.served_policy)
+    served: Callable[[Policy], Policy] | None = None

@@ -203,7 +203,7 @@ def verify_candidates(workload: Workload, candidates: Sequence[Candidate], confi
     losses = dict(held.losses)
     if losses:
         losses["tuned"] = losses[tuned]
-    return Verification(chosen=chosen, policy=chosen.policy() if chosen else None, samples=samples, metric=metric,
+    return Verification(chosen=chosen, policy=run.policy_of(chosen) if chosen else None, samples=samples, metric=metric,
                         sqnr_db=sqnr, within_budget={"autocast": run.within["autocast"], "tuned": run.within[tuned]},
                         autocast_precision=autocast.value, predicted_ms=chosen.predicted_ms if chosen else None,
                         timed_on=run.timed_on, fidelity=held.reference.uses_fidelity,
@@ -239,9 +239,10 @@ class _Ladder:
     def measure_held_out(self) -> None:
         """Each entry's metric where the search never looked; the candidates that keep the budget there."""
         autocast = self.config.autocast
-        self.runners = {"fp32": None, "autocast": autocast}
+        served = self.config.served
+        self.runners = {"fp32": None, "autocast": autocast if served is None else served(Policy(default=autocast))}
         for c in self.candidates:  # fp32 and blanket autocast run once
-            policy = c.policy()
+            policy = self.policy_of(c)
             self.label[c.label] = "autocast" if is_blanket(policy, autocast) else "fp32" if is_fp32(policy) else c.label
             self.runners.setdefault(self.label[c.label], policy)
         held = self.held = self.workload.held_out(self.runners, self.device, self.config.seed)
@@ -266,6 +267,11 @@ class _Ladder:
         self.passing = [c for i, c in enumerate(passing)
                         if i < self.workload.verify_timed or c.heuristic or c.number < 0 or c.seed == "preferred"]
 
+    def policy_of(self, candidate: Candidate) -> Policy:
+        """What ``candidate`` runs: its policy, as the serving engine serves it where the tune is for one."""
+        policy = candidate.policy()
+        return policy if self.config.served is None else self.config.served(policy)
+
     def time(self) -> None:
         """fp32, blanket autocast and the passing candidates timed together (or estimated for a target GPU), and
         compiled too where asked."""
@@ -273,7 +279,8 @@ class _Ladder:
         timed = {k: self.runners[k]
                  for k in dict.fromkeys(["fp32", "autocast", *(self.label[c.label] for c in self.passing)])}
         if config.estimated_ms is not None:  # one estimate per entry stands in for the timed rounds
-            as_policy = {"fp32": Policy(), "autocast": Policy(default=config.autocast)}
+            as_policy = {"fp32": Policy(), "autocast": self.runners["autocast"]
+                         if isinstance(self.runners["autocast"], Policy) else Policy(default=config.autocast)}
             self.samples = {key: [config.estimated_ms(as_policy.get(key, how))] for key, how in timed.items()}
             _, self.timed_on, _ = workload.time({}, device)
             self.notes.append(f"latencies are estimated for {config.estimated_for} by the cost model, not measured; "

@@ -29,6 +29,7 @@ from autoprec.runtime.apply import applied_policy, apply_policy, effective_preci
 from autoprec.runtime.fp8_linear import FP8Linear, FP8RowwiseLinear, FP8ServedLinear
 from autoprec.runtime.mx import BlockScaledLinear
 from autoprec.runtime.policy import Policy, PolicyError
+from autoprec.runtime.served import EngineFP8Linear
 
 __all__ = ["check_policy_runs", "policy_runs_note"]
 
@@ -76,7 +77,7 @@ def _swapped_format(module: nn.Module) -> str | None:
     """The format a module swapped in by a rule computes in (fp8, fp8-rowwise, mxfp8, nvfp4), or None."""
     if isinstance(module, FP8Linear):
         return "fp8"
-    if isinstance(module, (BlockScaledLinear, FP8RowwiseLinear, FP8ServedLinear)):
+    if isinstance(module, (BlockScaledLinear, FP8RowwiseLinear, FP8ServedLinear, EngineFP8Linear)):
         return module.precision
     original = getattr(module, "_autoprec_original", None)  # torchao's MX linears (autoprec.runtime.torchao_linear)
     if original is not None:

@@ -64,6 +64,7 @@ class InferenceWorkload(Workload):
     tag = ""
     tunes_sharded = True
     predicts_latency = True
+    serves_engines = True
     cli_help = "inference (forward latency, output fidelity)"
     notebook_settings = frozenset({"higher_is_better", "model_path", "holdout_batches", "timing_batch"})
 

@@ -45,8 +45,8 @@ def test_export_writes_the_folder_and_show_says_what_it_holds(run_dir):
     run = autoprec("export", str(run_dir / "run"), "--model", str(run_dir / "model.py"), "--out", str(out))
     assert run.returncode == 0, run.stderr
     assert "14 quantized layers, 1 unquantized linears" in run.stdout
-    assert "note: 1 fp32 island served in bf16" in run.stdout and "lm_head (metric drop 0.01, SQNR 40.0 dB)" in \
-        run.stdout
+    assert "note: the plan was tuned in-process" in run.stdout and "1 fp32 island served in bf16" in run.stdout \
+        and "lm_head (metric drop 0.01, SQNR 40.0 dB)" in run.stdout and "re-tune with --engine vllm" in run.stdout
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
             "autoprec-export.json"} <= names  # the tokenizer from model.py's get_tokenizer()

@@ -1,0 +1,284 @@
+"""A plan run in this process as its serving engine runs it: what a ``tune --engine vllm`` measures, what
+``apply_policy`` runs for a policy that records an engine, and the arithmetic ``autoprec export``'s emulation of
+the checkpoint uses (:func:`autoprec.export.quantize.served_model`).
+
+As vLLM serves a compressed-tensors checkpoint (:mod:`autoprec.runtime.engines`):
+
+- every parameter and every persistent buffer is in the served dtype (bf16 or fp16), as the checkpoint stores
+  them, and the model's float inputs are cast to it: the residual stream, the norms and the softmax run in it, not
+  in autocast's fp32. What the model computes for itself when it is built (non-persistent buffers: rotary
+  frequencies) stays as the model computes it, as on a reload;
+- an FP8 linear multiplies its E4M3 weight by its scale (per output channel for fp8-rowwise, one per tensor for
+  fp8) and its input quantized with a dynamic scale per token, in fp32, the bias added, the result in the served
+  dtype. A per-tensor weight in a fused GEMM (q/k/v, gate/up, one expert's gate/up) is requantized to the largest
+  scale of its parts, as vLLM's ``requantize_with_max_scale`` does on loading (each part dequantized in fp16,
+  quantized again with that scale);
+- the output head and the embeddings are never quantized.
+
+compressed-tensors scales a tensor by ``scale = amax / 448`` (``x ≈ q * scale``), quantizes
+``clamp(x / scale, -448, 448)`` to E4M3 and stores ``scale`` in the served dtype (as llm-compressor writes it for a
+model in that dtype); a zero scale is replaced by its dtype's eps.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch import nn
+
+from autoprec.distributed.models import own_class
+from autoprec.runtime.engines import SERVED_DTYPES, SERVED_QUANTIZED
+from autoprec.runtime.fp8 import E4M3, E4M3_MAX, fp8_dequantize_rows, fp8_per_token
+from autoprec.runtime.policy import Policy, PolicyError
+from autoprec.runtime.precision import Precision
+
+__all__ = ["EngineFP8Linear", "Served", "ServedAs", "cast_stored", "fake_quantize_input", "fp8_served_values",
+           "fused_gemms", "install_served", "output_heads", "quantize_weight", "remove_served",
+           "requantize_with_max_scale", "served_policy", "weight_scale"]
+
+
+# ---- the arithmetic ---------------------------------------------------------------------------------------
+def _no_zero(scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
+
+
+def weight_scale(weight: torch.Tensor, per_channel: bool, scale_dtype: torch.dtype) -> torch.Tensor:
+    """The weight's dequantization scale, as stored: shape (out, 1) per channel, (1,) per tensor."""
+    w = weight.detach().float().abs()
+    amax = w.amax(dim=1, keepdim=True) if per_channel else w.amax().reshape(1)
+    return _no_zero((amax / E4M3_MAX).to(scale_dtype))
+
+
+def quantize_weight(weight: torch.Tensor, per_channel: bool, scale_dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the weight in float8_e4m3fn, its scale): quantized from the fp32 weight with the stored scale's value."""
+    scale = weight_scale(weight, per_channel, scale_dtype)
+    q = (weight.detach().float() / scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, scale
+
+
+def fake_quantize_input(x: torch.Tensor, per_token: bool) -> torch.Tensor:
+    """A dynamic FP8 input scale (per token: over the last dim, the runtime's fp8-rowwise arithmetic; else one for
+    the tensor), quantize-dequantize, in fp32."""
+    if per_token:
+        return fp8_dequantize_rows(*fp8_per_token(x)).reshape(x.shape)
+    x = x.float()
+    scale = _no_zero(x.abs().amax() / E4M3_MAX)
+    return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).float() * scale
+
+
+def requantize_with_max_scale(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                              ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """vLLM's ``requantize_with_max_scale`` on the per-tensor FP8 parts ``(q, scale)`` of one fused GEMM: each part
+    dequantized in fp16 (vLLM's ``per_tensor_dequantize``) and quantized again with the largest scale; returns the
+    parts' new E4M3 weights and that scale (fp32, as vLLM holds it)."""
+    top = max(scale.float().reshape(()) for _, scale in parts)
+    requantized = [((q.to(torch.float16) * scale.float().reshape(())).float() / top).clamp(-E4M3_MAX, E4M3_MAX)
+                   .to(E4M3) for q, scale in parts]
+    return requantized, top
+
+
+def fp8_served_values(weights: Sequence[torch.Tensor], per_channel: bool, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The fp32 values an engine's FP8 GEMM multiplies for each part of one GEMM (``weights``: the parts' fp32
+    weights; one for a layer the engine does not fuse): per channel as stored, per tensor requantized to the
+    parts' largest scale."""
+    quantized = [quantize_weight(w, per_channel, dtype) for w in weights]
+    if per_channel:
+        return [q.float() * scale.float() for q, scale in quantized]
+    requantized, top = requantize_with_max_scale(quantized)
+    return [q.float() * top for q in requantized]
+
+
+class EngineFP8Linear(nn.Module):
+    """An FP8 linear as the engine runs it: ``values`` (the dequantized E4M3 weight, fp32) times the input
+    quantized per token, in fp32, plus the bias; the result in the input's dtype."""
+
+    def __init__(self, linear: nn.Linear, values: torch.Tensor, precision: Precision | str, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.precision = Precision.parse(precision).value  # as the other swapped linears say it (check_policy_runs)
+        self.register_buffer("weight", values)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.linear(fake_quantize_input(x, per_token=True), self.weight,
+                         None if self.bias is None else self.bias.float())
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.precision} as served"
+
+
+# ---- the plan, in the engine's terms -------------------------------------------------------------------------
+_EXPERT = re.compile(r"(?P<expert>.*\.experts\.\d+)\.(?P<proj>[^.]+)$")
+_W13 = ("gate_proj", "up_proj", "w1", "w3")  # the two projections an engine runs as one expert GEMM (w13)
+
+
+def fused_gemms(groups: Mapping[str, Sequence[str]]) -> list[list[str]]:
+    """Capture's fusion groups as the GEMMs an engine runs: a group of projections (q/k/v, gate/up) is one; a MoE
+    layer's experts (one decision) are one GEMM per expert and projection, gate and up together."""
+    gemms: list[list[str]] = []
+    for members in groups.values():
+        experts = [_EXPERT.match(name) for name in members]
+        if not all(experts):
+            gemms.append(list(members))
+            continue
+        by_key: dict[tuple[str, str], list[str]] = {}
+        for name, found in zip(members, experts):
+            proj = "w13" if found["proj"] in _W13 else found["proj"]
+            by_key.setdefault((found["expert"], proj), []).append(name)
+        gemms += list(by_key.values())
+    return gemms
+
+
+def output_heads(model: nn.Module) -> list[str]:
+    """The names of the output head and input embeddings (``get_output_embeddings`` / ``get_input_embeddings``),
+    which engines never quantize."""
+    ids = set()
+    for getter in ("get_output_embeddings", "get_input_embeddings"):
+        try:
+            module = getattr(model, getter, lambda: None)()
+        except Exception:  # a model that names no such module (NotImplementedError)
+            module = None
+        if isinstance(module, nn.Module):
+            ids.add(id(module))
+    return [name for name, module in model.named_modules() if id(module) in ids]
+
+
+def served_policy(model: nn.Module, policy: Policy, engine: str, dtype: Precision,
+                  fusion_groups: Mapping[str, Sequence[str]] | None = None) -> Policy:
+    """``policy`` as ``engine`` serves it on ``model``: each exact ``nn.Linear`` the policy puts in fp8 or
+    fp8-rowwise keeps it (the output head and embeddings excepted), everything else runs in ``dtype``; one exact
+    rule per quantized linear, the engine and the fusion groups recorded."""
+    heads = set(output_heads(model))
+    precisions = policy.effective_precisions(model)
+    layers = {name: precisions[name].value for name, module in model.named_modules()
+              if own_class(module) is nn.Linear and precisions[name] in SERVED_QUANTIZED and name not in heads}
+    groups = {"fusion_groups": {k: list(v) for k, v in fusion_groups.items()}} if fusion_groups else {}
+    return Policy(layers=layers, default=dtype, engine=engine, model={**policy.model, **groups}, fp8=policy.fp8,
+                  tuned_on=policy.tuned_on, result=policy.result)
+
+
+@dataclass(frozen=True)
+class ServedAs:
+    """A candidate policy turned into what the engine serves (:func:`served_policy`), for the measurements of a tune
+    for that engine."""
+
+    engine: str
+    dtype: Precision
+    fusion_groups: Mapping[str, Sequence[str]] = field(default_factory=dict)
+
+    def __call__(self, model: nn.Module, policy: Policy) -> Policy:
+        return served_policy(model, policy, self.engine, self.dtype, self.fusion_groups)
+
+
+# ---- installing it -----------------------------------------------------------------------------------------
+@dataclass
+class Served:
+    """What :func:`install_served` changed, to put back: (module, name, the original) of each kind."""
+
+    tensors: list[tuple[dict, str, Any]] = field(default_factory=list)  # a module's _parameters or _buffers entry
+    swapped: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)
+    forward: Any = None  # the model's own instance forward, where it had one
+
+
+def install_served(model: nn.Module, policy: Policy, precisions: Mapping[str, Precision]) -> Served:
+    """Make ``model`` compute as ``policy.engine`` serves ``policy`` (in place; :func:`remove_served` undoes it)."""
+    dtype = policy.default.autocast_dtype
+    if policy.default not in SERVED_DTYPES or dtype is None:
+        raise PolicyError(f"a policy for engine {policy.engine!r} serves in bf16 or fp16, not {policy.default}")
+    heads = [n for n in output_heads(model) if precisions[n] in SERVED_QUANTIZED]
+    if heads:
+        raise PolicyError(f"layer {heads[0]!r} is the output head or embeddings, which {policy.engine} never "
+                          f"quantizes; fix: leave it out of the policy's fp8 rules (tune --engine {policy.engine})")
+    fp8 = [(n, m, precisions[n]) for n, m in model.named_modules()
+           if own_class(m) is nn.Linear and precisions[n] in SERVED_QUANTIZED]
+    state = Served()
+    values = _fp8_values(model, fp8, policy.model.get("fusion_groups") or {}, dtype)
+    for name, module, precision in fp8:  # from the fp32 weights, before anything is cast
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, attr, EngineFP8Linear(module, values[name], precision, dtype))
+        state.swapped.append((parent, attr, module))
+    _cast_stored(model, dtype, state)
+    state.forward = model.__dict__.get("forward")
+    object.__setattr__(model, "forward", _ServedForward(model, dtype, state.forward))
+    return state
+
+
+def _fp8_values(model: nn.Module, fp8: list[tuple[str, nn.Module, Precision]],
+                groups: Mapping[str, Sequence[str]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Each FP8 linear's served values; the per-tensor ones of one engine GEMM requantized together."""
+    tensorwise = {n for n, _, p in fp8 if p is Precision.FP8}
+    values: dict[str, torch.Tensor] = {}
+    for gemm in fused_gemms(groups):
+        parts = [n for n in gemm if n in tensorwise]
+        if len(parts) > 1:
+            weights = [model.get_submodule(n).weight for n in parts]
+            values.update(zip(parts, fp8_served_values(weights, per_channel=False, dtype=dtype)))
+    for name, module, precision in fp8:
+        if name not in values:
+            values[name] = fp8_served_values([module.weight], precision is Precision.FP8_ROWWISE, dtype)[0]
+    return values
+
+
+def cast_stored(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``model`` (a copy: in place) with what a checkpoint stores in ``dtype``, as an engine loads it: every floating
+    parameter and persistent buffer; what the model computes for itself (non-persistent buffers) as it was."""
+    _cast_stored(model, dtype, Served())
+    return model
+
+
+def _cast_stored(model: nn.Module, dtype: torch.dtype, state: Served) -> None:
+    """Every floating parameter and persistent buffer as a new tensor in ``dtype`` (the originals kept in ``state``
+    for :func:`remove_served`; a tensor two modules share stays shared); the served FP8 linears' own stay."""
+    copies: dict[int, Any] = {}
+    for module in model.modules():
+        if isinstance(module, EngineFP8Linear):
+            continue
+        buffers = {k for k in module._buffers if k not in module._non_persistent_buffers_set}
+        for store, names in ((module._parameters, list(module._parameters)), (module._buffers, buffers)):
+            for name in names:
+                tensor = store[name]
+                if tensor is None or not tensor.is_floating_point() or tensor.dtype == dtype:
+                    continue
+                if id(tensor) not in copies:
+                    low = tensor.detach().to(dtype)
+                    copies[id(tensor)] = nn.Parameter(low, requires_grad=False) if store is module._parameters \
+                        else low
+                state.tensors.append((store, name, tensor))
+                store[name] = copies[id(tensor)]
+
+
+def remove_served(model: nn.Module, state: Served) -> None:
+    """Undo :func:`install_served`: the original tensors, modules and forward."""
+    del model.__dict__["forward"]
+    if state.forward is not None:
+        object.__setattr__(model, "forward", state.forward)
+    for store, name, tensor in reversed(state.tensors):
+        store[name] = tensor
+    for parent, attr, original in reversed(state.swapped):
+        setattr(parent, attr, original)
+
+
+class _ServedForward:
+    """The model's forward as served: its float inputs in the served dtype, outside any autocast of the caller's."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, inner: Any) -> None:
+        self.model, self.dtype, self.inner = model, dtype, inner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = self.inner or type(self.model).forward.__get__(self.model)
+        args, kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: t.to(self.dtype) if t.is_floating_point() else t, (args, kwargs))
+        device = next((t.device.type for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
+                      "cpu")
+        with torch.autocast(device, enabled=False):
+            return forward(*args, **kwargs)

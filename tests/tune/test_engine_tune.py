@@ -1,0 +1,98 @@
+"""tune --engine vllm: the plan holds only what vLLM serves (no FP8 output head, no fp32 layer), and its verdict is
+measured on the model as served (export's emulation of the checkpoint gives the very same SQNR).
+
+The cost model is replaced by a fake in which FP8 pays off on any shape (a small Llama's GEMMs are launch-bound on
+every real GPU), so that the search has FP8 worth choosing on any CPU; the accuracy is measured here."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import autoprec
+from autoprec.common.sqnr import sqnr_db
+from autoprec.export import plan_export, served_model
+from autoprec.inputs.batches import call_model, fidelity_outputs
+from autoprec.profile import costmodel
+from autoprec.runtime.precision import Precision
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "export"))
+from export_models import tiny_llama, token_batch  # noqa: E402
+
+pytest.importorskip("transformers")
+
+SPEED = {"fp32": 4.0, "bf16": 1.0, "fp16": 1.0, "fp8": 0.25, "fp8-rowwise": 0.25}  # ms per GFLOP, made up
+VOCAB = 512  # lm_head the largest layer, as in an LLM: the first an FP8 plan would lower
+
+
+@pytest.fixture(scope="module")
+def fake_gpu():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(costmodel, "layer_ms", lambda target, layer, precision, mode="inference":
+                      layer.flops * SPEED[precision] * 1e-9)
+        yield
+
+
+def _tune(engine: str, precisions: str):
+    batches = [token_batch(seed, vocab=VOCAB) for seed in range(6)]
+    tuned = autoprec.tune(tiny_llama(vocab=VOCAB), batches, min_sqnr=15, precisions=precisions, target="h100",
+                          engine=engine, trials=8, progress=False, log=lambda _line: None)
+    return tuned, batches
+
+
+@pytest.fixture(scope="module")
+def in_process(fake_gpu):
+    return _tune("in-process", "bf16,fp8")
+
+
+@pytest.fixture(scope="module")
+def for_vllm(fake_gpu):
+    return _tune("vllm", "bf16,fp8")
+
+
+def test_in_process_the_plan_puts_the_output_head_in_fp8(in_process):
+    """The case the engine's rule must change: without it the output head is the first layer lowered."""
+    tuned, _ = in_process
+    assert tuned.policy.engine is None and tuned.policy.rule_for("lm_head") is Precision.FP8
+    head = next(layer for layer in tuned.profile.layers if layer.name == "lm_head")
+    assert tuned.verification.latency_ms["tuned"] == costmodel.policy_ms(tuned.profile, tuned.policy)
+    assert head.latency_ms["fp8"] < head.latency_ms["bf16"]  # its estimate counts the head in FP8
+    assert "engine" not in tuned.policy.to_dict()  # in-process plans are written as before there were engines
+
+
+def test_for_vllm_the_plan_never_quantizes_the_head_nor_keeps_fp32(for_vllm):
+    tuned, _ = for_vllm
+    policy = tuned.policy
+    assert policy.engine == "vllm" and policy.to_dict()["engine"] == "vllm"
+    assert policy.default is Precision.BF16 and policy.layers, "FP8 pays off on the fake GPU: some layers lowered"
+    assert set(policy.layers.values()) == {Precision.FP8} and "lm_head" not in policy.layers
+    assert Precision.FP32 not in policy.effective_precisions(tiny_llama(vocab=VOCAB)).values()
+    # each fusion group takes one decision, as vLLM runs it as one GEMM
+    for members in policy.model["fusion_groups"].values():
+        assert len({policy.rule_for(m) for m in members}) == 1, members
+    # the estimate counts what is served: lm_head in bf16, never priced in FP8
+    assert "as vllm serves it" in policy.tuned_on["device"]
+    assert tuned.verification.latency_ms["tuned"] == costmodel.policy_ms(tuned.profile, policy)
+    head = next(layer for layer in tuned.profile.layers if layer.name == "lm_head")
+    assert "fp8" not in head.latency_ms and "fp8" not in head.sensitivity
+
+
+def test_the_verdict_is_the_served_models_sqnr(for_vllm):
+    """The reported SQNR is the one of export's emulation of the checkpoint (its own path to the served model)
+    against fp32 on the held-out batches, to the last bit: the verdict is on what vLLM serves."""
+    tuned, batches = for_vllm
+    model = tiny_llama(vocab=VOCAB)
+    plan = plan_export(model, tuned.policy)
+    assert plan.notes == [] and set(plan.quantized) == set(tuned.policy.layers)
+    served = served_model(model, plan)
+    held_out = batches[-2:]  # the last quarter (rounded up) of 6
+    with torch.no_grad():
+        worst = min(min(sqnr_db(ref, out.float()) for ref, out in zip(
+            fidelity_outputs(call_model(model, b), i), fidelity_outputs(call_model(served, b), i)))
+            for i, b in enumerate(held_out))
+    assert math.isfinite(worst) and worst == tuned.verification.sqnr_db["tuned"]
+    assert worst >= 15
