@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
 import time
 from contextlib import nullcontext
@@ -45,12 +44,12 @@ from pathlib import Path
 
 import torch
 import transformers
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 from torch import nn
 
 from autoprec import Policy, apply_policy
 from autoprec.measuring.compare import compare
 from autoprec.runtime.apply import applied_policy
-from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 BATCH, TOKENS = 64, 128
 GOAL = 1.05

@@ -39,11 +39,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from provenance import stamped  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 from reproducibility import machine  # noqa: E402  (benchmarks/reproducibility.py)
 
 import autoprec  # noqa: E402
 from autoprec.common.jsonsafe import dumps  # noqa: E402
-from provenance import stamped  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 from autoprec.common.sqnr import sqnr_db  # noqa: E402
 from autoprec.inputs.batches import fidelity_outputs  # noqa: E402
 from autoprec.measuring.compare import compare  # noqa: E402

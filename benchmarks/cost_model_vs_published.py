@@ -38,9 +38,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
+
 from autoprec.profile import costmodel  # noqa: E402
 from autoprec.profile.costmodel import elementwise_ms, gemm_ms, get_target, linear_ms, mx_cast_ms  # noqa: E402
-from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 DATA = Path(__file__).with_name("published_gemm_speedups.csv")
 TORCHAO_MX = ("https://github.com/pytorch/ao/blob/09f13255fdcdb9d3a1b3c5c1c723cd9e41e2d5cb/"

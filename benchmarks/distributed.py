@@ -46,6 +46,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
 from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 ROOT = Path(__file__).resolve().parents[1]

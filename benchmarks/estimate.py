@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
 from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import json
 import os
 import platform
 import statistics
@@ -53,6 +52,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
+
 from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 ROOT = Path(__file__).resolve().parents[1]

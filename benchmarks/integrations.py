@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import statistics
 import sys
 import tempfile
@@ -46,10 +45,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from minilm_finetune import model as finetune  # noqa: E402
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 from autoprec import Policy, TrainStep, apply_policy  # noqa: E402
 from autoprec.runtime.apply import effective_precisions, structure_fingerprint  # noqa: E402
-from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 GOAL_OVERHEAD = 1.05
 GOAL_CURVE = 0.01

@@ -40,12 +40,12 @@ MODEL_PY = ROOT / "benchmarks" / "models" / "tiny_llm" / "model.py"
 sys.path.insert(0, str(MODEL_PY.parent))
 
 import model as tiny  # noqa: E402  (benchmarks/models/tiny_llm/model.py)
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 import autoprec  # noqa: E402
 from autoprec.measuring.compare import Ratio, compare  # noqa: E402
 from autoprec.measuring.measure import policy_runs, shared_copy  # noqa: E402
 from autoprec.runtime.precision import Precision  # noqa: E402
-from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 UNSEEN = tiny.N_BATCHES  # the first batch after the tune's: timing; the ones after it: perplexity
 PERPLEXITY_BATCHES = 4

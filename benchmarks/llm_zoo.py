@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 import autoprec
 from autoprec.common.sqnr import sqnr_db
-from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 512

@@ -17,7 +17,6 @@ what it finds says how much a perfect search could gain over the hand policy her
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -28,11 +27,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples" / "minilm"))
 
 import model as minilm  # noqa: E402  (examples/minilm/model.py)
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 from autoprec import Policy  # noqa: E402
 from autoprec.measuring.compare import compare  # noqa: E402
 from autoprec.measuring.measure import Evaluator, policy_runs  # noqa: E402
-from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 # A sub-block's share of a block's matmul work at 128 tokens, hidden 384, MLP 1536 (q/k/v 3, scores and
 # values about 1.3, attention output 1, MLP up 4, MLP down 4): the cost the greedy divides by.

@@ -16,7 +16,6 @@ measured without hooks, for fp32, blanket bf16 and a mixed policy (goal: within 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -28,11 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "minilm"))
 
 import model as minilm  # noqa: E402  (examples/minilm/model.py)
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 from autoprec.capture.layers import capture  # noqa: E402
 from autoprec.outputs.report import profile_summary, profile_table  # noqa: E402
 from autoprec.profile import profile_model  # noqa: E402
-from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 
 def main() -> None:

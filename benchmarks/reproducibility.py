@@ -42,10 +42,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from provenance import stamped  # noqa: E402  (benchmarks/provenance.py: the commit and date)
+
 import autoprec  # noqa: E402
 from autoprec.capture.layers import capture  # noqa: E402
 from autoprec.common.jsonsafe import dumps  # noqa: E402
-from provenance import stamped  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 from autoprec.measuring.compare import Comparison, Ratio, compare  # noqa: E402
 from autoprec.measuring.measure import Evaluator, call_model  # noqa: E402
 from autoprec.runtime.apply import effective_precisions  # noqa: E402

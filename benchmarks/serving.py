@@ -66,8 +66,8 @@ import tiny_llm  # noqa: E402
 
 tiny_llm.SETTINGS.update(TINY_SETTINGS)
 import model as tiny  # noqa: E402  (benchmarks/models/tiny_llm/model.py, reading the settings above)
-from serving_goal import goal, goal_lines  # noqa: E402
 from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
+from serving_goal import goal, goal_lines  # noqa: E402
 
 from autoprec.export import engine_schemes, export_checkpoint, plan_export  # noqa: E402
 from autoprec.profile.serving import serving_estimate  # noqa: E402

@@ -24,7 +24,6 @@ policy. For each floor:
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import time
@@ -34,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "minilm"))
 
 import model as minilm  # noqa: E402  (examples/minilm/model.py)
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 import autoprec  # noqa: E402
 from autoprec.measuring.compare import compare  # noqa: E402
@@ -42,7 +42,6 @@ from autoprec.runtime.precision import Precision  # noqa: E402
 from autoprec.search.space import SearchSpace  # noqa: E402
 from autoprec.search.structure import Structure, predict_policy_ms, region_cost_ms  # noqa: E402
 from autoprec.search.study import choose_default  # noqa: E402
-from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 # Issue 8's four-rule hand policy: bf16, with the first and last encoder blocks, the embeddings and the pooler fp32.
 HAND = autoprec.Policy(default=Precision.BF16, layers={

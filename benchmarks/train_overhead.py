@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 import time
@@ -31,9 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from apply_overhead import load_model, per_layer_policy  # noqa: E402  (the same model and per-layer policy)
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 from autoprec import Policy, TrainStep, apply_policy  # noqa: E402
-from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 BATCH, TOKENS = 16, 128
 GOAL = 1.05

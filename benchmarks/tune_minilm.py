@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import time
@@ -25,12 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "minilm"))
 
 import model as minilm  # noqa: E402  (examples/minilm/model.py)
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 import autoprec  # noqa: E402
 from autoprec.measuring.compare import compare  # noqa: E402
 from autoprec.measuring.measure import Evaluator, policy_runs  # noqa: E402
 from autoprec.runtime.precision import Precision  # noqa: E402
-from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 
 def main() -> None:

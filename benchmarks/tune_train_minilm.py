@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -28,11 +27,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_PY = ROOT / "examples" / "minilm_finetune" / "model.py"
 
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
+
 import autoprec  # noqa: E402
 from autoprec.inputs.trainspec import load_train_spec  # noqa: E402
 from autoprec.runtime.precision import Precision  # noqa: E402
 from autoprec.workloads.training import metric_after, train_runs  # noqa: E402
-from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 
 
 def main() -> None:

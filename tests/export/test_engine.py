@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from export_models import tiny_llama, token_batch
 
-from autoprec.export import ExportRefused, plan_export, served_model
 from autoprec import check_policy_runs
+from autoprec.export import ExportRefused, plan_export, served_model
 from autoprec.runtime.apply import apply_policy, remove_policy
 from autoprec.runtime.fp8 import FP8Recipe
 from autoprec.runtime.fp8_linear import FP8Linear

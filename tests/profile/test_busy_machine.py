@@ -24,8 +24,14 @@ import torch.nn as nn
 
 from autoprec.capture.layers import capture
 from autoprec.measuring import load as load_module
-from autoprec.measuring.load import (BUSY_SPREAD, MIN_SPREAD_LIMIT, SPREAD_FACTOR, MachineLoad, machine_load,
-                                     quiet_spreads)
+from autoprec.measuring.load import (
+    BUSY_SPREAD,
+    MIN_SPREAD_LIMIT,
+    SPREAD_FACTOR,
+    MachineLoad,
+    machine_load,
+    quiet_spreads,
+)
 from autoprec.profile.probe import BUSY_LONGER, MODEL_SECONDS, device_words, nothing_pays_off, probe_precisions
 from autoprec.runtime.precision import Capability, Precision
 
