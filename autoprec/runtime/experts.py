@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autoprec.distributed.models import own_class
 from autoprec.runtime.fp8 import E4M3, E4M3_MAX, fp8_dequantize_rows, fp8_per_token
 from autoprec.runtime.precision import Precision
 from autoprec.runtime.weights import WeightCache
@@ -38,8 +39,10 @@ EXPERTS_PRECISION = Precision.FP8_ROWWISE  # the one format experts take: vLLM's
 
 def is_fused_experts(module: nn.Module) -> bool:
     """Whether ``module`` holds all routed experts of a MoE layer in 3-D parameters of its own (one weight per
-    expert along the first dim)."""
-    return any(p.dim() == 3 and p.is_floating_point() for p in module.parameters(recurse=False))
+    expert along the first dim): a model's own module, not one of torch's whose weight is 3-D (``nn.Conv1d``,
+    ``nn.Bilinear``)."""
+    return not own_class(module).__module__.startswith("torch.") and any(
+        p.dim() == 3 and p.is_floating_point() for p in module.parameters(recurse=False))
 
 
 def fused_experts(model: nn.Module) -> dict[str, nn.Module]:

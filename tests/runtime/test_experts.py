@@ -150,3 +150,10 @@ def test_experts_are_a_tunable_layer_with_fp8_rowwise_and_priced_as_their_gemms(
         gemms = [costmodel.linear_ms(h100, 16, hidden, 2 * inter, precision, activation_bytes=4),
                  costmodel.linear_ms(h100, 16, inter, hidden, precision, activation_bytes=4)]
         assert costmodel.layer_ms(h100, layer, precision) == pytest.approx(4 * sum(gemms))
+
+
+def test_torchs_own_modules_with_3d_weights_are_no_experts():
+    from autoprec.runtime.experts import is_fused_experts
+
+    assert not is_fused_experts(torch.nn.Conv1d(4, 4, 3)) and not is_fused_experts(torch.nn.Bilinear(4, 4, 4))
+    assert is_fused_experts(tiny_moe("mixtral").get_submodule(EXPERTS))
