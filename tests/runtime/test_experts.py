@@ -157,3 +157,14 @@ def test_torchs_own_modules_with_3d_weights_are_no_experts():
 
     assert not is_fused_experts(torch.nn.Conv1d(4, 4, 3)) and not is_fused_experts(torch.nn.Bilinear(4, 4, 4))
     assert is_fused_experts(tiny_moe("mixtral").get_submodule(EXPERTS))
+
+
+@pytest.mark.parametrize("engine", [None, "vllm"])
+def test_check_policy_runs_says_the_experts_ran_in_fp8(engine):
+    from autoprec.verify.runcheck import check_policy_runs
+
+    model = tiny_moe("mixtral")
+    apply_policy(model, Policy(layers={EXPERTS: "fp8-rowwise"}, default="bf16", engine=engine))
+    ran = check_policy_runs(model, token_batch())
+    remove_policy(model)
+    assert ran[EXPERTS] == "fp8-rowwise"
