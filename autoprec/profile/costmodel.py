@@ -29,7 +29,8 @@ from typing import Iterable, Mapping, Sequence
 from autoprec.runtime.precision import Capability, Precision, emulated_for_shape
 
 __all__ = ["MODES", "TARGETS", "Target", "UnknownTargetError", "cores", "elementwise_ms", "estimate",
-           "estimated_latency", "expert_gemms", "gemm_gb", "gemm_ms", "get_target", "layer_ms", "linear_ms", "parse_gemm", "policy_ms"]
+           "estimated_latency", "expert_gemms", "gemm_gb", "gemm_ms", "get_target", "layer_ms", "linear_ms",
+           "parse_gemm", "policy_ms"]
 
 MODES = ("inference", "training")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "mxfp8", "nvfp4")  # what `estimate` reports

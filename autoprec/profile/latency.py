@@ -264,8 +264,8 @@ class _Timings:
         policies: dict[Precision, Policy] = {}
         failures: dict[Precision, dict] = {}
         for p in [Precision.FP32, *native]:
-            policy, failures[p] = runnable_policy(self.model, blanket_policy(p, self.fp8_layers, self.model), self.plain_run,
-                                                  self.layers)
+            policy, failures[p] = runnable_policy(self.model, blanket_policy(p, self.fp8_layers, self.model),
+                                                  self.plain_run, self.layers)
             if failures[p]:
                 self.not_runnable[p.value] = failures[p]
             if policy is not None:
