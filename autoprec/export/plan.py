@@ -11,7 +11,8 @@ MoE layers: transformers 5 keeps a layer's routed experts in one module with 3-D
 ``gate_up_proj`` (experts, 2 x inter, hidden), ``down_proj`` (experts, hidden, inter)); capture sees it as one layer,
 so the plan gives all of a layer's experts one precision, as vLLM's ``FusedMoE`` needs (one scheme per layer). Such a
 module is a planned layer here like a linear: in ``quantized`` (fp8-rowwise, the scheme vLLM's
-``CompressedTensorsW8A8Fp8MoE`` runs per expert projection) or in ``ignore``. A MoE block's router (``gate``, a
+``CompressedTensorsW8A8Fp8MoE`` runs per expert projection, as autoprec's runtime runs it too:
+:mod:`autoprec.runtime.experts`) or in ``ignore``. A MoE block's router (``gate``, a
 shared expert's ``shared_expert_gate``: the layers directly inside the block that hold a weight) is always served
 unquantized (vLLM builds it without a quantization config) and is in ``ignore``.
 """
@@ -29,6 +30,7 @@ from torch import nn
 
 from autoprec.errors import UserError
 from autoprec.runtime.apply import effective_precisions
+from autoprec.runtime.experts import experts_problem, fused_experts
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
 
@@ -127,10 +129,12 @@ def plan_export(model: nn.Module, policy: Policy, keep_fp32: bool = False,
     _refuse_unservable_fp32(policy, quantized, keep_fp32)
     dtype = "fp32" if keep_fp32 else _one_dtype(unquantized, precisions)
     moved = _dtype_notes(unquantized, dtype, profile)
-    fp8_experts = [n for n in quantized if n in experts]
+    # MoE experts in FP8 that autoprec's runtime cannot run (a layout its arithmetic does not know): no tune
+    # measured them in FP8; the others it runs as the engine serves them (autoprec.runtime.experts)
+    unmeasured = [n for n in quantized if n in experts and experts_problem(experts[n]) is not None]
     if policy.engine is not None:  # tuned as the engine serves it: the export is the plan, layer for layer
-        edited = heads + moved + [f"{n} (MoE experts) is fp8-rowwise, which the tune does not plan"
-                                  for n in fp8_experts]
+        edited = heads + moved + [f"{n} (MoE experts) is fp8-rowwise, which the tune does not plan "
+                                  f"({experts_problem(experts[n])})" for n in unmeasured]
         if edited:
             raise ExportRefused(f"this plan records engine {policy.engine!r}, but {edited[0]}: it was "
                                 f"edited after the tune; fix: re-tune with --engine {policy.engine}")
@@ -141,12 +145,11 @@ def plan_export(model: nn.Module, policy: Policy, keep_fp32: bool = False,
     notes = [] if not heads and not moved else [
         f"the plan was tuned in-process, and vLLM serves it otherwise than measured: {'; '.join(heads + moved)}; to "
         "plan and measure what vLLM serves, re-tune with --engine vllm"]
-    if fp8_experts:  # the runtime swaps nn.Linear layers only: under an FP8 rule, 3-D experts ran unquantized
-        notes.append(f"{_count(fp8_experts, 'MoE expert layer')} in fp8-rowwise written in FP8, as vLLM serves "
-                     f"them ({', '.join(fp8_experts[:_SHOWN])}{' and more' if len(fp8_experts) > _SHOWN else ''}); "
-                     "autoprec's runtime runs FP8 on nn.Linear layers only, so the tune measured these experts "
-                     "unquantized: the served model has their FP8 error too (autoprec.export.served_model "
-                     "computes it)")
+    if unmeasured:
+        notes.append(f"{_count(unmeasured, 'MoE expert layer')} in fp8-rowwise written in FP8, as vLLM serves "
+                     f"them ({', '.join(unmeasured[:_SHOWN])}{' and more' if len(unmeasured) > _SHOWN else ''}); "
+                     f"autoprec's runtime cannot run them in FP8 ({experts_problem(experts[unmeasured[0]])}), so no "
+                     "tune measured them so: the served model has their FP8 error too")
     return ExportPlan(quantized, list(unquantized), dtype, notes)
 
 
@@ -162,13 +165,6 @@ def _refuse_unservable_fp32(policy: Policy, quantized: Mapping[str, Precision], 
     raise ExportRefused(f"--keep-fp32 writes dtype float32, and {why}; fix: export without --keep-fp32"
                         + ("" if policy.engine is not None else
                            " (to measure its fp32 islands as vLLM serves them, re-tune with --engine vllm)"))
-
-
-def fused_experts(model: nn.Module) -> dict[str, nn.Module]:
-    """name -> module, for each module holding all routed experts of a MoE layer in 3-D parameters (transformers 5's
-    ``MixtralExperts``, ``Qwen2MoeExperts``, ``Qwen3MoeExperts``: one weight per expert along the first dim)."""
-    return {name: m for name, m in model.named_modules()
-            if any(p.dim() == 3 and p.is_floating_point() for p in m.parameters(recurse=False))}
 
 
 def _routers(model: nn.Module, experts: Mapping[str, nn.Module]) -> dict[str, nn.Module]:

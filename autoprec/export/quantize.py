@@ -21,7 +21,8 @@ them.
 
 MoE experts in fp8-rowwise (:class:`ServedExperts`) are what vLLM's ``CompressedTensorsW8A8Fp8MoE`` computes: each
 expert projection's weight with a scale per output channel (each expert's own), each input with a dynamic scale per
-token.
+token; the arithmetic is the runtime's (:mod:`autoprec.runtime.experts`), the one ``apply_policy`` and
+``tune --engine vllm`` run.
 
 The checkpoint's quantized tensors are made by compressed-tensors' own compressors (:mod:`.checkpoint`), from the
 fp32 weights and the scales computed here: the emulation's functions below give the very same values (the tests
@@ -40,6 +41,7 @@ from autoprec.export.plan import SCHEMES, ExportPlan, Scheme, fused_experts
 from autoprec.export.vllm import engine_layers
 from autoprec.inputs.batches import call_model
 from autoprec.runtime import served
+from autoprec.runtime.experts import FP8Experts
 from autoprec.runtime.mx import nvfp4_dequantize, nvfp4_fake_quantize, nvfp4_global_scale, nvfp4_quantize
 from autoprec.runtime.precision import Precision
 from autoprec.runtime.served import cast_stored, fake_quantize_input, fp8_served_values
@@ -159,49 +161,22 @@ class ServedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}"
 
 
-class ServedExperts(nn.Module):
-    """What an engine computes for a MoE layer's routed experts in fp8-rowwise, on transformers 5's experts layout
-    (``gate_up_proj`` (experts, 2 x inter, hidden), ``down_proj`` (experts, hidden, inter), ``act_fn``): for each
-    expert, its tokens' FP8 input (a dynamic scale per token) times its FP8 gate/up weight (a scale per output
-    channel: the checkpoint's w1/w3, or gate_proj/up_proj, rows), accumulated in fp32 and returned in the model's
-    dtype; the activation of gate times up in that dtype; the same for down; each token's experts weighted by the
-    router and summed. ``quantize_inputs = False`` runs the same weights on unquantized inputs (what transformers
-    computes when it reloads FP8 experts: it dequantizes them at load)."""
+class ServedExperts(FP8Experts):
+    """What an engine computes for a MoE layer's routed experts in fp8-rowwise: the runtime's FP8 experts
+    (:class:`autoprec.runtime.experts.FP8Experts`, what ``apply_policy`` and ``tune --engine vllm`` run), with the
+    weight scales stored in the served dtype, as the checkpoint stores them. ``quantize_inputs = False`` runs the
+    same weights on unquantized inputs (what transformers computes when it reloads FP8 experts: it dequantizes them
+    at load)."""
 
     def __init__(self, experts: nn.Module, scheme: Scheme, dtype: torch.dtype):
-        super().__init__()
-        gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-        biases = [getattr(experts, f"{p}_bias", None) for p in ("gate_up_proj", "down_proj")]
-        if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and hasattr(experts, "act_fn")
-                and not any(isinstance(b, torch.Tensor) for b in biases)):
-            raise ValueError(f"{type(experts).__name__}: the emulation knows experts with gate_up_proj, down_proj "
-                             "(3-D, no bias) and act_fn (Mixtral's, Qwen2-MoE's, Qwen3-MoE's)")
-        self.scheme, self.act_fn, self.quantize_inputs = scheme, experts.act_fn, True
-        self.register_buffer("gate_up_proj", _served_weights(gate_up, scheme, dtype))
-        self.register_buffer("down_proj", _served_weights(down, scheme, dtype))
-
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-                ) -> torch.Tensor:
-        out = torch.zeros_like(hidden_states)
-        for expert in top_k_index.unique().tolist():
-            token, slot = torch.where(top_k_index == expert)
-            gate, up = self._linear(hidden_states[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = self._linear(self.act_fn(gate) * up, self.down_proj[expert])
-            out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
-        return out
-
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        xq = fake_quantize_input(x, per_token=True) if self.quantize_inputs else x.float()
-        return F.linear(xq, weight).to(x.dtype)
+        try:
+            super().__init__(experts, scale_dtype=dtype)
+        except ValueError as why:
+            raise ValueError(f"the emulation knows no such experts: {why}") from None
+        self.scheme = scheme
 
     def extra_repr(self) -> str:
         return f"experts={self.gate_up_proj.shape[0]}, scheme={self.scheme.name}"
-
-
-def _served_weights(weights: torch.Tensor, scheme: Scheme, dtype: torch.dtype) -> torch.Tensor:
-    """(experts, out, in) weights as the FP8 GEMM multiplies them: each expert's rows quantized with their scale."""
-    q, scale = quantize_weight(weights.detach().reshape(-1, weights.shape[-1]), scheme, dtype)
-    return (q.float() * scale.float()).reshape(weights.shape)
 
 
 @torch.no_grad()

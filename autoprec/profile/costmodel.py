@@ -29,7 +29,8 @@ from typing import Iterable, Mapping, Sequence
 from autoprec.runtime.precision import Capability, Precision, emulated_for_shape
 
 __all__ = ["MODES", "TARGETS", "Target", "UnknownTargetError", "cores", "elementwise_ms", "estimate",
-           "estimated_latency", "gemm_gb", "gemm_ms", "get_target", "layer_ms", "linear_ms", "parse_gemm", "policy_ms"]
+           "estimated_latency", "expert_gemms", "gemm_gb", "gemm_ms", "get_target", "layer_ms", "linear_ms",
+           "parse_gemm", "policy_ms"]
 
 MODES = ("inference", "training")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "mxfp8", "nvfp4")  # what `estimate` reports
@@ -329,14 +330,15 @@ def _numel(shape: Sequence[int]) -> int:
 def layer_ms(target: Target, layer, precision: str, mode: str = "inference") -> float:
     """One captured layer (a :class:`autoprec.capture.layers.Layer`) in ``precision``: a linear by its GEMM
     shape; any other layer (conv, attention, functional matmul) by its FLOPs and bytes."""
+    experts = expert_gemms(layer)
+    if experts is not None:  # a MoE layer's experts: each expert's gate/up and down GEMMs on its routed tokens
+        count, m, hidden, inter = experts
+        return count * (_gemm_layer_ms(target, m, hidden, 2 * inter, precision, mode)
+                        + _gemm_layer_ms(target, m, inter, hidden, precision, mode))
     if layer.kind == "linear" and layer.input_shapes and layer.output_shapes:
         k, n = layer.input_shapes[0][-1], layer.output_shapes[0][-1]
         m = max(1, _numel(layer.input_shapes[0]) // max(1, k))
-        if Precision(precision).swaps_linear and cores(precision) not in target.tflops:
-            # No tensor cores for the format: its emulation (so is a shape its kernel does not take: linear_ms)
-            return _emulated_linear_ms(target, m, k, n, mode)
-        # Inference keeps the FP8 weight cached; the input arrives in fp32 (an fp32 region) at worst.
-        return linear_ms(target, m, k, n, precision, mode, activation_bytes=4)
+        return _gemm_layer_ms(target, m, k, n, precision, mode)
     # FP8, MXFP8 and NVFP4 exist for nn.Linear only: other layers with such a rule run in fp32
     compute_precision = "fp32" if Precision(precision).swaps_linear else precision
     size = BYTES[compute_precision] / 4  # capture ran in fp32: its byte counts are fp32 bytes
@@ -344,6 +346,33 @@ def layer_ms(target: Target, layer, precision: str, mode: str = "inference") -> 
     compute_s = layer.flops / (target.tflops[compute_precision] * 1e12 * target.efficiency[compute_precision])
     memory_s = (layer.activation_bytes + layer.weight_bytes) * size / (target.bandwidth_gbs * 1e9 * MEMORY_EFFICIENCY)
     return gemms * (max(compute_s, memory_s) + target.gemm_launch_us * 1e-6) * 1e3
+
+
+def _gemm_layer_ms(target: Target, m: int, k: int, n: int, precision: str, mode: str) -> float:
+    if Precision(precision).swaps_linear and cores(precision) not in target.tflops:
+        # No tensor cores for the format: its emulation (so is a shape its kernel does not take: linear_ms)
+        return _emulated_linear_ms(target, m, k, n, mode)
+    # Inference keeps the FP8 weight cached; the input arrives in fp32 (an fp32 region) at worst.
+    return linear_ms(target, m, k, n, precision, mode, activation_bytes=4)
+
+
+def expert_gemms(layer) -> tuple[int, int, int, int] | None:
+    """(experts, tokens each, hidden, inter) of a captured MoE experts layer (transformers 5's ``MixtralExperts``,
+    ``Qwen2MoeExperts``, ``Qwen3MoeExperts``: called with (hidden_states (T, hidden), top_k_index (T, k),
+    top_k_weights (T, k)), each token through k experts' gate/up (hidden -> 2 x inter) and down (inter -> hidden)),
+    else None. Capture records the routed FLOPs, ``6 T k hidden inter``, and the experts' fp32 weights,
+    ``4 x 3 E hidden inter`` bytes, from which inter and E follow; each expert is priced with the tokens of a
+    prefill spread evenly over them (``T k / E``), as a grouped GEMM of E problems runs them."""
+    shapes = layer.input_shapes
+    if layer.kind != "linear" or len(shapes) != 3 or len(shapes[0]) != 2 or shapes[1] != shapes[2] \
+            or len(shapes[1]) != 2 or shapes[1][0] != shapes[0][0] or layer.output_shapes[:1] != [shapes[0]]:
+        return None
+    (tokens, hidden), top_k = shapes[0], shapes[1][1]
+    inter, rest = divmod(int(layer.flops), 6 * tokens * top_k * hidden) if tokens * top_k * hidden else (0, 1)
+    count, rest_w = divmod(int(layer.weight_bytes), 12 * inter * hidden) if inter else (0, 1)
+    if rest or rest_w or count < 1:
+        return None
+    return count, max(1, round(tokens * top_k / count)), hidden, inter
 
 
 def _output_numel(layer) -> int:

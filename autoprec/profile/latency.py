@@ -31,7 +31,7 @@ from autoprec.measuring.compare import compare, median_interval, rotations
 from autoprec.measuring.measure import median_ms, policy_runs, settle
 from autoprec.profile.clock import LayerClock, cast_ms
 from autoprec.profile.runnable import autocast_untuned, runnable_policy
-from autoprec.runtime.apply import apply_policy, remove_policy
+from autoprec.runtime.apply import apply_policy, remove_policy, takes_precision
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
 
@@ -59,10 +59,12 @@ class LatencyResult:
     end_to_end_comparison: dict[str, Any] = field(default_factory=dict)  # Comparison.to_dict() of the checks
 
 
-def blanket_policy(precision: Precision, fp8_layers: Sequence[str]) -> Policy:
-    """Every layer that can take ``precision`` in it: as a region default where it is one."""
+def blanket_policy(precision: Precision, fp8_layers: Sequence[str], model: nn.Module | None = None) -> Policy:
+    """Every layer that can take ``precision`` in it: as a region default where it is one. ``model``: to leave out
+    of ``fp8_layers`` those that take another of the formats only (MoE experts: fp8-rowwise)."""
     if precision.swaps_linear:  # fp8, mxfp8, nvfp4: the linears that take it, in an fp32 region
-        return Policy.from_assignment({name: precision for name in fp8_layers})
+        return Policy.from_assignment({name: precision for name in fp8_layers
+                                       if model is None or takes_precision(model.get_submodule(name), precision)})
     return Policy(default=precision)
 
 
@@ -262,8 +264,8 @@ class _Timings:
         policies: dict[Precision, Policy] = {}
         failures: dict[Precision, dict] = {}
         for p in [Precision.FP32, *native]:
-            policy, failures[p] = runnable_policy(self.model, blanket_policy(p, self.fp8_layers), self.plain_run,
-                                                  self.layers)
+            policy, failures[p] = runnable_policy(self.model, blanket_policy(p, self.fp8_layers, self.model),
+                                                  self.plain_run, self.layers)
             if failures[p]:
                 self.not_runnable[p.value] = failures[p]
             if policy is not None:
@@ -309,7 +311,7 @@ class _Timings:
 
     def time_emulated(self, p: Precision, fp32_block: _Block | None) -> None:
         """An emulated precision, timed once in a block: never a speed-up, it needs no pairing."""
-        policy, failure = runnable_policy(self.model, blanket_policy(p, self.fp8_layers), self.plain_run,
+        policy, failure = runnable_policy(self.model, blanket_policy(p, self.fp8_layers, self.model), self.plain_run,
                                           self.layers)
         if failure:
             self.not_runnable[p.value] = failure

@@ -294,7 +294,7 @@ def _step_times(step: _Step, timed: Sequence[Precision], candidates: dict[str, l
     blocks: dict[str, dict[str, Any]] = {}
     not_runnable: dict[str, dict] = {}  # see latency.runnable_policy: e.g. oneDNN has no fp16 LSTM with autograd
     for p in tqdm(timed, desc="step time", unit="precision", disable=not config.progress, leave=False):
-        policy, not_runnable[p.value] = runnable_policy(model, blanket_policy(p, fp8_layers),
+        policy, not_runnable[p.value] = runnable_policy(model, blanket_policy(p, fp8_layers, model),
                                                         lambda: _step(model, batch, loss, path), names)
         if policy is None:
             continue

@@ -70,6 +70,7 @@ from autoprec.distributed.models import (
     unwrap,
 )
 from autoprec.runtime import torchao_linear
+from autoprec.runtime.experts import EXPERTS_PRECISION, FP8ExpertsForward, is_fused_experts
 from autoprec.runtime.fp8_linear import FP8Linear, FP8RowwiseLinear
 from autoprec.runtime.mx import BlockScaledLinear
 from autoprec.runtime.policy import Policy, PolicyError
@@ -112,6 +113,7 @@ class _Installed:
     new_weights: set[int] = field(default_factory=set)  # swapped-in modules with weight Parameters of their own
     cast_once: list[nn.Module] = field(default_factory=list)  # linears and convs given CastWeights as their forward
     served: Served | None = None  # a policy for a serving engine, run as it serves it (autoprec.runtime.served)
+    experts: list[FP8ExpertsForward] = field(default_factory=list)  # MoE experts run in fp8-rowwise
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype, only_from: tuple[torch.dtype, ...]) -> Any:
@@ -382,6 +384,9 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     state.ddp_ignored_before = per_rank_buffers(wrapper, model, {n for n, _ in model.named_buffers()} - buffers)
     if mode == "inference":  # before the regions: a region's forward runs the one a module already has
         _cast_once(model, precisions, state)
+        state.experts = [FP8ExpertsForward.install(module) for module, names in _aliases(model)
+                         if is_fused_experts(module) and takes_precision(module, precisions[names[0]])
+                         and precisions[names[0]] is EXPERTS_PRECISION]
     elif mode == "serve":
         _store_once(model, precisions)
     _install_regions(model, precisions, state, own_dtype)
@@ -517,6 +522,13 @@ def _check_mode(model: nn.Module, precisions: dict[str, Precision], mode: str) -
         layer = next(n for n, p in precisions.items() if p is Precision.FP8_ROWWISE)
         raise PolicyError(f"fp8-rowwise (layer {layer!r}) is an inference format, what serving engines run; train "
                           f"with fp8 (per-tensor), or apply the policy with mode='inference' or 'serve'")
+    experts = [n for n, p in precisions.items() if p is EXPERTS_PRECISION and is_fused_experts(model.get_submodule(n))]
+    if experts and mode == "serve":
+        raise PolicyError(f"mode='serve' does not store MoE experts in {EXPERTS_PRECISION} yet (layer {experts[0]!r}): "
+                          "use mode='inference', which runs them in FP8 beside their fp32 weights")
+    if experts and fsdp_managed(model):
+        raise PolicyError(f"layer {experts[0]!r} (MoE experts) runs {EXPERTS_PRECISION} on its whole weights, which "
+                          "fully_shard shards: apply the policy to the model unsharded")
     if mode == "serve" and fsdp_managed(model):
         raise PolicyError("mode='serve' stores each weight once in its precision, and FSDP2 shards this model's "
                           "fp32 weights: serve the model unsharded, or use mode='inference'")
@@ -572,6 +584,8 @@ def remove_policy(model: nn.Module) -> nn.Module:
         _remove_region(module)
     for module in state.cast_once:
         del module.__dict__["forward"]
+    for forward in reversed(state.experts):
+        forward.remove()
     _unswap(state, sharded)
     restore_buffers(model, state.ddp_ignored_before)
     object.__delattr__(model, _STATE_ATTR)

@@ -8,7 +8,8 @@ format autoprec has, on any layer.
 folder. It runs every tensor that is not a quantized weight in one dtype, bf16 or fp16 (the residual stream and
 the norms too, never fp32), the output head (``ParallelLMHead``) and the embeddings unquantized, and FP8 linears
 with a dynamic input scale per token (fp8 and fp8-rowwise alike); the per-tensor weight scales of the parts of a
-fused GEMM (q/k/v, gate/up, an expert's gate/up) are requantized to the largest of them. A policy for it is held to
+fused GEMM (q/k/v, gate/up, an expert's gate/up) are requantized to the largest of them; a MoE layer's experts
+module in fp8-rowwise runs its FP8 MoE (:mod:`autoprec.runtime.experts`). A policy for it is held to
 that: its default is the served dtype, and a layer is either that dtype or quantized. How a plan is run as the
 engine serves it, in this process, is :mod:`autoprec.runtime.served`.
 """

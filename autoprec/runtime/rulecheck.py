@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from autoprec.distributed.models import own_class
+from autoprec.runtime.experts import EXPERTS_PRECISION, experts_problem, is_fused_experts
 from autoprec.runtime.fp8_linear import FP8Linear, FP8RowwiseLinear
 from autoprec.runtime.mx import BlockScaledLinear
 from autoprec.runtime.policy import Policy, PolicyError
@@ -160,8 +161,15 @@ def _check_linear_only(model: nn.Module, policy: Policy, precisions: dict[str, P
     modules = dict(model.named_modules(remove_duplicate=False))
     wrong = {name: type(module).__name__ for name, module in modules.items()
              if precisions[name] is fmt and _computes(module) and not takes_precision(module, fmt)}
+    if fmt is EXPERTS_PRECISION:  # experts it cannot run would stay unquantized under an inherited rule
+        wrong.update({name: problem for name, module in modules.items() if precisions[name] is fmt
+                      and is_fused_experts(module) and (problem := experts_problem(module)) is not None})
     for name in policy.exact_names:
-        if name not in wrong and policy.layers[name] is fmt and not any(
+        if name not in wrong and policy.layers[name] is fmt and is_fused_experts(modules[name]):
+            if not takes_precision(modules[name], fmt):
+                wrong[name] = (experts_problem(modules[name]) or f"{type(modules[name]).__name__}: MoE experts take "
+                               f"{EXPERTS_PRECISION} only")
+        elif name not in wrong and policy.layers[name] is fmt and not any(
                 takes_precision(m, fmt) for m in modules[name].modules()):
             wrong[name] = f"{type(modules[name]).__name__}, no nn.Linear inside"
     wrong = [f"{name!r} ({what})" for name, what in wrong.items()]
@@ -198,7 +206,10 @@ def check_shared(aliases: list[tuple[nn.Module, list[str]]], precisions: dict[st
 
 def takes_precision(module: nn.Module, precision: Precision | str) -> bool:
     """Whether a rule can run ``module`` itself in ``precision``: FP8, MXFP8 and NVFP4 exist for
-    ``nn.Linear`` only."""
-    if Precision.parse(precision).swaps_linear:
+    ``nn.Linear``, and fp8-rowwise for a MoE layer's experts too (:mod:`autoprec.runtime.experts`)."""
+    precision = Precision.parse(precision)
+    if precision.swaps_linear:
+        if is_fused_experts(module):
+            return precision is EXPERTS_PRECISION and experts_problem(module) is None
         return own_class(module) in (nn.Linear, FP8Linear, FP8RowwiseLinear, BlockScaledLinear)
     return True

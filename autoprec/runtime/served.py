@@ -13,6 +13,8 @@ As vLLM serves a compressed-tensors checkpoint (:mod:`autoprec.runtime.engines`)
   dtype. A per-tensor weight in a fused GEMM (q/k/v, gate/up, one expert's gate/up) is requantized to the largest
   scale of its parts, as vLLM's ``requantize_with_max_scale`` does on loading (each part dequantized in fp16,
   quantized again with that scale);
+- a MoE layer's experts in fp8-rowwise run as vLLM's ``CompressedTensorsW8A8Fp8MoE`` runs them
+  (:mod:`autoprec.runtime.experts`, their weight scales stored in the served dtype);
 - the output head and the embeddings are never quantized.
 
 compressed-tensors scales a tensor by ``scale = amax / 448`` (``x ≈ q * scale``), quantizes
@@ -34,13 +36,14 @@ from torch import nn
 
 from autoprec.distributed.models import own_class
 from autoprec.runtime.engines import SERVED_DTYPES, SERVED_QUANTIZED
+from autoprec.runtime.experts import EXPERTS_PRECISION, FP8Experts, experts_problem, is_fused_experts
 from autoprec.runtime.fp8 import E4M3, E4M3_MAX, fp8_dequantize_rows, fp8_per_token
 from autoprec.runtime.policy import Policy, PolicyError
 from autoprec.runtime.precision import Precision
 
 __all__ = ["EngineFP8Linear", "Served", "ServedAs", "cast_stored", "fake_quantize_input", "fp8_served_values",
            "fused_gemms", "install_served", "output_heads", "quantize_weight", "remove_served",
-           "requantize_with_max_scale", "served_policy", "weight_scale"]
+           "requantize_with_max_scale", "served_experts", "served_policy", "weight_scale"]
 
 
 # ---- the arithmetic ---------------------------------------------------------------------------------------
@@ -138,6 +141,11 @@ def fused_gemms(groups: Mapping[str, Sequence[str]]) -> list[list[str]]:
     return gemms
 
 
+def served_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is a MoE layer's experts that an engine serves in FP8 (:mod:`autoprec.runtime.experts`)."""
+    return is_fused_experts(module) and experts_problem(module) is None
+
+
 def output_heads(model: nn.Module) -> list[str]:
     """The names of the output head and input embeddings (``get_output_embeddings`` / ``get_input_embeddings``),
     which engines never quantize."""
@@ -155,12 +163,14 @@ def output_heads(model: nn.Module) -> list[str]:
 def served_policy(model: nn.Module, policy: Policy, engine: str, dtype: Precision,
                   fusion_groups: Mapping[str, Sequence[str]] | None = None) -> Policy:
     """``policy`` as ``engine`` serves it on ``model``: each exact ``nn.Linear`` the policy puts in fp8 or
-    fp8-rowwise keeps it (the output head and embeddings excepted), everything else runs in ``dtype``; one exact
-    rule per quantized linear, the engine and the fusion groups recorded."""
+    fp8-rowwise keeps it (the output head and embeddings excepted), and so does each MoE layer's experts module in
+    fp8-rowwise (vLLM's CompressedTensorsW8A8Fp8MoE); everything else runs in ``dtype``; one exact rule per
+    quantized layer, the engine and the fusion groups recorded."""
     heads = set(output_heads(model))
     precisions = policy.effective_precisions(model)
     layers = {name: precisions[name].value for name, module in model.named_modules()
-              if own_class(module) is nn.Linear and precisions[name] in SERVED_QUANTIZED and name not in heads}
+              if (own_class(module) is nn.Linear and precisions[name] in SERVED_QUANTIZED and name not in heads)
+              or (precisions[name] is EXPERTS_PRECISION and served_experts(module))}
     groups = {"fusion_groups": {k: list(v) for k, v in fusion_groups.items()}} if fusion_groups else {}
     return Policy(layers=layers, default=dtype, engine=engine, model={**policy.model, **groups}, fp8=policy.fp8,
                   tuned_on=policy.tuned_on, result=policy.result)
@@ -200,13 +210,19 @@ def install_served(model: nn.Module, policy: Policy, precisions: Mapping[str, Pr
                           f"quantizes; fix: leave it out of the policy's fp8 rules (tune --engine {policy.engine})")
     fp8 = [(n, m, precisions[n]) for n, m in model.named_modules()
            if own_class(m) is nn.Linear and precisions[n] in SERVED_QUANTIZED]
+    experts = [(n, m) for n, m in model.named_modules() if precisions[n] is EXPERTS_PRECISION and is_fused_experts(m)]
+    for name, module in experts:
+        if experts_problem(module) is not None:
+            raise PolicyError(f"layer {name!r}: {experts_problem(module)}; fix: give it {policy.default} in the policy")
     state = Served()
     values = _fp8_values(model, fp8, policy.model.get("fusion_groups") or {}, dtype)
-    for name, module, precision in fp8:  # from the fp32 weights, before anything is cast
+    swaps = [(name, EngineFP8Linear(module, values[name], precision, dtype)) for name, module, precision in fp8]
+    swaps += [(name, FP8Experts(module, scale_dtype=dtype)) for name, module in experts]
+    for name, swap in swaps:  # from the fp32 weights, before anything is cast
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, attr, EngineFP8Linear(module, values[name], precision, dtype))
-        state.swapped.append((parent, attr, module))
+        state.swapped.append((parent, attr, getattr(parent, attr)))
+        setattr(parent, attr, swap)
     _cast_stored(model, dtype, state)
     state.forward = model.__dict__.get("forward")
     object.__setattr__(model, "forward", _ServedForward(model, dtype, state.forward))
@@ -241,7 +257,7 @@ def _cast_stored(model: nn.Module, dtype: torch.dtype, state: Served) -> None:
     for :func:`remove_served`; a tensor two modules share stays shared); the served FP8 linears' own stay."""
     copies: dict[int, Any] = {}
     for module in model.modules():
-        if isinstance(module, EngineFP8Linear):
+        if isinstance(module, (EngineFP8Linear, FP8Experts)):
             continue
         buffers = {k for k in module._buffers if k not in module._non_persistent_buffers_set}
         for store, names in ((module._parameters, list(module._parameters)), (module._buffers, buffers)):

@@ -26,6 +26,7 @@ from autoprec.capture.tracing import COMPUTE_OPS, modules_running
 from autoprec.distributed.models import FSDP_CASTS_FIX, fsdp_casts, unwrap
 from autoprec.inputs.userspec import batch_args, one_line
 from autoprec.runtime.apply import applied_policy, apply_policy, effective_precisions, remove_policy
+from autoprec.runtime.experts import EXPERTS_PRECISION, FP8Experts, FP8ExpertsForward
 from autoprec.runtime.fp8_linear import FP8Linear, FP8RowwiseLinear, FP8ServedLinear
 from autoprec.runtime.mx import BlockScaledLinear
 from autoprec.runtime.policy import Policy, PolicyError
@@ -77,8 +78,11 @@ def _swapped_format(module: nn.Module) -> str | None:
     """The format a module swapped in by a rule computes in (fp8, fp8-rowwise, mxfp8, nvfp4), or None."""
     if isinstance(module, FP8Linear):
         return "fp8"
-    if isinstance(module, (BlockScaledLinear, FP8RowwiseLinear, FP8ServedLinear, EngineFP8Linear)):
+    if isinstance(module, (BlockScaledLinear, FP8RowwiseLinear, FP8ServedLinear, EngineFP8Linear, FP8Experts)):
         return module.precision
+    forward = module.__dict__.get("forward")  # MoE experts in FP8 in process: their forward, inside their region
+    if isinstance(getattr(forward, "inner_forward", forward), FP8ExpertsForward):
+        return EXPERTS_PRECISION.value
     original = getattr(module, "_autoprec_original", None)  # torchao's MX linears (autoprec.runtime.torchao_linear)
     if original is not None:
         return original[1].value
