@@ -4,8 +4,8 @@
 
 Issue 42's user case at a size a 2-core CPU runs in minutes, on a model whose layers differ: benchmarks/llm.py's
 tiny_llm (a Llama trained here on the standard library's docstrings, cached after the first run) at SETTINGS below.
-Its model.py's batches are held-out text, unpadded rows of 64 tokens: 3 search batches of 2 rows, then the tune's
-held-out batch of 8 rows, which the check scores. Then, for each engine (the in-process default, and ``--engine vllm``):
+Its model.py's batches are held-out text, unpadded: 16 batches of 2 rows of 64 tokens; the tune holds out the last
+4 (8 rows), which the check scores. Then, for each engine (the in-process default, and ``--engine vllm``):
 
 1. ``autoprec tune model.py --target h100 --precisions bf16,fp8-rowwise --min-sqnr X [--engine vllm]``;
 2. ``autoprec export RUN --model model.py --out FOLDER``;
@@ -40,15 +40,16 @@ TINY = ROOT / "benchmarks" / "models" / "tiny_llm"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(TINY))
 # tiny_llm at 1024 wide (MLP 4096, vocab 8192), trained 40 steps of 2 x 128 tokens: where the H100 cost model,
-# at the tune's 2 x 64 tokens per forward (a small prefill: what batch 0, the one the tune captures, holds), prices
+# at the tune's 2 x 64 tokens per forward (a small prefill: every batch's shape, the one the estimates price), prices
 # fp8-rowwise faster than bf16 for the down projections (4096 -> 1024) and lm_head (1024 -> 8192), slower for
 # q/k/v/o and gate/up. At 256 wide or at thousands of tokens every linear is slower in FP8 there, and both tunes
 # keep bf16 everywhere (measured: nothing to compare).
 SETTINGS = {"layers": 2, "width": 1024, "mlp": 4096, "heads": 8, "vocab": 8192, "steps": 40, "batch": 2,
             "warmup": 10}
-SEARCH_ROWS, HELD_ROWS, SEQ = 2, 8, 64  # 3 search batches of 2 rows; the held-out batch: 8 rows, scored by the check
+ROWS, BATCHES, SEQ = 2, 16, 64  # 16 batches of 2 rows: the tune searches on 12 and holds out the last 4 (8 rows,
+# which the check scores: its MAX_PROMPTS)
 PRECISIONS = "bf16,fp8-rowwise"
-TRIALS = 24
+TRIALS = 16
 RESULTS = ROOT / "benchmarks" / "results" / "served_equals_tuned.json"
 MODEL_PY = '''"""benchmarks/served_equals_tuned.py's model: tiny_llm at its settings, unpadded held-out text."""
 import sys
@@ -66,8 +67,7 @@ def get_model():
 
 def get_batches():
     rows = tiny_llm.chunks(tiny_llm.token_stream(tiny.tokenizer(), tiny.documents()[1]), {seq})
-    search = [{{"input_ids": rows[i * {search}:(i + 1) * {search}]}} for i in range(3)]
-    return search + [{{"input_ids": rows[3 * {search}:3 * {search} + {held}]}}]
+    return [{{"input_ids": rows[i * {rows}:(i + 1) * {rows}]}} for i in range({batches})]
 
 
 def get_tokenizer():
@@ -106,7 +106,7 @@ json.dump(out, open(f"{request['out']}/layers.json", "w"))
 
 def write_model_py(work: Path) -> Path:
     path = work / "model.py"
-    path.write_text(MODEL_PY.format(folder=str(TINY), settings=SETTINGS, seq=SEQ, search=SEARCH_ROWS, held=HELD_ROWS))
+    path.write_text(MODEL_PY.format(folder=str(TINY), settings=SETTINGS, seq=SEQ, rows=ROWS, batches=BATCHES))
     return path
 
 
@@ -142,12 +142,13 @@ def distance(ref: torch.Tensor, logprobs: torch.Tensor, ids: torch.Tensor) -> di
 
 
 def figures(model: torch.nn.Module, fp32: tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor) -> dict:
-    """A model's distance from fp32 on the held-out rows: the logits' SQNR (the tune's metric: every position,
+    """A model's distance from fp32 on the held-out rows: the logits' SQNR (the tune's metric: its worst held-out batch,
     no padding here) and :func:`distance`; ``logprobs`` kept for comparisons with vLLM's."""
     from autoprec.common.sqnr import sqnr_db
 
     logits, logprobs = logprobs_of(model, ids)
-    return {"logits_sqnr_db": sqnr_db(fp32[0], logits), **distance(fp32[1], logprobs, ids), "logprobs": logprobs}
+    worst = min(sqnr_db(r, x) for r, x in zip(fp32[0].split(ROWS), logits.split(ROWS)))  # the tune's: its worst batch
+    return {"logits_sqnr_db": worst, **distance(fp32[1], logprobs, ids), "logprobs": logprobs}
 
 
 def served(model: torch.nn.Module, policy) -> torch.nn.Module:
@@ -297,6 +298,7 @@ def bf16_rounding(model: torch.nn.Module, ids: torch.Tensor, fp32: tuple, full: 
 def main() -> int:
     from autoprec.export import export_checkpoint, plan_export
     from autoprec.export.judge import find_vllm_python
+    from autoprec.inputs.userspec import split_holdout
     from autoprec.runtime.policy import Policy
     from provenance import stamped_dumps
 
@@ -307,8 +309,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=RESULTS)
     args = parser.parse_args()
     vllm_python = str(find_vllm_python(args.vllm_python) or sys.exit("no vLLM: give --vllm-python"))
-    result: dict = {"settings": SETTINGS, "held_out": f"{HELD_ROWS} rows of {SEQ} tokens (model.py's last batch)",
-                    "search_batches": f"3 of {SEARCH_ROWS} rows of {SEQ} tokens",
+    result: dict = {"settings": SETTINGS, "batches": f"{BATCHES} of {ROWS} rows of {SEQ} tokens",
+                    "held_out": "the last 4 batches (the tune's held-out ones; the check's prompts)",
                     "precisions": PRECISIONS, "trials": args.trials, "vllm_python": vllm_python,
                     "machine": machine()}
     with tempfile.TemporaryDirectory(prefix="served-equals-tuned-") as tmp:
@@ -318,7 +320,7 @@ def main() -> int:
         module = load_model_py(model_py)
         model = module.get_model().float().eval()  # trains first where not cached
         result["model_seconds"] = time.perf_counter() - start
-        ids = module.get_batches()[-1]["input_ids"]
+        ids = torch.cat([b["input_ids"] for b in split_holdout(module.get_batches())[1]])
         fp32 = logprobs_of(model, ids)
         result["floor"] = choose_floor(model, ids, fp32) if args.min_sqnr is None else {"min_sqnr": args.min_sqnr,
                                                                                          "rule": "given"}
