@@ -82,8 +82,9 @@ CASES = [
     Case("batch-a-string", lambda: autoprec.InferenceWorkload(_model(), ["abc", "def"]), TypeError,
          ["batches[0] is str", "cannot call the model with"]),
     # ---- settings: each checked for its type and named, with an example -------------------------------------
-    Case("precisions-none", lambda: autoprec.TuneConfig(precisions=None), TypeError,
-         ["TuneConfig's precisions cannot be None", "precisions=('bf16', 'fp16')"]),
+    # precisions=None is the engine's default (bf16,fp16,fp8 in process; bf16,fp8-rowwise for --engine vllm)
+    Case("precisions-number", lambda: autoprec.TuneConfig(precisions=3), TypeError,
+         ["TuneConfig's precisions cannot be 3", "precisions=('bf16', 'fp16')"]),
     Case("min-sqnr-text", lambda: autoprec.TuneConfig(min_sqnr="high"), TypeError, ["min_sqnr cannot be 'high'"]),
     Case("seed-float", lambda: autoprec.TuneConfig(seed=1.5), TypeError, ["seed cannot be 1.5"]),
     Case("progress-text", lambda: autoprec.TuneConfig(progress="no"), TypeError, ["progress cannot be 'no'"]),
