@@ -18,7 +18,10 @@ The busy flag must mean busy, so the quiet side is checked too: before each quie
 it at 3 and more for a minute), and a quiet tune that says the machine was busy is a failure (``QUIET FLAGGED``),
 as a busy run that flips its answer silently is. A quiet tune whose wait ran out is marked ``not quiet`` (the load
 it started at is recorded) and proves nothing either way. ``--quiet-series N`` then tunes the first architecture N
-times in a row on the quiet machine: the goal is at most one of the N flagged busy.
+times in a row on the quiet machine: the goal is at most one of the N flagged busy. A tune counts as flagged when it
+says so or when the busy detector (``autoprec.measuring.load.machine_load``), read just before it, reads busy: a tune
+whose answer needs no timing decision (bf16 emulated on an AVX2-only CPU) never says busy, so its silence would
+prove nothing; for the same reason a busy run the detector reads as quiet fails its row (``BUSY NOT SEEN``).
 
 Run it on a machine with nothing else running: the "quiet" tune is only as quiet as the machine is (the JSON
 records the load average before each tune). The tunes' own timings are not compared: only what they chose and
@@ -46,6 +49,7 @@ import llm_zoo  # noqa: E402  (the architectures, their tiny configs and token b
 from provenance import measured_on  # noqa: E402
 
 import autoprec  # noqa: E402
+from autoprec.measuring.load import machine_load  # noqa: E402
 from autoprec.outputs.results import decision  # noqa: E402
 
 DEFAULT_ARCHITECTURES = ("llama", "qwen2", "gpt2", "t5")
@@ -116,6 +120,9 @@ def tune_once(arch: llm_zoo.Architecture, busy: int, quick: bool, out: Path,
     lines: list[str] = []
     with neighbours(busy):
         load = os.getloadavg()[0]
+        # the detector's own reading just before the tune: a tune whose answer needs no timing decision (bf16
+        # emulated on an AVX2-only CPU, say) never says busy, so its silence alone would show nothing
+        detector = machine_load("cpu").to_dict()
         start = time.perf_counter()
         result = autoprec.tune(make(), batches, progress=False, out=out, log=lines.append, **settings)
         seconds = time.perf_counter() - start
@@ -127,7 +134,8 @@ def tune_once(arch: llm_zoo.Architecture, busy: int, quick: bool, out: Path,
     return {"neighbours": busy, "load_before": round(load, 2), "seconds": round(seconds, 1),
             "policy": result.policy.to_dict(), "summary": llm_zoo.summary(result.policy), "headline": said[-2:],
             "could_not_tell": any(words in line for line in said for words in COULD_NOT_TELL),
-            "flagged_busy": any(FLAGGED_BUSY in line for line in said), "machine": machine,
+            "flagged_busy": any(FLAGGED_BUSY in line for line in said) or bool(detector["busy"]),
+            "said_busy": any(FLAGGED_BUSY in line for line in said), "detector": detector, "machine": machine,
             **({"wait": quiet} if quiet is not None else {})}
 
 
@@ -150,6 +158,8 @@ def verdict(quiet: dict, busy: dict) -> str:
         return "QUIET FLAGGED: the quiet tune said the machine was busy"
     if not quiet.get("wait", {}).get("quiet", True):
         return "not quiet: the load had not decayed before the quiet tune; " + verdict({**quiet, "wait": {}}, busy)
+    if not busy.get("detector", {}).get("busy", True):
+        return "BUSY NOT SEEN: the detector read the busy run as quiet"
     if same_policy(quiet, busy):
         return "same policy"
     if busy["could_not_tell"]:
@@ -227,7 +237,8 @@ def quiet_series(arch: llm_zoo.Architecture, args: argparse.Namespace, out: Path
     runs = []
     for i in range(args.quiet_series):
         run = quiet_tune(arch, args, out / arch.name / f"quiet-{i}")
-        runs.append({k: run[k] for k in ("wait", "load_before", "summary", "flagged_busy", "machine", "headline")})
+        runs.append({k: run[k] for k in ("wait", "load_before", "summary", "flagged_busy", "said_busy", "detector",
+                                         "machine", "headline")})
         print(f"quiet {i + 1}/{args.quiet_series}: load {run['load_before']:.2f}, "
               f"{'FLAGGED busy' if run['flagged_busy'] else 'not flagged'}", flush=True)
     quiet = [r for r in runs if r["wait"]["quiet"]]

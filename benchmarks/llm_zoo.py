@@ -263,7 +263,8 @@ def cells(entry: dict | None) -> list[str]:
     checks = entry.get("checks")
     if checks is None:
         return [entry["summary"], f"{entry['seconds']:.0f} s", f"**apply fails**: {entry['error']}", "-"]
-    fast_path = any(line.startswith("nothing is faster than fp32") for line in entry.get("headline", ()))
+    fast_path = any(line.startswith(("nothing measured faster than fp32", "nothing is faster than fp32"))
+                    for line in entry.get("headline", ()))
     verdict = "" if checks["pass"] else " **below floor**" if checks["finite"] else " **non-finite**"
     greedy = f"{checks['argmax_as_fp32']:.0%}"
     if "greedy_as_fp32" in checks:

@@ -302,11 +302,12 @@ def bf16_rounding(model: torch.nn.Module, ids: torch.Tensor, fp32: tuple, full: 
 
 
 def main() -> int:
+    from provenance import stamped_dumps
+
     from autoprec.export import export_checkpoint, plan_export
     from autoprec.export.judge import find_vllm_python
     from autoprec.inputs.userspec import split_holdout
     from autoprec.runtime.policy import Policy
-    from provenance import stamped_dumps
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python", default=None, help="the Python that has vLLM (default: as --check finds it)")

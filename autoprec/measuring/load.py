@@ -6,7 +6,10 @@ alone shows that more than a whole model does (a short kernel is all waiting), a
 into "slower". So before a decision that ends a tune, autoprec looks at the machine two ways: the load average
 beside the threads it runs on (something else wants the cores), and the spread of a fixed reference kernel
 timed a few times (the timings themselves are noisy). Either makes the machine *busy*: the comparisons then run
-longer, and what they conclude says it was measured so.
+longer, and what they conclude says it was measured so. A look takes about 30 ms, in which a shell command or a
+cron job on a quiet machine can be runnable too: so a busy look is looked again, and the machine is busy only where
+each of :data:`LOOKS` looks finds it so (ten quiet tunes in a row on a 2-core machine shared with interactive work
+were called busy 3 times by one look, by one other runnable thread or a spread just over the limit).
 
 The load average is a one-minute average: a neighbour that started seconds ago is hardly in it yet. So the threads
 runnable at this instant (``procs_running`` in /proc/stat, read before each run of the reference kernel) are looked
@@ -41,6 +44,8 @@ BUSY_SPREAD = 0.25  # the spread limit (robust sigma) before this machine's quie
 SPREAD_FACTOR = 2.5  # once known: a spread this many times the quiet looks' median means busy
 MIN_SPREAD_LIMIT = 0.05  # however steady the quiet looks were (a GPU's events): the limit is never below this
 QUIET_LOOKS = 8  # the quiet looks' spreads kept per device, the latest
+LOOKS = 3  # looks at most: busy only where each finds it busy (a moment's other process is gone by the next)
+LOOK_PAUSE = 0.05  # seconds between looks
 REFERENCE_RUNS = 15  # timed runs of the reference kernel (about 30 ms on 2 cores)
 REFERENCE_SIZE = 384  # the reference kernel: a square fp32 matmul of this size, on every thread torch uses
 CUDA_REFERENCE_SIZE = 2048  # on a GPU (a fraction of a millisecond on an H100: long beside an event's resolution)
@@ -154,15 +159,29 @@ def _reference(device: torch.device, clock: Callable[[], float]) -> Callable[[],
 def machine_load(device: str | torch.device = "cpu", clock: Callable[[], float] = time.perf_counter,
                  loadavg: Callable[[], float | None] = _loadavg, runnable: Callable[[], int | None] = _runnable, *,
                  cores: Callable[[], int] = _cores, threads: int | None = None,
-                 timer: Callable[[], float] | None = None) -> MachineLoad:
-    """Look at the machine now (about 30 ms): the load average and the spread of a fixed reference kernel timed
-    :data:`REFERENCE_RUNS` times on ``device``, with the threads runnable before each run. A look the load calls
-    quiet adds its spread to this machine's quiet ones (:func:`quiet_spreads`). ``clock``, ``loadavg``,
-    ``runnable``, ``cores``, ``threads`` (torch's kernel threads) and ``timer`` (one timed run of the reference
-    kernel, its seconds) are injected by tests."""
+                 timer: Callable[[], float] | None = None, pause: float = LOOK_PAUSE) -> MachineLoad:
+    """Look at the machine now (about 30 ms, up to :data:`LOOKS` times where it looks busy): the load average and the
+    spread of a fixed reference kernel timed :data:`REFERENCE_RUNS` times on ``device``, with the threads runnable
+    before each run. A machine is busy only where every one of :data:`LOOKS` looks, ``pause`` seconds apart, finds it
+    so: a neighbour that wants the cores wants them at every look, where a moment's other process (a shell command, a
+    cron job) is gone by the next. A look the load calls quiet adds its spread to this machine's quiet ones
+    (:func:`quiet_spreads`). ``clock``, ``loadavg``, ``runnable``, ``cores``, ``threads`` (torch's kernel threads)
+    and ``timer`` (one timed run of the reference kernel, its seconds) are injected by tests."""
     device = torch.device(device)
     threads = threads or torch.get_num_threads()
     timer = timer or _reference(device, clock)
+    for i in range(LOOKS):
+        if i:
+            time.sleep(pause)
+        state = _look(device, threads, timer, loadavg, runnable, cores)
+        if not state.busy:
+            break
+    return state
+
+
+def _look(device: torch.device, threads: int, timer: Callable[[], float], loadavg: Callable[[], float | None],
+          runnable: Callable[[], int | None], cores: Callable[[], int]) -> MachineLoad:
+    """One look (:func:`machine_load`)."""
     times, running = [], []
     with torch.no_grad():
         for i in range(REFERENCE_RUNS + 2):  # two first runs warm the kernel up

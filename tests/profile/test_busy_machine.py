@@ -27,6 +27,7 @@ from autoprec.measuring import load as load_module
 from autoprec.measuring.load import (
     BUSY_SPREAD,
     MIN_SPREAD_LIMIT,
+    REFERENCE_RUNS,
     SPREAD_FACTOR,
     MachineLoad,
     machine_load,
@@ -161,6 +162,19 @@ def test_the_machine_is_busy_when_another_process_wants_the_cores_or_a_reference
     assert MachineLoad(None, 2, 2, BUSY_SPREAD * 2).busy  # no load average (Windows): the spread alone decides
 
 
+def test_a_moments_other_process_is_looked_at_again_and_a_neighbour_that_stays_is_busy():
+    """One look sees a shell command's thread beside ours; the next look (50 ms later) does not: quiet. A neighbour
+    that never rests is runnable at every look: busy, and its readings say so."""
+    threads = torch.get_num_threads()
+    moment = iter([threads + 1] * (REFERENCE_RUNS + 2) + [threads] * 1000)
+    state = machine_load(clock=steady_clock(), loadavg=lambda: 0.5, runnable=lambda: next(moment),
+                         cores=lambda: threads, pause=0)
+    assert not state.busy and state.running == threads
+    stays = machine_load(clock=steady_clock(), loadavg=lambda: 0.5, runnable=lambda: threads + 1,
+                         cores=lambda: threads, pause=0)
+    assert stays.busy and stays.running == threads + 1
+
+
 @pytest.mark.parametrize("cores, threads, load, running, busy", [
     (2, 2, 2.6, None, False),  # our two threads and a moment's other: not a whole thread more
     (2, 2, 3.2, None, True),  # one thread beyond ours on a machine torch fills
@@ -245,15 +259,21 @@ def test_the_benchmark_counts_a_quiet_tune_flagged_busy_as_a_failure(benchmark):
     assert benchmark.verdict({**quiet, "flagged_busy": True}, busy).startswith("QUIET FLAGGED")
     late = {**quiet, "flagged_busy": True, "wait": {"quiet": False, "load": 3.1}}
     assert benchmark.verdict(late, busy) == "not quiet: the load had not decayed before the quiet tune; same policy"
+    # the busy side can fail too: a detector that reads two neighbours as quiet would pass every quiet check
+    unseen = {**busy, "detector": {"busy": False}}
+    assert benchmark.verdict(quiet, unseen).startswith("BUSY NOT SEEN")
 
 
 @pytest.mark.parametrize(("flags", "expected"), [([False] * 10, "holds"), ([True] + [False] * 9, "holds"),
                                                  ([True, False, True] + [False] * 7, "FAILS")])
 def test_the_quiet_series_holds_with_at_most_one_flag(benchmark, monkeypatch, flags, expected):
     runs = iter(flags)
-    monkeypatch.setattr(benchmark, "quiet_tune", lambda arch, args, out: {
-        "wait": {"quiet": True, "load": 0.2, "waited_s": 0}, "load_before": 0.2, "summary": "bf16",
-        "flagged_busy": next(runs), "machine": {}, "headline": []})
+
+    def quiet_tune(arch, args, out):  # flagged by the detector's reading, though the tune said nothing of it
+        flag = next(runs)
+        return {"wait": {"quiet": True, "load": 0.2, "waited_s": 0}, "load_before": 0.2, "summary": "bf16",
+                "flagged_busy": flag, "said_busy": False, "detector": {"busy": flag}, "machine": {}, "headline": []}
+    monkeypatch.setattr(benchmark, "quiet_tune", quiet_tune)
     arch = types.SimpleNamespace(name="llama")
     series = benchmark.quiet_series(arch, types.SimpleNamespace(quiet_series=len(flags)), Path("unused"))
     assert series["quiet"] == 10 and series["flagged"] == sum(flags) and series["verdict"] == expected
