@@ -277,8 +277,7 @@ def kv_problems(found: dict[str, Any] | None, plan: ExportPlan, lines: list[str]
     scheme = found["scheme"]
     lines.append(f"vLLM's config reads kv_cache_scheme {scheme['type']} {scheme['num_bits']}-bit, strategy "
                  f"{scheme['strategy']}" + (f", skip layers {plan.kv_skip} (--kv-cache-dtype-skip-layers)"
-                                            if plan.kv_skip else "")
-                 + (f"; {found['cannot_run']}" if found.get("cannot_run") else ""))
+                                            if plan.kv_skip else ""))
     if found.get("error"):
         return [f"kv_cache_scheme: vLLM's KV cache method refuses it: {found['error']}"]
     if scheme["strategy"] != wanted:

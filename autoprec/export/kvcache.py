@@ -54,10 +54,14 @@ def kv_export_plan(model: nn.Module, kv_cache: Mapping[str, str], refused: type[
                       "its KV cache in the model's dtype")
     skip = sorted({i for n, i in attention.items() if n not in fp8})
     notes = [] if not skip else [
-        f"the KV cache of {len(fp8)} attention layers in {next(iter(fp8.values()))} and {len(skip)} in the model's "
+        f"the KV cache of {_count(len(fp8))} in {next(iter(fp8.values()))} and {len(skip)} in the model's "
         f"dtype: the checkpoint holds one kv_cache_scheme, so serve it with --kv-cache-dtype-skip-layers "
         f"{' '.join(map(str, skip))} (vLLM; without it their caches are FP8 too, at their calibrated scales)"]
     return fp8, skip, notes
+
+
+def _count(n: int) -> str:
+    return f"{n} attention layer{'' if n == 1 else 's'}"
 
 
 def is_attention(module: nn.Module) -> bool:

@@ -138,7 +138,7 @@ def kv_platform_problem(strategy: str) -> str | None:
     try:
         cpu_attn._get_attn_isa(torch.bfloat16, 32, 64, "fp8")
     except NotImplementedError as e:
-        return f"vLLM's CPU attention cannot run an FP8 KV cache here: {one_line(e)}"
+        return f"vLLM's CPU attention cannot run an FP8 KV cache here ({one_line(e).rstrip('.')})"
     return None
 
 
