@@ -215,10 +215,10 @@ class Policy:
         lines += [f"{n.ljust(width)}  {p}" for n, p in rows]
         if self.engine is not None:
             lines.append(f"engine: {self.engine} (tuned as it serves the plan; applied, the model runs so)")
-        if self.kv_cache:
-            lines.append("KV cache: " + ", ".join(f"{n} {f}" for n, f in self.kv_cache.items()))
         elif Precision.FP8 in self.precisions_used():  # an engine scales each input per token: no recipe
             lines.append(f"fp8: {self.fp8.recipe}, amax_history={self.fp8.amax_history}")
+        if self.kv_cache:
+            lines.append("KV cache: " + ", ".join(f"{n} {f}" for n, f in self.kv_cache.items()))
         if self.needs_grad_scaler:
             lines.append("training: fp16 layers present, use a GradScaler (policy.grad_scaler())")
         return "\n".join(lines)
