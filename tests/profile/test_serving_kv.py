@@ -115,3 +115,36 @@ def test_the_cost_model_prices_a_decode_steps_experts_by_those_touched():
     name = next(iter(fused_experts(model)))
     assert costmodel.expert_gemms(step[name])[:2] == (2, 1)
     assert costmodel.expert_gemms(prefill[name])[:2] == (8, 32)
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_under_an_engine_a_moe_layer_is_three_decisions_and_its_router_is_never_fp8(kind):
+    """A MoE layer as vLLM runs it: its routed experts one decision (one scheme per FusedMoE), a shared expert's
+    linears their own, and its router (Qwen2-MoE's shared_expert_gate, an nn.Linear, included) never FP8: engines
+    build it unquantized. In process the linear router keeps its FP8 candidate (apply_policy runs it)."""
+    import warnings
+
+    from autoprec.capture.layers import capture
+    from autoprec.profile import _served
+    from autoprec.profile.config import ProfileConfig
+    from autoprec.profile.frame import layer_candidates
+    from autoprec.runtime.experts import moe_routers
+    from autoprec.runtime.precision import Precision
+
+    model = tiny_moe(kind, hidden=64, experts=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        table = capture(model, [torch.randint(0, 256, (2, 16))])
+    low = [Precision.BF16, Precision.FP8_ROWWISE]
+    in_process = layer_candidates(model, table, low)
+    served = layer_candidates(model, table, low)
+    _served(model, table, ProfileConfig(precisions=("bf16", "fp8-rowwise"), engine="vllm"), served)
+    block = next(iter(fused_experts(model))).rpartition(".")[0]
+    assert served[f"{block}.experts"] == ["bf16", "fp8-rowwise"]
+    routers = moe_routers(model)
+    assert routers == ([f"model.layers.{i}.mlp.shared_expert_gate" for i in range(2)] if kind == "qwen2_moe" else [])
+    for router in routers:
+        assert in_process[router] == ["bf16", "fp8-rowwise"] and served[router] == ["bf16"]
+    shared = [n for n in served if n.startswith(f"{block}.shared_expert.")]
+    assert len(shared) == (3 if kind == "qwen2_moe" else 0)
+    assert all(served[n] == ["bf16", "fp8-rowwise"] for n in shared)
