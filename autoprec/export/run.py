@@ -120,6 +120,11 @@ def describe_export(folder: str | Path) -> str:
              f"{summary['weight_bytes'] / 2**20:.1f} MiB of weights"]
     lines += [f"  {name}: {s['layers']} layers ({s['about']})" for name, s in summary["schemes"].items()]
     lines.append(f"  ignore: {', '.join(summary['ignore']) or '(none)'}")
+    kv = summary.get("kv_cache")
+    if kv:
+        lines.append(f"  KV cache: {kv['scheme']} on {kv['layers']} attention layer{'' if kv['layers'] == 1 else 's'} "
+                     "(kv_cache_scheme)"
+                     + (f", the model's dtype on layers {kv['skip_layers']}" if kv["skip_layers"] else ""))
     lines += [f"  note: {note}" for note in summary["notes"]]
     lines.append(f"  files: {', '.join(summary['files'])}")
     source = summary.get("source") or {}

@@ -85,6 +85,10 @@ def test_a_layer_kept_in_the_models_dtype_is_the_engines_skip_list(tmp_path):
     out, _, _ = export(tmp_path, Policy(default="bf16", kv_cache={LAYERS[1]: "fp8"}), "one")
     summary = json.loads((out / "autoprec-export.json").read_text())
     assert summary["kv_cache"]["skip_layers"] == [0]
+    from autoprec.export.run import describe_export
+
+    assert "  KV cache: fp8 on 1 attention layer (kv_cache_scheme), the model's dtype on layers [0]" in \
+        describe_export(out).splitlines()
     assert any("--kv-cache-dtype-skip-layers 0" in note for note in summary["notes"])
     assert set(k for k in tensors(out) if k.endswith("_scale")) == {f"{n}.{s}" for n in LAYERS
                                                                      for s in ("k_scale", "v_scale")}
