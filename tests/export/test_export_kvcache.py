@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_vllm_judge import MODEL_PY  # a small Llama vLLM's CPU build builds (head_dim 32)
 from vllm_engine import VLLM, needs_vllm
 
 from autoprec.export.judge import judge_export
@@ -21,25 +22,6 @@ pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
 TESTS = Path(__file__).parent
 LAYERS = ("model.layers.0.self_attn", "model.layers.1.self_attn")
-
-# head_dim 32: vLLM's CPU attention runs head sizes 32 and up
-MODEL_PY = '''"""A small Llama (random weights, seeded) that vLLM's CPU build builds: head_dim 32."""
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
-
-def get_model():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                         architectures=["LlamaForCausalLM"])
-    return LlamaForCausalLM(config).eval()
-
-
-def get_batches():
-    return [torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(seed)) for seed in range(4)]
-'''
-
 
 def export(tmp_path: Path, policy: Policy, name: str) -> tuple[Path, Path, Path]:
     model_py = tmp_path / "model.py"
