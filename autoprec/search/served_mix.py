@@ -30,7 +30,7 @@ from autoprec.inputs.batches import call_model
 from autoprec.profile.kvcache import model_output
 from autoprec.profile.serving import serving_estimate
 from autoprec.runtime.apply import apply_policy, remove_policy
-from autoprec.runtime.experts import fused_experts
+from autoprec.runtime.experts import fused_experts, moe_routers
 from autoprec.runtime.kvcache import KV_FORMATS, calibrate_kv, kv_quantized
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.served import output_heads
@@ -87,7 +87,8 @@ class ServedPlan:
             if not part["count"]:
                 out.append(f"  {what}: none in FP8")
                 continue
-            out.append(f"  {what}: {part['count']:.0f} in FP8, {part['mib_saved']:.2f} MiB saved, decode "
+            unit = ("fused group" if kind == "weights" else "layer") + ("" if part["count"] == 1 else "s")
+            out.append(f"  {what}: {part['count']:.0f} {unit} in FP8, {part['mib_saved']:.2f} MiB saved, decode "
                        f"{part['tokens_per_s']:,.0f} tokens/s with it alone ({part['vs_bf16']:.2f}x bf16), its "
                        f"noise alone {part['cost_db']:.1f} dB under the signal")
         return out
@@ -98,7 +99,7 @@ def _groups(model: nn.Module) -> list[tuple[str, ...]]:
     each MoE layer's experts module: never the output head or embeddings, never a router."""
     heads = set(output_heads(model))
     experts = fused_experts(model)
-    routers = {f"{n.rpartition('.')[0]}.{c}" for n in experts for c in ("gate", "shared_expert_gate", "router")}
+    routers = set(moe_routers(model))
     groups: dict[str, list[str]] = {}
     for name, module in model.named_modules():
         if (isinstance(module, nn.Linear) and name not in heads and name not in routers

@@ -54,10 +54,26 @@ def test_a_kv_bound_mix_spends_the_budget_on_the_cache_and_a_weight_bound_one_on
         assert -10 * math.log10(noise) == pytest.approx(plan.sqnr_db, abs=1.5)
     assert kv_bound.parts["kv"]["vs_bf16"] > 1.2 > 1.05 > weight_bound.parts["kv"]["vs_bf16"]
     assert weight_bound.parts["weights"]["vs_bf16"] > 1.1
-    assert any(line.startswith("  the KV cache: 1 in FP8") for line in kv_bound.lines())
+    assert any(line.startswith("  the KV cache: 1 layer in FP8") for line in kv_bound.lines())
     assert "  weights: none in FP8" in kv_bound.lines()
 
 
 def test_a_floor_nothing_meets_is_one_line():
     with pytest.raises(ValueError, match="bf16 everywhere measures .* under the floor of 200 dB"):
         plan_served(llama(), BATCHES, 200.0, "h100", WEIGHT_BOUND)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_a_moe_layers_experts_are_one_candidate_its_shared_expert_its_own_and_its_router_none(kind):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "export"))
+    from export_models import tiny_moe
+
+    from autoprec.search.served_mix import _groups
+
+    groups = [g for g in _groups(tiny_moe(kind)) if g[0].startswith("model.layers.0.mlp")]
+    shared = [("model.layers.0.mlp.shared_expert.gate_proj", "model.layers.0.mlp.shared_expert.up_proj"),
+              ("model.layers.0.mlp.shared_expert.down_proj",)] if kind == "qwen2_moe" else []
+    assert groups == [("model.layers.0.mlp.experts",), *shared]  # no router (gate, shared_expert_gate)
