@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec.export.kvcache import kv_cache_scheme, kv_scale_tensors
 from autoprec.export.plan import SCHEMES, ExportPlan, ExportRefused, Scheme, fused_experts
 from autoprec.export.quantize import shared_global_scales, weight_scale
 from autoprec.export.vllm import EXPERT, engine_schemes
@@ -169,8 +170,9 @@ def quantization_config(plan: ExportPlan, layout: CheckpointLayout | None = None
               for scheme, layers in plan.groups().items()}
     formats = {scheme.format for scheme in plan.groups()}
     config = QuantizationConfig(config_groups=groups, quant_method="compressed-tensors",
-                                quantization_status="compressed", kv_cache_scheme=None,
-                                format=formats.pop() if len(formats) == 1 else "mixed-precision",
+                                quantization_status="compressed", kv_cache_scheme=kv_cache_scheme(plan.kv_cache),
+                                format=(formats.pop() if len(formats) == 1 else
+                                        "mixed-precision" if formats else "float-quantized"),
                                 ignore=[t for layer in plan.ignore for t in _targets(layer, layout)])
     return config.model_dump(mode="json", exclude={"global_compression_ratio", "moe_sparsity_config"})
 
@@ -210,6 +212,11 @@ def export_checkpoint(model: nn.Module, plan: ExportPlan, out: str | Path, token
     config = _model_config(model)
     layout = checkpoint_layout(model, plan)
     check_engine_loads(plan, layout)
+    uncalibrated_kv = [n for n in plan.kv_cache if n not in plan.kv_scales]
+    if uncalibrated_kv:
+        raise ExportRefused(f"KV cache layer {uncalibrated_kv[0]!r} is {plan.kv_cache[uncalibrated_kv[0]]} and has no "
+                            "calibrated scales (engines read static ones); fix: export with the model's batches "
+                            "(model.py's get_batches(), or plan.kv_scales = calibrate_kv(model, batches)[0])")
     uncalibrated = [n for n in plan.nvfp4_layers if n not in plan.input_amax]
     if uncalibrated:
         raise ExportRefused(f"nvfp4 layer {uncalibrated[0]!r} has no calibrated input_global_scale (engines read a "
@@ -223,8 +230,11 @@ def export_checkpoint(model: nn.Module, plan: ExportPlan, out: str | Path, token
     out.mkdir(parents=True, exist_ok=True)
     writer = _Writer(model, plan, shared_global_scales(model, plan))
     weight_map, written = {}, 0
+    kv_scales = kv_scale_tensors(model, plan.kv_cache, plan.kv_scales, plan.torch_dtype)  # a few bytes: shard one
     for file_name, keys in split.filename_to_tensors.items():
         tensors = {name: t for key in keys for name, t in writer.converted(key, state[key]).items()}
+        tensors.update(kv_scales)
+        kv_scales = {}
         save_file(tensors, str(out / file_name), metadata={"format": "pt"})
         written += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, file_name))
@@ -233,7 +243,7 @@ def export_checkpoint(model: nn.Module, plan: ExportPlan, out: str | Path, token
         index = {"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     config["dtype"] = _DTYPE_NAMES[plan.dtype]
-    if plan.quantized:  # a plan without quantized layers is a plain checkpoint in its dtype
+    if plan.quantized or plan.kv_cache:  # a plan with nothing quantized is a plain checkpoint in its dtype
         config["quantization_config"] = quantization_config(plan, layout)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     extras = _write_extras(model, tokenizer, out)
@@ -332,10 +342,12 @@ def _write_extras(model: nn.Module, tokenizer: Any, out: Path) -> list[str]:
 
 def _summary(plan: ExportPlan, written: int, files: list[str], extras: list[str],
              source: dict[str, Any] | None, layout: CheckpointLayout) -> dict[str, Any]:
-    form = (f"compressed-tensors {quantization_config(plan, layout)['format']}" if plan.quantized
+    form = (f"compressed-tensors {quantization_config(plan, layout)['format']}" if plan.quantized or plan.kv_cache
             else "a plain checkpoint: no quantized layer")
     return {"schema": "autoprec.export", "version": 1, "format": form,
             "dtype": plan.dtype,
             "schemes": {s.name: {"about": s.about, "layers": len(layers)} for s, layers in plan.groups().items()},
             "ignore": list(plan.ignore), "weight_bytes": written, "files": files + extras,
-            "notes": list(plan.notes), "source": source or {}}
+            "notes": list(plan.notes), "source": source or {},
+            **({"kv_cache": {"scheme": next(iter(plan.kv_cache.values())), "layers": len(plan.kv_cache),
+                             "skip_layers": list(plan.kv_skip)}} if plan.kv_cache else {})}

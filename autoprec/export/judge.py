@@ -31,9 +31,11 @@ import torch
 
 from autoprec.errors import UserError
 from autoprec.export.checkpoint import EXPORT_FILE, checkpoint_layout, export_checkpoint
+from autoprec.export.kvcache import is_attention
 from autoprec.export.plan import SCHEMES, ExportPlan, plan_export
 from autoprec.export.quantize import calibrate_inputs, served_model
 from autoprec.export.run import policy_sha256, read_run
+from autoprec.runtime.kvcache import KV_FORMATS, calibrate_kv, kv_quantized
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
 
@@ -118,13 +120,15 @@ def judge_export(folder: str | Path, model_py: str | Path, policy: str | Path | 
             if policy is not None else _folder_plan(folder, summary, model))
     if plan.nvfp4_layers:
         plan.input_amax = calibrate_inputs(model, plan, batches)  # as the export calibrated them
+    if plan.kv_cache:
+        plan.kv_scales = calibrate_kv(model, batches)[0]
     prompts = _prompts(holdout)
     with tempfile.TemporaryDirectory(prefix="autoprec-judge-") as tmp:
         reference = None
         if plan.quantized:  # bf16 rounding as this vLLM and this torch differ on it: the same model, plain
             reference = Path(tmp) / "plain-bf16"
             export_checkpoint(model, plan_export(model, Policy(default="bf16")), reference)
-        result = _run_side(python, folder, reference, prompts, Path(tmp))
+        result = _run_side(python, folder, reference, prompts, Path(tmp), plan.kv_skip)
     return _verdict(result, folder, plan, model, prompts)
 
 
@@ -193,15 +197,25 @@ def _folder_plan(folder: Path, summary: dict[str, Any], model: torch.nn.Module) 
         raise JudgeRefused(f"{folder}: its quantization_config names {odd!r}, which is not a layer of model.py's "
                            "model in a scheme autoprec writes, so the plan cannot be read back from it; fix: give "
                            "the policy it was exported from (autoprec export --check-only FOLDER RUN_DIR --model ...)")
-    return ExportPlan(quantized, list(quant.get("ignore", summary.get("ignore", []))), summary["dtype"])
+    plan = ExportPlan(quantized, list(quant.get("ignore", summary.get("ignore", []))), summary["dtype"])
+    scheme = quant.get("kv_cache_scheme")
+    if scheme:  # the config's one KV scheme on every attention layer but those the export said to skip
+        fmt = next((f for f, k in KV_FORMATS.items() if k.quantized and k.strategy == scheme.get("strategy")), None)
+        if fmt is None:
+            raise JudgeRefused(f"{folder}: its kv_cache_scheme has strategy {scheme.get('strategy')!r}, which autoprec "
+                               "does not write; fix: give the policy it was exported from")
+        plan.kv_skip = list((summary.get("kv_cache") or {}).get("skip_layers", []))
+        plan.kv_cache = {n: fmt for n, m in modules.items() if is_attention(m)
+                         and getattr(m, "layer_idx", None) not in plan.kv_skip}
+    return plan
 
 
-def _run_side(python: Path, folder: Path, reference: Path | None, prompts: list[list[int]], tmp: Path
-              ) -> dict[str, Any]:
+def _run_side(python: Path, folder: Path, reference: Path | None, prompts: list[list[int]], tmp: Path,
+              kv_skip: list[int] | None = None) -> dict[str, Any]:
     request, result = tmp / "request.json", tmp / "result.json"
     request.write_text(json.dumps({"folder": str(folder), "reference": reference and str(reference),
                                    "prompts": prompts, "cannot_run": CANNOT_RUN,
-                                   "cannot_run_experts": CANNOT_RUN_EXPERTS}))
+                                   "cannot_run_experts": CANNOT_RUN_EXPERTS, "kv_skip_layers": kv_skip or []}))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.pop("PYTHONPATH", None)  # the vLLM venv's own packages, none of this process's
@@ -227,6 +241,7 @@ def _verdict(result: dict[str, Any], folder: Path, plan: ExportPlan, model: torc
         verdict.problems.append(f"{folder}: vLLM cannot parse its quantization_config: {entry['mapping_error']}")
     else:
         verdict.problems += _scheme_problems(entry["mapping"]["layers"], planned)
+        verdict.problems += kv_problems(entry["mapping"].get("kv_cache"), plan, verdict.lines)
     if "not_run" in entry:
         mapped = entry.get("mapping", {}).get("layers", {})
         verdict.layers = {name: info["scheme"] for name, info in mapped.items()}
@@ -251,6 +266,23 @@ def _verdict(result: dict[str, Any], folder: Path, plan: ExportPlan, model: torc
     verdict.scored = True
     verdict.figures["vllm_seconds"] = result["seconds"]
     return verdict
+
+
+def kv_problems(found: dict[str, Any] | None, plan: ExportPlan, lines: list[str]) -> list[str]:
+    """vLLM's reading of the folder's ``kv_cache_scheme`` held to the plan's KV cache; a line says what it read."""
+    wanted = KV_FORMATS[next(iter(plan.kv_cache.values()))].strategy if plan.kv_cache else None
+    if found is None:
+        return [] if wanted is None else [f"kv_cache_scheme: the plan has FP8 strategy {wanted}, and vLLM's config "
+                                          "reads none"]
+    scheme = found["scheme"]
+    lines.append(f"vLLM's config reads kv_cache_scheme {scheme['type']} {scheme['num_bits']}-bit, strategy "
+                 f"{scheme['strategy']}" + (f", skip layers {plan.kv_skip} (--kv-cache-dtype-skip-layers)"
+                                            if plan.kv_skip else ""))
+    if found.get("error"):
+        return [f"kv_cache_scheme: vLLM's KV cache method refuses it: {found['error']}"]
+    if scheme["strategy"] != wanted:
+        return [f"kv_cache_scheme: the plan has {wanted}, vLLM's config reads {scheme['strategy']}"]
+    return []
 
 
 def planned_layers(model: torch.nn.Module, plan: ExportPlan) -> dict[str, str]:
@@ -365,7 +397,9 @@ def _compare_logprobs(verdict: Verdict, entry: dict[str, Any], reference: dict[s
                                 f"vLLM: {reference.get('load_error')}")
         return
     fp32 = _logprobs(model, prompts)
-    served = _logprobs(served_model(model, plan), prompts)
+    served_plan = served_model(model, plan)
+    with kv_quantized(served_plan, plan.kv_cache, plan.kv_scales):  # the KV cache as the folder scales it
+        served = _logprobs(served_plan, prompts)
     plain = _logprobs(served_model(model, ExportPlan({}, [], plan.dtype)), prompts)
     mean, worst = _gap(entry["logprobs"], served)
     ref_mean, ref_max = _gap(reference["logprobs"], plain)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from autoprec.errors import UserError
+from autoprec.export.kvcache import kv_export_plan
 from autoprec.runtime.apply import effective_precisions
 from autoprec.runtime.experts import experts_problem, fused_experts
 from autoprec.runtime.policy import Policy
@@ -92,6 +93,11 @@ class ExportPlan:
     notes: list[str] = field(default_factory=list)  # one line each: what is served otherwise than measured
     # nvfp4 layer -> the largest |input| seen on the calibration batches (its input_global_scale: 448 * 6 / amax)
     input_amax: dict[str, float] = field(default_factory=dict)
+    # the KV cache (autoprec.export.kvcache): attention layer -> fp8 or fp8-head, the layer indices kept in the
+    # model's dtype (vLLM's --kv-cache-dtype-skip-layers), and every attention layer's calibrated |max| of K and V
+    kv_cache: dict[str, str] = field(default_factory=dict)
+    kv_skip: list[int] = field(default_factory=list)
+    kv_scales: dict[str, Any] = field(default_factory=dict)
 
     @property
     def nvfp4_layers(self) -> list[str]:
@@ -113,6 +119,14 @@ def plan_export(model: nn.Module, policy: Policy, keep_fp32: bool = False,
                 profile: Mapping[str, Any] | None = None) -> ExportPlan:
     """The export plan of ``policy`` on ``model``; ``profile``: the run's profile.json, for the sensitivities
     that the notes on fp32 islands quote. Raises :class:`ExportRefused` where an engine cannot load the plan."""
+    plan = _plan_weights(model, policy, keep_fp32, profile)
+    plan.kv_cache, plan.kv_skip, notes = kv_export_plan(model, policy.kv_cache, ExportRefused)
+    plan.notes += notes
+    return plan
+
+
+def _plan_weights(model: nn.Module, policy: Policy, keep_fp32: bool, profile: Mapping[str, Any] | None
+                  ) -> ExportPlan:
     precisions = effective_precisions(model, policy)
     experts = fused_experts(model)
     routers = _routers(model, experts)

@@ -12,6 +12,7 @@ from typing import Any
 from autoprec.export.checkpoint import EXPORT_FILE, export_checkpoint
 from autoprec.export.plan import ExportRefused, plan_export
 from autoprec.export.quantize import calibrate_inputs
+from autoprec.runtime.kvcache import calibrate_kv
 from autoprec.runtime.policy import Policy
 
 __all__ = ["TunedRun", "describe_export", "export_model_py", "is_export", "policy_sha256", "read_run"]
@@ -59,6 +60,13 @@ def export_model_py(model_py: str | Path, run: TunedRun, out: str | Path, keep_f
                                 "model's batches, and model.py has no get_batches(); fix: define get_batches() in "
                                 f"{path.name}")
         plan.input_amax = calibrate_inputs(model, plan, call_user(path, "get_batches", get_batches))
+    if plan.kv_cache:  # engines read static KV scales: calibrated on the batches, as the tune measured them
+        get_batches = find_function(module, path, "get_batches", "get_batches() -> list", required=False)
+        if get_batches is None:
+            raise ExportRefused(f"the plan's KV cache is {next(iter(plan.kv_cache.values()))}, whose scales are "
+                                f"calibrated on the model's batches, and model.py has no get_batches(); fix: define "
+                                f"get_batches() in {path.name}")
+        plan.kv_scales = calibrate_kv(model, call_user(path, "get_batches", get_batches))[0]
     tokenizer, found = find_tokenizer(module, path, model)
     # which plan the folder holds: `autoprec export --check` refuses it once the policy file says otherwise
     source = {"policy": str(run.path), "policy_sha256": policy_sha256(run.path), "model_py": str(path),
@@ -112,6 +120,11 @@ def describe_export(folder: str | Path) -> str:
              f"{summary['weight_bytes'] / 2**20:.1f} MiB of weights"]
     lines += [f"  {name}: {s['layers']} layers ({s['about']})" for name, s in summary["schemes"].items()]
     lines.append(f"  ignore: {', '.join(summary['ignore']) or '(none)'}")
+    kv = summary.get("kv_cache")
+    if kv:
+        lines.append(f"  KV cache: {kv['scheme']} on {kv['layers']} attention layer{'' if kv['layers'] == 1 else 's'} "
+                     "(kv_cache_scheme)"
+                     + (f", the model's dtype on layers {kv['skip_layers']}" if kv["skip_layers"] else ""))
     lines += [f"  note: {note}" for note in summary["notes"]]
     lines.append(f"  files: {', '.join(summary['files'])}")
     source = summary.get("source") or {}

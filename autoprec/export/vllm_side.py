@@ -5,13 +5,17 @@ JSON request (argv[1]) and writes one JSON result (argv[2]); vLLM's log goes to 
 keeps only to quote the last line of an error.
 
 The request: ``{"folder": FOLDER, "reference": FOLDER or null, "prompts": [[token ids], ...], "cannot_run":
-{platform: {config group name: why}}, "cannot_run_experts": likewise, for a group holding MoE experts}`` (a
-folder holding such a group on that platform is mapped, not loaded).
+{platform: {config group name: why}}, "cannot_run_experts": likewise, for a group holding MoE experts,
+"kv_skip_layers": [layer index, ...]}`` (a folder holding such a group on that platform is mapped, not loaded; the
+KV cache of the layers ``kv_skip_layers`` names is served in the model's dtype, vLLM's
+``kv_cache_dtype_skip_layers``).
 The result holds, for the folder:
 
 - ``mapping``: what vLLM's compressed-tensors config (``CompressedTensorsConfig.from_config``) gives each layer
   vLLM builds, without loading a weight: fused layers (the model class's ``packed_modules_mapping``) and MoE
-  experts folded as vLLM folds them; per layer the scheme class it would build, or the error it raises;
+  experts folded as vLLM folds them; per layer the scheme class it would build, or the error it raises; and
+  ``kv_cache``, the ``kv_cache_scheme`` as it reads it, whether its KV cache method accepts it, and why this
+  platform's attention cannot run it (then the folder is not loaded either);
 - unless it cannot run here (``not_run``: why): ``layers``, the scheme each layer of the loaded engine actually
   holds (its ``quant_method``'s or ``scheme``'s class), read inside the engine with ``LLM.apply_model``;
   ``architecture``, the model class vLLM resolved; ``logprobs``, per prompt the logprob vLLM gives each actual
@@ -94,7 +98,48 @@ def config_mapping(folder: Path) -> dict:
             # a FusedMoE asks for expert 0's projections (vLLM's get_moe_method), a linear for its own name
             lookup = [p for p in info["parts"] if p.startswith(f"{layer}.0.")] if info["kind"] == "moe" else [layer]
             layers[layer] = dict(info, **scheme_of(ct, stub, lookup))
-    return {"quantized": True, "packed": packed, "model_class": getattr(cls, "__name__", None), "layers": layers}
+    out = {"quantized": True, "packed": packed, "model_class": getattr(cls, "__name__", None), "layers": layers}
+    if quant.get("kv_cache_scheme") is not None:
+        out["kv_cache"] = kv_cache_mapping(ct)
+    return out
+
+
+def kv_cache_mapping(ct) -> dict:
+    """The KV cache scheme as vLLM's config reads it (``kv_cache_scheme``), whether its KV cache method
+    (``CompressedTensorsKVCacheMethod``, which every attention layer gets) accepts it, and why this platform's
+    attention cannot run it, where it cannot."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsKVCacheMethod)
+
+    scheme = dict(ct.kv_cache_scheme or {})
+    out = {"scheme": {k: scheme.get(k) for k in ("type", "num_bits", "strategy", "symmetric", "dynamic")},
+           "error": None, "cannot_run": None}
+    try:
+        CompressedTensorsKVCacheMethod.validate_kv_cache_scheme(scheme)
+    except Exception as e:  # noqa: BLE001 - vLLM's refusal is the finding
+        out["error"] = one_line(e)
+    out["cannot_run"] = kv_platform_problem(str(scheme.get("strategy")))
+    return out
+
+
+def kv_platform_problem(strategy: str) -> str | None:
+    """Why this platform's attention backend cannot serve an FP8 KV cache of ``strategy`` (None: it can, or it is
+    not a CPU, where the backend is chosen at load)."""
+    from vllm.platforms import current_platform
+
+    if str(current_platform.device_type) != "cpu":
+        return None
+    import torch
+    from vllm.v1.attention.backends import cpu_attn
+
+    if strategy == "attn_head" and not cpu_attn.CPUAttentionBackend.supports_per_head_quant_scales():
+        return ("vLLM's CPU attention backend does not serve per-head KV cache scales "
+                "(supports_per_head_quant_scales() is False; FlashAttention 3 does)")
+    try:
+        cpu_attn._get_attn_isa(torch.bfloat16, 32, 64, "fp8")
+    except NotImplementedError as e:
+        return f"vLLM's CPU attention cannot run an FP8 KV cache here ({one_line(e).rstrip('.')})"
+    return None
 
 
 def linear_names(folder: Path, quant: dict) -> list[str]:
@@ -177,12 +222,14 @@ def engine_layers(model) -> dict:
     return out
 
 
-def score(folder: Path, prompts: list[list[int]]) -> dict:
-    """Load ``folder`` in vLLM, read its layers, score ``prompts``."""
+def score(folder: Path, prompts: list[list[int]], kv_skip: list[int] | None = None) -> dict:
+    """Load ``folder`` in vLLM (its KV cache in the model's dtype on the layers ``kv_skip`` names), read its
+    layers, score ``prompts``."""
     from vllm import LLM, SamplingParams
 
+    skip = {"kv_cache_dtype_skip_layers": [str(i) for i in kv_skip]} if kv_skip else {}
     llm = LLM(model=str(folder), dtype="auto", skip_tokenizer_init=True, enforce_eager=True,
-              max_model_len=256, seed=0)
+              max_model_len=256, seed=0, **skip)
     try:
         model_info = llm.apply_model(lambda model: (type(model).__name__, engine_layers(model)))[0]
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
@@ -217,10 +264,12 @@ def main(request_path: str, result_path: str) -> int:
     cannot = [why for name, why in request.get("cannot_run", {}).get(platform, {}).items() if name in groups]
     experts = {name for name, g in groups.items() for t in g.get("targets", []) if ".experts" in t}
     cannot += [why for name, why in request.get("cannot_run_experts", {}).get(platform, {}).items() if name in experts]
+    kv_problem = (entry.get("mapping") or {}).get("kv_cache", {}).get("cannot_run")
+    cannot += [kv_problem] if kv_problem else []
     if cannot:
         entry["not_run"] = cannot[0]
     else:
-        entry.update(load(folder, request["prompts"]))
+        entry.update(load(folder, request["prompts"], request.get("kv_skip_layers")))
         if "load_error" not in entry and request.get("reference"):  # the same prompts on a plain bf16 export
             result["reference"] = load(Path(request["reference"]), request["prompts"])
     result["seconds"] = round(time.perf_counter() - started, 1)
@@ -228,10 +277,10 @@ def main(request_path: str, result_path: str) -> int:
     return 0
 
 
-def load(folder: Path, prompts: list[list[int]]) -> dict:
+def load(folder: Path, prompts: list[list[int]], kv_skip: list[int] | None = None) -> dict:
     started = time.perf_counter()
     try:
-        out = score(folder, prompts)
+        out = score(folder, prompts, kv_skip)
     except Exception as e:  # noqa: BLE001 - vLLM's refusal to load the folder is the finding
         traceback.print_exc()
         out = {"load_error": one_line(e)}

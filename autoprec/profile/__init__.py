@@ -29,6 +29,7 @@ from autoprec.profile.probe import nothing_pays_off, probe_precisions
 from autoprec.profile.result import LayerProfile, Profile, ProfileError, Sensitivity, device_name, fingerprint
 from autoprec.profile.sensitivity import measure_sensitivity, sensitivity_work
 from autoprec.runtime.engines import SERVED_QUANTIZED, served_dtype
+from autoprec.runtime.experts import moe_routers
 from autoprec.runtime.precision import DEFAULT_PRECISIONS, Capability, Precision, device_capabilities
 from autoprec.runtime.served import ServedAs, output_heads
 
@@ -122,10 +123,11 @@ def profile_layers(workload: Any, table: LayerTable, config: ProfileConfig, cont
 def _served(model: nn.Module, table: LayerTable, config: ProfileConfig, candidates: dict[str, list[str]]
             ) -> ServedAs | None:
     """For a serving engine (``config.engine``): how a policy is measured (as the engine serves it), with the
-    output head and embeddings taken out of ``candidates``' quantized formats (engines never quantize them)."""
+    output head, the embeddings and a MoE block's linear routers taken out of ``candidates``' quantized formats
+    (engines never quantize them)."""
     if config.engine is None:
         return None
-    for head in output_heads(model):
+    for head in output_heads(model) + moe_routers(model):  # a MoE router too: engines serve it unquantized
         if head in candidates:
             candidates[head] = [p for p in candidates[head] if Precision(p) not in SERVED_QUANTIZED]
     groups = {group.name: list(group.layers) for group in table.fusion_groups}

@@ -29,8 +29,8 @@ from typing import Iterable, Mapping, Sequence
 from autoprec.runtime.precision import Capability, Precision, emulated_for_shape
 
 __all__ = ["MODES", "TARGETS", "Target", "UnknownTargetError", "cores", "elementwise_ms", "estimate",
-           "estimated_latency", "expert_gemms", "gemm_gb", "gemm_ms", "get_target", "layer_ms", "linear_ms",
-           "parse_gemm", "policy_ms"]
+           "estimated_latency", "expert_gemms", "experts_touched", "gemm_gb", "gemm_ms", "get_target", "layer_ms",
+           "linear_ms", "parse_gemm", "policy_ms"]
 
 MODES = ("inference", "training")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "mxfp8", "nvfp4")  # what `estimate` reports
@@ -361,8 +361,9 @@ def expert_gemms(layer) -> tuple[int, int, int, int] | None:
     ``Qwen2MoeExperts``, ``Qwen3MoeExperts``: called with (hidden_states (T, hidden), top_k_index (T, k),
     top_k_weights (T, k)), each token through k experts' gate/up (hidden -> 2 x inter) and down (inter -> hidden)),
     else None. Capture records the routed FLOPs, ``6 T k hidden inter``, and the experts' fp32 weights,
-    ``4 x 3 E hidden inter`` bytes, from which inter and E follow; each expert is priced with the tokens of a
-    prefill spread evenly over them (``T k / E``), as a grouped GEMM of E problems runs them."""
+    ``4 x 3 E hidden inter`` bytes, from which inter and E follow. The experts priced are those the T tokens touch
+    (:func:`experts_touched`: all E for a prefill, about k for one decode token), each with the routed tokens
+    spread evenly over them, as a grouped GEMM runs them: a decode step reads only the touched experts' weights."""
     shapes = layer.input_shapes
     if layer.kind != "linear" or len(shapes) != 3 or len(shapes[0]) != 2 or shapes[1] != shapes[2] \
             or len(shapes[1]) != 2 or shapes[1][0] != shapes[0][0] or layer.output_shapes[:1] != [shapes[0]]:
@@ -372,7 +373,16 @@ def expert_gemms(layer) -> tuple[int, int, int, int] | None:
     count, rest_w = divmod(int(layer.weight_bytes), 12 * inter * hidden) if inter else (0, 1)
     if rest or rest_w or count < 1:
         return None
-    return count, max(1, round(tokens * top_k / count)), hidden, inter
+    touched = max(1, min(count, round(experts_touched(count, top_k, tokens))))
+    return touched, max(1, round(tokens * top_k / touched)), hidden, inter
+
+
+def experts_touched(experts: int, top_k: int, tokens: int) -> float:
+    """The experts ``tokens`` tokens route to, expected, each choosing ``top_k`` of ``experts`` (uniformly, as a
+    balanced router does): ``E (1 - (1 - k/E)^T)``, k at one token, all E for a long prefill."""
+    if experts <= 0 or top_k <= 0 or tokens <= 0:
+        return 0.0
+    return experts * (1.0 - (1.0 - min(top_k, experts) / experts) ** tokens)
 
 
 def _output_numel(layer) -> int:

@@ -32,7 +32,7 @@ from autoprec.runtime.precision import Precision
 from autoprec.runtime.weights import WeightCache
 
 __all__ = ["EXPERTS_PRECISION", "FP8Experts", "FP8ExpertsForward", "expert_values", "experts_problem",
-           "fp8_experts", "fused_experts", "is_fused_experts"]
+           "fp8_experts", "fused_experts", "is_fused_experts", "moe_routers"]
 
 EXPERTS_PRECISION = Precision.FP8_ROWWISE  # the one format experts take: vLLM's FP8 MoE on FP8_DYNAMIC
 
@@ -49,6 +49,19 @@ def fused_experts(model: nn.Module) -> dict[str, nn.Module]:
     """name -> module, for each module of ``model`` holding all routed experts of a MoE layer in 3-D parameters
     (transformers 5's ``MixtralExperts``, ``Qwen2MoeExperts``, ``Qwen3MoeExperts``)."""
     return {name: m for name, m in model.named_modules() if is_fused_experts(m)}
+
+
+def moe_routers(model: nn.Module) -> list[str]:
+    """The linears directly inside a MoE block beside its fused experts (a router that is an ``nn.Linear``, Qwen2-MoE's
+    ``shared_expert_gate``): engines build them without a quantization config, so they are served unquantized."""
+    out = []
+    for name in fused_experts(model):
+        block = name.rpartition(".")[0]
+        for child, module in model.get_submodule(block).named_children():
+            full = f"{block}.{child}" if block else child
+            if full != name and isinstance(module, nn.Linear):
+                out.append(full)
+    return out
 
 
 def experts_problem(module: nn.Module) -> str | None:

@@ -1,0 +1,229 @@
+"""The KV cache in FP8, emulated: keys and values quantized where attention reads them, as a serving engine caches them.
+
+A served LLM writes each attention layer's keys (after RoPE) and values into its KV cache and every later step
+reads them back; vLLM can hold that cache in FP8 (E4M3) with a static scale calibrated once (compressed-tensors'
+``kv_cache_scheme``): one scale per layer for keys and one for values (strategy ``tensor``), or one per KV head
+(strategy ``attn_head``). Attention then runs on the dequantized values, the prompt's tokens included (the engine
+writes them to the cache and attends over the cache). So emulating it is: keys and values, as attention receives
+them, through E4M3 at the layer's scale, then the model's own attention unchanged.
+
+The formats a layer's cache takes (:data:`KV_FORMATS`): ``auto`` (the model's dtype: what an engine keeps unless told
+otherwise; vLLM's word for it), ``fp8`` (one scale per tensor) and ``fp8-head`` (one scale per KV head).
+
+Where: transformers' attention modules call ``ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)``
+with ``(module, query, key, value, mask, ...)``, keys after RoPE and the cache's update; :func:`intercept_kv` puts a
+wrapper in that interface's own mapping for every implementation (``eager`` included: the wrapper calls the model's
+own eager function), so the model's config, masks, sliding windows, soft-capping and sinks are untouched. Multi-head
+latent attention (DeepSeek's MLA) caches its compressed latent and its RoPE key, not per-head keys and values: there
+the latent is what is quantized, at the ``expand_kv`` that widens it (one "head": per head is per tensor). An
+attention module that never reaches either (its own attention code, linear attention with a recurrent state) is
+named by :func:`unwrapped_lines` and keeps its cache in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.runtime.fp8 import E4M3, E4M3_MAX
+
+__all__ = ["KV_FORMATS", "KVFormat", "KVScales", "SCALE_DTYPE", "calibrate_kv", "check_kv_formats", "fake_quantize_kv",
+           "intercept_kv", "is_mla", "kv_amax", "kv_layers", "kv_quantized", "unwrapped_lines"]
+
+SCALE_DTYPE = torch.bfloat16  # the served dtype the checkpoint stores KV scales in (as llm-compressor does)
+KVHook = Callable[[str, nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How one layer's KV cache is held: ``bits`` per value, and whether each KV head has its own scale."""
+
+    name: str
+    bits: int
+    per_head: bool = False
+    strategy: str | None = None  # compressed-tensors' kv_cache_scheme strategy; None: the model's dtype
+    about: str = ""
+
+    @property
+    def quantized(self) -> bool:
+        return self.strategy is not None
+
+
+KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
+    KVFormat("auto", 16, about="the model's dtype (bf16 or fp16), as an engine keeps it unless told otherwise"),
+    KVFormat("fp8", 8, strategy="tensor", about="FP8 E4M3, one static scale per layer for keys and one for values"),
+    KVFormat("fp8-head", 8, per_head=True, strategy="attn_head",
+             about="FP8 E4M3, one static scale per KV head for keys and one for values"),
+)}
+
+
+def check_kv_formats(kv: Any, problems: list[str]) -> dict[str, str]:
+    """A policy's ``kv_cache`` (attention module name -> format), checked; each bad entry is added to ``problems``."""
+    if not isinstance(kv, Mapping):
+        problems.append(f"'kv_cache' must map attention layer names to {', '.join(KV_FORMATS)}, got "
+                        f"{type(kv).__name__}")
+        return {}
+    out = {}
+    for name, value in kv.items():
+        if not isinstance(name, str) or value not in KV_FORMATS:
+            problems.append(f"'kv_cache': layer {name!r} has {value!r}; the KV cache formats are "
+                            f"{', '.join(KV_FORMATS)}")
+            continue
+        out[name] = value
+    return out
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """A layer's calibrated |max| of keys and of values, per KV head (shape (heads,))."""
+
+    key_amax: torch.Tensor
+    value_amax: torch.Tensor
+
+    def scales(self, fmt: KVFormat, dtype: torch.dtype = SCALE_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (key, value) scales ``amax / 448`` in ``fmt`` (per head, or the largest head's for the tensor),
+        stored in ``dtype`` as the checkpoint stores them, returned in fp32."""
+        out = []
+        for amax in (self.key_amax, self.value_amax):
+            amax = amax if fmt.per_head else amax.amax().reshape(1)
+            scale = (amax.float() / E4M3_MAX).to(dtype)
+            out.append(torch.where(scale == 0, torch.finfo(dtype).eps, scale).float())
+        return out[0], out[1]
+
+
+def calibrate_kv(model: nn.Module, batches: Sequence[Any], run: Callable[[nn.Module, Any], Any] | None = None
+                 ) -> tuple[dict[str, KVScales], set[str], list[Any]]:
+    """Each attention layer's |max| of keys and values per KV head over ``batches`` (the static scales an engine
+    reads), the names reached, and each batch's result (``run(model, batch)``, default the model.py call)."""
+    from autoprec.inputs.batches import call_model
+
+    run = run or call_model
+    amax: dict[str, list[torch.Tensor]] = {}
+
+    def watch(name: str, module: nn.Module, key: torch.Tensor, value: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        found = [kv_amax(key), kv_amax(value)]
+        amax[name] = found if name not in amax else [torch.maximum(a, b) for a, b in zip(amax[name], found)]
+        return key, value
+
+    with intercept_kv(model, watch) as seen, torch.no_grad():
+        results = [run(model, batch) for batch in batches]
+    return {n: KVScales(*a) for n, a in amax.items()}, set(seen), results
+
+
+def kv_amax(x: torch.Tensor) -> torch.Tensor:
+    """|max| of keys or values ``(batch, heads, tokens, head_dim)`` per head: shape (heads,)."""
+    return x.detach().abs().float().amax(dim=(0, 2, 3))
+
+
+def fake_quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x`` (batch, heads, tokens, head_dim) through E4M3 at ``scale`` (one, or one per head), in ``x``'s dtype:
+    what the cache holds, dequantized as attention reads it (vLLM divides by the scale, saturates and casts)."""
+    s = scale.to(x.device).float().reshape(1, -1, 1, 1)
+    q = (x.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return (q.float() * s).to(x.dtype)
+
+
+def is_mla(module: nn.Module) -> bool:
+    """Multi-head latent attention whose cache is its latent (transformers' DeepSeek-V3: ``expand_kv``)."""
+    return callable(getattr(module, "expand_kv", None)) and hasattr(module, "kv_a_proj_with_mqa")
+
+
+def kv_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Every module of ``model`` that keeps a cache of its own (transformers gives each a ``layer_idx``): the
+    attention layers, and the recurrent layers some hybrids hold beside them."""
+    return {name: m for name, m in model.named_modules()
+            if isinstance(getattr(m, "layer_idx", None), int) and not any(
+                isinstance(getattr(c, "layer_idx", None), int) for c in m.children())}
+
+
+def _interface() -> Any:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS
+
+
+@contextlib.contextmanager
+def intercept_kv(model: nn.Module, hook: KVHook) -> Iterator[set[str]]:
+    """Within the block, ``hook(name, module, key, value) -> (key, value)`` sees (and may replace) the keys and
+    values every attention module of ``model`` hands to attention; yields the set of names seen so far."""
+    names = {id(m): n for n, m in model.named_modules()}
+    seen: set[str] = set()
+    interface = _interface()
+
+    def wrap(original: Callable | None) -> Callable:
+        def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      *args: Any, **kwargs: Any) -> Any:
+            name = names.get(id(module))
+            if name is not None and not is_mla(module):
+                seen.add(name)
+                key, value = hook(name, module, key, value)
+            inner = original or sys.modules[type(module).__module__].eager_attention_forward
+            return inner(module, query, key, value, *args, **kwargs)
+
+        return attention
+
+    saved = dict(interface._local_mapping)
+    mla = {n: m for n, m in model.named_modules() if is_mla(m)}
+    try:
+        for impl in [k for k in interface if "|" not in k]:
+            interface[impl] = wrap(interface[impl])
+        interface["eager"] = wrap(None)  # get_interface("eager", the model's eager) finds this first
+        for name, module in mla.items():
+            module.expand_kv = _mla_hook(name, module, hook, seen)
+        yield seen
+    finally:
+        interface._local_mapping.clear()
+        interface._local_mapping.update(saved)
+        for module in mla.values():
+            module.__dict__.pop("expand_kv", None)
+
+
+def _mla_hook(name: str, module: nn.Module, hook: KVHook, seen: set[str]) -> Callable:
+    """MLA's ``expand_kv(latent, rope_key)``: the two tensors its cache holds ((batch, 1, tokens, width) each)."""
+    expand = type(module).expand_kv.__get__(module)
+
+    def expand_kv(latent: torch.Tensor, rope_key: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        seen.add(name)
+        latent, rope_key = hook(name, module, latent, rope_key)
+        return expand(latent, rope_key, *args, **kwargs)
+
+    return expand_kv
+
+
+@contextlib.contextmanager
+def kv_quantized(model: nn.Module, formats: Mapping[str, str], scales: Mapping[str, KVScales]
+                 ) -> Iterator[set[str]]:
+    """Within the block, each layer ``formats`` puts in FP8 (``fp8``, ``fp8-head``) reads its keys and values
+    through E4M3 at its calibrated ``scales``; the rest run as they are. Yields the names seen (see
+    :func:`intercept_kv`). A layer in FP8 without scales is a ValueError naming it."""
+    missing = [n for n, f in formats.items() if KV_FORMATS[f].quantized and n not in scales]
+    if missing:
+        raise ValueError(f"KV cache layer {missing[0]!r} is {formats[missing[0]]} but has no calibrated scales")
+    chosen = {n: (KV_FORMATS[f], scales[n].scales(KV_FORMATS[f])) for n, f in formats.items()
+              if KV_FORMATS[f].quantized}
+
+    def hook(name: str, module: nn.Module, key: torch.Tensor, value: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        if name not in chosen:
+            return key, value
+        _, (k_scale, v_scale) = chosen[name]
+        if is_mla(module):  # one cache entry, the latent beside its RoPE key: one scale (vLLM's k_scale)
+            k_scale = v_scale = torch.maximum(k_scale.amax(), v_scale.amax()).reshape(1)
+        return fake_quantize_kv(key, k_scale), fake_quantize_kv(value, v_scale)
+
+    with intercept_kv(model, hook) as seen:
+        yield seen
+
+
+def unwrapped_lines(layers: Mapping[str, nn.Module], seen: set[str]) -> list[str]:
+    """One line per cache-holding layer the emulation never reached: its cache stays in the model's dtype."""
+    return [f"{name} ({type(m).__name__}): its cache is not reached by the KV emulation (neither transformers' "
+            "attention interface nor a latent's expand_kv), so it stays in the model's dtype"
+            for name, m in layers.items() if name not in seen]
