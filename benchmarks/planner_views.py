@@ -1,0 +1,191 @@
+"""Where planners part ways: the same FP8 budget spent by four rules of sensitivity, on a model where layers differ.
+
+    nice -n 5 python benchmarks/planner_views.py [--model structured|served] [--json FILE]
+
+Each rule ranks the model's engine units (per decoder layer: the fused q/k/v GEMM, o_proj, the fused gate/up GEMM,
+down_proj; what vLLM runs as one GEMM takes one decision) by how much FP8 (``fp8-rowwise``: weights per output
+channel, inputs per token, as vLLM's FP8_DYNAMIC) would hurt, the way one family of planners does:
+
+- **measured** (autoprec's profile): the logits' SQNR against the reference with that unit alone in FP8, on the
+  calibration batches (its worst batch);
+- **weight error, relative** (HIGGS-like, model-free): the unit's weight quantization error over its weight's size;
+- **weight error, absolute** (AMD Quark's MixedPrecisionPlanner: the weights' MSE);
+- **loss-scored** (ModelOpt's auto_quantize: the squared first-order change of the next-token loss, the gradient at
+  the unit's output times the output's change, summed over tokens).
+
+Then each rule's order (least sensitive first) is put into FP8 one unit more at a time, and every such plan is
+scored on held-out batches it never saw: the logits' SQNR against fp32, worst and best batch (the interval). At a
+budget (a share of the decoder layers' linear parameters in FP8: equal bits) each rule's plan is its longest prefix
+within the budget; the share it uses is printed beside it. A rule that ranks the planted layers wrongly spends
+its bits on them; where every rule gives the same plan they are tied, and the table says so.
+
+These are the rules as the peers score, applied here to the same units; the peers themselves run in
+benchmarks/serving.py. ``--model served`` runs the random-weight served-width Llama for contrast (every unit costs
+about the same there, so the rules cannot part ways much).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from provenance import stamped_dumps  # noqa: E402
+
+MODELS = {"structured": ROOT / "benchmarks" / "models" / "structured_llama" / "model.py",
+          "served": ROOT / "benchmarks" / "models" / "served_llama" / "model.py"}
+UNITS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+         "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+SHARES = (0.25, 0.5, 0.75)  # of the decoder layers' linear weights in FP8
+RULES = ("measured", "weight error, relative", "weight error, absolute", "loss-scored")
+F8_MAX = 448.0
+
+
+def fp8_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` through FP8 e4m3 with one scale per row (last dimension): per output channel for a weight, per token
+    for an input."""
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / F8_MAX
+    return (x / scale).to(torch.float8_e4m3fn).to(x.dtype) * scale
+
+
+class Fp8:
+    """Units in FP8 for the length of a ``with``: weights quantized in place (restored after), inputs per token."""
+
+    def __init__(self, linears: list[torch.nn.Linear]):
+        self.linears, self.saved, self.hooks = linears, [], []
+
+    def __enter__(self):
+        for linear in self.linears:
+            self.saved.append(linear.weight.data)
+            linear.weight.data = fp8_rows(linear.weight.data)
+            self.hooks.append(linear.register_forward_pre_hook(lambda m, a: (fp8_rows(a[0]), *a[1:])))
+
+    def __exit__(self, *exc):
+        for linear, weight, hook in zip(self.linears, self.saved, self.hooks):
+            linear.weight.data = weight
+            hook.remove()
+
+
+def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
+    return 10 * math.log10(ref.pow(2).sum().item() / max((ref - out).pow(2).sum().item(), 1e-30))
+
+
+def units_of(model: torch.nn.Module) -> dict[str, list[torch.nn.Linear]]:
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        for unit, names in UNITS.items():
+            out[f"layers.{i}.{unit}"] = [layer.get_submodule(n) for n in names]
+    return out
+
+
+@torch.no_grad()
+def logits(model: torch.nn.Module, batches: list) -> list[torch.Tensor]:
+    return [model(**b).logits.float() for b in batches]
+
+
+def scores(model: torch.nn.Module, units: dict, batches: list, refs: list) -> dict[str, dict[str, float]]:
+    """Each rule's sensitivity of each unit (higher: more hurt by FP8)."""
+    grads = loss_gradients(model, units, batches)
+    out: dict[str, dict[str, float]] = {rule: {} for rule in RULES}
+    for name, linears in units.items():
+        with Fp8(linears):
+            alone = logits(model, batches)
+        out["measured"][name] = -min(sqnr(r, o) for r, o in zip(refs, alone))
+        err = [(lin.weight - fp8_rows(lin.weight)).pow(2).sum().item() for lin in linears]
+        size = sum(lin.weight.pow(2).sum().item() for lin in linears)
+        out["weight error, relative"][name] = sum(err) / size
+        out["weight error, absolute"][name] = sum(err) / sum(lin.weight.numel() for lin in linears)
+        out["loss-scored"][name] = sum(grads[id(lin)](lin) for lin in linears)
+    return out
+
+
+def loss_gradients(model: torch.nn.Module, units: dict, batches: list) -> dict:
+    """For each linear, a function of it giving ModelOpt's score: sum over tokens of (dL/dy . (y_fp8 - y))^2, with L
+    the next-token loss; the inputs and output gradients are kept from one backward pass per batch."""
+    kept: dict[int, list] = {}
+    linears = [lin for group in units.values() for lin in group]
+
+    def keep(module, args, output):
+        x = args[0].detach()
+        output.register_hook(lambda g: kept.setdefault(id(module), []).append((x, g.detach())))
+
+    hooks = [lin.register_forward_hook(keep) for lin in linears]
+    try:
+        for batch in batches:
+            ids = batch["input_ids"]
+            out = model(**batch).logits
+            torch.nn.functional.cross_entropy(out[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+            model.zero_grad(set_to_none=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+    def score(lin: torch.nn.Linear):
+        def of(_):
+            total = 0.0
+            with torch.no_grad():
+                for x, g in kept[id(lin)]:
+                    change = torch.nn.functional.linear(fp8_rows(x), fp8_rows(lin.weight)) - lin(x)
+                    total += (g * change).sum(-1).pow(2).sum().item()
+            return total
+        return of
+    return {id(lin): score(lin) for lin in linears}
+
+
+def curve(model: torch.nn.Module, units: dict, order: list[str], held_out: list, refs: list) -> list[dict]:
+    """Each prefix of ``order`` in FP8, scored on the held-out batches: its share of the linear parameters and the
+    logits' SQNR (worst and best batch, and the median)."""
+    total = sum(lin.weight.numel() for group in units.values() for lin in group)
+    points = []
+    for k in range(1, len(order) + 1):
+        chosen = order[:k]
+        with Fp8([lin for name in chosen for lin in units[name]]):
+            db = sorted(sqnr(r, o) for r, o in zip(refs, logits(model, held_out)))
+        share = sum(lin.weight.numel() for name in chosen for lin in units[name]) / total
+        points.append({"units": k, "share": share, "sqnr_db": [db[0], db[-1]], "median_db": db[len(db) // 2]})
+    return points
+
+
+def at_share(points: list[dict], share: float) -> dict:
+    """The largest prefix with at most ``share`` of the parameters in FP8: a budget no rule may exceed."""
+    return max((p for p in points if p["share"] <= share + 1e-9), key=lambda p: p["share"],
+               default={"units": 0, "share": 0.0, "sqnr_db": [math.inf, math.inf], "median_db": math.inf})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=tuple(MODELS), default="structured")
+    parser.add_argument("--json", default=None, help="default benchmarks/results/planner_views[-served].json")
+    args = parser.parse_args()
+    spec = importlib.util.spec_from_file_location(f"{args.model}_model", MODELS[args.model])
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    model = mod.get_model()
+    calibration, held_out = mod.get_batches(3), mod.get_batches(4, start=mod.N_BATCHES)
+    units = units_of(model)
+    by_rule = scores(model, units, calibration, logits(model, calibration))
+    refs = logits(model, held_out)
+    curves = {rule: curve(model, units, sorted(units, key=by_rule[rule].get), held_out, refs) for rule in RULES}
+    rows = []
+    for share in SHARES:
+        for rule in RULES:
+            point = at_share(curves[rule], share)
+            order = sorted(units, key=by_rule[rule].get)
+            rows.append({"budget": share, "rule": rule, **point, "fp8": order[:point["units"]]})
+            low, high = point["sqnr_db"]
+            print(f"at most {share:.0%} ({point['share']:.0%} used) {rule:24s} {low:5.1f}-{high:5.1f} dB; kept out "
+                  f"of FP8: {', '.join(sorted(set(units) - set(order[:point['units']])))}", flush=True)
+    path = Path(args.json or ROOT / "benchmarks" / "results" /
+                f"planner_views{'' if args.model == 'structured' else '-' + args.model}.json")
+    path.write_text(stamped_dumps({"model": args.model, "scores": by_rule, "curves": curves, "rows": rows}))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
