@@ -78,7 +78,7 @@ def mix_lines() -> list[str]:
     model = llama()
     plans = {mix: plan_served(model, BATCHES, 30.0, "h100", mix) for mix in (KV_BOUND, WEIGHT_BOUND)}
     lines = []
-    for mix, plan in plans.items():
+    for plan in plans.values():
         lines += plan.lines()
         lines.append(f"  chosen: {[(c.kind, c.layers[0], c.fmt) for c in plan.chosen]}")
     lines += ["", "| plan for | " + " | ".join(f"at {m}: ms (prefill + decode) / decode tokens/s" for m in plans)

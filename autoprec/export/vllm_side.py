@@ -109,7 +109,8 @@ def kv_cache_mapping(ct) -> dict:
     (``CompressedTensorsKVCacheMethod``, which every attention layer gets) accepts it, and why this platform's
     attention cannot run it, where it cannot."""
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
-        CompressedTensorsKVCacheMethod)
+        CompressedTensorsKVCacheMethod,
+    )
 
     scheme = dict(ct.kv_cache_scheme or {})
     out = {"scheme": {k: scheme.get(k) for k in ("type", "num_bits", "strategy", "symmetric", "dynamic")},

@@ -23,8 +23,15 @@ from torch import nn
 
 from autoprec.common.sqnr import sqnr_db
 from autoprec.inputs.batches import call_model
-from autoprec.runtime.kvcache import (KV_FORMATS, KVScales, calibrate_kv, is_mla, kv_layers, kv_quantized,
-                                      unwrapped_lines)
+from autoprec.runtime.kvcache import (
+    KV_FORMATS,
+    KVScales,
+    calibrate_kv,
+    is_mla,
+    kv_layers,
+    kv_quantized,
+    unwrapped_lines,
+)
 
 __all__ = ["KVProfile", "OUTLIER_DB", "measure_kv", "model_output"]
 

@@ -25,8 +25,12 @@ logits against fp32), the batches random token ids. 4 layers at 2048 wide, MLP 8
 vocabulary 2048: about 0.9 GB in fp32.
 """
 
+import importlib.util
+from pathlib import Path
+
 import torch
 
+SERVED = Path(__file__).resolve().parents[1] / "served_llama" / "model.py"
 SETTINGS = {"layers": 4, "width": 2048, "mlp": 8192, "heads": 16, "kv_heads": 4, "vocab": 2048}
 SEED = 0
 SEQ_LEN = 32
@@ -111,9 +115,9 @@ def get_model() -> torch.nn.Module:
 
 
 def get_batches(n_batches: int = N_BATCHES, batch_size: int = BATCH_SIZE, start: int = 0) -> list:
-    """``n_batches`` batches of random token ids, from the ``start``-th on (each batch its own seed)."""
-    batches = []
-    for i in range(start, start + n_batches):
-        ids = torch.randint(0, SETTINGS["vocab"], (batch_size, SEQ_LEN), generator=torch.Generator().manual_seed(i))
-        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
-    return batches
+    """``n_batches`` batches of random token ids, from the ``start``-th on: served_llama's (the same vocabulary and
+    length), loaded from its model.py."""
+    spec = importlib.util.spec_from_file_location("served_llama_model", SERVED)
+    served = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(served)
+    return served.get_batches(n_batches, batch_size, start)
