@@ -78,11 +78,13 @@ def _tune(model_py: Path, out: Path, stream: str, min_sqnr: str, capsys) -> tupl
     return effective, captured.err
 
 
-@pytest.mark.parametrize("min_sqnr", ["25", "60"])
+@pytest.mark.parametrize("min_sqnr, everywhere", [("30", "bf16"), ("100", "fp32")])
 def test_streamed_and_in_memory_tunes_give_the_same_plan(tmp_path: Path, checkpoint: Path, capsys,
-                                                         min_sqnr: str) -> None:
-    """At a floor FP8 clears everywhere (25 dB) and at one only bf16 clears (60 dB) the two ways agree layer by
-    layer; the streamed tune said the mode and the memory first."""
+                                                         min_sqnr: str, everywhere: str) -> None:
+    """At a floor bf16 clears (30 dB: the model as published measures about 49 dB) and at one no low precision
+    clears (100 dB) the two ways agree layer by layer; the streamed tune said the mode and the memory first. (At
+    64 wide FP8 is priced slower than bf16 on an H100, its scaling passes costing more than its GEMMs save, so
+    neither tune picks it: the FP8 figures are compared with exact evaluations below.)"""
     model_py = _model_py(tmp_path, checkpoint)
     in_memory, said = _tune(model_py, tmp_path / "memory", "never", min_sqnr, capsys)
     assert "mode: in memory (--stream never)" in said
@@ -94,7 +96,7 @@ def test_streamed_and_in_memory_tunes_give_the_same_plan(tmp_path: Path, checkpo
     assert first[1].startswith("memory: in memory the tune needs about") and "streamed, one of its 2 blocks" in first[1]
     assert first[2] == "mode: streamed (one decoder block at a time) (--stream always)"
     assert streamed == in_memory
-    assert len(set(streamed.values())) == 1 or min_sqnr == "25"
+    assert set(streamed.values()) == {everywhere}
 
 
 def _figures(checkpoint: Path, folder: Path, log, in_memory: int = 2**30):
