@@ -252,7 +252,8 @@ def _skeleton(config: object, folder: Path) -> nn.Module:
 
 
 def _decoder_blocks(model: nn.Module, folder: Path, config: object) -> str:
-    """The path of the model's decoder blocks: the ModuleList of alike modules holding the most parameters."""
+    """The path of the model's decoder blocks: the ModuleList of alike modules holding the most parameters (a
+    shallow model's embeddings may hold more than its blocks)."""
     best, best_numel = "", 0
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) > 0 \
@@ -260,9 +261,8 @@ def _decoder_blocks(model: nn.Module, folder: Path, config: object) -> str:
             numel = sum(p.numel() for p in module.parameters())
             if numel > best_numel:
                 best, best_numel = name, numel
-    total = sum(p.numel() for p in model.parameters())
-    if not best or best_numel < total / 3:
+    if not best or not any(isinstance(m, nn.Linear) for m in model.get_submodule(best)[0].modules()):
         raise CheckpointError(f"{folder}: {type(model).__name__} ({getattr(config, 'model_type', '?')}) has no "
-                              "decoder blocks to stream (a list of alike layers holding most of its weights); fix: "
+                              "decoder blocks to stream (a list of alike layers with linear layers in them); fix: "
                               "tune it in memory (tune --stream never)")
     return best
