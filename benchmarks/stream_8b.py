@@ -67,7 +67,8 @@ def write_checkpoint(folder: Path, layers: int) -> None:
         return (torch.randn(*size, generator=g) * 0.02).to(torch.bfloat16)
 
     weight_map, shards = {}, layers + 2
-    outer = {"model.embed_tokens.weight": normal(shape["vocab_size"], h), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    outer = {"model.embed_tokens.weight": normal(shape["vocab_size"], h),
+             "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
     pieces = [outer]
     for n in range(layers):
         p = f"model.layers.{n}."

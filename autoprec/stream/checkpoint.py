@@ -166,8 +166,9 @@ def open_checkpoint(folder: str | Path, skeleton: bool = True) -> Checkpoint:
 
         config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except Exception as e:  # transformers raises many kinds for a config it cannot read
-        raise CheckpointError(f"{folder}/config.json: transformers cannot read it ({type(e).__name__}: "
-                              f"{' '.join(str(e).split())[:160]}); fix: pass a folder save_pretrained() wrote") from None
+        said = " ".join(str(e).split())[:160]
+        raise CheckpointError(f"{folder}/config.json: transformers cannot read it ({type(e).__name__}: {said}); fix: "
+                              "pass a folder save_pretrained() wrote") from None
     dtype = max(dtypes, key=dtypes.get) if dtypes else torch.float32
     checkpoint = Checkpoint(folder, config, weight_map, numels, dtype)
     if not skeleton:

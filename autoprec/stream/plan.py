@@ -100,7 +100,7 @@ class Verified:
     seconds: float = 0.0
 
 
-def _within(policy: Policy, paths: Sequence[str], model: torch.nn.Module, effective: dict) -> Policy:
+def _within(policy: Policy, paths: Sequence[str], effective: dict) -> Policy:
     """The part of ``policy`` for the modules under ``paths``, its default the precision they inherit."""
     inside = lambda n: any(n == p or n.startswith(p + ".") for p in paths)  # noqa: E731
     rules = {n: p for n, p in policy.layers.items() if inside(n)}
@@ -133,12 +133,12 @@ def verify_streamed(checkpoint: Checkpoint, calibration: Calibration, plans: dic
     for i in range(len(checkpoint.blocks)):
         path = f"{checkpoint.blocks_path}.{i}"
         scope = block_scope(checkpoint, i)
-        parts = {k: _within(p, [path], model, effective[k]) for k, p in entries.items()}
+        parts = {k: _within(p, [path], effective[k]) for k, p in entries.items()}
         hidden = _run_all(scope, parts, hidden, lambda b, h: run_block(scope, h, calibration.inputs[b][i]))
         checkpoint.free(path)
     after, head_path = head_paths(checkpoint)
     scope = head_scope(checkpoint)
-    parts = {k: _within(p, [*after, head_path], model, effective[k]) for k, p in entries.items()}
+    parts = {k: _within(p, [*after, head_path], effective[k]) for k, p in entries.items()}
     logits = _run_all(scope, parts, hidden, lambda b, h: scope(h))
     for p in [*after, head_path]:
         checkpoint.free(p)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,6 @@ from autoprec.common.procfs import proc_number
 from autoprec.errors import Terminated, UserError
 from autoprec.inputs.userspec import UserCodeError, call_user, find_function, import_model_py, split_holdout
 from autoprec.runtime.policy import Policy
-from autoprec.runtime.precision import Precision
 from autoprec.stream.checkpoint import GiB, Checkpoint, CheckpointError, open_checkpoint
 
 __all__ = ["ACTIVATIONS_IN_MEMORY", "IN_MEMORY_FACTOR", "Mode", "StreamError", "StreamInterrupted", "StreamedResult",
