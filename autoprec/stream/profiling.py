@@ -252,12 +252,13 @@ def _head(checkpoint: Checkpoint, calibration: Calibration, hidden: list[torch.T
             glue[p] = max(glue.get(p, 0.0), value)
         generator = torch.Generator().manual_seed(b)
         rows = []
-        for _ in range(probes):  # one at a time: a vocabulary's logits, times every probe, would not fit
-            v = torch.randn(y.shape, generator=generator, dtype=y.dtype) * keep.unsqueeze(-1) / scale.sqrt().float()
-            x = h.detach().requires_grad_(True)
-            with torch.enable_grad():
-                (grad,) = torch.autograd.grad(scope(x), x, v)
-            rows.append(grad)
+        x = h.detach().requires_grad_(True)
+        with torch.enable_grad():
+            logits = scope(x)  # one forward; its graph kept for every probe's backward
+            for p in range(probes):  # one at a time: a vocabulary's logits, times every probe, would not fit
+                v = torch.randn(y.shape, generator=generator, dtype=y.dtype) * keep.unsqueeze(-1) / scale.sqrt().float()
+                (grad,) = torch.autograd.grad(logits, x, v, retain_graph=p < probes - 1)
+                rows.append(grad)
         carried.append(torch.stack(rows))
     after, head_path = head_paths(checkpoint)
     for module_path in [*after, head_path]:
