@@ -10,8 +10,8 @@ the embeddings and the head), a model.py naming it, and runs
 
 in a fresh process: its wall time, its peak resident memory (the child's ru_maxrss), and each block's seconds and
 resident memory as the tune saved them (streamed.json). From the measured per-block figures it projects the whole
-8B (32 blocks) and a 70B (80 blocks of hidden 8192, MLP 28672, GQA 64/8) on this machine by each block's FLOPs, and
-says how the same work would go on one H100 and on eight by the cost model's figures (projections, labelled so).
+8B (32 blocks) and a 70B (80 blocks of hidden 8192, MLP 28672, GQA 64/8) on this machine, each block scaled by its
+parameters (projections, labelled so). A projection onto one and eight H100s is not written yet.
 
 Goals (issue 44): peak resident memory <= 6 GB, wall time <= 45 min for the 32-block model. Writing 32 blocks is
 16 GB of shards and the tune takes most of an hour on 2 shared cores: ``--layers 2`` at full width is the run that
