@@ -18,6 +18,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("export", ("export",)),
     # the conductor and its settings: checks -> capture -> profile -> search -> verify -> outputs
     ("pipeline", ("tune",)),
+    # a checkpoint folder larger than memory, tuned one decoder block at a time (`tune --stream`): its own conductor
+    # over the stages, beside the pipeline (the CLI picks one by the memory the model needs)
+    ("stream", ("stream",)),
     # what a tune writes and shows; the pipeline and the CLI read them, nothing below does
     ("outputs", ("outputs",)),
     # what is tuned for: the one place that knows inference from training from generation

@@ -72,6 +72,9 @@ def tune_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"what to tune for: {either([cls.cli_help for cls in workloads.values()])}")
     for cls in workloads.values():  # each workload's own options (--steps, --new-tokens)
         cls.add_arguments(parser)
+    parser.add_argument("--stream", choices=("auto", "always", "never"), default="auto",
+                        help="tune the checkpoint folder model.py names (MODEL_DIR) one decoder block at a time: "
+                             "auto (when the whole model does not fit in memory, the default), always or never")
     parser.add_argument("--compile", action="store_true",
                         help="also time verification with the model compiled (torch.compile, regional: each repeated "
                              "block), choose by those times, and report eager and compiled speed-ups side by side")
@@ -122,6 +125,10 @@ def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
         return _interrupted(getattr(stop, "phase", "checking"), signal_name, out) if ranks.writes else status
     if not ranks.writes:  # the first rank prints the result and wrote the outputs
         return 0
+    if hasattr(result, "chosen"):  # a streamed tune (autoprec.stream) prints its own
+        from autoprec.stream.run import print_streamed
+
+        return print_streamed(result)
     from autoprec.outputs.results import results_table
 
     return _print_tuned(results_table(result.verification), result, out)
@@ -140,7 +147,18 @@ def _tuned(args: argparse.Namespace, ranks: Any, log: Any, out: Path) -> Any:
     config = _config(args, out=out, compile=args.compile, profile_all=args.profile_all,  # before loading
                      exact_sensitivity=args.exact_sensitivity, progress=ranks.writes, fuse=args.fuse,
                      engine=args.engine)
+    from autoprec.stream.run import choose_mode
+
+    mode = choose_mode(args.model_py, args.stream, log if ranks.writes else lambda _line: None)
+    if mode is not None and mode.streamed:  # a checkpoint folder a block at a time (autoprec/stream/)
+        from autoprec.stream.run import check_settings, streamed_tune
+
+        check_settings(config, ranks, args.for_, DEFAULT_WORKLOAD)
+        return streamed_tune(args.model_py, mode, config, log)
     workload, spec = for_.from_command(args, ranks)
+    if spec.published is not None:
+        log(f"get_model() returned the model in {str(spec.published).removeprefix('torch.')} (as published): the "
+            "reference is fp32 computed from those weights (an exact upcast); the published dtype is one candidate")
     if ranks.world_size > 1 and not spec.sharded:  # verification times the job as it runs: wrapped, or DDP replicas
         from autoprec.distributed.tuning import job_wrap
 
@@ -179,7 +197,8 @@ def _interrupted(phase: str, signal_name: str, out: Path) -> int:
             "profile": "nothing is saved yet (the profile is written when it is complete)",
             "search": "the profile and every finished trial are saved",
             "verify": "the profile and the search are saved; only the verification runs again",
-            "outputs": "the search is saved; the outputs are written again"}[phase]
+            "outputs": "the search is saved; the outputs are written again",
+            "streamed profile": "every finished block's figures are saved"}[phase]
     how = "stopped by SIGTERM" if signal_name == "SIGTERM" else "interrupted"
     print(f"\n{how} during {phase}: {kept}; run the same command to go on ({out})", file=sys.stderr)
     return 143 if signal_name == "SIGTERM" else 130

@@ -48,8 +48,9 @@ def shortfall(weights: int, batch: int, free: int, where: str, training: int = 0
             if training else "")
     return (f"the model does not fit {where}: a tune needs about {need / GiB:.1f} GiB there (fp32 weights "
             f"{weights / GiB:.1f} GiB{copy} + one batch {batch / GiB:.2f} GiB, plus its activations) and "
-            f"{free / GiB:.1f} GiB is free; fix: give smaller batches, free the device, or tune across several GPUs "
-            "with torchrun")
+            f"{free / GiB:.1f} GiB is free (mode: in memory); fix: give smaller batches, free the device, tune across "
+            "several GPUs with torchrun, or, for a checkpoint folder, stream it a block at a time (MODEL_DIR in "
+            "model.py, as autoprec init --hf writes it, and tune --stream always)")
 
 
 MEMINFO = "/proc/meminfo"

@@ -39,9 +39,10 @@ from autoprec.inputs.batches import (
     to_device,
 )
 
-__all__ = ["HOLDOUT_FRACTION", "ModelDataError", "UserCodeError", "UserSpec", "as_metric", "batch_args", "call_model",
-           "call_user", "check_fp32_model", "describe_batch", "find_function", "import_model_py", "kind_of", "line_in",
-           "load_model_py", "materialise", "one_line", "run_evaluate", "split_holdout", "to_device", "user_function"]
+__all__ = ["HOLDOUT_FRACTION", "PUBLISHED", "ModelDataError", "UserCodeError", "UserSpec", "as_metric", "as_published",
+           "batch_args", "call_model", "call_user", "check_fp32_model", "describe_batch", "find_function",
+           "import_model_py", "kind_of", "line_in", "load_model_py", "materialise", "one_line", "run_evaluate",
+           "split_holdout", "to_device", "user_function"]
 
 HOLDOUT_FRACTION = 0.25  # the last quarter of the batches verifies the winner; the search never sees them
 
@@ -95,6 +96,24 @@ def check_fp32_model(model: nn.Module) -> None:
                              "return model.float() (and float32 inputs from get_batches())")
 
 
+PUBLISHED = (torch.bfloat16, torch.float16)  # the dtypes checkpoints are published in
+
+
+def as_published(model: nn.Module) -> torch.dtype | None:
+    """A model whose floating weights are in one half dtype (bf16 or fp16, beside any fp32 buffers: a checkpoint
+    loaded as published) upcast in place to fp32, which is exact: every bf16 or fp16 value is an fp32 value. Returns
+    that dtype, or None (the model left as it was: fp32 already, or something else :func:`check_fp32_model`
+    names)."""
+    tensors = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
+    if any(t.device.type == "meta" for t in tensors):
+        return None
+    dtypes = {t.dtype for t in tensors} - {torch.float32}
+    if len(dtypes) != 1 or not dtypes <= set(PUBLISHED):
+        return None
+    model.float()
+    return dtypes.pop()
+
+
 @dataclass
 class UserSpec:
     """What a model.py provides, with its batches split into a search part and a held-out part."""
@@ -108,6 +127,9 @@ class UserSpec:
     wrap: Callable[[nn.Module], nn.Module] | None = None  # under torchrun: how the job wraps the model (DDP, FSDP2)
     generate: Callable[..., Any] | None = None  # --for generation: how a generation runs (default: model.generate)
     sharded: bool = False  # built on meta, sharded and materialised by wrap (then ``wrap`` is None: it has run)
+    # the dtype get_model() returned the model in where it was bf16 or fp16 (a checkpoint as published): the tune's
+    # reference is fp32 computed from those weights (an exact upcast), and the published dtype one candidate
+    published: torch.dtype | None = None
 
     @property
     def batches(self) -> list:
@@ -376,6 +398,7 @@ def load_model_py(path: str | Path, holdout_fraction: float = HOLDOUT_FRACTION, 
     sharded = shard and wrap is not None and _on_meta(model)
     if sharded:
         model = materialise(model, wrap, path)
+    published = as_published(model)
     try:
         check_fp32_model(model)
     except ModelDataError as error:
@@ -383,7 +406,7 @@ def load_model_py(path: str | Path, holdout_fraction: float = HOLDOUT_FRACTION, 
     batches = _check_batches(call_user(path, "get_batches", get_batches), path)
 
     spec = UserSpec(path, model, *split_holdout(batches, holdout_fraction), evaluate, higher_is_better,
-                    None if sharded else wrap, generate, sharded)
+                    None if sharded else wrap, generate, sharded, published)
     if check:
         _check_model_runs(model, batches, path, fidelity=evaluate is None)
         if evaluate is not None:

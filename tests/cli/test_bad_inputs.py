@@ -167,7 +167,8 @@ SOURCES = {
         import torch
         from torch import nn
         def get_model():
-            return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).half()
+            # one layer fp16, one bf16: no dtype it was published in (a model in one of them is upcast and tuned)
+            return nn.Sequential(nn.Linear(16, 16).half(), nn.ReLU(), nn.Linear(16, 4).bfloat16())
         def get_batches():
             return [torch.randn(8, 16) for _ in range(4)]
     """,

@@ -374,7 +374,34 @@ def test_a_meta_model_is_said_to_have_no_data(tmp_path: Path) -> None:
         check_fp32_model(model)
     path = tmp_path / "model.py"
     path.write_text("import torch\nfrom torch import nn\n"
-                    "def get_model():\n    return nn.Linear(4, 2).half()\n"
+                    "def get_model():\n    return nn.Linear(4, 2).double()\n"
                     "def get_batches():\n    return [torch.randn(2, 4) for _ in range(3)]\n")
-    with pytest.raises(UserCodeError, match=r"model\.py: get_model\(\): the model is not fp32.*float16"):
+    with pytest.raises(UserCodeError, match=r"model\.py: get_model\(\): the model is not fp32.*float64"):
         load_model_py(path)  # named before the batches are blamed for a dtype mismatch
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_model_as_published_in_half_is_tuned_from_an_exact_upcast(tmp_path: Path, dtype: torch.dtype) -> None:
+    """Issue 44: a checkpoint published in bf16 or fp16 is tuned as published: its weights upcast to fp32 (exact),
+    which is the reference; the spec says which dtype it came in."""
+    path = tmp_path / "model.py"
+    path.write_text("import torch\nfrom torch import nn\n"
+                    f"def get_model():\n    torch.manual_seed(0)\n    return nn.Linear(4, 2).to({dtype})\n"
+                    "def get_batches():\n    return [torch.randn(2, 4) for _ in range(3)]\n")
+    spec = load_model_py(path)
+    assert spec.published == dtype
+    assert spec.model.weight.dtype == torch.float32
+    torch.manual_seed(0)
+    assert torch.equal(spec.model.weight, nn.Linear(4, 2).to(dtype).float().weight)  # the published values, exactly
+
+
+def test_a_model_mixing_half_dtypes_is_still_refused(tmp_path: Path) -> None:
+    path = tmp_path / "model.py"
+    path.write_text("import torch\nfrom torch import nn\n"
+                    "def get_model():\n    return nn.Sequential(nn.Linear(4, 4).half(), nn.Linear(4, 2).bfloat16())\n"
+                    "def get_batches():\n    return [torch.randn(2, 4) for _ in range(3)]\n")
+    with pytest.raises(UserCodeError, match=r"not fp32.*float16.*bfloat16.*model\.float\(\)"):
+        load_model_py(path)
+    fp32 = tmp_path / "fp32.py"
+    fp32.write_text(path.read_text().replace(".half()", "").replace(".bfloat16()", ""))
+    assert load_model_py(fp32).published is None  # fp32 as today: nothing said, nothing changed

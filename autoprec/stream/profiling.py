@@ -1,0 +1,327 @@
+"""The streamed profile: each layer's sensitivity measured where it lives and carried to the logits, one block
+loaded at a time; latency from the cost model (``--target``).
+
+1. Forward, blocks in order: each block's output on the search batches in fp32 (the reference), carried to the
+   next block (:class:`~.blocks.Activations`). Block 0's layers are captured (:func:`autoprec.capture.capture`
+   on the loaded block), and every other block's are the same layers under its own path.
+2. The head: the logits, and ``PROBES`` random cotangents ``v / ||y||`` (standard normal ``v``, real tokens
+   only) carried back through it, as :mod:`autoprec.profile.estimate` draws them.
+3. Backward, blocks in reverse: each layer alone in each candidate precision (and the block's other ops in a
+   region of each precision, its *glue*) runs the block on the reference inputs; the change ``d`` of the block's
+   output reaches the logits, to first order, as ``J d``, whose power relative to the logits' is the mean of
+   ``(u . d)^2`` over the cotangents ``u`` at the block's output (``E[(v . J d)^2] = ||J d||^2``), the worst over
+   batches. Then the cotangents are carried back through the block (one backward of all of them at once).
+
+Each block's figures, and the cotangents below it, are saved as they finish, so an interrupted tune resumes at
+the block where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from autoprec.capture.fusion import FusionGroup
+from autoprec.capture.layers import Layer, LayerTable, capture
+from autoprec.profile.estimate import PROBES
+from autoprec.runtime.apply import apply_policy, remove_policy
+from autoprec.runtime.policy import Policy
+from autoprec.runtime.precision import Precision
+from autoprec.stream.blocks import (
+    Activations,
+    Calibration,
+    block_scope,
+    head_paths,
+    head_scope,
+    resident_gib,
+    run_block,
+)
+from autoprec.stream.checkpoint import Checkpoint, Scope
+
+__all__ = ["PROBES", "StreamedFigures", "stream_profile"]
+
+
+@dataclass
+class StreamedFigures:
+    """What the streamed profile measured: layer -> precision -> relative noise power at the logits; each
+    block's glue (its ops outside the tunable layers) in a region of each precision; the layers captured; and per
+    block its seconds and resident memory."""
+
+    table: LayerTable
+    noise: dict[str, dict[str, float]] = field(default_factory=dict)
+    glue: dict[str, dict[str, float]] = field(default_factory=dict)  # block or head path -> precision -> noise
+    blocks: list[dict[str, Any]] = field(default_factory=list)  # per block: seconds and GiB, in order
+    candidates: dict[str, list[str]] = field(default_factory=dict)
+
+
+def _noise(delta: torch.Tensor, cotangents: torch.Tensor) -> float:
+    """Mean over the cotangents (dim 0) of ``(u . delta)^2``; inf where ``delta`` is not finite."""
+    if not torch.isfinite(delta).all():
+        return math.inf
+    dots = (cotangents.double() * delta.double().unsqueeze(0)).flatten(1).sum(1)
+    return float(dots.pow(2).mean())
+
+
+def _tiled(obj: Any, rows: int, times: int) -> Any:
+    """``obj`` (a block's other inputs) with every tensor of ``rows`` rows repeated ``times`` times along them,
+    so one forward carries every cotangent at once."""
+    if isinstance(obj, torch.Tensor):
+        return obj.repeat(times, *[1] * (obj.dim() - 1)) if obj.dim() and obj.shape[0] == rows > 1 else obj
+    if isinstance(obj, tuple):
+        return tuple(_tiled(x, rows, times) for x in obj)
+    if isinstance(obj, list):
+        return [_tiled(x, rows, times) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _tiled(v, rows, times) for k, v in obj.items()}
+    return obj
+
+
+def _carried_back(module: nn.Module, hidden: torch.Tensor, inputs: tuple, cotangents: torch.Tensor) -> torch.Tensor:
+    """The cotangents at the block's input: one backward of all of them, the block run on copies of its input."""
+    probes, rows = cotangents.shape[0], hidden.shape[0]
+    x = hidden.repeat(probes, *[1] * (hidden.dim() - 1)).requires_grad_(True)
+    with torch.enable_grad():
+        out = run_block(module, x, _tiled(inputs, rows, probes))
+        (grad,) = torch.autograd.grad(out, x, cotangents.reshape(out.shape))
+    return grad.reshape(cotangents.shape).detach()
+
+
+def _lowered(scope: Scope, policy: Policy, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+    apply_policy(scope, policy)
+    try:
+        with torch.no_grad():
+            return run()
+    finally:
+        remove_policy(scope)
+
+
+def _items(table: LayerTable, candidates: dict[str, list[str]], path: str) -> list[tuple[str, str]]:
+    return [(layer.name, p) for layer in table if layer.name.startswith(path + ".") or layer.name == path
+            for p in candidates.get(layer.name, [])]
+
+
+def _measure(scope: Scope, table: LayerTable, candidates: dict[str, list[str]], path: str, glue_precisions: list[str],
+             hidden: list, refs: list, inputs: list, cotangents: list) -> tuple[dict, dict]:
+    """Each of the block's (layer, precision) items' noise at the logits, and its glue's, the worst over batches."""
+    items = _items(table, candidates, path)
+    noise: dict[str, dict[str, float]] = {}
+    glue: dict[str, Any] = {"path": path}
+    for b, (h, ref) in enumerate(zip(hidden, refs)):
+        run = lambda: run_block(scope, h, inputs[b])  # noqa: E731
+        for name, p in items:
+            value = _noise(_lowered(scope, Policy.from_assignment({name: p}), run) - ref, cotangents[b])
+            noise.setdefault(name, {})[p] = max(noise.get(name, {}).get(p, 0.0), value)
+        for p in glue_precisions:
+            value = _noise(_lowered(scope, _glue_policy(table, path, p), run) - ref, cotangents[b])
+            glue[p] = max(glue.get(p, 0.0), value)
+    return noise, glue
+
+
+def _renamed(layer: Layer, old: str, new: str) -> Layer:
+    swap = lambda n: new + n[len(old):] if n.startswith(old) else n  # noqa: E731
+    return Layer(**{**layer.__dict__, "name": swap(layer.name), "prev": [swap(n) for n in layer.prev],
+                    "next": [swap(n) for n in layer.next]})
+
+
+def _whole_table(first: LayerTable, head: LayerTable, checkpoint: Checkpoint) -> LayerTable:
+    """Block 0's layers under every block's path, then the head's."""
+    prefix, layers, groups = f"{checkpoint.blocks_path}.0.", [], []
+    for i in range(len(checkpoint.blocks)):
+        new = f"{checkpoint.blocks_path}.{i}."
+        layers += [_renamed(layer, prefix, new) for layer in first]
+        groups += [FusionGroup(g.name.replace(prefix, new, 1), tuple(n.replace(prefix, new, 1) for n in g.layers),
+                               g.reason) for g in first.fusion_groups]
+    return LayerTable(layers + list(head), method=first.method, model_type=type(checkpoint.model).__name__,
+                      fusion_groups=tuple(groups) + tuple(head.fusion_groups),
+                      fp32_by_model=[n.replace(prefix, f"{checkpoint.blocks_path}.{i}.", 1)
+                                     for i in range(len(checkpoint.blocks)) for n in first.fp32_by_model])
+
+
+def _candidates(scope: Scope, table: LayerTable, low: list[Precision]) -> dict[str, list[str]]:
+    from autoprec.profile.frame import layer_candidates
+
+    return layer_candidates(scope, table, low)
+
+
+def _capture(scope: Scope, batch: Any) -> LayerTable:
+    import warnings
+
+    with warnings.catch_warnings():  # a block alone rarely exports; the hooks find its layers all the same
+        warnings.simplefilter("ignore")
+        return capture(scope, [batch])
+
+
+def _glue_policy(table: LayerTable, path: str, precision: str) -> Policy:
+    """The block (or head) at ``path`` in a region of ``precision`` with every tunable layer in it kept fp32:
+    what its other ops (norms, residual adds, activations, rotary) add."""
+    inside = [layer.name for layer in table if not path or layer.name.startswith(path + ".") or layer.name == path]
+    return Policy.from_assignment({name: "fp32" for name in inside}, default=precision)
+
+
+class _State:
+    """The figures saved as each block finishes (``figures.json``), and the cotangents below the lowest block
+    done, in the run folder's ``stream/``; a run of another checkpoint, batches or precisions starts again."""
+
+    def __init__(self, folder: Path, fingerprint: str) -> None:
+        self.folder, self.file = folder, folder / "figures.json"
+        folder.mkdir(parents=True, exist_ok=True)
+        data = json.loads(self.file.read_text()) if self.file.is_file() else {}
+        self.data = data if data.get("fingerprint") == fingerprint else {"fingerprint": fingerprint, "blocks": {}}
+
+    def lowest_done(self, blocks: int) -> int:
+        """The lowest block whose figures and the cotangents at its input are saved (``blocks``: none yet)."""
+        done = [int(i) for i in self.data["blocks"]]
+        low = min(done) if done else blocks
+        return low if (self.folder / f"cotangents-{low}.pt").is_file() else blocks
+
+    def save(self, key: str, figures: dict, index: int, cotangents: list[torch.Tensor]) -> None:
+        torch.save(cotangents, self.folder / f"cotangents-{index}.pt")
+        if key == "head":
+            self.data["head"] = figures
+        else:
+            self.data["blocks"][key] = figures
+        tmp = self.file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data))
+        tmp.replace(self.file)  # whole or not at all: an interrupt leaves the last complete figures
+        for old in self.folder.glob("cotangents-*.pt"):
+            if old.name != f"cotangents-{index}.pt":
+                old.unlink()
+
+    def cotangents(self, index: int) -> list[torch.Tensor]:
+        return torch.load(self.folder / f"cotangents-{index}.pt", weights_only=True)
+
+
+def _forward(checkpoint: Checkpoint, calibration: Calibration, acts: Activations, upto: int, low: list[Precision],
+             log: Callable[[str], None]) -> tuple[LayerTable, dict[str, list[str]], list[dict]]:
+    """Blocks 0 to ``upto - 1`` in fp32 on the search batches: each one's output stored as the next one's input;
+    block 0's layers captured. Returns block 0's table, its layers' candidates, and each block's figures."""
+    acts.put("0", calibration.hidden)
+    figures, table, candidates = [], None, {}
+    for i in range(max(upto, 1)):
+        start = time.perf_counter()
+        scope = block_scope(checkpoint, i)
+        hidden = acts.get(str(i))
+        if i == 0:
+            args, kwargs = calibration.inputs[0][0]
+            table = _capture(scope, {"hidden_states": hidden[0], **kwargs} if not args else (hidden[0], *args))
+            candidates = _candidates(scope, table, low)
+        if i < upto:
+            with torch.no_grad():
+                acts.put(str(i + 1), [run_block(scope, h, calibration.inputs[b][i]) for b, h in enumerate(hidden)])
+        figures.append({"forward_s": time.perf_counter() - start, "forward_gib": resident_gib()})
+        checkpoint.free(f"{checkpoint.blocks_path}.{i}")
+        log(f"  block {i}: reference forward {figures[-1]['forward_s']:.1f} s, {figures[-1]['forward_gib']:.2f} GiB "
+            "resident")
+    return table, candidates, figures
+
+
+def _head(checkpoint: Checkpoint, calibration: Calibration, hidden: list[torch.Tensor], low: list[Precision],
+          probes: int) -> tuple[LayerTable, dict, list[torch.Tensor]]:
+    """The output head: its layers, their candidates and noise (their own change of the logits), its glue's, and
+    the cotangents at its input."""
+    scope = head_scope(checkpoint)
+    table = _capture(scope, hidden[0])
+    candidates = _candidates(scope, table, low)
+    noise: dict[str, dict[str, float]] = {}
+    glue: dict[str, Any] = {"path": ""}
+    carried = []
+    for b, h in enumerate(hidden):
+        with torch.no_grad():
+            y = scope(h)
+        real = calibration.real[b]
+        keep = torch.ones(y.shape[:-1], dtype=torch.bool) if real is None else real
+        scale = y[keep].double().pow(2).sum().clamp(min=1e-300)
+
+        def relative(out: torch.Tensor) -> float:
+            d = (out - y)[keep]
+            return math.inf if not torch.isfinite(d).all() else float(d.double().pow(2).sum() / scale)
+
+        for name, options in candidates.items():
+            for p in options:
+                value = relative(_lowered(scope, Policy.from_assignment({name: p}), lambda: scope(h)))
+                noise.setdefault(name, {})[p] = max(noise.get(name, {}).get(p, 0.0), value)
+        for p in [q.value for q in low if not q.swaps_linear]:
+            value = relative(_lowered(scope, _glue_policy(table, "", p), lambda: scope(h)))
+            glue[p] = max(glue.get(p, 0.0), value)
+        generator = torch.Generator().manual_seed(b)
+        rows = []
+        x = h.detach().requires_grad_(True)
+        with torch.enable_grad():
+            logits = scope(x)  # one forward; its graph kept for every probe's backward
+            for p in range(probes):  # one at a time: a vocabulary's logits, times every probe, would not fit
+                v = torch.randn(y.shape, generator=generator, dtype=y.dtype) * keep.unsqueeze(-1) / scale.sqrt().float()
+                (grad,) = torch.autograd.grad(logits, x, v, retain_graph=p < probes - 1)
+                rows.append(grad)
+        carried.append(torch.stack(rows))
+    after, head_path = head_paths(checkpoint)
+    for module_path in [*after, head_path]:
+        checkpoint.free(module_path)
+    return table, {"noise": noise, "glue": glue, "candidates": candidates}, carried
+
+
+def _backward(checkpoint: Checkpoint, calibration: Calibration, acts: Activations, table: LayerTable,
+              candidates: dict[str, list[str]], state: _State, start: int, glue_precisions: list[str],
+              log: Callable[[str], None], block_figures: list[dict]) -> None:
+    """Blocks ``start - 1`` down to 0: each one's items measured and the cotangents carried below it, saved."""
+    cotangents = state.cotangents(start)
+    first = f"{checkpoint.blocks_path}.0."
+    for i in reversed(range(start)):
+        begin = time.perf_counter()
+        path = f"{checkpoint.blocks_path}.{i}"
+        scope = block_scope(checkpoint, i)
+        hidden, refs = acts.get(str(i)), acts.get(str(i + 1))
+        inputs = [calibration.inputs[b][i] for b in range(len(hidden))]
+        own = LayerTable([_renamed(layer, first, path + ".") for layer in table], table.method, table.model_type)
+        options = {n.replace(first, path + ".", 1): c for n, c in candidates.items()}
+        noise, glue = _measure(scope, own, options, path, glue_precisions, hidden, refs, inputs, cotangents)
+        cotangents = [_carried_back(scope, h, inputs[b], cotangents[b]) for b, h in enumerate(hidden)]
+        checkpoint.free(path)
+        figures = {"noise": noise, "glue": glue, "profile_s": time.perf_counter() - begin,
+                   "profile_gib": resident_gib(), **(block_figures[i] if i < len(block_figures) else {})}
+        state.save(str(i), figures, i, cotangents)
+        log(f"  block {i}: sensitivity of {len(noise)} layers {figures['profile_s']:.1f} s, "
+            f"{figures['profile_gib']:.2f} GiB resident")
+
+
+def stream_profile(checkpoint: Checkpoint, calibration: Calibration, low: list[Precision], folder: Path,
+                   fingerprint: str, log: Callable[[str], None], in_memory: int, probes: int = PROBES
+                   ) -> StreamedFigures:
+    """The streamed profile (see the module's docstring) of ``checkpoint`` on the search batches
+    (``calibration``), its state in ``folder`` (resumed where it matches ``fingerprint``); activations up to
+    ``in_memory`` bytes are held in memory, the rest spilled to ``folder``."""
+    state = _State(folder, fingerprint)
+    blocks = len(checkpoint.blocks)
+    start = state.lowest_done(blocks)
+    if start < blocks:
+        log(f"resuming the streamed profile: blocks {start} to {blocks - 1} are done (saved in {folder})")
+    acts = Activations(folder / "activations", in_memory)
+    table, candidates, block_figures = _forward(checkpoint, calibration, acts, start, low, log)
+    glue_precisions = [p.value for p in low if not p.swaps_linear]
+    if start == blocks and not ("head" in state.data and (folder / f"cotangents-{blocks}.pt").is_file()):
+        begin = time.perf_counter()
+        head_table, head, cotangents = _head(checkpoint, calibration, acts.get(str(blocks)), low, probes)
+        head["table"], head["seconds"] = head_table.to_dict(), time.perf_counter() - begin
+        state.save("head", head, blocks, cotangents)
+        log(f"  output head: {head['seconds']:.1f} s, {resident_gib():.2f} GiB resident")
+    head = state.data["head"]
+    _backward(checkpoint, calibration, acts, table, candidates, state, start, glue_precisions, log, block_figures)
+    whole = _whole_table(table, LayerTable.from_dict(head["table"]), checkpoint)
+    figures = StreamedFigures(whole, glue={"": {k: v for k, v in head["glue"].items() if k != "path"}})
+    prefix = f"{checkpoint.blocks_path}.0."
+    for i in range(blocks):
+        saved = state.data["blocks"][str(i)]
+        figures.noise.update(saved["noise"])
+        figures.glue[saved["glue"]["path"]] = {k: v for k, v in saved["glue"].items() if k != "path"}
+        figures.blocks.append({k: v for k, v in saved.items() if k not in ("noise", "glue")})
+        figures.candidates.update({n.replace(prefix, f"{checkpoint.blocks_path}.{i}.", 1): c
+                                   for n, c in candidates.items()})
+    figures.noise.update(head["noise"])
+    figures.candidates.update(head["candidates"])
+    return figures

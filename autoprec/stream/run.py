@@ -1,0 +1,272 @@
+"""The streamed tune's conductor, and the memory check that picks the mode.
+
+``choose_mode`` runs before the model is loaded: where model.py names its checkpoint folder (``MODEL_DIR``) it
+says how much memory the whole model needs, how much is free, which mode the tune takes and what that uses. A
+model.py without one keeps today's path and says nothing new.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+
+from autoprec.common.jsonsafe import dumps
+from autoprec.common.procfs import proc_number
+from autoprec.errors import Terminated, UserError
+from autoprec.inputs.userspec import UserCodeError, call_user, find_function, import_model_py, split_holdout
+from autoprec.runtime.policy import Policy
+from autoprec.stream.checkpoint import GiB, Checkpoint, CheckpointError, open_checkpoint
+
+__all__ = ["ACTIVATIONS_IN_MEMORY", "IN_MEMORY_FACTOR", "Mode", "StreamError", "StreamInterrupted", "StreamedResult",
+           "check_settings", "choose_mode", "print_streamed", "streamed_bytes", "streamed_tune"]
+
+# A tune in memory peaks at about this times the model's fp32 weights (benchmarks/scale.py holds it to 1.5x the
+# model and one batch): what the mode is chosen by.
+IN_MEMORY_FACTOR = 1.5
+ACTIVATIONS_IN_MEMORY = GiB  # calibration activations held in memory; past this they are spilled to disk
+LIBRARIES = GiB // 2  # torch, transformers and optuna, imported (the smallest tune's peak in benchmarks/scale.py)
+MODES = ("auto", "always", "never")
+
+
+class StreamInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM during a streamed tune: the finished blocks are saved, the same command goes on."""
+
+    def __init__(self, signal: str) -> None:
+        super().__init__("streamed profile")
+        self.phase, self.signal = "streamed profile", signal
+
+
+class StreamError(UserError):
+    """A streamed tune asked for with settings it cannot honour: what, and the fix."""
+
+
+@dataclass
+class Mode:
+    streamed: bool
+    folder: Path
+    checkpoint: Checkpoint
+    lines: list[str] = field(default_factory=list)
+
+
+def _available() -> int | None:
+    kb = proc_number("/proc/meminfo", "MemAvailable:")
+    return None if kb is None else kb * 1024
+
+
+def streamed_bytes(checkpoint: Checkpoint) -> int:
+    """What a streamed tune holds at once, at most: the larger of the embeddings as published (read once, for the
+    first block's inputs), two copies of the largest block in fp32 (the block and its lowered weights) and the output
+    head in fp32 with its logits; plus the activations held in memory and the libraries."""
+    _, block = checkpoint.block_bytes()
+    vocab_fp32 = max((4 * n for name, n in checkpoint.numels.items() if name.endswith("embed_tokens.weight")
+                      or name.startswith("lm_head.")), default=0)
+    return max(vocab_fp32 // 2, 2 * block, vocab_fp32 * 5 // 4) + ACTIVATIONS_IN_MEMORY + LIBRARIES
+
+
+def choose_mode(model_py: str | Path, stream: str, log: Callable[[str], None]) -> Mode | None:
+    """The mode a tune of ``model_py`` takes (``stream``: auto, always or never), said in its first lines; None for
+    a model.py that names no checkpoint folder (today's path, nothing said)."""
+    path = Path(model_py).resolve()
+    module = import_model_py(path)
+    folder = getattr(module, "MODEL_DIR", None)
+    if folder is None:
+        if stream == "always":
+            raise UserCodeError(path, "MODEL_DIR", "not set: a streamed tune reads the checkpoint folder model.py "
+                                "names", "add MODEL_DIR = \"/path/to/checkpoint\" (autoprec init --hf writes it)")
+        return None
+    try:
+        checkpoint = open_checkpoint(folder, skeleton=False)
+    except CheckpointError:
+        if stream == "always":
+            raise
+        return None  # a folder a streamed tune cannot read (e.g. .bin weights): in memory, as before
+    fp32, free = 4 * checkpoint.parameters, _available()
+    need, streamed = int(IN_MEMORY_FACTOR * fp32), streamed_bytes(checkpoint)
+    blocks, block = checkpoint.block_bytes()
+    dtype = str(checkpoint.dtype).removeprefix("torch.")
+    lines = [f"checkpoint {checkpoint.folder}: {checkpoint.parameters / 1e9:.2f} B parameters, published in {dtype} "
+             f"({checkpoint.published_bytes / GiB:.1f} GiB); reference: fp32 computed from the published weights "
+             "(an exact upcast), the model's own dtype one of the candidates",
+             f"memory: in memory the tune needs about {need / GiB:.1f} GiB ({IN_MEMORY_FACTOR:g}x the fp32 weights, "
+             f"{fp32 / GiB:.1f} GiB); streamed, one of its {blocks} blocks at a time ({block / GiB:.2f} GiB each in "
+             f"fp32), about {streamed / GiB:.1f} GiB; "
+             + (f"{free / GiB:.1f} GiB is free" if free is not None else "free memory unknown")]
+    fits = free is None or need <= free
+    chosen = stream == "always" or (stream == "auto" and not fits)
+    why = {"always": "--stream always", "never": "--stream never"}.get(
+        stream, "the whole model does not fit" if chosen else "the whole model fits")
+    lines.append(f"mode: {'streamed (one decoder block at a time)' if chosen else 'in memory'} ({why})")
+    for line in lines:
+        log(line)
+    return Mode(chosen, checkpoint.folder, checkpoint, lines)
+
+
+def _batches(model_py: Path) -> list:
+    module = import_model_py(model_py)
+    get_batches = find_function(module, model_py, "get_batches", "get_batches() -> list", required=True)
+    batches = call_user(model_py, "get_batches", get_batches)
+    if not isinstance(batches, list) or len(batches) < 2:
+        raise UserCodeError(model_py, "get_batches()", "returned fewer than 2 batches", "return 2 or more batches")
+    return batches
+
+
+def _fingerprint(checkpoint: Checkpoint, batches: list, settings: dict) -> str:
+    h = hashlib.sha256(f"{checkpoint.fingerprint()}{json.dumps(settings, sort_keys=True)}".encode())
+    for t in pytree.tree_leaves(batches):
+        if isinstance(t, torch.Tensor):
+            h.update(f"{tuple(t.shape)}{float(t.double().sum()):.9e}".encode())
+    return h.hexdigest()[:16]
+
+
+def check_settings(config: Any, ranks: Any, for_: str, inference: str) -> None:
+    """What a streamed tune cannot honour, said before any work."""
+    if ranks.world_size > 1:
+        raise StreamError("a streamed tune runs in one process (torchrun ranks sharing the blocks is not built yet); "
+                          "fix: run autoprec tune without torchrun")
+    if config.target is None:
+        raise StreamError("a streamed tune plans for a GPU by its cost model (timing each block's layers here is not "
+                          "built yet); fix: add --target NAME (e.g. --target h100), or --stream never to tune in "
+                          "memory")
+    if config.budget is not None:
+        raise StreamError("a streamed tune bounds the logits' fidelity (--min-sqnr): evaluate() needs the whole "
+                          "model in memory; fix: give --min-sqnr DB instead of --budget, or --stream never")
+    if for_ != inference:
+        raise StreamError(f"a streamed tune plans inference, not --for {for_}; fix: tune --for inference, or "
+                          "--stream never")
+
+
+@dataclass
+class StreamedResult:
+    """What a streamed tune chose and measured."""
+
+    policy: Policy
+    verified: dict[str, float]  # plan -> logits SQNR on the held-out batches (dB, worst batch)
+    predicted_ms: dict[str, float]  # plan -> estimated ms on the target
+    chosen: str
+    blocks: list[dict]  # per block: seconds and GiB
+    seconds: dict[str, float]
+    out: Path
+
+
+def streamed_tune(model_py: str | Path, mode: Mode, config: Any, log: Callable[[str], None],
+                  in_memory: int = ACTIVATIONS_IN_MEMORY) -> StreamedResult:
+    """Profile, search and verify ``mode``'s checkpoint a block at a time, writing into ``config.out``."""
+    from autoprec.outputs.outdir import claim_out_dir
+    from autoprec.profile.frame import low_precisions
+    from autoprec.stream.blocks import first_inputs
+    from autoprec.stream.profiling import PROBES, stream_profile
+
+    model_py = Path(model_py).resolve()
+    search_batches, holdout = split_holdout(_batches(model_py))
+    if getattr(import_model_py(model_py), "evaluate", None) is not None:
+        log("evaluate() in model.py needs the whole model: a streamed tune bounds the logits' SQNR against fp32 "
+            "instead (--min-sqnr)")
+    low = low_precisions(config.precisions)
+    out = Path(config.out)
+    seconds: dict[str, float] = {}
+    with claim_out_dir(out):
+        start = time.perf_counter()
+        checkpoint = open_checkpoint(mode.folder)
+        searched, held = first_inputs(checkpoint, search_batches), first_inputs(checkpoint, holdout)
+        settings = {"precisions": [p.value for p in low], "target": config.target, "probes": PROBES}
+        fingerprint = _fingerprint(checkpoint, search_batches, settings)
+        log(f"profiling {len(checkpoint.blocks)} blocks on {searched.tokens} tokens ({len(search_batches)} batches; "
+            f"{held.tokens} held out to verify)")
+        try:
+            figures = stream_profile(checkpoint, searched, low, out / "stream", fingerprint, log, in_memory)
+        except KeyboardInterrupt as stop:
+            raise StreamInterrupted("SIGTERM" if isinstance(stop, Terminated) else "SIGINT") from None
+        seconds["profile"] = time.perf_counter() - start
+        return _search_and_verify(checkpoint, figures, held, low, config, fingerprint, seconds, len(search_batches),
+                                  log)
+
+
+def _search_and_verify(checkpoint: Checkpoint, figures: Any, held: Any, low: list, config: Any, fingerprint: str,
+                       seconds: dict, batches: int, log: Callable[[str], None]) -> StreamedResult:
+    from autoprec.context import RunContext
+    from autoprec.measuring.budget import DEFAULT_MIN_SQNR, Budget
+    from autoprec.profile.costmodel import policy_ms
+    from autoprec.search.space import SearchSpace, choose_preset
+    from autoprec.search.study import open_storage, run_search
+    from autoprec.stream.plan import PredictedFidelity, plan_choices, streamed_profile, verify_streamed
+
+    out = Path(config.out)
+    profile = streamed_profile(figures, checkpoint, low, config.target, fingerprint, seconds, batches)
+    profile.save(out / "profile.json")
+    start = time.perf_counter()
+    floor = config.min_sqnr if config.min_sqnr is not None else DEFAULT_MIN_SQNR
+    budget = Budget.parse(None, floor)
+    space = SearchSpace.load(choose_preset([layer.kind for layer in profile.layers])).fusing(config.fuse)
+    searching = config.for_search(budget, space, f"autoprec-stream-{fingerprint}-{space.name}-{budget.tag()}",
+                                  fail_stale=True)
+    context = RunContext(torch.device("cpu"), out_dir=out, log=log,
+                         storage=open_storage(f"sqlite:///{out.resolve() / 'study.db'}"))
+    result = run_search(profile, PredictedFidelity(figures, checkpoint.model), searching, context)
+    seconds["search"] = time.perf_counter() - start
+    plans = {c.label: c.policy() for c in plan_choices(result.trials)}
+    served = [p for p in low if not p.swaps_linear]
+    if served:  # the model as published, every layer in its dtype: the baseline a plan must beat
+        plans[f"blanket {served[0].value}"] = Policy(default=served[0])
+    start = time.perf_counter()
+    verified = verify_streamed(checkpoint, held, plans, log)
+    seconds["verify"] = time.perf_counter() - start
+    ms = {key: policy_ms(profile, policy) for key, policy in {"fp32": Policy(), **plans}.items()}
+    passing = [k for k in plans if verified.sqnr_db[k] >= floor]
+    chosen = min(passing, key=lambda k: (ms[k], k not in [c for c in plans if c.startswith("trial")]),
+                 default="fp32")
+    policy = plans.get(chosen, Policy())
+    policy.model = {"fingerprint": fingerprint, "layers": len(profile.layers), "type": profile.model_type,
+                    "checkpoint": str(checkpoint.folder), **({"fusion_groups": profile.fusion_groups}
+                                                             if profile.fusion_groups else {})}
+    policy.result = {"speedup": round(ms["fp32"] / ms[chosen], 4), "estimated_for": config.target,
+                     "metric": None if chosen == "fp32" else round(verified.sqnr_db[chosen], 3),
+                     "metric_kind": "logits SQNR dB against fp32 (held-out batches, streamed)",
+                     "budget": str(budget), "mode": "streamed"}
+    policy.tuned_on = {"device": f"estimated for {config.target}", "torch": torch.__version__}
+    streamed = StreamedResult(policy, verified.sqnr_db, ms, chosen, figures.blocks, seconds, out)
+    _write(streamed, budget, profile)
+    return streamed
+
+
+def _write(result: StreamedResult, budget: Any, profile: Any) -> None:
+    """policy.json, streamed.json (every figure) and report.md in the run folder."""
+    from autoprec.common.writing import markdown_table
+
+    out = result.out
+    result.policy.save(out / "policy.json")
+    (out / "streamed.json").write_text(dumps({
+        "chosen": result.chosen, "verified_sqnr_db": result.verified, "estimated_ms": result.predicted_ms,
+        "blocks": result.blocks, "seconds": result.seconds, "budget": str(budget)}))
+    rows = [[k, f"{result.predicted_ms[k]:.3f}", f"{result.predicted_ms['fp32'] / result.predicted_ms[k]:.2f}x",
+             "reference" if k == "fp32" else f"{result.verified[k]:.2f}", "chosen" if k == result.chosen else ""]
+            for k in ["fp32", *result.verified]]
+    per_block = [[i, f"{b.get('forward_s', 0):.1f}", f"{b.get('profile_s', 0):.1f}",
+                  f"{max(b.get('forward_gib', 0), b.get('profile_gib', 0)):.2f}"] for i, b in enumerate(result.blocks)]
+    (out / "report.md").write_text(
+        f"# Streamed tune of {profile.model_type}\n\n"
+        f"Planned for {profile.device} (latency from the cost model, *estimated*), one decoder block at a time. "
+        f"Reference: fp32 computed from the published weights. Budget: {budget} on the logits, measured on the "
+        f"held-out batches by a streamed forward.\n\n"
+        + markdown_table(["plan", "estimated ms", "speed-up", "logits SQNR dB", ""], rows) + "\n\n## Per block\n\n"
+        + markdown_table(["block", "reference forward s", "sensitivity s", "resident GiB"], per_block) + "\n")
+
+
+def print_streamed(result: StreamedResult) -> int:
+    """What a finished streamed tune prints."""
+    for key, sqnr in result.verified.items():
+        mark = "  <- chosen" if key == result.chosen else ""
+        print(f"{key:>28}: estimated {result.predicted_ms[key]:.3f} ms "
+              f"({result.predicted_ms['fp32'] / result.predicted_ms[key]:.2f}x fp32), logits {sqnr:.2f} dB{mark}")
+    if result.chosen == "fp32":
+        print("no plan kept the logits above the floor on the held-out batches: fp32")
+    print(result.policy)
+    names = ("policy.json", "report.md", "profile.json", "streamed.json", "study.db")
+    print(f"outputs: {result.out}/ ({', '.join(n for n in names if (result.out / n).exists())})")
+    return 0

@@ -1,0 +1,172 @@
+"""A Llama-3-8B-shaped checkpoint planned one block at a time on this machine (issue 44).
+
+    python benchmarks/stream_8b.py [--layers 32] [--json benchmarks/results/stream_8b.json] [--keep DIR]
+
+Writes a checkpoint of Llama-3-8B's shape (hidden 4096, MLP 14336, GQA 32/8 heads, vocabulary 128256; ``--layers``
+decoder blocks, 32 for the whole model) with seeded random bf16 weights as safetensors shards (one per block, and
+the embeddings and the head), a model.py naming it, and runs
+
+    autoprec tune model.py --target h100 --precisions bf16,fp8-rowwise --stream always
+
+in a fresh process: its wall time, its peak resident memory (the child's ru_maxrss), and each block's seconds and
+resident memory as the tune saved them (streamed.json). From the measured per-block figures it projects the whole
+8B (32 blocks) and a 70B (80 blocks of hidden 8192, MLP 28672, GQA 64/8) on this machine, each block scaled by its
+parameters (projections, labelled so). A projection onto one and eight H100s is not written yet.
+
+Goals (issue 44): peak resident memory <= 6 GB, wall time <= 45 min for the 32-block model. Writing 32 blocks is
+16 GB of shards and the tune takes most of an hour on 2 shared cores: ``--layers 2`` at full width is the run that
+fits beside other work, and the 32-block run is left for a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "vocab_size": 128256, "layers": 32}
+LLAMA_70B = {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8,
+             "vocab_size": 128256, "layers": 80}
+TOKENS, BATCHES = 64, 3  # per batch (one sample); the last batch is held out to verify
+
+
+def block_params(shape: dict) -> int:
+    h, i, heads, kv = shape["hidden_size"], shape["intermediate_size"], shape["num_attention_heads"], \
+        shape["num_key_value_heads"]
+    head_dim = h // heads
+    return h * h * 2 + 2 * h * kv * head_dim + 3 * h * i + 2 * h
+
+
+def write_checkpoint(folder: Path, layers: int) -> None:
+    """Seeded random bf16 weights of the 8B's shape, one shard per block (and one for the embeddings and head)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    shape = {k: v for k, v in LLAMA_8B.items() if k != "layers"}
+    config = LlamaConfig(**shape, num_hidden_layers=layers, max_position_embeddings=8192, rope_theta=500000.0,
+                         tie_word_embeddings=False, use_cache=False, torch_dtype="bfloat16")
+    config.architectures = ["LlamaForCausalLM"]
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    g = torch.Generator().manual_seed(0)
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    kv = shape["num_key_value_heads"] * h // shape["num_attention_heads"]
+
+    def normal(*size: int) -> torch.Tensor:
+        return (torch.randn(*size, generator=g) * 0.02).to(torch.bfloat16)
+
+    weight_map, shards = {}, layers + 2
+    outer = {"model.embed_tokens.weight": normal(shape["vocab_size"], h),
+             "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    pieces = [outer]
+    for n in range(layers):
+        p = f"model.layers.{n}."
+        pieces.append({p + "self_attn.q_proj.weight": normal(h, h), p + "self_attn.k_proj.weight": normal(kv, h),
+                       p + "self_attn.v_proj.weight": normal(kv, h), p + "self_attn.o_proj.weight": normal(h, h),
+                       p + "mlp.gate_proj.weight": normal(i, h), p + "mlp.up_proj.weight": normal(i, h),
+                       p + "mlp.down_proj.weight": normal(h, i),
+                       p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                       p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)})
+    pieces.append({"lm_head.weight": normal(shape["vocab_size"], h)})
+    for k, tensors in enumerate(pieces):
+        name = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        save_file(tensors, str(folder / name), metadata={"format": "pt"})
+        weight_map.update({t: name for t in tensors})
+        del tensors
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+MODEL_PY = '''import torch
+
+MODEL_DIR = {folder!r}
+
+
+def get_model():  # the in-memory path only; a streamed tune never calls it
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(MODEL_DIR, local_files_only=True).eval()
+
+
+def get_batches():
+    g = torch.Generator().manual_seed(0)
+    return [{{"input_ids": torch.randint(0, 128256, (1, {tokens}), generator=g)}} for _ in range({batches})]
+'''
+
+
+def run(layers: int, work: Path) -> dict:
+    folder = work / "ckpt"
+    start = time.perf_counter()
+    write_checkpoint(folder, layers)
+    written = time.perf_counter() - start
+    model_py = work / "model.py"
+    model_py.write_text(MODEL_PY.format(folder=str(folder), tokens=TOKENS, batches=BATCHES))
+    out = work / "run"
+    command = [sys.executable, "-m", "autoprec", "tune", str(model_py), "--target", "h100", "--precisions",
+               "bf16,fp8-rowwise", "--stream", "always", "--trials", "30", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    start = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode:
+        raise SystemExit(f"the tune failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    streamed = json.loads((out / "streamed.json").read_text())
+    return {"layers": layers, "checkpoint_gb": sum(f.stat().st_size for f in folder.iterdir()) / 1e9,
+            "write_s": round(written, 1), "wall_s": round(wall, 1), "peak_rss_gb": round(peak / 1e9, 3),
+            "first_lines": done.stderr.splitlines()[:3], "stdout": done.stdout.splitlines()[:8], **streamed}
+
+
+def project(measured: dict) -> dict:
+    """The whole 8B and a 70B from the measured per-block seconds: blocks scale by their FLOPs (a block's work is
+    its GEMMs on the same tokens), the rest (embeddings, head, search, verification's head) is measured once."""
+    blocks = measured["blocks"]
+    per_block = sum(b.get("forward_s", 0) + b.get("profile_s", 0) for b in blocks) / len(blocks)
+    fixed = max(0.0, measured["seconds"]["profile"] - per_block * len(blocks))
+    verify_per_block = measured["seconds"]["verify"] / (len(blocks) + 1)
+    out = {}
+    for name, shape in (("8B", LLAMA_8B), ("70B", LLAMA_70B)):
+        scale = block_params(shape) / block_params(LLAMA_8B)
+        vocab_scale = shape["hidden_size"] / LLAMA_8B["hidden_size"]
+        seconds = shape["layers"] * (per_block + verify_per_block) * scale + fixed * vocab_scale \
+            + measured["seconds"]["search"]
+        out[name] = {"this_machine_min": round(seconds / 60, 1), "blocks": shape["layers"],
+                     "block_params_m": round(block_params(shape) / 1e6, 1)}
+    out["note"] = ("projected from the per-block seconds measured here (2 shared CPU cores), each block scaled by "
+                   "its parameters (its GEMMs on the same tokens); not measured at those depths")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=2, help="decoder blocks (32: the whole 8B; default 2)")
+    parser.add_argument("--json", type=Path, help="write the results here (benchmarks/results/stream_8b.json)")
+    parser.add_argument("--keep", type=Path, help="work in this folder and keep it (default: a temporary one)")
+    args = parser.parse_args()
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        measured = run(args.layers, args.keep)
+    else:
+        with tempfile.TemporaryDirectory(prefix="autoprec-8b-") as work:
+            measured = run(args.layers, Path(work))
+    result = {"command": " ".join(["python", "benchmarks/stream_8b.py", f"--layers {args.layers}"]),
+              "shape": LLAMA_8B, "tokens": {"per_batch": TOKENS, "batches": BATCHES}, "measured": measured,
+              "projected": project(measured),
+              "goals": {"peak_rss_gb": 6.0, "wall_min_32_layers": 45.0}}
+    text = stamped_dumps(result, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
