@@ -1,0 +1,144 @@
+"""The vLLM Python for the engine tests at the price of one ``import vllm``.
+
+Each engine check starts the vLLM venv's Python on a script (``autoprec/export/vllm_side.py``, or a test's own);
+most of a small model's check is that interpreter importing vLLM (and torch under it), again for every check.
+Here a server, started once by the vLLM venv's Python, imports vLLM and what the scripts import from it, and then
+forks a fresh child for each script: the child runs it as ``python SCRIPT ARGS`` would (``runpy``, the script's own
+argv, folder, environment, and the caller's stdin, stdout and stderr, passed over the socket as file descriptors);
+its exit status, atexit handlers and an uncaught exception's traceback are the interpreter's. No engine is ever
+built in the server, so each child builds its own from nothing, as a fresh process does.
+
+The caller sees an executable (:func:`start`'s path) that it runs in place of the vLLM Python: a stub that hands
+its command line to the server and exits with the child's status. The real interpreter start is still run by the
+command-line engine test (``test_vllm_judge.py``), which gives ``--vllm-python`` the venv's own Python.
+
+This file imports nothing outside the standard library: the server runs in the vLLM venv, where autoprec and the
+tests' helpers are not installed, and the stub runs with no PYTHONPATH (the check clears it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+__all__ = ["start"]
+
+# What the scripts import from vLLM (vllm_side.py's imports, the MoE test's), imported once by the server.
+WARM = ("torch", "safetensors", "vllm", "vllm.entrypoints.llm", "vllm.platforms", "vllm.config",
+        "vllm.inputs", "vllm.model_executor.models",
+        "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
+        "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",
+        "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe")
+# what the check sets for vLLM (autoprec.export.judge._run_side): read when vLLM is imported, so the server has them
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def start(python: str | Path, folder: Path) -> tuple[Path, subprocess.Popen]:
+    """Start a server under ``python`` (a Python with vLLM) in ``folder``: (the stub to run in its place, the
+    server's process, to kill when done)."""
+    sock = folder / "socket"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    server = subprocess.Popen([str(python), __file__, "--serve", str(sock)], env={**env, **ENV},
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    said = []  # vLLM logs to stdout as it is imported: every line up to "ready"
+    for line in server.stdout:
+        if line.strip() == "ready":
+            break
+        said.append(line)
+    else:
+        server.kill()
+        raise RuntimeError(f"the vLLM server did not start under {python}: {''.join(said[-5:])}")
+    stub = folder / "python"
+    stub.write_text(f"#!/bin/sh\nexec {sys.executable} -S {Path(__file__).resolve()} --client {sock} \"$@\"\n")
+    stub.chmod(0o755)
+    return stub, server
+
+
+# ---- the stub ----------------------------------------------------------------------------------------------------
+def _client(sock: str, argv: list[str]) -> int:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(sock)
+        request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode() + b"\n"
+        socket.send_fds(conn, [request], [0, 1, 2])
+        said = conn.makefile().readline().strip()
+    # a child that died without an exit status (killed, or a crash) answers nothing
+    return int(said) if said else 1
+
+
+# ---- the server and its children ---------------------------------------------------------------------------------
+def _serve(path: str) -> None:
+    import gc
+    import importlib
+
+    for name in WARM:
+        importlib.import_module(name)
+    gc.collect()
+    gc.freeze()  # shared by every child's copy-on-write pages, and never walked by their collections
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the children reap themselves
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(8)
+    print("ready", flush=True)
+    log = os.open(f"{path}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1), os.dup2(log, 2)  # nobody reads the pipe any more: whatever the server says goes to a file
+    while True:
+        conn, _ = listener.accept()
+        if os.fork() == 0:
+            listener.close()
+            _child(conn)  # never returns
+        conn.close()
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    while not data.endswith(b"\n"):
+        data += conn.recv(1 << 20)
+    return json.loads(data), list(fds)
+
+
+def _child(conn: socket.socket) -> None:
+    import atexit
+    import runpy
+    import threading
+    import traceback
+
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the script's own subprocesses are waited for
+    request, fds = _receive(conn)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    for fd, given in zip((0, 1, 2), fds):
+        os.dup2(given, fd)
+        os.close(given)
+    script, *args = request["argv"]
+    sys.argv = [script, *args]
+    sys.path[0] = str(Path(script).resolve().parent)  # as `python SCRIPT` puts the script's folder first
+    code = 1
+    try:
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
+        traceback.print_exc()
+    threading._shutdown()  # the interpreter's exit: non-daemon threads, then atexit
+    atexit._run_exitfuncs()
+    sys.stdout.flush(), sys.stderr.flush()
+    conn.sendall(f"{code}\n".encode())
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--serve":
+        _serve(sys.argv[2])
+    else:  # --client SOCKET ARGS...
+        sys.exit(_client(sys.argv[2], sys.argv[3:]))
