@@ -114,10 +114,10 @@ PEAK_MODELS = {"llama": "export_models.tiny_llama(layers=8, hidden=512, mlp=1536
 @pytest.fixture(scope="module")
 def export_peaks(tmp_path_factory) -> dict[tuple[str, str], subprocess.CompletedProcess]:
     """(kind, precision) -> the finished PEAK_SCRIPT of that case: each in a fresh process (what it measures is
-    that process's own resident size), all started at once: each is mostly one thread (its imports, then one
-    tensor at a time), so that two cores run them side by side; a neighbour's load changes no process's resident
-    size."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**16)}
+    that process's own resident size), all started at once, each on one thread: what is measured is what one
+    tensor at a time holds, and torch's OpenMP threads, two per process, would slow down badly with three processes
+    on two cores; a neighbour's load changes no process's resident size."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**16), "OMP_NUM_THREADS": "1"}
     started = {}
     for kind, precision, _ in SHARD_CASES:
         out = tmp_path_factory.mktemp(f"export-peak-{kind}-{precision}") / "out"
