@@ -26,7 +26,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["import_and_freeze", "run", "stop_servers"]
+__all__ = ["import_and_freeze", "run", "run_as_main", "stop_servers"]
 
 _SERVERS: dict[frozenset, _Server] = {}
 # set anew for every test and read by nothing at an interpreter's start: one server serves every value
@@ -148,7 +148,6 @@ def _serve(path: str) -> None:
 
 def _child(conn: socket.socket) -> None:
     import runpy
-    import traceback
 
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the command's own subprocesses are waited for
     request = json.loads(conn.makefile().readline())
@@ -161,9 +160,18 @@ def _child(conn: socket.socket) -> None:
         os.dup2(os.open(name, flags, 0o644), fd)
     sys.argv = ["autoprec", *request["args"]]
     sys.path[0] = os.getcwd()  # as `python -m` puts the folder it started in first
+    run_as_main(conn, lambda: runpy.run_module("autoprec", run_name="__main__", alter_sys=True))
+
+
+def run_as_main(conn: socket.socket, main) -> None:
+    """Run ``main()`` as the interpreter runs ``__main__``, send its exit status on ``conn`` and end this process as
+    the interpreter would (the status from SystemExit, an uncaught exception's traceback, non-daemon threads joined,
+    atexit handlers run). Never returns. Also tests/export/vllm_warm.py's, for the scripts vLLM runs."""
+    import traceback
+
     code = 1
     try:
-        runpy.run_module("autoprec", run_name="__main__", alter_sys=True)
+        main()
         code = 0
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):

@@ -12,8 +12,9 @@ The caller sees an executable (:func:`start`'s path) that it runs in place of th
 its command line to the server and exits with the child's status. The real interpreter start is still run by the
 command-line engine test (``test_vllm_judge.py``), which gives ``--vllm-python`` the venv's own Python.
 
-This file imports nothing outside the standard library: the server runs in the vLLM venv, where autoprec and the
-tests' helpers are not installed, and the stub runs with no PYTHONPATH (the check clears it).
+This file imports nothing outside the standard library but tests/cli_runner.py (whose children end as this one's
+do, and which imports only the standard library): the server runs in the vLLM venv, where autoprec is not
+installed, and the stub runs with no PYTHONPATH (the check clears it).
 """
 
 from __future__ import annotations
@@ -111,10 +112,12 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
 
 
 def _child(conn: socket.socket) -> None:
-    import atexit
     import runpy
-    import threading
-    import traceback
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: cli_runner, standard library only
+    from cli_runner import run_as_main
+
+    del sys.path[0]
 
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the script's own subprocesses are waited for
     request, fds = _receive(conn)
@@ -127,22 +130,7 @@ def _child(conn: socket.socket) -> None:
     script, *args = request["argv"]
     sys.argv = [script, *args]
     sys.path[0] = str(Path(script).resolve().parent)  # as `python SCRIPT` puts the script's folder first
-    code = 1
-    try:
-        runpy.run_path(script, run_name="__main__")
-        code = 0
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            code = e.code or 0
-        else:
-            print(e.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
-        traceback.print_exc()
-    threading._shutdown()  # the interpreter's exit: non-daemon threads, then atexit
-    atexit._run_exitfuncs()
-    sys.stdout.flush(), sys.stderr.flush()
-    conn.sendall(f"{code}\n".encode())
-    os._exit(code)
+    run_as_main(conn, lambda: runpy.run_path(script, run_name="__main__"))
 
 
 if __name__ == "__main__":
