@@ -74,26 +74,11 @@ def _client(sock: str, argv: list[str]) -> int:
 
 # ---- the server and its children ---------------------------------------------------------------------------------
 def _serve(path: str) -> None:
-    import gc
-    import importlib
+    from cli_runner import import_and_freeze, serve_forks
 
-    for name in WARM:
-        importlib.import_module(name)
-    gc.collect()
-    gc.freeze()  # shared by every child's copy-on-write pages, and never walked by their collections
+    import_and_freeze(WARM)  # frozen: shared by the children's copy-on-write pages, never walked by their collections
     signal.signal(signal.SIGCHLD, _reap)  # waited for, so that their CPU time is counted as the server's
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(8)
-    print("ready", flush=True)
-    log = os.open(f"{path}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(log, 1), os.dup2(log, 2)  # nobody reads the pipe any more: whatever the server says goes to a file
-    while True:
-        conn, _ = listener.accept()
-        if os.fork() == 0:
-            listener.close()
-            _child(conn)  # never returns
-        conn.close()
+    serve_forks(path, _child, log=f"{path}.log")
 
 
 def _reap(_signum, _frame) -> None:
@@ -114,10 +99,7 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
 def _child(conn: socket.socket) -> None:
     import runpy
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: cli_runner, standard library only
     from cli_runner import run_as_main
-
-    del sys.path[0]
 
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the script's own subprocesses are waited for
     request, fds = _receive(conn)
@@ -135,6 +117,7 @@ def _child(conn: socket.socket) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--serve":
+        sys.path[0] = str(Path(__file__).resolve().parents[1])  # tests/, for cli_runner (standard library only)
         _serve(sys.argv[2])
     else:  # --client SOCKET ARGS...
         sys.exit(_client(sys.argv[2], sys.argv[3:]))
