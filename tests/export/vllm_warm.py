@@ -25,7 +25,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 __all__ = ["start"]
