@@ -26,7 +26,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["import_and_freeze", "run", "stop_servers"]
+__all__ = ["import_and_freeze", "run", "run_as_main", "serve_forks", "stop_servers"]
 
 _SERVERS: dict[frozenset, _Server] = {}
 # set anew for every test and read by nothing at an interpreter's start: one server serves every value
@@ -134,21 +134,30 @@ def _serve(path: str) -> None:
 
     import_and_freeze(_WARM)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the children reap themselves
+    serve_forks(path, _child)
+
+
+def serve_forks(path: str, child, log: str | None = None) -> None:
+    """Listen on the Unix socket ``path``, print "ready", then fork a child running ``child(conn)`` (which never
+    returns) for each connection; with ``log``, whatever the server itself says after "ready" goes to that file
+    (nobody reads its pipe any more). Also tests/export/vllm_warm.py's."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(16)
     print("ready", flush=True)
+    if log is not None:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1), os.dup2(fd, 2)
     while True:
         conn, _ = listener.accept()
         if os.fork() == 0:
             listener.close()
-            _child(conn)  # never returns
+            child(conn)  # never returns
         conn.close()
 
 
 def _child(conn: socket.socket) -> None:
     import runpy
-    import traceback
 
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the command's own subprocesses are waited for
     request = json.loads(conn.makefile().readline())
@@ -161,9 +170,18 @@ def _child(conn: socket.socket) -> None:
         os.dup2(os.open(name, flags, 0o644), fd)
     sys.argv = ["autoprec", *request["args"]]
     sys.path[0] = os.getcwd()  # as `python -m` puts the folder it started in first
+    run_as_main(conn, lambda: runpy.run_module("autoprec", run_name="__main__", alter_sys=True))
+
+
+def run_as_main(conn: socket.socket, main) -> None:
+    """Run ``main()`` as the interpreter runs ``__main__``, send its exit status on ``conn`` and end this process as
+    the interpreter would (the status from SystemExit, an uncaught exception's traceback, non-daemon threads joined,
+    atexit handlers run). Never returns. Also tests/export/vllm_warm.py's, for the scripts vLLM runs."""
+    import traceback
+
     code = 1
     try:
-        runpy.run_module("autoprec", run_name="__main__", alter_sys=True)
+        main()
         code = 0
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):

@@ -307,7 +307,7 @@ def tune_until_mid_trial(cli_models: Path, folder: Path, complete: int) -> subpr
     return process
 
 
-def test_a_killed_tune_resumes_without_losing_or_repeating_trials(cli_models, tmp_path, study_trials):
+def test_a_killed_tune_resumes_without_losing_or_repeating_trials(cli_models, tmp_path, study_trials, autoprec):
     import optuna
 
     State = optuna.trial.TrialState
@@ -320,8 +320,8 @@ def test_a_killed_tune_resumes_without_losing_or_repeating_trials(cli_models, tm
     running = [n for n, t in before.items() if t.state == State.RUNNING]
     assert len(done_before) >= 3 and len(running) == 1, {n: t.state for n, t in before.items()}
 
-    second = subprocess.run(tune_command(cli_models, tmp_path / "out"), capture_output=True, text=True, timeout=180,
-                            check=False)
+    # the same command again (a fresh process forked from one that imported the CLI: the killed one was a real start)
+    second = autoprec(*tune_command(cli_models, tmp_path / "out")[len(AUTOPREC):], timeout=180)
     assert second.returncode == 0, second.stderr
     assert "reusing the profile" in second.stderr
     after = study_trials(storage)

@@ -15,13 +15,12 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-AUTOPREC = [sys.executable, "-m", "autoprec"]
 TRIALS = 12  # --trials of each worker: the most trials in the shared study
 # Latency from a GPU's cost model, so bf16 pays off and the workers search on every CPU (timed here, a CPU whose
 # bf16 is slower than fp32 ends each tune at fp32 with no trial); each trial's metric is still measured here.
@@ -86,32 +85,25 @@ def postgres_url():
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def log_file(out: Path, stream: str) -> Path:
-    return out.with_name(f"{out.name}-{stream}.txt")
-
-
-def tune_worker(cli_models: Path, out: Path, *options: str) -> subprocess.Popen:
-    """Start one `autoprec tune` of slow_cancel.py writing into ``out``; its stdout and stderr go to files beside
-    it (``out`` holds only autoprec's own outputs: it refuses a folder with files of anyone else's)."""
-    with log_file(out, "stdout").open("w") as stdout, log_file(out, "stderr").open("w") as stderr:
-        return subprocess.Popen([*AUTOPREC, "tune", str(cli_models / "slow_cancel.py"), "--out", str(out),
-                                 "--precisions", "bf16", *PLANNED, *options], stdout=stdout, stderr=stderr)
-
-
 @pytest.fixture(scope="module")
 def two_workers(postgres_url, cli_models, tmp_path_factory, autoprec, study_trials):
-    """Two tunes run at once on one study in PostgreSQL: their output folders and the study's trials."""
+    """Two tunes run at once on one study in PostgreSQL: their output folders and the study's trials. Each is a
+    process of its own (forked from one that imported the CLI, tests/cli_runner.py), both started together."""
 
     folders = [tmp_path_factory.mktemp("worker0"), tmp_path_factory.mktemp("worker1")]
     # Each worker profiles on its own, and both find an empty database: the real way to start workers
     # (their search units may differ through timing noise; Optuna's tables are created by whichever wins).
     options = ("--storage", postgres_url, "--study-name", "shared", "--trials", str(TRIALS))
-    workers = [tune_worker(cli_models, out, *options) for out in folders]
-    for worker, out in zip(workers, folders, strict=True):
-        status = worker.wait(timeout=240)
-        stderr = log_file(out, "stderr").read_text()
-        assert status == 0, stderr[-3000:]
-        assert "Traceback" not in stderr
+
+    def tune_worker(out: Path) -> subprocess.CompletedProcess:
+        return autoprec("tune", cli_models / "slow_cancel.py", "--out", out, "--precisions", "bf16", *PLANNED,
+                        *options, timeout=240)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        workers = list(pool.map(tune_worker, folders))
+    for worker in workers:
+        assert worker.returncode == 0, worker.stderr[-3000:]
+        assert "Traceback" not in worker.stderr
     return folders, study_trials(postgres_url)
 
 

@@ -106,10 +106,35 @@ PEAK_SCRIPT = textwrap.dedent('''
 ''')
 
 
+SHARD_CASES = [("llama", "bf16", 0.2), ("llama", "fp8-rowwise", 0.2), ("mixtral", "fp8-rowwise", 0.25)]
+PEAK_MODELS = {"llama": "export_models.tiny_llama(layers=8, hidden=512, mlp=1536, vocab=4096)",
+               "mixtral": "export_models.tiny_moe('mixtral', layers=8, hidden=256, experts=8, vocab=4096)"}
+
+
+@pytest.fixture(scope="module")
+def export_peaks(tmp_path_factory) -> dict[tuple[str, str], subprocess.CompletedProcess]:
+    """(kind, precision) -> the finished PEAK_SCRIPT of that case: each in a fresh process (what it measures is
+    that process's own resident size), all started at once, each on one thread: what is measured is what one
+    tensor at a time holds, and torch's OpenMP threads, two per process, would slow down badly with three processes
+    on two cores; a neighbour's load changes no process's resident size."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**16), "OMP_NUM_THREADS": "1"}
+    started = {}
+    for kind, precision, _ in SHARD_CASES:
+        out = tmp_path_factory.mktemp(f"export-peak-{kind}-{precision}") / "out"
+        script = PEAK_SCRIPT.format(tests=str(TESTS), precision=precision, out=str(out), shard=8 * 2**20,
+                                    model=PEAK_MODELS[kind])
+        started[kind, precision] = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                                    stderr=subprocess.PIPE, text=True, env=env)
+    done = {}
+    for case, process in started.items():
+        stdout, stderr = process.communicate(timeout=300)
+        done[case] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return done
+
+
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident size from /proc (Linux)")
-@pytest.mark.parametrize(("kind", "precision", "bound"), [("llama", "bf16", 0.2), ("llama", "fp8-rowwise", 0.2),
-                                                          ("mixtral", "fp8-rowwise", 0.25)])
-def test_an_export_holds_one_shard_beside_the_model_never_a_second_copy(tmp_path, kind, precision, bound):
+@pytest.mark.parametrize(("kind", "precision", "bound"), SHARD_CASES)
+def test_an_export_holds_one_shard_beside_the_model_never_a_second_copy(export_peaks, kind, precision, bound):
     """A 117 MB fp32 Llama, written in 8 MiB shards: what the export adds to the process's resident memory stays
     below a bf16 copy of it (0.5x) or an FP8 one (about 0.28x, its bf16 head included); measured 0.09x for a bf16
     plan, 0.18x for fp8-rowwise (compressed-tensors' compressor holds a few fp32 temporaries of the weight it
@@ -120,14 +145,7 @@ def test_an_export_holds_one_shard_beside_the_model_never_a_second_copy(tmp_path
     glibc's malloc raises its mmap threshold each time a large block is freed, and then keeps later blocks of that
     size in its heap once freed, resident though free (0.35x here): a fixed threshold makes the resident size
     what is held."""
-    shard = 8 * 2**20
-    model = {"llama": "export_models.tiny_llama(layers=8, hidden=512, mlp=1536, vocab=4096)",
-             "mixtral": "export_models.tiny_moe('mixtral', layers=8, hidden=256, experts=8, vocab=4096)"}[kind]
-    script = PEAK_SCRIPT.format(tests=str(TESTS), precision=precision, out=str(tmp_path / "out"), shard=shard,
-                                model=model)
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**16)}
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False,
-                         env=env)
+    run = export_peaks[kind, precision]
     assert run.returncode == 0, run.stderr[-2000:]
     measured = json.loads(run.stdout.strip().splitlines()[-1])
     assert measured["model_bytes"] > 100 * 2**20

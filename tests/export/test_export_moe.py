@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from export_models import MOE_KINDS, perplexity, tiny_moe, token_batch
-from vllm_engine import VLLM, needs_vllm
+from vllm_engine import needs_vllm
 
 from autoprec.export import ExportRefused, engine_schemes, export_checkpoint, plan_export, served_model
 from autoprec.export.quantize import ServedExperts
@@ -300,13 +300,13 @@ VLLM_SCRIPT = textwrap.dedent('''
 @pytest.mark.vllm
 @pytest.mark.slow
 @needs_vllm
-def test_vllm_builds_fp8_moe_layers_loads_every_expert_and_scores_as_the_emulation(tmp_path):
+def test_vllm_builds_fp8_moe_layers_loads_every_expert_and_scores_as_the_emulation(tmp_path, vllm_python):
     """A Mixtral (hidden 128: vLLM's CPU attention needs head dim >= 32) with its experts and attention in
     fp8-rowwise: vLLM builds each FusedMoE with CompressedTensorsW8A8Fp8MoEMethod and each attention linear with
     CompressedTensorsW8A8Fp8; the w13 it loads is each expert's w1 over its w3 (and their scales), w2 its w2, as
     the file holds them; its prompt logprobs (experts as its CPU runs FP8 MoE: dequantized weights, bf16 inputs)
     are the emulation's (the same, for the experts) within bf16 rounding but where rounding reroutes a token."""
-    python = str(VLLM)
+    python = str(vllm_python)
     model = tiny_moe("mixtral", hidden=128, heads=2)
     plan = plan_export(model, PLAN)
     folder, out = tmp_path / "served", tmp_path / "vllm"

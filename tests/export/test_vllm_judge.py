@@ -4,7 +4,8 @@ scheme each layer it builds runs and what logprobs it gives; the check holds bot
 Run against the engine where a Python with vLLM is found (the check's lookup: $AUTOPREC_VLLM_PYTHON, else a
 finished .venv-vllm); skipped with the reason otherwise. .ci/run builds .venv-vllm and runs them (`-m vllm`).
 Each engine check takes tens of seconds on a CPU (vLLM imports, loads the folder and a plain bf16 one), so there
-are few.
+are few; they run vLLM as a fresh process forked from one that imported it once (the ``vllm_python`` fixture,
+tests/export/vllm_warm.py), but for the command-line one, which starts the vLLM venv's own interpreter.
 """
 
 from __future__ import annotations
@@ -122,9 +123,9 @@ def test_without_vllm_it_says_how_to_install_it(tmp_path):
 
 @pytest.mark.vllm
 @needs_vllm
-def test_vllm_serves_a_mixed_fp8_plan_layer_for_layer_within_bf16_rounding(tmp_path):
+def test_vllm_serves_a_mixed_fp8_plan_layer_for_layer_within_bf16_rounding(tmp_path, vllm_python):
     out, model_py, policy_path = export(tmp_path, MIXED, "mixed")
-    verdict = judge_export(out, model_py, policy=policy_path, vllm_python=VLLM)
+    verdict = judge_export(out, model_py, policy=policy_path, vllm_python=vllm_python)
     assert verdict.ok, verdict.problems
     assert verdict.layers == MIXED_SCHEMES
     f = verdict.figures
@@ -135,9 +136,9 @@ def test_vllm_serves_a_mixed_fp8_plan_layer_for_layer_within_bf16_rounding(tmp_p
 
 @pytest.mark.vllm
 @needs_vllm
-def test_a_plain_plan_is_served_unquantized_everywhere(tmp_path):
+def test_a_plain_plan_is_served_unquantized_everywhere(tmp_path, vllm_python):
     out, model_py, policy_path = export(tmp_path, Policy(default="bf16"), "plain")
-    verdict = judge_export(out, model_py, policy=policy_path, vllm_python=VLLM)
+    verdict = judge_export(out, model_py, policy=policy_path, vllm_python=vllm_python)
     assert verdict.ok, verdict.problems
     assert verdict.layers == {**dict.fromkeys(MIXED_SCHEMES, PLAIN), "lm_head": "UnquantizedEmbeddingMethod"}
 
@@ -164,13 +165,13 @@ def test_a_folder_whose_config_drops_a_planned_fp8_layer_fails_naming_it(tmp_pat
 
 @pytest.mark.vllm
 @needs_vllm
-def test_weights_that_are_not_the_plans_fail_on_logprobs(tmp_path):
+def test_weights_that_are_not_the_plans_fail_on_logprobs(tmp_path, vllm_python):
     """Every scheme as planned, but one FP8 layer's weight scales doubled in the file: only the logprobs can tell."""
     out, model_py, policy_path = export(tmp_path, MIXED, "mixed")
     tensors = safetensors.load_file(str(out / "model.safetensors"))
     tensors["model.layers.1.mlp.up_proj.weight_scale"] = tensors["model.layers.1.mlp.up_proj.weight_scale"] * 2
     safetensors.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    verdict = judge_export(out, model_py, policy=policy_path, vllm_python=VLLM)
+    verdict = judge_export(out, model_py, policy=policy_path, vllm_python=vllm_python)
     assert verdict.layers == MIXED_SCHEMES  # vLLM's schemes are the plan's ...
     assert len(verdict.problems) == 1 and "vLLM's logprobs are" in verdict.problems[0]  # ... its arithmetic is not
     assert verdict.figures["mean"] > verdict.figures["margin"] * verdict.figures["bf16_mean"]
@@ -178,14 +179,14 @@ def test_weights_that_are_not_the_plans_fail_on_logprobs(tmp_path):
 
 @pytest.mark.vllm
 @needs_vllm
-def test_schemes_the_cpu_build_cannot_run_are_said_and_still_mapped_layer_for_layer(tmp_path):
+def test_schemes_the_cpu_build_cannot_run_are_said_and_still_mapped_layer_for_layer(tmp_path, vllm_python):
     """Per-tensor FP8 and NVFP4 do not run on vLLM's CPU build: the check says so, and holds vLLM's config parsing
     and scheme lookup for every layer to the plan (without loading a weight)."""
     policy = Policy(layers={r"re:model\.layers\.0\.self_attn\.[qkv]_proj": "fp8",
                             r"re:model\.layers\.1\.mlp\.(gate|up)_proj": "nvfp4",
                             "model.layers.1.mlp.down_proj": "fp8-rowwise"}, default="bf16")
     out, model_py, policy_path = export(tmp_path, policy, "mixed")
-    verdict = judge_export(out, model_py, policy=policy_path, vllm_python=VLLM)
+    verdict = judge_export(out, model_py, policy=policy_path, vllm_python=vllm_python)
     if not verdict.scored:  # a platform that runs them (a GPU) scores the logprobs as for the other plans
         assert "cannot run per-tensor FP8" in verdict.lines[0] and "checked its config parsing" in verdict.lines[0]
     assert verdict.ok, verdict.problems
@@ -216,7 +217,7 @@ MOE = "model.layers.{}.block_sparse_moe.experts"
 
 @pytest.mark.vllm
 @needs_vllm
-def test_a_moe_is_judged_layer_for_layer(tmp_path):
+def test_a_moe_is_judged_layer_for_layer(tmp_path, vllm_python):
     """Experts in FP8: vLLM maps each MoE layer (by its expert 0's projections) to FP8, not run on a CPU (its FP8
     MoE needs 128-blocked weights); experts unquantized beside FP8 attention: loaded, each RoutedExperts
     unquantized, the logprobs within the bound."""
@@ -228,7 +229,7 @@ def test_a_moe_is_judged_layer_for_layer(tmp_path):
         Policy(layers=layers, default="bf16").save(policy_path)
         out = tmp_path / name
         export_model_py(model_py, TunedRun(Policy.load(policy_path), None, policy_path), out)
-        verdict = judge_export(out, model_py, policy=policy_path, vllm_python=VLLM)
+        verdict = judge_export(out, model_py, policy=policy_path, vllm_python=vllm_python)
         assert verdict.ok, verdict.problems
         if name == "experts":
             assert {verdict.layers[MOE.format(n)] for n in range(2)} == {FP8}
