@@ -6,7 +6,9 @@ keeps only to quote the last line of an error.
 
 The request: ``{"folder": FOLDER, "reference": FOLDER or null, "prompts": [[token ids], ...], "cannot_run":
 {platform: {config group name: why}}, "cannot_run_experts": likewise, for a group holding MoE experts}`` (a
-folder holding such a group on that platform is mapped, not loaded).
+folder holding such a group on that platform is mapped, not loaded), and optionally ``"full_logprobs": FILE.npy``:
+the folder's whole next-token distribution at every scored position is written there (what a benchmark computes
+a KL divergence from; ``benchmarks/serving.py``).
 The result holds, for the folder:
 
 - ``mapping``: what vLLM's compressed-tensors config (``CompressedTensorsConfig.from_config``) gives each layer
@@ -36,7 +38,8 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-EXPERT = re.compile(r"(?P<moe>.*\.experts)\.\d+\.[^.]+$")
+# autoprec.runtime.served.EXPERT, copied: this script imports nothing of autoprec (a test holds the two equal)
+EXPERT = re.compile(r"(?P<moe>.*\.experts)\.(?P<index>\d+)\.(?P<proj>[^.]+)$")
 
 
 def one_line(error: BaseException) -> str:
@@ -177,24 +180,42 @@ def engine_layers(model) -> dict:
     return out
 
 
-def score(folder: Path, prompts: list[list[int]]) -> dict:
-    """Load ``folder`` in vLLM, read its layers, score ``prompts``."""
+def score(folder: Path, prompts: list[list[int]], full: str | None = None) -> dict:
+    """Load ``folder`` in vLLM, read its layers, score ``prompts``; ``full``: a .npy file for the whole next-token
+    distribution at every scored position (the prompts' positions one after another, float32 (tokens, vocab))."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(folder), dtype="auto", skip_tokenizer_init=True, enforce_eager=True,
-              max_model_len=256, seed=0)
+              max_model_len=256, seed=0, **({"max_logprobs": -1} if full else {}))
     try:
         model_info = llm.apply_model(lambda model: (type(model).__name__, engine_layers(model)))[0]
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=-1 if full else 0, temperature=0.0)
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
         logprobs = []
         for ids, output in zip(prompts, outputs):
             row = output.prompt_logprobs or []
             logprobs.append([float(row[t][ids[t]].logprob) for t in range(1, len(ids))])
+        if full:
+            save_full(full, prompts, outputs)
         return {"architecture": model_info[0], "layers": model_info[1], "logprobs": logprobs}
     finally:
         del llm
         gc.collect()
+
+
+def save_full(path: str, prompts: list[list[int]], outputs) -> None:
+    """Every scored position's log-probability of every token (NaN where vLLM gave none), as one float32 array."""
+    import numpy as np
+
+    rows = []
+    for ids, output in zip(prompts, outputs):
+        for t in range(1, len(ids)):
+            given = output.prompt_logprobs[t]
+            row = np.full(max(given) + 1, np.nan, dtype=np.float32)
+            row[list(given)] = [lp.logprob for lp in given.values()]
+            rows.append(row)
+    width = max(len(r) for r in rows)
+    np.save(path, np.stack([np.pad(r, (0, width - len(r)), constant_values=np.nan) for r in rows]))
 
 
 def main(request_path: str, result_path: str) -> int:
@@ -220,7 +241,7 @@ def main(request_path: str, result_path: str) -> int:
     if cannot:
         entry["not_run"] = cannot[0]
     else:
-        entry.update(load(folder, request["prompts"]))
+        entry.update(load(folder, request["prompts"], request.get("full_logprobs")))
         if "load_error" not in entry and request.get("reference"):  # the same prompts on a plain bf16 export
             result["reference"] = load(Path(request["reference"]), request["prompts"])
     result["seconds"] = round(time.perf_counter() - started, 1)
@@ -228,10 +249,10 @@ def main(request_path: str, result_path: str) -> int:
     return 0
 
 
-def load(folder: Path, prompts: list[list[int]]) -> dict:
+def load(folder: Path, prompts: list[list[int]], full: str | None = None) -> dict:
     started = time.perf_counter()
     try:
-        out = score(folder, prompts)
+        out = score(folder, prompts, full)
     except Exception as e:  # noqa: BLE001 - vLLM's refusal to load the folder is the finding
         traceback.print_exc()
         out = {"load_error": one_line(e)}
