@@ -243,7 +243,7 @@ def served_scores(row: dict, folder: Path, ctx: dict) -> dict:
         return row
     from autoprec.export.judge import vllm_scores
 
-    entry = vllm_scores(folder, ctx["prompts"], ctx["vllm"], full=True)
+    entry = vllm_scores(folder, ctx["prompts"], ctx["vllm"], full=True, dtype="bfloat16")  # as every row is served
     engine = f"vLLM {entry['vllm']} ({entry['platform']})"
     if "full" not in entry:
         why = entry.get("not_run") or f"it does not load there: {entry.get('load_error')}"
@@ -383,6 +383,48 @@ def modelopt_row(bits: float, ctx: dict, folder: Path, of: str = "") -> dict:
         del model
         gc.collect()
     return served_scores({**row, "weight_bytes": weight_bytes(folder)}, folder, ctx)
+
+
+# AutoRound has no preset of compressed-tensors' FP8_DYNAMIC (its FP8_STATIC has a static per-tensor input scale,
+# which vLLM's CPU build cannot run): the same scheme given as its own QuantizationScheme's fields
+AUTOROUND_FP8_DYNAMIC = {"bits": 8, "group_size": -1, "data_type": "fp", "act_bits": 8, "act_group_size": -1,
+                         "act_data_type": "fp", "act_dynamic": True, "act_sym": True}
+FUSED = [["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]]  # what vLLM runs as one GEMM
+
+
+def autoround_row(folder: Path, bits: float, ctx: dict, of: str) -> dict:
+    """AutoRound's AutoScheme (auto-round 0.16): its delta-loss search choosing, per linear, FP8_DYNAMIC (per-channel
+    weights, per-token dynamic inputs: what vLLM serves) or BF16 within ``bits`` average bits, vLLM's fused groups
+    deciding together (``shared_layers``), rounding to nearest (``iters=0``), written in its ``llm_compressor``
+    format (compressed-tensors) and scored as every other checkpoint; ``of``: whose bits they are."""
+    name = f"AutoRound AutoScheme FP8_DYNAMIC/BF16, avg_bits={bits:.2f} ({of})"
+    try:
+        from auto_round import AutoRound, AutoScheme
+        from auto_round.schemes import QuantizationScheme
+    except ImportError as e:
+        return {"plan": name, "skipped": f"not installed ({e}); pip install auto-round==0.16.1"}
+    work: Workload = ctx["work"]
+    if work.tokenizer is None:
+        return {"plan": name, "skipped": "AutoScheme calibrates on text through a tokenizer; this model has none"}
+
+    def quantize() -> Path:
+        data = folder.with_name("autoround-calibration.json")  # the tune's batches, as text (its local dataset)
+        texts = [work.tokenizer.decode(row[mask.bool()].tolist())
+                 for b in work.calibration for row, mask in zip(b["input_ids"], b["attention_mask"])]
+        data.write_text(json.dumps(texts))
+        length = int(work.calibration[0]["attention_mask"].sum(-1).min())
+        common = {"dataset": str(data), "nsamples": len(texts), "seqlen": length}
+        scheme = AutoScheme(avg_bits=bits, options=[QuantizationScheme.from_dict(AUTOROUND_FP8_DYNAMIC), "BF16"],
+                            shared_layers=FUSED, batch_size=4, device_map="cpu", **common)
+        model = work.get_model().to(torch.bfloat16)
+        AutoRound(model, tokenizer=work.tokenizer, scheme=scheme, iters=0, device_map="cpu",
+                  **common).quantize_and_save(str(folder), format="llm_compressor")
+        return next(folder.glob("**/config.json")).parent  # a subfolder named for the model and the scheme
+
+    written, seconds, skipped = peer_attempt(name, ctx, quantize)
+    if skipped:
+        return skipped
+    return exported_row(name, written, seconds, ctx, peer=True)
 
 
 def split_groups(fp8: set[str], names: list[str]) -> list[str]:
@@ -709,8 +751,11 @@ def run_rows(ctx: dict, out: Path, trials: int, peers: set[str]) -> list[dict]:
             floor = tuned["plan"].partition("--min-sqnr")[2].strip()
             rows.append(modelopt_row(tuned["effective_bits"], ctx, out / f"modelopt-{i}",
                                      f"autoprec's plan's, {f'--min-sqnr {floor}' if floor else 'default floor'}"))
-    if "autoround" in peers:
-        rows.append(autoround_row(out / "autoround", ctx))
+    if "autoround" in peers:  # at the bits of each of autoprec's mixed plans, else midway from all-FP8 to bf16
+        budgets = [(r["effective_bits"], "autoprec's plan's") for r in rows
+                   if r.get("tuned") and "skipped" not in r and r["fp8_layers"]]
+        for i, (bits, of) in enumerate(budgets or [((effective_bits(work.skeleton, fp8) + 16) / 2, "midway")]):
+            rows.append(autoround_row(out / f"autoround-{i}", bits, ctx, of))
     if "quark" in peers:
         rows.append(quark_row(out / "quark", ctx))
         rows.append(quark_roofline_row())

@@ -126,17 +126,18 @@ def judge_export(folder: str | Path, model_py: str | Path, policy: str | Path | 
 
 
 def vllm_scores(folder: str | Path, prompts: list[list[int]], vllm_python: str | Path | None = None,
-                full: bool = False) -> dict[str, Any]:
+                full: bool = False, dtype: str = "auto") -> dict[str, Any]:
     """vLLM's own scores of any checkpoint ``folder`` (autoprec's or another tool's) on ``prompts`` (rows of token
     ids), in a fresh process as the check runs it, no plan held to them: the side script's entry for the folder
     (``logprobs`` of each actual next token, ``layers``, ``architecture``; or ``not_run`` / ``load_error``: why
     not), with ``vllm`` and ``platform``; ``full``: also ``full``, every next-token log-probability at every scored
-    position (float32, (scored tokens, vocab), the prompts' positions one after another)."""
+    position (float32, (scored tokens, vocab), the prompts' positions one after another); ``dtype``: what vLLM
+    serves it in (``"auto"``: the checkpoint's own dtype)."""
     python = _vllm_python(vllm_python)
     with tempfile.TemporaryDirectory(prefix="autoprec-vllm-") as tmp:
         npy = Path(tmp) / "full.npy"
         result = _run_side(python, Path(folder).resolve(), None, prompts, Path(tmp),
-                           {"full_logprobs": str(npy)} if full else {})
+                           {"dtype": dtype, **({"full_logprobs": str(npy)} if full else {})})
         entry = dict(result["folder"], vllm=result["vllm"], platform=result["platform"])
         if full and "logprobs" in entry:
             import numpy as np

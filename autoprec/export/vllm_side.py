@@ -8,7 +8,8 @@ The request: ``{"folder": FOLDER, "reference": FOLDER or null, "prompts": [[toke
 {platform: {config group name: why}}, "cannot_run_experts": likewise, for a group holding MoE experts}`` (a
 folder holding such a group on that platform is mapped, not loaded), and optionally ``"full_logprobs": FILE.npy``:
 the folder's whole next-token distribution at every scored position is written there (what a benchmark computes
-a KL divergence from; ``benchmarks/serving.py``).
+a KL divergence from; ``benchmarks/serving.py``), and ``"dtype"``: what vLLM serves it in (default ``"auto"``, the
+checkpoint's own).
 The result holds, for the folder:
 
 - ``mapping``: what vLLM's compressed-tensors config (``CompressedTensorsConfig.from_config``) gives each layer
@@ -180,12 +181,13 @@ def engine_layers(model) -> dict:
     return out
 
 
-def score(folder: Path, prompts: list[list[int]], full: str | None = None) -> dict:
-    """Load ``folder`` in vLLM, read its layers, score ``prompts``; ``full``: a .npy file for the whole next-token
-    distribution at every scored position (the prompts' positions one after another, float32 (tokens, vocab))."""
+def score(folder: Path, prompts: list[list[int]], full: str | None = None, dtype: str = "auto") -> dict:
+    """Load ``folder`` in vLLM (``dtype``: the checkpoint's own, or the one to serve it in), read its layers, score
+    ``prompts``; ``full``: a .npy file for the whole next-token distribution at every scored position (the prompts'
+    positions one after another, float32 (tokens, vocab))."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(folder), dtype="auto", skip_tokenizer_init=True, enforce_eager=True,
+    llm = LLM(model=str(folder), dtype=dtype, skip_tokenizer_init=True, enforce_eager=True,
               max_model_len=256, seed=0, **({"max_logprobs": -1} if full else {}))
     try:
         model_info = llm.apply_model(lambda model: (type(model).__name__, engine_layers(model)))[0]
@@ -241,7 +243,7 @@ def main(request_path: str, result_path: str) -> int:
     if cannot:
         entry["not_run"] = cannot[0]
     else:
-        entry.update(load(folder, request["prompts"], request.get("full_logprobs")))
+        entry.update(load(folder, request["prompts"], request.get("full_logprobs"), request.get("dtype", "auto")))
         if "load_error" not in entry and request.get("reference"):  # the same prompts on a plain bf16 export
             result["reference"] = load(Path(request["reference"]), request["prompts"])
     result["seconds"] = round(time.perf_counter() - started, 1)
@@ -249,10 +251,10 @@ def main(request_path: str, result_path: str) -> int:
     return 0
 
 
-def load(folder: Path, prompts: list[list[int]], full: str | None = None) -> dict:
+def load(folder: Path, prompts: list[list[int]], full: str | None = None, dtype: str = "auto") -> dict:
     started = time.perf_counter()
     try:
-        out = score(folder, prompts, full)
+        out = score(folder, prompts, full, dtype)
     except Exception as e:  # noqa: BLE001 - vLLM's refusal to load the folder is the finding
         traceback.print_exc()
         out = {"load_error": one_line(e)}
