@@ -1,9 +1,11 @@
-"""Serving a plan: every plan exported, reloaded as an engine would load it, and scored in one harness.
+"""Serving a plan: every plan exported, served by vLLM where vLLM runs it, and scored in one harness.
 
     python benchmarks/serving.py [--shape tiny|served] [--trials 12] [--json benchmarks/results/serving.json]
+                                 [--vllm-python PATH | --no-vllm] [--peers llmcompressor,modelopt,autoround,quark]
 
-Run it where the peers are installed (`pip install -e .[serve,peers]`: llm-compressor pins transformers <= 5.17).
-Two models (`--shape`):
+Run it where the peers are installed (`pip install -e .[serve,peers]`: llm-compressor pins transformers <= 5.17;
+then `pip install --no-deps auto-round==0.16.1`, which llm-compressor 0.14.0.1's pin (<= 0.15.1) leaves out), with
+a Python that has vLLM found as `autoprec export --check` finds it. Two models (`--shape`):
 
 - `tiny` (default): benchmarks/llm.py's tiny_llm code at a smaller size (TINY_SETTINGS below: it trains here,
   cached after the first run), scored on held-out documents no tune saw: perplexity, KL per token and the logits'
@@ -13,18 +15,24 @@ Two models (`--shape`):
   parameters on 2 cores), scored by fidelity: KL per token and the logits' SQNR against fp32 on random tokens.
   About 1.8 GB per fp32 copy: the harness holds at most one model beside the one a plan is scored on.
 
-Each plan is written as a checkpoint (compressed-tensors where it quantizes), loaded back with transformers'
-AutoModelForCausalLM on this CPU (which decompresses it), and scored. Plans:
+Each plan is written as a checkpoint, loaded back with transformers' AutoModelForCausalLM on this CPU (the logits'
+SQNR), and served by vLLM in bf16 where vLLM runs it (autoprec.export.judge.vllm_scores, the machinery of
+`autoprec export --check`): its KL per token and perplexity are vLLM's, from its log-probability of every token at
+every scored position. A checkpoint vLLM cannot run here (per-tensor FP8, NVFP4 on its CPU build) keeps the
+reload's scores, and its row says why. Plans:
 
 - fp32, and bf16 everywhere (autoprec export of the blanket policy);
 - autoprec's plan: `autoprec tune model.py --precisions bf16,<fp8> --target h100`, then `autoprec export`;
 - FP8_DYNAMIC on every linear but lm_head, written by `autoprec export` (from the fp32 weights) and by
   llm-compressor (`oneshot` with QuantizationModifier on the bf16 model, as its examples do);
-- ModelOpt's auto_quantize at the effective bits of the FP8_DYNAMIC plan, where it runs on a CPU (its own
-  fake-quantized model: ModelOpt's export is for TensorRT-LLM and GPU engines, not reloaded here);
+- ModelOpt's auto_quantize in FP8_PER_CHANNEL_PER_TOKEN_CFG (fp8-rowwise's format; FP8_DEFAULT_CFG only against a
+  per-tensor fp8 tune) at the effective bits of the FP8_DYNAMIC plan and of autoprec's mixed plans, exported with
+  its export_hf_checkpoint (vLLM's `modelopt` method);
+- AutoRound's AutoScheme: FP8_DYNAMIC or BF16 per linear at an average-bits budget, fused groups shared, written
+  in its llm_compressor format;
 - AMD Quark: its MixedPrecisionPlanner (experimental: weight-MSE sensitivity, a linear program over fp8 / ptpc_fp8 /
   bf16 per fused group at an effective-bits budget, candidates gated on perplexity; the harness tries budgets 8.5 to
-  16 bits and keeps the lowest that passes) on this CPU, exported in Quark's format and reloaded with transformers;
+  16 bits and keeps the lowest that passes) on this CPU, exported in Quark's format;
   its roofline-guided MixPrecisionQuantizer needs vLLM on a GPU and is said so.
 
 Columns: the scores, the *estimated* serving time on an H100 and a B200 of the plan each checkpoint holds
@@ -189,12 +197,13 @@ def estimated(work: Workload, policy: Policy) -> dict:
     return out
 
 
-def served_policy(folder: Path, names: list[str]) -> Policy:
+def served_policy(folder: Path, names: list[str], in_bf16: bool = False) -> Policy:
     """The plan a checkpoint holds, as vLLM's matching reads it: each quantized layer fp8-rowwise (weights scaled
-    per channel) or fp8 (per tensor), the rest in the checkpoint's dtype."""
+    per channel) or fp8 (per tensor), the rest in the checkpoint's dtype, or in bf16 where ``in_bf16`` (vLLM
+    serves every row in bf16: a checkpoint written in fp32, AutoRound's, is served, and so estimated, in bf16)."""
     config = json.loads((folder / "config.json").read_text())
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-    default = "fp32" if "float32" in dtype else "bf16"
+    default = "fp32" if "float32" in dtype and not in_bf16 else "bf16"
     quantization = config.get("quantization_config")
     if not quantization:
         return Policy(default=default)
@@ -216,7 +225,7 @@ def exported_row(name: str, folder: Path, seconds: float, ctx: dict, peer: bool 
                  policy: Policy | None = None) -> dict:
     """A checkpoint's row: reloaded by transformers and scored (the logits' SQNR comes from there), then scored as
     vLLM serves it where vLLM runs it (:func:`served_scores`)."""
-    policy = policy or served_policy(folder, ctx["names"])
+    policy = policy or served_policy(folder, ctx["names"], in_bf16=ctx.get("vllm") is not None)
     model = reloaded(folder)
     fp8 = {n for n, p in policy.layers.items() if p.value.startswith("fp8")}
     row = {"plan": name, **scores(model, ctx), "fp8_layers": fp8_count(policy),
