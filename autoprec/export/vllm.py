@@ -26,12 +26,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EXPERT", "LLAMA_PACKED", "EngineLayers", "engine_layers", "engine_schemes"]
+from autoprec.runtime.served import EXPERT
+
+__all__ = ["LLAMA_PACKED", "EngineLayers", "engine_layers", "engine_schemes"]
 
 # Llama's (and Mistral's, Qwen's) packed_modules_mapping in vLLM
 LLAMA_PACKED: dict[str, list[str]] = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
                                       "gate_up_proj": ["gate_proj", "up_proj"]}
-EXPERT = re.compile(r"(?P<moe>.*\.experts)\.(?P<index>\d+)\.(?P<proj>[^.]+)$")
 
 
 @dataclass

@@ -8,7 +8,9 @@ The request: ``{"folder": FOLDER, "reference": FOLDER or null, "prompts": [[toke
 {platform: {config group name: why}}, "cannot_run_experts": likewise, for a group holding MoE experts,
 "kv_skip_layers": [layer index, ...]}`` (a folder holding such a group on that platform is mapped, not loaded; the
 KV cache of the layers ``kv_skip_layers`` names is served in the model's dtype, vLLM's
-``kv_cache_dtype_skip_layers``).
+``kv_cache_dtype_skip_layers``), and optionally ``"full_logprobs": FILE.npy``: the folder's whole next-token
+distribution at every scored position is written there (what a benchmark computes a KL divergence from;
+``benchmarks/serving.py``), and ``"dtype"``: what vLLM serves it in (default ``"auto"``, the checkpoint's own).
 The result holds, for the folder:
 
 - ``mapping``: what vLLM's compressed-tensors config (``CompressedTensorsConfig.from_config``) gives each layer
@@ -40,7 +42,8 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-EXPERT = re.compile(r"(?P<moe>.*\.experts)\.\d+\.[^.]+$")
+# autoprec.runtime.served.EXPERT, copied: this script imports nothing of autoprec (a test holds the two equal)
+EXPERT = re.compile(r"(?P<moe>.*\.experts)\.(?P<index>\d+)\.(?P<proj>[^.]+)$")
 
 
 def one_line(error: BaseException) -> str:
@@ -223,26 +226,46 @@ def engine_layers(model) -> dict:
     return out
 
 
-def score(folder: Path, prompts: list[list[int]], kv_skip: list[int] | None = None) -> dict:
-    """Load ``folder`` in vLLM (its KV cache in the model's dtype on the layers ``kv_skip`` names), read its
-    layers, score ``prompts``."""
+def score(folder: Path, prompts: list[list[int]], kv_skip: list[int] | None = None, full: str | None = None,
+          dtype: str = "auto") -> dict:
+    """Load ``folder`` in vLLM (``dtype``: the checkpoint's own, or the one to serve it in; its KV cache in the
+    model's dtype on the layers ``kv_skip`` names), read its layers, score ``prompts``; ``full``: a .npy file for the
+    whole next-token distribution at every scored position (the prompts' positions one after another, float32
+    (tokens, vocab))."""
     from vllm import LLM, SamplingParams
 
     skip = {"kv_cache_dtype_skip_layers": [str(i) for i in kv_skip]} if kv_skip else {}
-    llm = LLM(model=str(folder), dtype="auto", skip_tokenizer_init=True, enforce_eager=True,
-              max_model_len=256, seed=0, **skip)
+    llm = LLM(model=str(folder), dtype=dtype, skip_tokenizer_init=True, enforce_eager=True,
+              max_model_len=256, seed=0, **skip, **({"max_logprobs": -1} if full else {}))
     try:
         model_info = llm.apply_model(lambda model: (type(model).__name__, engine_layers(model)))[0]
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=-1 if full else 0, temperature=0.0)
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
         logprobs = []
         for ids, output in zip(prompts, outputs):
             row = output.prompt_logprobs or []
             logprobs.append([float(row[t][ids[t]].logprob) for t in range(1, len(ids))])
+        if full:
+            save_full(full, prompts, outputs)
         return {"architecture": model_info[0], "layers": model_info[1], "logprobs": logprobs}
     finally:
         del llm
         gc.collect()
+
+
+def save_full(path: str, prompts: list[list[int]], outputs) -> None:
+    """Every scored position's log-probability of every token (NaN where vLLM gave none), as one float32 array."""
+    import numpy as np
+
+    rows = []
+    for ids, output in zip(prompts, outputs):
+        for t in range(1, len(ids)):
+            given = output.prompt_logprobs[t]
+            row = np.full(max(given) + 1, np.nan, dtype=np.float32)
+            row[list(given)] = [lp.logprob for lp in given.values()]
+            rows.append(row)
+    width = max(len(r) for r in rows)
+    np.save(path, np.stack([np.pad(r, (0, width - len(r)), constant_values=np.nan) for r in rows]))
 
 
 def main(request_path: str, result_path: str) -> int:
@@ -270,7 +293,8 @@ def main(request_path: str, result_path: str) -> int:
     if cannot:
         entry["not_run"] = cannot[0]
     else:
-        entry.update(load(folder, request["prompts"], request.get("kv_skip_layers")))
+        entry.update(load(folder, request["prompts"], kv_skip=request.get("kv_skip_layers"),
+                          full=request.get("full_logprobs"), dtype=request.get("dtype", "auto")))
         if "load_error" not in entry and request.get("reference"):  # the same prompts on a plain bf16 export
             result["reference"] = load(Path(request["reference"]), request["prompts"])
     result["seconds"] = round(time.perf_counter() - started, 1)
@@ -278,10 +302,11 @@ def main(request_path: str, result_path: str) -> int:
     return 0
 
 
-def load(folder: Path, prompts: list[list[int]], kv_skip: list[int] | None = None) -> dict:
+def load(folder: Path, prompts: list[list[int]], **options) -> dict:
+    """:func:`score` (``options``: its keywords), or vLLM's refusal to load ``folder`` in one line; either timed."""
     started = time.perf_counter()
     try:
-        out = score(folder, prompts, kv_skip)
+        out = score(folder, prompts, **options)
     except Exception as e:  # noqa: BLE001 - vLLM's refusal to load the folder is the finding
         traceback.print_exc()
         out = {"load_error": one_line(e)}

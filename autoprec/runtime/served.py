@@ -25,7 +25,7 @@ model in that dtype); a zero scale is replaced by its dtype's eps.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,9 +41,9 @@ from autoprec.runtime.fp8 import E4M3, E4M3_MAX, fp8_dequantize_rows, fp8_per_to
 from autoprec.runtime.policy import Policy, PolicyError
 from autoprec.runtime.precision import Precision
 
-__all__ = ["EngineFP8Linear", "Served", "ServedAs", "cast_stored", "fake_quantize_input", "fp8_served_values",
-           "fused_gemms", "install_served", "output_heads", "quantize_weight", "remove_served",
-           "requantize_with_max_scale", "served_experts", "served_policy", "weight_scale"]
+__all__ = ["EXPERT", "W13", "EngineFP8Linear", "Served", "ServedAs", "cast_stored", "expert_gemms",
+           "fake_quantize_input", "fp8_served_values", "fused_gemms", "install_served", "output_heads",
+           "quantize_weight", "remove_served", "requantize_with_max_scale", "served_experts", "served_policy", "weight_scale"]
 
 
 # ---- the arithmetic ---------------------------------------------------------------------------------------
@@ -120,8 +120,25 @@ class EngineFP8Linear(nn.Module):
 
 
 # ---- the plan, in the engine's terms -------------------------------------------------------------------------
-_EXPERT = re.compile(r"(?P<expert>.*\.experts\.\d+)\.(?P<proj>[^.]+)$")
-_W13 = ("gate_proj", "up_proj", "w1", "w3")  # the two projections an engine runs as one expert GEMM (w13)
+# a MoE layer's expert projection as a checkpoint (and a transformers 4 model) names it: <...>.experts.<i>.<proj>,
+# <proj> gate_proj / up_proj / down_proj (Qwen) or w1 / w3 / w2 (Mixtral). export/vllm_side.py, which runs in vLLM's
+# venv without autoprec, keeps its own copy of this pattern.
+EXPERT = re.compile(r"(?P<moe>.*\.experts)\.(?P<index>\d+)\.(?P<proj>[^.]+)$")
+W13 = ("gate_proj", "up_proj", "w1", "w3")  # the two projections an engine runs as one expert GEMM (its w13)
+
+
+def expert_gemms(names: Iterable[str]) -> list[list[str]]:
+    """MoE expert projections (each named as :data:`EXPERT` matches) as the GEMMs an engine runs: per expert, its
+    gate and up projections together (w13: ``gate_proj`` / ``up_proj`` or ``w1`` / ``w3``), each other one (down,
+    w2) alone; in the order of their first names."""
+    by_key: dict[tuple[str, str, str], list[str]] = {}
+    for name in names:
+        found = EXPERT.match(name)
+        if found is None:
+            raise ValueError(f"{name!r} is not named as a MoE expert's projection (<...>.experts.<i>.<proj>)")
+        proj = "w13" if found["proj"] in W13 else found["proj"]
+        by_key.setdefault((found["moe"], found["index"], proj), []).append(name)
+    return list(by_key.values())
 
 
 def fused_gemms(groups: Mapping[str, Sequence[str]]) -> list[list[str]]:
@@ -129,15 +146,10 @@ def fused_gemms(groups: Mapping[str, Sequence[str]]) -> list[list[str]]:
     layer's experts (one decision) are one GEMM per expert and projection, gate and up together."""
     gemms: list[list[str]] = []
     for members in groups.values():
-        experts = [_EXPERT.match(name) for name in members]
-        if not all(experts):
+        if all(EXPERT.match(name) for name in members):
+            gemms += expert_gemms(members)
+        else:
             gemms.append(list(members))
-            continue
-        by_key: dict[tuple[str, str], list[str]] = {}
-        for name, found in zip(members, experts):
-            proj = "w13" if found["proj"] in _W13 else found["proj"]
-            by_key.setdefault((found["expert"], proj), []).append(name)
-        gemms += list(by_key.values())
     return gemms
 
 

@@ -16,12 +16,13 @@ import torch.nn.functional as F
 from export_models import tiny_llama, token_batch
 
 from autoprec import check_policy_runs
-from autoprec.export import ExportRefused, plan_export, served_model
+from autoprec.export import ExportPlan, ExportRefused, plan_export, served_model, vllm_side
 from autoprec.runtime.apply import apply_policy, remove_policy
 from autoprec.runtime.fp8 import FP8Recipe
 from autoprec.runtime.fp8_linear import FP8Linear
 from autoprec.runtime.policy import Policy, PolicyError
-from autoprec.runtime.served import EngineFP8Linear, fused_gemms
+from autoprec.runtime.precision import Precision
+from autoprec.runtime.served import EXPERT, EngineFP8Linear, fused_gemms
 
 pytest.importorskip("transformers")
 
@@ -182,6 +183,40 @@ def test_keep_fp32_is_refused_where_vllm_would_refuse_the_checkpoint():
         plan_export(model, Policy(layers=dict.fromkeys(GATE_UP, "fp8-rowwise"), default="bf16"), keep_fp32=True)
     # nothing quantized: a plain fp32 checkpoint, which vLLM loads
     assert plan_export(model, Policy(layers={"lm_head": "fp32"}, default="bf16"), keep_fp32=True).dtype == "fp32"
+
+
+class _Expert(torch.nn.Module):
+    """One expert as transformers 4's Mixtral holds it: w1 (gate), w3 (up), w2 (down), each its own linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w3 = torch.nn.Linear(32, 64, bias=False), torch.nn.Linear(32, 64, bias=False)
+        self.w2 = torch.nn.Linear(64, 32, bias=False)
+
+
+def test_per_expert_w1_and_w3_linears_are_requantized_together_in_the_export():
+    """vLLM runs an expert's w1 and w3 as one GEMM (its w13) and requantizes their per-tensor weights to the larger
+    scale; the export's emulation must too (it once grouped gate_proj / up_proj only, so w1 and w3 came out apart)."""
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.block = torch.nn.Module()
+    model.block.experts = torch.nn.ModuleList([_Expert() for _ in range(2)])
+    with torch.no_grad():
+        model.block.experts[0].w3.weight.mul_(300)  # w3's scale far the larger: w1 requantized to it loses
+        # its small values to E4M3's subnormals (a ratio near a power of two would hide in bf16 rounding)
+    names = [f"block.experts.{e}.{p}" for e in range(2) for p in ("w1", "w2", "w3")]
+    served = served_model(model, ExportPlan(dict.fromkeys(names, Precision.FP8), [], "bf16"))
+    expert, original = served.block.experts[0], model.block.experts[0]
+    x = torch.randn(3, 5, 32).to(torch.bfloat16)
+    w13 = _direct_fp8(x, [original.w1.weight.detach(), original.w3.weight.detach()])
+    assert torch.equal(expert.w1(x), w13[0]) and torch.equal(expert.w3(x), w13[1])
+    assert not torch.equal(expert.w1(x), _direct_fp8(x, [original.w1.weight.detach()])[0])  # apart: not vLLM's
+    assert torch.equal(expert.w2(x.new_ones(2, 64)), _direct_fp8(x.new_ones(2, 64), [original.w2.weight.detach()])[0])
+
+
+def test_the_vllm_side_script_names_experts_as_the_runtime_does():
+    """vllm_side.py runs without autoprec, so it holds its own copy of the expert pattern: the same one."""
+    assert vllm_side.EXPERT.pattern == EXPERT.pattern
 
 
 def test_the_engine_key_round_trips_and_old_files_load_unchanged(tmp_path):

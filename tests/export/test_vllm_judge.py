@@ -196,6 +196,42 @@ def test_schemes_the_cpu_build_cannot_run_are_said_and_still_mapped_layer_for_la
     assert verdict.layers["model.layers.0.mlp.gate_up_proj"] in (PLAIN, "unquantized")
 
 
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_scores_any_folder_with_its_whole_next_token_distribution(tmp_path):
+    """What benchmarks/serving.py scores peers' checkpoints with: vLLM's log-probability of every token at every
+    scored position. Each position's distribution sums to one, holds the actual token's logprob as the check reads
+    it, and lies nearer the in-process plan than the plan lies to fp32 (the scores measure the plan, not vLLM)."""
+    import torch
+
+    from autoprec.export import plan_export, served_model
+    from autoprec.export.judge import vllm_scores
+
+    out, _, _ = export(tmp_path, MIXED, "mixed")
+    spec: dict = {}
+    exec(MODEL_PY, spec)
+    model, prompts = spec["get_model"](), [row.tolist() for row in spec["get_batches"]()[-1]]
+    entry = vllm_scores(out, prompts, VLLM, full=True)
+    full = entry["full"].double()
+    assert full.shape == (sum(len(p) - 1 for p in prompts), 256) and not full.isnan().any()
+    assert torch.allclose(full.logsumexp(-1), torch.zeros(len(full), dtype=torch.float64), atol=1e-3)
+    actual = torch.cat([torch.tensor(p[1:]) for p in prompts])
+    assert torch.equal(full.gather(-1, actual[:, None])[:, 0].float(),
+                       torch.tensor([x for row in entry["logprobs"] for x in row]))
+
+    def distributions(m: torch.nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([m(input_ids=torch.tensor([ids])).logits[0, :-1].double().log_softmax(-1)
+                              for ids in prompts])
+
+    fp32, plan = distributions(model), distributions(served_model(model, plan_export(model, MIXED)))
+
+    def kl(p: torch.Tensor, q: torch.Tensor) -> float:
+        return float((p.exp() * (p - q)).sum(-1).mean())
+
+    assert 0 < kl(plan, full) < kl(fp32, plan)
+
+
 MOE_PY = '''"""A small Mixtral (random weights, seeded): 4 experts, head_dim 64."""
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM
