@@ -44,7 +44,7 @@ from autoprec.runtime import served
 from autoprec.runtime.experts import FP8Experts
 from autoprec.runtime.mx import nvfp4_dequantize, nvfp4_fake_quantize, nvfp4_global_scale, nvfp4_quantize
 from autoprec.runtime.precision import Precision
-from autoprec.runtime.served import cast_stored, expert_gemms, fake_quantize_input, fp8_served_values
+from autoprec.runtime.served import cast_stored, expert_gemm_groups, fake_quantize_input, fp8_served_values
 
 __all__ = ["ServedExperts", "ServedLinear", "calibrate_inputs", "fake_quantize_input", "fused_parts", "nvfp4_weight",
            "pack_e2m1", "quantize_weight", "served_model", "shared_global_scales", "weight_scale"]
@@ -84,9 +84,9 @@ def nvfp4_weight(weight: torch.Tensor, global_scale: torch.Tensor | None = None
 
 def fused_parts(names: list[str]) -> list[list[str]]:
     """``names`` in the groups vLLM runs as one GEMM (q/k/v, gate/up, an expert's gate and up projections: its
-    w13, as :func:`autoprec.runtime.served.expert_gemms` groups them for the runtime), each other layer alone."""
+    w13, as :func:`autoprec.runtime.served.expert_gemm_groups` groups them for the runtime), each other layer alone."""
     layers = engine_layers(names)
-    return list(layers.linears.values()) + [g for experts in layers.moe.values() for g in expert_gemms(experts)]
+    return list(layers.linears.values()) + [g for experts in layers.moe.values() for g in expert_gemm_groups(experts)]
 
 
 def shared_global_scales(model: nn.Module, plan: ExportPlan) -> dict[str, torch.Tensor]:

@@ -41,9 +41,10 @@ from autoprec.runtime.fp8 import E4M3, E4M3_MAX, fp8_dequantize_rows, fp8_per_to
 from autoprec.runtime.policy import Policy, PolicyError
 from autoprec.runtime.precision import Precision
 
-__all__ = ["EXPERT", "W13", "EngineFP8Linear", "Served", "ServedAs", "cast_stored", "expert_gemms",
+__all__ = ["EXPERT", "W13", "EngineFP8Linear", "Served", "ServedAs", "cast_stored", "expert_gemm_groups",
            "fake_quantize_input", "fp8_served_values", "fused_gemms", "install_served", "output_heads",
-           "quantize_weight", "remove_served", "requantize_with_max_scale", "served_experts", "served_policy", "weight_scale"]
+           "quantize_weight", "remove_served", "requantize_with_max_scale", "served_experts", "served_policy",
+           "weight_scale"]
 
 
 # ---- the arithmetic ---------------------------------------------------------------------------------------
@@ -127,7 +128,7 @@ EXPERT = re.compile(r"(?P<moe>.*\.experts)\.(?P<index>\d+)\.(?P<proj>[^.]+)$")
 W13 = ("gate_proj", "up_proj", "w1", "w3")  # the two projections an engine runs as one expert GEMM (its w13)
 
 
-def expert_gemms(names: Iterable[str]) -> list[list[str]]:
+def expert_gemm_groups(names: Iterable[str]) -> list[list[str]]:
     """MoE expert projections (each named as :data:`EXPERT` matches) as the GEMMs an engine runs: per expert, its
     gate and up projections together (w13: ``gate_proj`` / ``up_proj`` or ``w1`` / ``w3``), each other one (down,
     w2) alone; in the order of their first names."""
@@ -147,7 +148,7 @@ def fused_gemms(groups: Mapping[str, Sequence[str]]) -> list[list[str]]:
     gemms: list[list[str]] = []
     for members in groups.values():
         if all(EXPERT.match(name) for name in members):
-            gemms += expert_gemms(members)
+            gemms += expert_gemm_groups(members)
         else:
             gemms.append(list(members))
     return gemms
@@ -177,7 +178,7 @@ def served_policy(model: nn.Module, policy: Policy, engine: str, dtype: Precisio
     """``policy`` as ``engine`` serves it on ``model``: each exact ``nn.Linear`` the policy puts in fp8 or
     fp8-rowwise keeps it (the output head and embeddings excepted), and so does each MoE layer's experts module in
     fp8-rowwise (vLLM's CompressedTensorsW8A8Fp8MoE); everything else runs in ``dtype``; one exact rule per
-    quantized layer, the engine and the fusion groups recorded."""
+    quantized layer, the engine and the fusion groups recorded; the KV cache decisions kept as they are."""
     heads = set(output_heads(model))
     precisions = policy.effective_precisions(model)
     layers = {name: precisions[name].value for name, module in model.named_modules()
@@ -185,7 +186,7 @@ def served_policy(model: nn.Module, policy: Policy, engine: str, dtype: Precisio
               or (precisions[name] is EXPERTS_PRECISION and served_experts(module))}
     groups = {"fusion_groups": {k: list(v) for k, v in fusion_groups.items()}} if fusion_groups else {}
     return Policy(layers=layers, default=dtype, engine=engine, model={**policy.model, **groups}, fp8=policy.fp8,
-                  tuned_on=policy.tuned_on, result=policy.result)
+                  kv_cache=dict(policy.kv_cache), tuned_on=policy.tuned_on, result=policy.result)
 
 
 @dataclass(frozen=True)

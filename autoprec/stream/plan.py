@@ -134,7 +134,8 @@ def verify_streamed(checkpoint: Checkpoint, calibration: Calibration, plans: dic
         path = f"{checkpoint.blocks_path}.{i}"
         scope = block_scope(checkpoint, i)
         parts = {k: _within(p, [path], effective[k]) for k, p in entries.items()}
-        hidden = _run_all(scope, parts, hidden, lambda b, h: run_block(scope, h, calibration.inputs[b][i]))
+        hidden = _run_all(scope, parts, hidden,
+                          lambda b, h, scope=scope, i=i: run_block(scope, h, calibration.inputs[b][i]))
         checkpoint.free(path)
     after, head_path = head_paths(checkpoint)
     scope = head_scope(checkpoint)

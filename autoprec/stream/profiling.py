@@ -114,7 +114,7 @@ def _measure(scope: Scope, table: LayerTable, candidates: dict[str, list[str]], 
     noise: dict[str, dict[str, float]] = {}
     glue: dict[str, Any] = {"path": path}
     for b, (h, ref) in enumerate(zip(hidden, refs)):
-        run = lambda: run_block(scope, h, inputs[b])  # noqa: E731
+        run = lambda h=h, b=b: run_block(scope, h, inputs[b])  # noqa: E731
         for name, p in items:
             value = _noise(_lowered(scope, Policy.from_assignment({name: p}), run) - ref, cotangents[b])
             noise.setdefault(name, {})[p] = max(noise.get(name, {}).get(p, 0.0), value)
@@ -239,16 +239,16 @@ def _head(checkpoint: Checkpoint, calibration: Calibration, hidden: list[torch.T
         keep = torch.ones(y.shape[:-1], dtype=torch.bool) if real is None else real
         scale = y[keep].double().pow(2).sum().clamp(min=1e-300)
 
-        def relative(out: torch.Tensor) -> float:
+        def relative(out: torch.Tensor, y=y, keep=keep, scale=scale) -> float:
             d = (out - y)[keep]
             return math.inf if not torch.isfinite(d).all() else float(d.double().pow(2).sum() / scale)
 
         for name, options in candidates.items():
             for p in options:
-                value = relative(_lowered(scope, Policy.from_assignment({name: p}), lambda: scope(h)))
+                value = relative(_lowered(scope, Policy.from_assignment({name: p}), lambda h=h: scope(h)))
                 noise.setdefault(name, {})[p] = max(noise.get(name, {}).get(p, 0.0), value)
         for p in [q.value for q in low if not q.swaps_linear]:
-            value = relative(_lowered(scope, _glue_policy(table, "", p), lambda: scope(h)))
+            value = relative(_lowered(scope, _glue_policy(table, "", p), lambda h=h: scope(h)))
             glue[p] = max(glue.get(p, 0.0), value)
         generator = torch.Generator().manual_seed(b)
         rows = []

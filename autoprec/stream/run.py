@@ -22,7 +22,7 @@ from autoprec.common.procfs import proc_number
 from autoprec.errors import Terminated, UserError
 from autoprec.inputs.userspec import UserCodeError, call_user, find_function, import_model_py, split_holdout
 from autoprec.runtime.policy import Policy
-from autoprec.stream.checkpoint import GiB, Checkpoint, CheckpointError, open_checkpoint
+from autoprec.stream.checkpoint import Checkpoint, CheckpointError, GiB, open_checkpoint
 
 __all__ = ["ACTIVATIONS_IN_MEMORY", "IN_MEMORY_FACTOR", "Mode", "StreamError", "StreamInterrupted", "StreamedResult",
            "check_settings", "choose_mode", "print_streamed", "streamed_bytes", "streamed_tune"]

@@ -168,3 +168,17 @@ def test_intercept_sees_keys_after_rope_for_each_layer():
     with intercept_kv(model, hook), torch.no_grad():
         model(BATCHES[0])
     assert shapes == {f"model.layers.{i}.self_attn": ((2, 2, 24, 16), (2, 2, 24, 16)) for i in range(2)}
+
+
+def test_a_plan_turned_into_what_vllm_serves_keeps_its_kv_cache_decisions():
+    """``served_policy`` rebuilds the plan as the engine runs it (weights in the served dtype, the output head
+    unquantized); the KV cache decisions pass through it unchanged, so a tune for vLLM measures and exports them."""
+    from autoprec.runtime.precision import Precision
+    from autoprec.runtime.served import served_policy
+
+    model = tiny_llama()
+    plan = Policy(default="bf16", layers={"model.layers.0.mlp.down_proj": "fp8-rowwise", "lm_head": "fp8-rowwise"},
+                  kv_cache={"model.layers.1.self_attn": "fp8"})
+    served = served_policy(model, plan, "vllm", Precision.BF16)
+    assert served.kv_cache == {"model.layers.1.self_attn": "fp8"}
+    assert served.layers == {"model.layers.0.mlp.down_proj": "fp8-rowwise"}  # the head as vLLM serves it
