@@ -15,8 +15,10 @@ channel, inputs per token, as vLLM's FP8_DYNAMIC) would hurt, the way one family
 
 Then each rule's order (least sensitive first) is put into FP8 one unit more at a time, and every such plan is
 scored on held-out batches it never saw: the logits' SQNR against fp32, worst and best batch (the interval). At a
-budget (a share of the decoder layers' linear parameters in FP8: equal bits) each rule's plan is its longest prefix
-within the budget; the share it uses is printed beside it. A rule that ranks the planted layers wrongly spends
+budget of bits (a share of the decoder layers' linear parameters in FP8) each rule's plan is its longest prefix
+within the budget; at a budget of time (a share of the decode time FP8 saves on an H100 when every unit is FP8, by
+the cost model: 8 sequences a step) its shortest prefix that saves at least that much. What each plan uses is
+printed beside it. A rule that ranks the planted layers wrongly spends
 its bits on them; where every rule gives the same plan they are tied, and the table says so.
 
 These are the rules as the peers score, applied here to the same units; the peers themselves run in
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -45,6 +48,8 @@ UNITS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o
 SHARES = (0.25, 0.5, 0.75)  # of the decoder layers' linear weights in FP8
 RULES = ("measured", "weight error, relative", "weight error, absolute", "loss-scored")
 F8_MAX = 448.0
+TARGET = "h100"  # the time budget: the cost model's estimate for this GPU
+DECODE_TOKENS = 8  # ... of one decode step of 8 sequences (benchmarks/serving.py serves 8), where FP8 pays by bytes
 
 
 def fp8_rows(x: torch.Tensor) -> torch.Tensor:
@@ -158,32 +163,84 @@ def at_share(points: list[dict], share: float) -> dict:
                default={"units": 0, "share": 0.0, "sqnr_db": [math.inf, math.inf], "median_db": math.inf})
 
 
+def saved_ms(units: dict, target: str = TARGET, tokens: int = DECODE_TOKENS) -> dict[str, float]:
+    """Each unit's estimated time saved by FP8 (fp8-rowwise against bf16) in one decode step of ``tokens``
+    sequences on ``target`` (the cost model, autoprec.profile.costmodel): a fused unit is one GEMM, as served."""
+    from autoprec.profile.costmodel import linear_ms
+
+    out = {}
+    for name, linears in units.items():
+        k, n = linears[0].in_features, sum(lin.out_features for lin in linears)
+        out[name] = linear_ms(target, tokens, k, n, "bf16") - linear_ms(target, tokens, k, n, "fp8-rowwise")
+    return out
+
+
+def at_speed(points: list[dict], order: list[str], saving: dict[str, float], fraction: float) -> dict:
+    """The shortest prefix of ``order`` whose estimated saving is at least ``fraction`` of all units' in FP8: every
+    rule made as fast, its accuracy compared."""
+    total, done = sum(max(0.0, v) for v in saving.values()), 0.0
+    for point, name in zip(points, order):
+        done += saving[name]
+        if done >= fraction * total - 1e-12:
+            return {**point, "saved": done / total}
+    return {**points[-1], "saved": done / total}
+
+
+def budget_rows(result: dict, units: dict) -> list[dict]:
+    """At each budget, each rule's plan: by bits (:func:`at_share`) and by estimated time (:func:`at_speed`)."""
+    saving = saved_ms(units)
+    rows = []
+    for kind, levels in (("bits", SHARES), ("time", SHARES)):
+        for level in levels:
+            for rule in RULES:
+                order = sorted(units, key=result["scores"][rule].get)
+                points = result["curves"][rule]
+                point = at_share(points, level) if kind == "bits" else at_speed(points, order, saving, level)
+                rows.append({"budget": kind, "level": level, "rule": rule, **point, "fp8": order[:point["units"]]})
+    return rows
+
+
+def print_rows(rows: list[dict], units: dict) -> None:
+    for row in rows:
+        low, high = row["sqnr_db"]
+        used = f"{row['share']:.0%} of the weights" + (f", {row['saved']:.0%} of the time FP8 saves"
+                                                      if "saved" in row else "")
+        said = "at most" if row["budget"] == "bits" else "at least"
+        print(f"{row['budget']} {said} {row['level']:.0%} ({used}) {row['rule']:24s} {low:5.1f}-{high:5.1f} dB; "
+              f"kept out of FP8: {', '.join(sorted(set(units) - set(row['fp8'])))}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=tuple(MODELS), default="structured")
     parser.add_argument("--json", default=None, help="default benchmarks/results/planner_views[-served].json")
+    parser.add_argument("--table", action="store_true",
+                        help="the budgets from the scores and curves already in --json (rewritten with them); "
+                             "measure nothing")
     args = parser.parse_args()
     spec = importlib.util.spec_from_file_location(f"{args.model}_model", MODELS[args.model])
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    model = mod.get_model()
-    calibration, held_out = mod.get_batches(3), mod.get_batches(4, start=mod.N_BATCHES)
-    units = units_of(model)
-    by_rule = scores(model, units, calibration, logits(model, calibration))
-    refs = logits(model, held_out)
-    curves = {rule: curve(model, units, sorted(units, key=by_rule[rule].get), held_out, refs) for rule in RULES}
-    rows = []
-    for share in SHARES:
-        for rule in RULES:
-            point = at_share(curves[rule], share)
-            order = sorted(units, key=by_rule[rule].get)
-            rows.append({"budget": share, "rule": rule, **point, "fp8": order[:point["units"]]})
-            low, high = point["sqnr_db"]
-            print(f"at most {share:.0%} ({point['share']:.0%} used) {rule:24s} {low:5.1f}-{high:5.1f} dB; kept out "
-                  f"of FP8: {', '.join(sorted(set(units) - set(order[:point['units']])))}", flush=True)
     path = Path(args.json or ROOT / "benchmarks" / "results" /
                 f"planner_views{'' if args.model == 'structured' else '-' + args.model}.json")
-    path.write_text(stamped_dumps({"model": args.model, "scores": by_rule, "curves": curves, "rows": rows}))
+    if args.table:
+        from transformers import LlamaForCausalLM
+
+        with torch.device("meta"):
+            result, units = json.loads(path.read_text()), units_of(LlamaForCausalLM(mod.config()))
+    else:
+        model = mod.get_model()
+        calibration, held_out = mod.get_batches(3), mod.get_batches(4, start=mod.N_BATCHES)
+        units = units_of(model)
+        by_rule = scores(model, units, calibration, logits(model, calibration))
+        refs = logits(model, held_out)
+        curves = {rule: curve(model, units, sorted(units, key=by_rule[rule].get), held_out, refs) for rule in RULES}
+        result = {"model": args.model, "scores": by_rule, "curves": curves}
+    result["rows"] = budget_rows(result, units)
+    result["time_budget"] = {"target": TARGET, "decode_tokens": DECODE_TOKENS, "saved_ms": saved_ms(units)}
+    print_rows(result["rows"], units)
+    # --table keeps the measuring run's measured_on: the rows are arithmetic on its figures
+    path.write_text(json.dumps(result, indent=1) if args.table else stamped_dumps(result))
     print(f"wrote {path}")
 
 
