@@ -125,7 +125,13 @@ def structure_fingerprint(model: nn.Module) -> str:
 
 
 def check_model(model: nn.Module, policy: Policy) -> None:
-    """Warn when the policy records another model type or structure than ``model`` has."""
+    """Warn when the policy records another model type or structure than ``model`` has, or holds KV cache formats
+    (``kv_cache``), which apply_policy does not emulate: their static scales come from calibration batches, which
+    ``autoprec export`` has (it writes them for the engine) and apply_policy does not."""
+    if policy.kv_cache:
+        _warn_once(policy, f"this policy holds KV cache formats for {len(policy.kv_cache)} attention layer(s); "
+                           "apply_policy runs their KV cache in the model's dtype (the formats need calibrated "
+                           "scales): `autoprec export` writes them for vLLM")
     recorded_type, recorded_structure = policy.model.get("type"), policy.model.get("structure")
     differs = []
     if recorded_type is not None and recorded_type != own_class(model).__name__:

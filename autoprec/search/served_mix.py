@@ -16,6 +16,7 @@ measured whole, and the last taken is given back until the measurement, not the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Sequence
@@ -121,7 +122,8 @@ class _Measure:
         self.reference = [model_output(r).detach().float() for r in results]
 
     def __call__(self, policy: Policy, kv: dict[str, str]) -> float:
-        apply_policy(self.model, policy, mode="inference")
+        # the KV cache emulated here, with its calibrated scales: the weights' policy alone goes to apply_policy
+        apply_policy(self.model, dataclasses.replace(policy, kv_cache={}), mode="inference")
         try:
             with kv_quantized(self.model, kv, self.scales), torch.no_grad():
                 out = [model_output(call_model(self.model, b)).float() for b in self.batches]
