@@ -41,22 +41,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from provenance import stamped_dumps  # noqa: E402
 
+from autoprec.runtime.served import fake_quantize_input  # noqa: E402
+
 MODELS = {"structured": ROOT / "benchmarks" / "models" / "structured_llama" / "model.py",
           "served": ROOT / "benchmarks" / "models" / "served_llama" / "model.py"}
 UNITS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
          "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
 SHARES = (0.25, 0.5, 0.75)  # of the decoder layers' linear weights in FP8
 RULES = ("measured", "weight error, relative", "weight error, absolute", "loss-scored")
-F8_MAX = 448.0
 TARGET = "h100"  # the time budget: the cost model's estimate for this GPU
 DECODE_TOKENS = 8  # ... of one decode step of 8 sequences (benchmarks/serving.py serves 8), where FP8 pays by bytes
 
 
-def fp8_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` through FP8 e4m3 with one scale per row (last dimension): per output channel for a weight, per token
+def fp8_rowwise(x: torch.Tensor) -> torch.Tensor:
+    """``x`` through FP8 e4m3 with one scale per row (last dimension), quantized and dequantized with the runtime's
+    own arithmetic (:func:`autoprec.runtime.served.fake_quantize_input`): per output channel for a weight, per token
     for an input."""
-    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / F8_MAX
-    return (x / scale).to(torch.float8_e4m3fn).to(x.dtype) * scale
+    return fake_quantize_input(x, per_token=True)
 
 
 class Fp8:
@@ -68,8 +69,8 @@ class Fp8:
     def __enter__(self):
         for linear in self.linears:
             self.saved.append(linear.weight.data)
-            linear.weight.data = fp8_rows(linear.weight.data)
-            self.hooks.append(linear.register_forward_pre_hook(lambda m, a: (fp8_rows(a[0]), *a[1:])))
+            linear.weight.data = fp8_rowwise(linear.weight.data)
+            self.hooks.append(linear.register_forward_pre_hook(lambda m, a: (fp8_rowwise(a[0]), *a[1:])))
 
     def __exit__(self, *exc):
         for linear, weight, hook in zip(self.linears, self.saved, self.hooks):
@@ -102,7 +103,7 @@ def scores(model: torch.nn.Module, units: dict, batches: list, refs: list) -> di
         with Fp8(linears):
             alone = logits(model, batches)
         out["measured"][name] = -min(sqnr(r, o) for r, o in zip(refs, alone))
-        err = [(lin.weight - fp8_rows(lin.weight)).pow(2).sum().item() for lin in linears]
+        err = [(lin.weight - fp8_rowwise(lin.weight)).pow(2).sum().item() for lin in linears]
         size = sum(lin.weight.pow(2).sum().item() for lin in linears)
         out["weight error, relative"][name] = sum(err) / size
         out["weight error, absolute"][name] = sum(err) / sum(lin.weight.numel() for lin in linears)
@@ -136,7 +137,7 @@ def loss_gradients(model: torch.nn.Module, units: dict, batches: list) -> dict:
             total = 0.0
             with torch.no_grad():
                 for x, g in kept[id(lin)]:
-                    change = torch.nn.functional.linear(fp8_rows(x), fp8_rows(lin.weight)) - lin(x)
+                    change = torch.nn.functional.linear(fp8_rowwise(x), fp8_rowwise(lin.weight)) - lin(x)
                     total += (g * change).sum(-1).pow(2).sum().item()
             return total
         return of
