@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -26,12 +26,11 @@ from autoprec.runtime.precision import DEFAULT_PRECISIONS, Precision
 if TYPE_CHECKING:
     from autoprec.measuring.budget import Budget
     from autoprec.profile.config import ProfileConfig
-    from autoprec.runtime.precision import Precision as PrecisionType
-    from autoprec.search.config import SearchConfig
+    from autoprec.search.config import SearchConfig, SearchSettings
     from autoprec.search.space import SearchSpace
     from autoprec.verify.config import VerifyConfig
 
-__all__ = ["MAX_SEED", "TuneConfig", "check_device"]
+__all__ = ["MAX_SEED", "StageSettings", "TuneConfig", "check_device"]
 
 MAX_SEED = 2**31 - 1  # room for a rank number on top: the sampler's seed is seed + rank, at most 2**32 - 1
 
@@ -167,19 +166,36 @@ class TuneConfig:
         engine = check_engine(self.engine)
         return None if engine is None else (engine, served_dtype(self.precisions))
 
-    def for_search(self, budget: Budget, space: SearchSpace, study_name: str, fail_stale: bool) -> SearchConfig:
-        """``study_name``: the name the study has unless this config names one."""
-        from autoprec.search.config import SearchConfig
-
-        return SearchConfig(budget, space, self.precisions, self.trials, self.timeout, self.patience,
-                            self.study_name or study_name, self.seed, fail_stale, self.progress)
-
-    def for_verify(self, budget: Budget, autocast: PrecisionType, **decided: Any) -> VerifyConfig:
-        """``decided``: what the stages before verification decided (see :class:`VerifyConfig`)."""
+    def stages(self, budget: Budget) -> StageSettings:
+        """What each stage of the pipeline is handed of these settings, and the device checked on this machine (the
+        config may have been written on another). ``budget``: the user's, as the workload reads it."""
         from autoprec.verify.config import VerifyConfig
 
-        return VerifyConfig(budget, autocast, seed=self.seed, compiled=self.compile, estimated_for=self.target,
-                            **decided)
+        return StageSettings(check_device(self.device), self.serving, self.for_profile(), self._search(budget),
+                             VerifyConfig(budget, seed=self.seed, compiled=self.compile, estimated_for=self.target))
+
+    def for_search(self, budget: Budget, space: SearchSpace, study_name: str, fail_stale: bool) -> SearchConfig:
+        """What one search runs with, ``budget`` and ``space`` decided (a streamed tune's): ``study_name`` is the
+        name the study has unless this config names one."""
+        return self._search(budget).searching(budget, space, study_name, fail_stale)
+
+    def _search(self, budget: Budget) -> SearchSettings:
+        from autoprec.search.config import SearchSettings
+
+        return SearchSettings(budget, self.search_space, self.fuse, self.precisions, self.trials, self.timeout,
+                              self.patience, self.study_name, self.seed, self.progress, self.storage,
+                              check_engine(self.engine))
+
+
+class StageSettings(NamedTuple):
+    """A tune's settings as its stages read them (:meth:`TuneConfig.stages`): a stage never reads the whole
+    TuneConfig, and what one stage decides reaches the next in its result, never in these."""
+
+    device: torch.device  # checked on this machine
+    serving: tuple[str, Precision] | None  # (the engine, the dtype it serves the plan in); None in-process
+    profile: ProfileConfig
+    search: SearchSettings
+    verify: VerifyConfig
 
 
 def check_device(device: str | torch.device, available: bool = True,

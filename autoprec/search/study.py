@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from autoprec.context import RunContext
 from autoprec.distributed.ranks import ONE_PROCESS, Ranks
-from autoprec.measuring.budget import Budget
+from autoprec.measuring.budget import Budget, Margin
 from autoprec.measuring.candidate import Candidate
 from autoprec.measuring.objective import Objective
 from autoprec.profile import Profile
@@ -59,6 +59,15 @@ class SearchResult:
     evaluations: int
     stopped_because: str
     notes: list[str] = field(default_factory=list)
+    # What the pipeline's search decided beside the trials, for verification and the outputs to read
+    # (autoprec.search.stage): the budget it searched to (None: the user's) and the margin that put it there,
+    # the blanket autocast precision it was handed, why blanket autocast cannot be the policy ("" where it can),
+    # and the layers the search space prefers fp32.
+    searched_to: Budget | None = None
+    margin: Margin | None = None
+    autocast: Precision | None = None
+    autocast_excluded: str = ""
+    prefer_fp32: tuple[str, ...] = ()
 
     def dropped_because(self) -> str:
         """Why each precision was dropped before the search, once per precision (the first unit's reason):

@@ -40,8 +40,8 @@ from autoprec.verify.config import VerifyConfig
 if TYPE_CHECKING:
     from autoprec.workloads import Workload
 
-__all__ = ["Speedup", "Verification", "autocast_baseline", "bench_policy", "fastest_simplest", "is_blanket", "is_fp32",
-           "verify", "verify_candidates"]
+__all__ = ["Shortlist", "Speedup", "Verification", "autocast_baseline", "bench_policy", "fastest_simplest", "is_blanket",
+           "is_fp32", "verify", "verify_candidates"]
 
 AUTOCAST_CHOICES = (Precision.BF16, Precision.FP16)  # the dtypes torch.autocast takes
 
@@ -79,6 +79,24 @@ class Speedup:
 
     def __str__(self) -> str:
         return f"{self.ratio:.2f}x ({self.low:.2f}-{self.high:.2f})"
+
+
+@dataclass(frozen=True)
+class Shortlist:
+    """What verification walks, and what it is told of it beside its settings: the candidates (best first; blanket
+    autocast among them where it may be the policy), blanket autocast's precision (the baseline beside fp32), and
+    what the search decided and how the tune runs a policy (the pipeline's: :mod:`autoprec.verify.stage`)."""
+
+    candidates: Sequence[Candidate]
+    autocast: Precision
+    prefer_fp32: Sequence[str] = ()  # layers the search space prefers fp32: among ties, the fewest lowered wins
+    autocast_excluded: str = ""  # why blanket autocast cannot be the policy ("" where it can)
+    dropped_because: str = ""  # why the search had no candidate, for the note that says so
+    # latency from the cost model for the GPU of VerifyConfig.estimated_for: one estimate per entry, not timed rounds
+    estimated_ms: Callable[[Policy], float] | None = None
+    # a tune for a serving engine: each candidate (and blanket autocast) as the engine serves it, which is what is
+    # measured, timed, estimated and chosen (autoprec.runtime.served.served_policy)
+    served: Callable[[Policy], Policy] | None = None
 
 
 @dataclass
@@ -161,39 +179,41 @@ def verify(workload: Workload, candidates: Sequence[Candidate], budget: Budget, 
            compiled: bool = False, dropped_because: str = "", prefer_fp32: Collection[str] = (),
            autocast_excluded: str = "") -> Verification:
     """:func:`verify_candidates` with its settings as arguments, as a script calls it."""
-    config = VerifyConfig(budget, autocast_precision, seed, compiled, estimated_ms, estimated_for, dropped_because,
-                          tuple(prefer_fp32), autocast_excluded)
-    return verify_candidates(workload, candidates, config, RunContext(torch.device(device)))
+    shortlist = Shortlist(list(candidates), autocast_precision, tuple(prefer_fp32), autocast_excluded,
+                          dropped_because, estimated_ms)
+    config = VerifyConfig(budget, seed, compiled, estimated_for)
+    return verify_candidates(workload, shortlist, config, RunContext(torch.device(device)))
 
 
-def verify_candidates(workload: Workload, candidates: Sequence[Candidate], config: VerifyConfig,
+def verify_candidates(workload: Workload, shortlist: Shortlist, config: VerifyConfig,
                       context: RunContext) -> Verification:
-    """Measure ``candidates`` (feasible ones, best first), fp32 and blanket autocast where the search
+    """Measure the ``shortlist``'s candidates (feasible ones, best first), fp32 and blanket autocast where the search
     never looked, as ``workload`` runs them; keep the fastest within budget there.
 
-    ``config.estimated_ms``: latency of a policy from a cost model for the GPU ``estimated_for``, used instead
-    of timing here (the metric is still measured). ``config.compiled``: every timed entry is also timed compiled
-    (:mod:`autoprec.runtime.compiled`), and the choice follows those times; where compiling fails, a note says so
-    and the eager times decide. ``config.dropped_because``: why the search had no candidate, for the note that says so.
+    ``shortlist.estimated_ms``: latency of a policy from a cost model for the GPU ``config.estimated_for``, used
+    instead of timing here (the metric is still measured). ``config.compiled``: every timed entry is also timed
+    compiled (:mod:`autoprec.runtime.compiled`), and the choice follows those times; where compiling fails, a note
+    says so and the eager times decide. ``shortlist.dropped_because``: why the search had no candidate, for the note
+    that says so.
 
     The choice is never measurably slower than a candidate that passed: blanket autocast is one where the
-    search space allows it (the caller adds it), and ``config.autocast_excluded`` says why it is not (a pin): then,
-    where blanket autocast measures faster within budget, the decision says what the pin costs.
-    ``config.prefer_fp32``: layers the search space prefers fp32; among candidates that measure the same, the one
+    search space allows it (the shortlist holds it), and ``shortlist.autocast_excluded`` says why it is not (a pin):
+    then, where blanket autocast measures faster within budget, the decision says what the pin costs.
+    ``shortlist.prefer_fp32``: layers the search space prefers fp32; among candidates that measure the same, the one
     that lowers fewest of them is kept, then the one with fewest rules.
     """
-    run = _Ladder(workload, config, context.device, list(candidates))
+    run = _Ladder(workload, config, shortlist, context.device, list(shortlist.candidates))
     run.measure_held_out()
     run.time()
     eager_latency = {k: _median_finite(v) for k, v in run.samples.items()}
     # The latency model's error on each verified candidate (meaningful when the timing batch has the profile's shape).
-    errors = {} if config.estimated_ms is not None or not workload.predicts_latency else {
+    errors = {} if shortlist.estimated_ms is not None or not workload.predicts_latency else {
         c.label: 100.0 * (c.predicted_ms - eager_latency[run.label[c.label]]) / eager_latency[run.label[c.label]]
         for c in run.passing}
     if errors:
         run.notes.append("predicted vs measured latency: " + ", ".join(f"{k} {e:+.0f}%" for k, e in errors.items()))
     chosen, tuned = run.choose()
-    held, samples, autocast = run.held, run.samples, config.autocast
+    held, samples, autocast = run.held, run.samples, shortlist.autocast
     for timings in (samples, run.compiled_samples) if run.compiled_samples else (samples,):
         timings["tuned"] = timings[tuned]
     metric = {k: m.metric for k, m in held.measured.items() if k in ("fp32", "autocast")}
@@ -210,7 +230,7 @@ def verify_candidates(workload: Workload, candidates: Sequence[Candidate], confi
                         tuned_is_autocast=tuned == "autocast", estimated_for=config.estimated_for, notes=run.notes,
                         prediction_error_pct=errors, losses=losses, steps=workload.steps,
                         metric_kind=workload.metric_kind(held.reference), compiled_samples=run.compiled_samples,
-                        compiled_on=run.compiled_on, autocast_excluded=config.autocast_excluded,
+                        compiled_on=run.compiled_on, autocast_excluded=shortlist.autocast_excluded,
                         machine=run.machine)
 
 
@@ -221,6 +241,7 @@ class _Ladder:
 
     workload: Workload
     config: VerifyConfig
+    shortlist: Shortlist
     device: torch.device
     candidates: list[Candidate]
     notes: list[str] = field(default_factory=list)
@@ -238,8 +259,8 @@ class _Ladder:
 
     def measure_held_out(self) -> None:
         """Each entry's metric where the search never looked; the candidates that keep the budget there."""
-        autocast = self.config.autocast
-        served = self.config.served
+        autocast = self.shortlist.autocast
+        served = self.shortlist.served
         self.runners = {"fp32": None, "autocast": autocast if served is None else served(Policy(default=autocast))}
         for c in self.candidates:  # fp32 and blanket autocast run once
             policy = self.policy_of(c)
@@ -270,18 +291,19 @@ class _Ladder:
     def policy_of(self, candidate: Candidate) -> Policy:
         """What ``candidate`` runs: its policy, as the serving engine serves it where the tune is for one."""
         policy = candidate.policy()
-        return policy if self.config.served is None else self.config.served(policy)
+        served = self.shortlist.served
+        return policy if served is None else served(policy)
 
     def time(self) -> None:
         """fp32, blanket autocast and the passing candidates timed together (or estimated for a target GPU), and
         compiled too where asked."""
-        config, workload, device = self.config, self.workload, self.device
+        config, shortlist, workload, device = self.config, self.shortlist, self.workload, self.device
         timed = {k: self.runners[k]
                  for k in dict.fromkeys(["fp32", "autocast", *(self.label[c.label] for c in self.passing)])}
-        if config.estimated_ms is not None:  # one estimate per entry stands in for the timed rounds
+        if shortlist.estimated_ms is not None:  # one estimate per entry stands in for the timed rounds
             as_policy = {"fp32": Policy(), "autocast": self.runners["autocast"]
-                         if isinstance(self.runners["autocast"], Policy) else Policy(default=config.autocast)}
-            self.samples = {key: [config.estimated_ms(as_policy.get(key, how))] for key, how in timed.items()}
+                         if isinstance(self.runners["autocast"], Policy) else Policy(default=shortlist.autocast)}
+            self.samples = {key: [shortlist.estimated_ms(as_policy.get(key, how))] for key, how in timed.items()}
             _, self.timed_on, _ = workload.time({}, device)
             self.notes.append(f"latencies are estimated for {config.estimated_for} by the cost model, not measured; "
                               "the metric was measured where the search never looked")
@@ -313,9 +335,9 @@ class _Ladder:
         if not lowered:
             if not self.candidates:
                 notes.append("nothing was lowered: no layer had a candidate precision worth searching here"
-                             + (f" ({self.config.dropped_because})" if self.config.dropped_because else ""))
+                             + (f" ({self.shortlist.dropped_because})" if self.shortlist.dropped_because else ""))
             return None, "fp32"
-        prefer_fp32 = self.config.prefer_fp32
+        prefer_fp32 = self.shortlist.prefer_fp32
 
         def rules(c: Candidate) -> tuple[int, int]:
             return sum(c.assignment.get(n, "fp32") != "fp32" for n in prefer_fp32), len(c.policy().layers)
@@ -342,7 +364,7 @@ class _Ladder:
                          "the policy stays fp32")
             return None, "fp32"
         if label[best.label] == "autocast":
-            notes.append(f"the tuned policy is blanket autocast ({self.config.autocast.value}) itself: within the "
+            notes.append(f"the tuned policy is blanket autocast ({self.shortlist.autocast.value}) itself: within the "
                          "budget, and no per-layer policy measured faster")
         return best, label[best.label]
 

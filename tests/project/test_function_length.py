@@ -32,13 +32,15 @@ def test_each_stage_entry_takes_its_config_and_the_run_context():
     from autoprec.outputs.report import write_outputs
     from autoprec.profile import profile_layers
     from autoprec.profile.training import profile_training_layers
+    from autoprec.profile.reuse import load_or_profile
+    from autoprec.search.stage import search_workload
     from autoprec.search.study import run_search
-    from autoprec.tune import load_or_profile
     from autoprec.verify.end_to_end import verify_candidates
+    from autoprec.verify.stage import fp32_answer, verify_search
     from autoprec.workloads import Workload
 
-    stages = [load_or_profile, profile_layers, profile_training_layers, Workload.profile, run_search,
-              verify_candidates, write_outputs]
+    stages = [load_or_profile, profile_layers, profile_training_layers, Workload.profile, run_search, search_workload,
+              verify_candidates, verify_search, fp32_answer, write_outputs]
     for stage in stages:
         parameters = [p for p in inspect.signature(stage).parameters if p != "self"]
         assert len(parameters) <= MOST_PARAMETERS, f"{stage.__qualname__}{inspect.signature(stage)}"

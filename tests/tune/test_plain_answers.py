@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import autoprec
-from autoprec.tune import _round
+from autoprec.outputs.tuned import json_figure as _round
 
 
 def test_policy_figures_keep_significant_digits_not_decimals():
