@@ -28,7 +28,9 @@ from autoprec.workloads.generation import GenerationWorkload
 from autoprec.workloads.inference import InferenceWorkload
 from autoprec.workloads.training import TrainingWorkload
 
-pipeline = importlib.import_module("autoprec.tune")  # the module (autoprec.tune, the attribute, is the function)
+# the stages' doors, where the pipeline's work starts: capture (the profile stage's) and the search
+profiling = importlib.import_module("autoprec.profile.reuse")
+searching = importlib.import_module("autoprec.search.stage")
 WORKLOADS = ["inference", "training", "generation"]
 LAYERS = ("0", "2", "4")
 
@@ -90,7 +92,7 @@ def test_checks_come_before_any_work(kind, tmp_path, monkeypatch):
     def no_work(*args, **kwargs):
         raise AssertionError("profiling started before the checks")
 
-    monkeypatch.setattr(pipeline, "capture", no_work)
+    monkeypatch.setattr(profiling, "capture", no_work)
     file = tmp_path / "a-file"
     file.write_text("")
     with pytest.raises(OutDirError, match="is a file"):
@@ -109,13 +111,13 @@ def test_an_interrupt_says_which_phase_and_keeps_the_profile(kind, tmp_path, mon
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pipeline, "run_search", interrupted)
+    monkeypatch.setattr(searching, "run_search", interrupted)
     with pytest.raises(TuneInterrupted) as stop:  # profile_all: a search on any CPU, bf16 faster here or not
         tune(make_workload(kind), config(tmp_path, profile_all=True))
     assert stop.value.phase == "search"
     assert (tmp_path / "out" / "profile.json").exists()  # what the message promises is kept
     messages = []
-    monkeypatch.setattr(pipeline, "run_search", interrupted)
+    monkeypatch.setattr(searching, "run_search", interrupted)
     with pytest.raises(TuneInterrupted):
         tune(make_workload(kind), config(tmp_path, profile_all=True), log=messages.append)
     assert any("reusing the" in m and "profile" in m for m in messages), messages
