@@ -40,12 +40,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # a policy in a model: installing it, training with it, compiling around it
     ("apply", ("runtime.apply", "runtime.training", "runtime.rulecheck", "runtime.regionstate",
                "runtime.torchao_linear", "runtime.compiled", "runtime.serve")),
-    # precisions and their kernels, the policy file, model.py and its batches, errors, how text is written;
-    # ``distributed.models`` (the names of a model DDP, FSDP2 or torch.compile wrapped) is here, as every layer that
-    # names a layer needs it, and ``distributed.agree`` (what the ranks must hold alike), as applying a policy
-    # compares it across ranks
-    ("base", ("runtime", "common", "version", "errors", "layering", "inputs", "distributed.models",
-              "distributed.agree")),
+    # precisions and their kernels, the policy file, model.py and its batches, errors, how text is written; the
+    # names of a model DDP, FSDP2 or torch.compile wrapped (``common.wrapped``: every layer that names a layer needs
+    # them), and what the ranks must hold alike (``runtime.agree``: applying a policy compares it across ranks)
+    ("base", ("runtime", "common", "version", "errors", "layering", "inputs")),
 ]
 LAYER_ORDER = [layer for layer, _ in LAYERS]
 

@@ -18,9 +18,9 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 import torch.nn as nn
 
+from autoprec.common.wrapped import gathers_freed_at_once, sharded, unwrap
 from autoprec.config import TuneConfig
 from autoprec.context import RunContext
-from autoprec.distributed.models import gathers_freed_at_once, sharded, unwrap
 from autoprec.distributed.ranks import ONE_PROCESS, Ranks
 from autoprec.distributed.tuning import check_same_work
 from autoprec.errors import Terminated
@@ -174,7 +174,7 @@ def _one_model_memory(ranks: Ranks, model: nn.Module, device: torch.device) -> I
     """On one sharded model, what would hold weights again beside the shard is off while the tune runs: autocast's
     cast cache (a low-precision copy of every gathered weight until the forward ends: half the model again in bf16
     or fp16; the casts are the same) and, on the CPU, FSDP2's keeping each unit's all-gather buffer until the next
-    unit's weights arrive (:func:`~autoprec.distributed.models.gathers_freed_at_once`; on a GPU it lets the copy
+    unit's weights arrive (:func:`~autoprec.common.wrapped.gathers_freed_at_once`; on a GPU it lets the copy
     overlap the next all-gather, so the job's timing keeps it)."""
     if not ranks.shards_one_model:
         yield

@@ -59,7 +59,7 @@ from autoprec.capture.tracing import (
     reach,
     symbolic_trace,
 )
-from autoprec.distributed.models import sharded, storage_of
+from autoprec.common.wrapped import sharded, storage_of
 from autoprec.inputs.userspec import batch_args
 
 __all__ = ["METHODS", "CaptureFallbackWarning", "FusionGroup", "Layer", "LayerTable", "capture"]

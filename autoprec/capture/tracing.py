@@ -25,7 +25,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from autoprec.distributed.models import storage_of
+from autoprec.common.wrapped import storage_of
 from autoprec.inputs.userspec import batch_args, describe_batch, one_line
 
 __all__ = ["ATTENTION_OPS", "COMPUTE_OPS", "CONV_OPS", "MATMUL_OPS", "SOFTMAX_OPS", "Op", "Reached", "Trace",

@@ -1,6 +1,7 @@
-"""Everything in autoprec that knows about many processes (DDP, FSDP2, torchrun); the stages stay rank-agnostic.
+"""The processes of one tune (torchrun); the stages stay rank-agnostic. What every layer needs of a model that DDP,
+FSDP2 or torch.compile wrapped is below them all (:mod:`autoprec.common.wrapped`), and what applying a policy does
+for one beside ``apply_policy`` (:mod:`autoprec.runtime.sharded`, :mod:`autoprec.runtime.agree`).
 
-``models``: models that DDP, FSDP2 or torch.compile wrapped, as a policy names them.
 ``ranks``: the processes of one tune and how they share work (one process, or a torchrun job): the stages are
 handed a :class:`Ranks`.
 ``tuning``: ``torchrun --nproc_per_node N -m autoprec tune model.py`` on every rank.

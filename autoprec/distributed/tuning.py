@@ -21,10 +21,11 @@ from typing import Any, Callable
 
 from torch import nn
 
-from autoprec.distributed.agree import digest
-from autoprec.distributed.models import FSDP_CASTS_FIX, fsdp_casts, sharded
+from autoprec.common.wrapped import sharded
 from autoprec.distributed.ranks import RankFailed, Ranks, from_torchrun
 from autoprec.errors import USER_ERRORS, is_users
+from autoprec.runtime.agree import digest
+from autoprec.runtime.sharded import FSDP_CASTS_FIX, fsdp_casts
 
 # How long a rank that refused a setting before joining waits for the first rank to say it (see on_every_rank)
 SAID_BY_THE_FIRST_S = 30.0
@@ -72,7 +73,7 @@ def check_same_work(workload: Any, ranks: Ranks) -> None:
     """Every rank of a tune profiles the same model on the same batches (the ranks share the work, not the data):
     a digest of each rank's weights and of each of the ``workload``'s batches (its ``batches``, then any
     ``holdout_batches``, as get_batches() gave them, and any ``train_batches`` of their own;
-    :func:`~autoprec.distributed.agree.digest`, a strided sample of every tensor), gathered once before any
+    :func:`~autoprec.runtime.agree.digest`, a strided sample of every tensor), gathered once before any
     expensive work. The first rank that holds another model or batch than the first rank ends the job in one
     line naming it, what differs and the fix."""
     if ranks.world_size < 2:

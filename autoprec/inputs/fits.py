@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from autoprec.common.procfs import proc_number
-from autoprec.distributed.models import local_part
+from autoprec.common.wrapped import local_part
 
 __all__ = ["check_fits", "free_memory", "model_bytes", "shortfall"]
 

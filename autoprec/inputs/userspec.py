@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec.distributed.models import free_gathers_at_once
+from autoprec.common.wrapped import free_gathers_at_once
 from autoprec.errors import UserError
 from autoprec.inputs.batches import (
     BATCH_FORMS,

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from autoprec.capture.layers import LayerTable
 from autoprec.common.procfs import cpu_words
-from autoprec.distributed.models import sharded
+from autoprec.common.wrapped import sharded
 from autoprec.inputs.batches import call_model
 from autoprec.measuring.compare import Ratio, compare
 from autoprec.measuring.load import MachineLoad, machine_load

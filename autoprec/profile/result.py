@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from autoprec.common.jsonsafe import tag_nonfinite, untag_nonfinite
-from autoprec.distributed.models import local_part
+from autoprec.common.wrapped import local_part
 
 __all__ = ["Sensitivity", "LayerProfile", "Profile", "ProfileError", "fingerprint", "device_name",
            "PROFILE_SCHEMA", "PROFILE_VERSION"]

@@ -37,7 +37,8 @@ runs in one precision: a policy that gives its names different precisions is ref
 
 A model wrapped by DDP or torch.compile, or sharded by FSDP2, takes a policy by its own names and classes;
 a linear FSDP2 already manages changes class in place rather than being replaced (FSDP2 holds that very
-object): see :mod:`autoprec.distributed.models`.
+object): see :mod:`autoprec.common.wrapped` (the names) and :mod:`autoprec.runtime.sharded` (this module's path
+for a model FSDP2 shards).
 """
 
 from __future__ import annotations
@@ -56,20 +57,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from autoprec.distributed.agree import check_policy_agrees, model_groups
-from autoprec.distributed.models import (
-    FSDP_CASTS_FIX,
-    Morphed,
-    fsdp_casts,
-    fsdp_managed,
-    morph,
-    own_class,
-    per_rank_buffers,
-    restore_buffers,
-    unmorph,
-    unwrap,
-)
+from autoprec.common.wrapped import own_class, unwrap
 from autoprec.runtime import torchao_linear
+from autoprec.runtime.agree import check_policy_agrees, model_groups
 from autoprec.runtime.experts import EXPERTS_PRECISION, FP8ExpertsForward, is_fused_experts
 from autoprec.runtime.fp8_linear import FP8Linear, FP8RowwiseLinear
 from autoprec.runtime.mx import BlockScaledLinear
@@ -89,6 +79,16 @@ from autoprec.runtime.rulecheck import (
 )
 from autoprec.runtime.serve import NOT_REMOVABLE, NOT_TRAINABLE, serve_linears, store_low_weights
 from autoprec.runtime.served import Served, install_served, remove_served
+from autoprec.runtime.sharded import (
+    FSDP_CASTS_FIX,
+    Morphed,
+    fsdp_casts,
+    fsdp_managed,
+    morph,
+    per_rank_buffers,
+    restore_buffers,
+    unmorph,
+)
 from autoprec.runtime.weights import CastWeights, casts_weights, hand_back_parameters
 
 __all__ = ["applied_mode", "applied_policy", "apply_policy", "effective_precisions", "remove_policy",

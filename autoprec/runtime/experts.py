@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoprec.distributed.models import own_class
+from autoprec.common.wrapped import own_class
 from autoprec.runtime.fp8 import E4M3, E4M3_MAX, fp8_dequantize_rows, fp8_per_token
 from autoprec.runtime.precision import Precision
 from autoprec.runtime.weights import WeightCache

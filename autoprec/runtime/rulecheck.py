@@ -18,7 +18,7 @@ import warnings
 import torch
 from torch import nn
 
-from autoprec.distributed.models import own_class
+from autoprec.common.wrapped import own_class
 from autoprec.runtime.experts import EXPERTS_PRECISION, experts_problem, is_fused_experts
 from autoprec.runtime.fp8_linear import FP8Linear, FP8RowwiseLinear
 from autoprec.runtime.mx import BlockScaledLinear

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec.distributed.models import own_class
+from autoprec.common.wrapped import own_class
 from autoprec.runtime import torchao_linear
 from autoprec.runtime.fp8_linear import FP8ServedLinear
 from autoprec.runtime.policy import Policy, PolicyError

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
-from autoprec.distributed.models import own_class
+from autoprec.common.wrapped import own_class
 from autoprec.runtime.engines import SERVED_DTYPES, SERVED_QUANTIZED
 from autoprec.runtime.experts import EXPERTS_PRECISION, FP8Experts, experts_problem, is_fused_experts
 from autoprec.runtime.fp8 import E4M3, E4M3_MAX, fp8_dequantize_rows, fp8_per_token

@@ -36,7 +36,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from autoprec.distributed.models import own_class
+from autoprec.common.wrapped import own_class
 from autoprec.runtime.precision import Precision, emulated_for_shape
 from autoprec.runtime.precision import torchao_installed as installed
 from autoprec.runtime.regionstate import in_fp32_region

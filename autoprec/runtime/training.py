@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from autoprec.distributed.agree import check_policy_agrees, training_groups
+from autoprec.runtime.agree import check_policy_agrees, training_groups
 from autoprec.runtime.fp8_linear import FP8Linear
 from autoprec.runtime.policy import Policy
 

@@ -26,7 +26,7 @@ from torch import nn
 
 import autoprec
 from autoprec import Policy
-from autoprec.distributed.models import own_class, unwrap
+from autoprec.common.wrapped import own_class, unwrap
 from autoprec.runtime.apply import applied_policy
 from autoprec.runtime.fp8_linear import FP8Linear
 from autoprec.runtime.mx import BlockScaledLinear

@@ -68,3 +68,22 @@ def test_user_errors_are_a_property_of_their_types():
     assert issubclass(CommandError, UserError) and issubclass(UserCodeError, UserError)
     assert is_users(PolicyError("x")) and is_users(ValueError("x")) and is_users(CommandError("x"))
     assert not is_users(RuntimeError("x")) and not is_users(KeyError("x"))
+
+
+# What every layer needs of a model DDP, FSDP2 or torch.compile wrapped lives below them (common/wrapped.py), and
+# apply_policy's path for one beside it (runtime/sharded.py, runtime/agree.py): the folders that name layers import
+# nothing of distributed/, the processes of one tune, which sits above them.
+BELOW_THE_PROCESSES = ("common", "inputs", "runtime", "capture")
+
+
+def _reaching_up(edges: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} -> {t}" for m, targets in edges.items() for t in targets
+                  if m.split(".")[0] in BELOW_THE_PROCESSES and t.split(".")[0] == "distributed")
+
+
+def test_wrapped_models_are_below_the_layers_that_name_layers(graph):
+    _, _, edges = graph
+    assert _reaching_up(edges) == []
+    # the check can fail: the runtime importing distributed/ again is found, distributed/ importing inputs/ is not
+    assert _reaching_up({"runtime.apply": {"distributed.agree"}, "distributed.tuning": {"inputs.userspec"}}) == [
+        "runtime.apply -> distributed.agree"]
