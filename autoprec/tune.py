@@ -13,16 +13,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-import torch
 import torch.nn as nn
 
-from autoprec.common.wrapped import gathers_freed_at_once, sharded, unwrap
+from autoprec.common.wrapped import sharded, unwrap
 from autoprec.config import TuneConfig
 from autoprec.context import RunContext
 from autoprec.distributed.ranks import ONE_PROCESS, Ranks
-from autoprec.distributed.tuning import check_same_work
+from autoprec.distributed.tuning import check_same_work, one_model_memory
 from autoprec.errors import Terminated
 from autoprec.inputs.batches import as_batch_list
 from autoprec.inputs.fits import free_memory
@@ -109,7 +108,7 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
     phase, seconds = "checking", {}
     try:
         writing = claim_out_dir(out_dir) if out_dir is not None else contextlib.nullcontext()
-        with _one_model_memory(ranks, workload.model, device), writing:
+        with one_model_memory(ranks, workload.model, device), writing:
             context = RunContext(device, ranks, out_dir, log, study_storage(stages.search, out_dir, ranks))
             workload.check_fits(device)  # one line now, not an OOM later
             workload.model = workload.model.to(device).eval()
@@ -167,25 +166,6 @@ def _checked(workload: Workload, config: TuneConfig, ranks: Ranks, log: Callable
     # every rank profiles the same weights and batches, or the job ends here naming the rank that differs
     check_same_work(workload, ranks)
     return workload, ranks
-
-
-@contextlib.contextmanager
-def _one_model_memory(ranks: Ranks, model: nn.Module, device: torch.device) -> Iterator[None]:
-    """On one sharded model, what would hold weights again beside the shard is off while the tune runs: autocast's
-    cast cache (a low-precision copy of every gathered weight until the forward ends: half the model again in bf16
-    or fp16; the casts are the same) and, on the CPU, FSDP2's keeping each unit's all-gather buffer until the next
-    unit's weights arrive (:func:`~autoprec.common.wrapped.gathers_freed_at_once`; on a GPU it lets the copy
-    overlap the next all-gather, so the job's timing keeps it)."""
-    if not ranks.shards_one_model:
-        yield
-        return
-    cache_was = torch.is_autocast_cache_enabled()  # as it was, when the tune ends
-    try:
-        torch.set_autocast_cache_enabled(False)
-        with gathers_freed_at_once(model) if device.type == "cpu" else contextlib.nullcontext():
-            yield
-    finally:
-        torch.set_autocast_cache_enabled(cache_was)
 
 
 def _measure_as_served(workload: Workload, objective: Any, serving: tuple | None,

@@ -13,15 +13,17 @@ command resumes: the profile and the study are in the run folder, as for one pro
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+import torch
 from torch import nn
 
-from autoprec.common.wrapped import sharded
+from autoprec.common.wrapped import gathers_freed_at_once, sharded
 from autoprec.distributed.ranks import RankFailed, Ranks, from_torchrun
 from autoprec.errors import USER_ERRORS, is_users
 from autoprec.runtime.agree import digest
@@ -30,7 +32,7 @@ from autoprec.runtime.sharded import FSDP_CASTS_FIX, fsdp_casts
 # How long a rank that refused a setting before joining waits for the first rank to say it (see on_every_rank)
 SAID_BY_THE_FIRST_S = 30.0
 
-__all__ = ["by_layer_names", "check_same_work", "device_of_rank", "job_wrap", "on_every_rank"]
+__all__ = ["by_layer_names", "check_same_work", "device_of_rank", "job_wrap", "on_every_rank", "one_model_memory"]
 
 
 def device_of_rank(device: str) -> str:
@@ -179,3 +181,22 @@ def _says_it(ranks: Ranks, line: str) -> bool:
     """Whether this rank prints the job's failure: the rank that said it first (its own failure, or a rank it
     found gone), so the line appears once."""
     return ranks.said == line
+
+
+@contextlib.contextmanager
+def one_model_memory(ranks: Ranks, model: nn.Module, device: torch.device) -> Iterator[None]:
+    """On one sharded model, what would hold weights again beside the shard is off while the tune runs: autocast's
+    cast cache (a low-precision copy of every gathered weight until the forward ends: half the model again in bf16
+    or fp16; the casts are the same) and, on the CPU, FSDP2's keeping each unit's all-gather buffer until the next
+    unit's weights arrive (:func:`~autoprec.common.wrapped.gathers_freed_at_once`; on a GPU it lets the copy
+    overlap the next all-gather, so the job's timing keeps it)."""
+    if not ranks.shards_one_model:
+        yield
+        return
+    cache_was = torch.is_autocast_cache_enabled()  # as it was, when the tune ends
+    try:
+        torch.set_autocast_cache_enabled(False)
+        with gathers_freed_at_once(model) if device.type == "cpu" else contextlib.nullcontext():
+            yield
+    finally:
+        torch.set_autocast_cache_enabled(cache_was)

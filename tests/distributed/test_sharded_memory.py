@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autoprec.distributed.ranks import Ranks
-from autoprec.tune import _one_model_memory
+from autoprec.distributed.tuning import one_model_memory
 
 WIDTH = 256  # a block's weight: 256 KiB; the planted unit below holds two such weights
 
@@ -74,7 +74,7 @@ def test_a_sharded_forward_holds_a_unit_twice_at_most_while_tuned(fake_two_ranks
     model, x = sharded_model(), torch.randn(4, WIDTH)
     unit = 2 * WIDTH * WIDTH * 4  # the largest unit's weights, gathered whole
     untuned = peak_beyond_start(model, x)
-    with _one_model_memory(TwoRanks(), model, torch.device("cpu")):
+    with one_model_memory(TwoRanks(), model, torch.device("cpu")):
         tuned = peak_beyond_start(model, x)
     assert untuned >= 2.4 * unit  # FSDP2's own: the last unit's buffer, this unit's, and its weights at once
     assert tuned <= 2.1 * unit, f"{tuned / unit:.2f}x the largest unit during a tune's forward"
