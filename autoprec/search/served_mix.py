@@ -36,7 +36,7 @@ from autoprec.runtime.kvcache import KV_FORMATS, calibrate_kv, kv_quantized
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.served import output_heads
 
-__all__ = ["Candidate", "ServedMix", "ServedPlan", "plan_served"]
+__all__ = ["Candidate", "ServedMix", "ServedPlan", "held_out_sqnr", "plan_served"]
 
 _FUSED = re.compile(r"(?P<parent>.*)\.(?P<part>q_proj|k_proj|v_proj|gate_proj|up_proj)$")
 
@@ -116,9 +116,10 @@ def _groups(model: nn.Module) -> list[tuple[str, ...]]:
 class _Measure:
     """The output's worst-batch SQNR against fp32 of a weights policy with a KV plan."""
 
-    def __init__(self, model: nn.Module, batches: Sequence[Any]):
+    def __init__(self, model: nn.Module, batches: Sequence[Any], scales: dict[str, Any] | None = None):
         self.model, self.batches = model.eval(), list(batches)
-        self.scales, _, results = calibrate_kv(model, self.batches)
+        calibrated, _, results = calibrate_kv(model, self.batches)
+        self.scales = calibrated if scales is None else scales  # given: calibrated elsewhere (held-out batches)
         self.reference = [model_output(r).detach().float() for r in results]
 
     def __call__(self, policy: Policy, kv: dict[str, str]) -> float:
@@ -130,6 +131,14 @@ class _Measure:
         finally:
             remove_policy(self.model)
         return min(sqnr_db(r, o) for r, o in zip(self.reference, out))
+
+
+def held_out_sqnr(model: nn.Module, policy: Policy, calibration: Sequence[Any], held_out: Sequence[Any]) -> float:
+    """``policy`` (its weights and its KV cache) measured on ``held_out``: the output's worst-batch SQNR against
+    fp32, the KV cache scaled as calibrated on ``calibration`` (the batches the plan was chosen on), never on the
+    batches it is verified on. A policy with an ``engine`` runs as that engine serves it."""
+    scales = calibrate_kv(model, list(calibration))[0]
+    return _Measure(model, held_out, scales)(policy, policy.kv_cache)
 
 
 def _noise(db: float) -> float:
