@@ -36,7 +36,7 @@ from autoprec.runtime.kvcache import KV_FORMATS, calibrate_kv, kv_quantized
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.served import output_heads
 
-__all__ = ["Candidate", "ServedMix", "ServedPlan", "held_out_sqnr", "plan_served"]
+__all__ = ["Candidate", "ServedMix", "ServedPlan", "held_out_sqnr", "plan_mixes", "plan_served"]
 
 _FUSED = re.compile(r"(?P<parent>.*)\.(?P<part>q_proj|k_proj|v_proj|gate_proj|up_proj)$")
 
@@ -150,6 +150,12 @@ def plan_served(model: nn.Module, batches: Sequence[Any], floor_db: float, targe
     """The plan of weights (bf16 or fp8-rowwise) and KV cache (the model's dtype or one FP8 strategy) that serves
     ``mix`` fastest on ``target`` (estimated) with the output's SQNR against fp32 at or above ``floor_db`` on
     ``batches`` (measured): see the module's docstring. ``kv_strategies``: the FP8 KV formats the engine serves."""
+    return plan_mixes(model, batches, floor_db, target, [mix], kv_strategies)[0]
+
+
+def plan_mixes(model: nn.Module, batches: Sequence[Any], floor_db: float, target: str, mixes: Sequence[ServedMix],
+               kv_strategies: Sequence[str] = ("fp8", "fp8-head")) -> list[ServedPlan]:
+    """:func:`plan_served` for each of ``mixes``, every candidate measured once for all of them."""
     unknown = [s for s in kv_strategies if s not in KV_FORMATS or not KV_FORMATS[s].quantized]
     if unknown:
         raise ValueError(f"unknown FP8 KV cache format {unknown[0]!r}; the formats are fp8, fp8-head")
@@ -159,17 +165,22 @@ def plan_served(model: nn.Module, batches: Sequence[Any], floor_db: float, targe
     if base_db < floor_db:
         raise ValueError(f"bf16 everywhere measures {base_db:.1f} dB against fp32, under the floor of {floor_db:g} "
                          "dB: nothing in FP8 can meet it; fix: a lower floor")
-    time = _Timer(model, target, mix)
     weights = [Candidate("weights", g, "fp8-rowwise", measure(_with(base, g), {})) for g in _groups(model)]
-    best: ServedPlan | None = None
-    for strategy in kv_strategies:
-        kv = [Candidate("kv", (n,), strategy, measure(base, {n: strategy})) for n in measure.scales]
-        plan = _greedy(measure, time, base, base_db, floor_db, weights + kv)
-        if best is None or time(plan.policy) < time(best.policy):
-            best = plan
-    assert best is not None
-    best.parts = _parts(model, best, target, mix)
-    return best
+    kv = {strategy: [Candidate("kv", (n,), strategy, measure(base, {n: strategy})) for n in measure.scales]
+          for strategy in kv_strategies}
+    plans = []
+    for mix in mixes:
+        time = _Timer(model, target, mix)
+        best: ServedPlan | None = None
+        for strategy in kv_strategies:  # each mix prices its own copies of the candidates
+            candidates = [dataclasses.replace(c) for c in weights + kv[strategy]]
+            plan = _greedy(measure, time, base, base_db, floor_db, candidates)
+            if best is None or time(plan.policy) < time(best.policy):
+                best = plan
+        assert best is not None
+        best.parts = _parts(model, best, target, mix)
+        plans.append(best)
+    return plans
 
 
 def _with(policy: Policy, layers: Sequence[str], fmt: str = "fp8-rowwise") -> Policy:

@@ -22,14 +22,17 @@ from typing import Any
 import torch
 
 from autoprec.common.writing import markdown_table, text_table
+from autoprec.distributed.models import own_class
 from autoprec.errors import Terminated, UserError
 from autoprec.profile.serving import ServingEstimate, kv_cache_of, serving_estimate
+from autoprec.runtime.apply import structure_fingerprint
 from autoprec.runtime.engines import VLLM
 from autoprec.runtime.policy import Policy
-from autoprec.search.served_mix import ServedMix, ServedPlan, held_out_sqnr, plan_served
+from autoprec.search.served_mix import ServedMix, ServedPlan, held_out_sqnr, plan_mixes
+from autoprec.version import __version__
 
-__all__ = ["ServedError", "ServedInterrupted", "ServedResult", "check_served", "contrast_of", "parse_mix",
-           "print_served", "served_tune"]
+__all__ = ["ServedError", "ServedInterrupted", "ServedResult", "check_served", "contrast_of", "kv_bound",
+           "parse_mix", "print_served", "report", "served_tune"]
 
 SYNTAX = "PROMPT+NEW[xSEQUENCES]"
 EXAMPLE = "e.g. --served-mix 4096+256x32 (32 sequences at once, each 4096 prompt tokens making 256 new)"
@@ -70,6 +73,7 @@ def check_served(text: str, given: Mapping[str, str], settings: Mapping[str, Any
     mix = parse_mix(text)
     why = {"budget": "its floor is the output's SQNR against fp32: give --min-sqnr DB instead",
            "new_tokens": "the mix gives the new tokens (PROMPT+NEW): leave --new-tokens out",
+           "fuse": "vLLM runs q/k/v and gate/up as one GEMM each, so each group takes one precision: leave it out",
            "precisions": "it plans bf16 and fp8-rowwise weights (FP8_DYNAMIC, as vLLM serves them) and an FP8 KV "
                          "cache: leave --precisions out"}
     for dest, flag in given.items():
@@ -148,25 +152,23 @@ def _served_tune(model_py: Path, mix: ServedMix, config: Any, log: Callable[[str
     from autoprec.outputs.outdir import claim_out_dir
 
     out = Path(config.out)
+    log(f"loading {model_py}")
+    spec = load_model_py(model_py)
+    if spec.evaluate is not None:
+        log("evaluate() in model.py is not used: a --served-mix plan's floor is the output's SQNR against fp32")
+    model = spec.model.to(config.device).eval()
+    if kv_cache_of(model) is None:  # said before the folder is made
+        raise ServedError(f"--served-mix prices the KV cache from a transformers config (num_hidden_layers, "
+                          f"num_attention_heads, ...), and {type(model).__name__} has none; fix: tune --for "
+                          "generation without --served-mix")
     with claim_out_dir(out):
-        log(f"loading {model_py}")
-        spec = load_model_py(model_py)
-        if spec.evaluate is not None:
-            log("evaluate() in model.py is not used: a --served-mix plan's floor is the output's SQNR against fp32")
-        model = spec.model.to(config.device).eval()
-        if kv_cache_of(model) is None:
-            raise ServedError(f"--served-mix prices the KV cache from a transformers config (num_hidden_layers, "
-                              f"num_attention_heads, ...), and {type(model).__name__} has none; fix: tune --for "
-                              "generation without --served-mix")
         search = [to_device(b, config.device) for b in spec.search_batches]
         held = [to_device(b, config.device) for b in spec.holdout_batches]
         target, floor = config.target, config.min_sqnr
-        log(f"planning weights and KV cache for {mix} on {target} (estimated) on {len(search)} batches; "
-            f"{len(held)} held out to verify")
-        plan = plan_served(model, search, floor, target, mix)
         contrast_mix = contrast_of(model, target, mix)
-        log(f"planning the contrast, {contrast_mix}, for the report")
-        contrast = plan_served(model, search, floor, target, contrast_mix)
+        log(f"planning weights and KV cache for {mix} on {target} (estimated), and for the contrast, {contrast_mix}, "
+            f"on {len(search)} batches; {len(held)} held out to verify")
+        plan, contrast = plan_mixes(model, search, floor, target, [mix, contrast_mix])
         policy = Policy(default="bf16", layers=dict(plan.policy.layers), kv_cache=dict(plan.policy.kv_cache),
                         engine=VLLM)
         held_db = held_out_sqnr(model, policy, search, held)
@@ -223,10 +225,9 @@ def _record(result: ServedResult, model: torch.nn.Module, device: str) -> None:
     plan = result.plan
     base = _estimate(model, Policy(default="bf16"), plan.target, plan.mix)
     mine = _estimate(model, plan.policy, plan.target, plan.mix)
-    config = getattr(model, "config", None)
-    result.policy.model = {"type": getattr(config, "model_type", type(model).__name__)}
+    result.policy.model = {"type": own_class(model).__name__, "structure": structure_fingerprint(model)}
     result.policy.tuned_on = {"device": f"estimated for {plan.target}; accuracy measured on {device}",
-                              "torch": torch.__version__}
+                              "torch": torch.__version__, "autoprec": __version__}
     result.policy.result = {
         "mode": "served mix", "served_mix": str(plan.mix), "estimated_for": plan.target,
         "metric": round(result.held_out_db, 3),
