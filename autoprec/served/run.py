@@ -202,7 +202,7 @@ def _compare(model: torch.nn.Module, target: str, plan: ServedPlan, contrast: Se
                       "change which FP8 pays.")
 
     def ms(name: str, mix: ServedMix) -> str:
-        return f"{e[name, mix].prefill_ms + e[name, mix].decode_ms:.3g} ms"
+        return f"{e[name, mix].prefill_ms + e[name, mix].decode_ms:.4g} ms"
 
     other = f"the plan for {_short(contrast.mix)}"
     return rows, (f"This plan holds {_holds(plan)}; the plan for {contrast.mix} holds {_holds(contrast)}. Each "
