@@ -119,7 +119,7 @@ class _Measure:
     def __init__(self, model: nn.Module, batches: Sequence[Any], scales: dict[str, Any] | None = None):
         self.model, self.batches = model.eval(), list(batches)
         calibrated, _, results = calibrate_kv(model, self.batches)
-        self.scales = calibrated if scales is None else scales  # given: calibrated elsewhere (held-out batches)
+        self.scales = calibrated if scales is None else scales  # given: from other batches (a held-out check's)
         self.reference = [model_output(r).detach().float() for r in results]
 
     def __call__(self, policy: Policy, kv: dict[str, str]) -> float:
