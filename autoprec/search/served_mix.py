@@ -31,6 +31,7 @@ from autoprec.inputs.batches import call_model
 from autoprec.profile.kvcache import model_output
 from autoprec.profile.serving import serving_estimate
 from autoprec.runtime.apply import apply_policy, remove_policy
+from autoprec.runtime.engines import VLLM
 from autoprec.runtime.experts import fused_experts, moe_routers
 from autoprec.runtime.kvcache import KV_FORMATS, calibrate_kv, kv_quantized
 from autoprec.runtime.policy import Policy
@@ -160,7 +161,7 @@ def plan_mixes(model: nn.Module, batches: Sequence[Any], floor_db: float, target
     if unknown:
         raise ValueError(f"unknown FP8 KV cache format {unknown[0]!r}; the formats are fp8, fp8-head")
     measure = _Measure(model, batches)
-    base = Policy(default="bf16")
+    base = Policy(default="bf16", engine=VLLM)  # measured as vLLM serves it: every tensor in bf16
     base_db = measure(base, {})
     if base_db < floor_db:
         raise ValueError(f"bf16 everywhere measures {base_db:.1f} dB against fp32, under the floor of {floor_db:g} "
@@ -185,13 +186,13 @@ def plan_mixes(model: nn.Module, batches: Sequence[Any], floor_db: float, target
 
 def _with(policy: Policy, layers: Sequence[str], fmt: str = "fp8-rowwise") -> Policy:
     return Policy(default=policy.default, layers={**policy.layers, **dict.fromkeys(layers, fmt)},
-                  kv_cache=dict(policy.kv_cache))
+                  kv_cache=dict(policy.kv_cache), engine=policy.engine)
 
 
 def _apply(policy: Policy, candidate: Candidate) -> Policy:
     if candidate.kind == "weights":
         return _with(policy, candidate.layers, candidate.fmt)
-    return Policy(default=policy.default, layers=dict(policy.layers),
+    return Policy(default=policy.default, layers=dict(policy.layers), engine=policy.engine,
                   kv_cache={**policy.kv_cache, **dict.fromkeys(candidate.layers, candidate.fmt)})
 
 
