@@ -125,6 +125,10 @@ def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
         return _interrupted(getattr(stop, "phase", "checking"), signal_name, out) if ranks.writes else status
     if not ranks.writes:  # the first rank prints the result and wrote the outputs
         return 0
+    if hasattr(result, "bounds"):  # a served-mix tune (autoprec.served) prints its own
+        from autoprec.served.run import print_served
+
+        return print_served(result)
     if hasattr(result, "chosen"):  # a streamed tune (autoprec.stream) prints its own
         from autoprec.stream.run import print_streamed
 
@@ -147,6 +151,12 @@ def _tuned(args: argparse.Namespace, ranks: Any, log: Any, out: Path) -> Any:
     config = _config(args, out=out, compile=args.compile, profile_all=args.profile_all,  # before loading
                      exact_sensitivity=args.exact_sensitivity, progress=ranks.writes, fuse=args.fuse,
                      engine=args.engine)
+    if getattr(args, "served_mix", None) is not None:  # weights and KV cache for a served mix (autoprec/served/)
+        from autoprec.served.run import check_served, served_tune
+
+        settings = {"target": config.target, "min_sqnr": config.min_sqnr, "stream": args.stream}
+        return served_tune(args.model_py, check_served(args.served_mix, _given(args), settings, ranks.world_size),
+                           config, log)
     from autoprec.stream.run import choose_mode
 
     mode = choose_mode(args.model_py, args.stream, log if ranks.writes else lambda _line: None)
@@ -164,6 +174,15 @@ def _tuned(args: argparse.Namespace, ranks: Any, log: Any, out: Path) -> Any:
 
         workload.wrap = job_wrap(spec, workload.trains)
     return run_tune(workload, config, log=log, ranks=ranks)
+
+
+def _given(args: argparse.Namespace) -> dict[str, str]:
+    """The options of ``tune`` given other than their defaults: each one's dest -> its flag."""
+    parser = argparse.ArgumentParser()
+    tune_arguments(parser)
+    defaults = vars(parser.parse_args([args.model_py]))
+    return {dest: "--no-fuse" if dest == "fuse" else "--" + dest.rstrip("_").replace("_", "-")
+            for dest, default in defaults.items() if getattr(args, dest, default) != default}
 
 
 def _config(args: argparse.Namespace, **fields: Any) -> Any:
@@ -198,7 +217,8 @@ def _interrupted(phase: str, signal_name: str, out: Path) -> int:
             "search": "the profile and every finished trial are saved",
             "verify": "the profile and the search are saved; only the verification runs again",
             "outputs": "the search is saved; the outputs are written again",
-            "streamed profile": "every finished block's figures are saved"}[phase]
+            "streamed profile": "every finished block's figures are saved",
+            "served plan": "nothing is saved (a served-mix plan is written when it is whole)"}[phase]
     how = "stopped by SIGTERM" if signal_name == "SIGTERM" else "interrupted"
     print(f"\n{how} during {phase}: {kept}; run the same command to go on ({out})", file=sys.stderr)
     return 143 if signal_name == "SIGTERM" else 130

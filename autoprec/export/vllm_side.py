@@ -77,6 +77,17 @@ def fold(names: list[str], packed: dict[str, list[str]]) -> dict[str, dict]:
     return out
 
 
+def model_len(folder: Path, prompts: list[list[int]] = ()) -> int:
+    """The context vLLM is started with: 256 tokens, the longest prompt's if longer, never past the model's own
+    (vLLM refuses a ``max_model_len`` over the config's ``max_position_embeddings``)."""
+    config = json.loads((folder / "config.json").read_text())
+    text = config.get("text_config") or {}
+    own = next((c[k] for c in (config, text) for k in ("max_position_embeddings", "n_positions", "max_seq_len")
+                if isinstance(c.get(k), int)), None)
+    wanted = max([256] + [len(ids) + 1 for ids in prompts])
+    return min(wanted, own) if own else wanted
+
+
 def config_mapping(folder: Path) -> dict:
     """Each layer's scheme as vLLM's config parsing and scheme lookup give it, no weight loaded."""
     import torch
@@ -92,7 +103,8 @@ def config_mapping(folder: Path) -> dict:
 
     ct = CompressedTensorsConfig.from_config(quant)
     ct.packed_modules_mapping = packed
-    model_config = ModelConfig(model=str(folder), dtype="auto", skip_tokenizer_init=True, max_model_len=256)
+    model_config = ModelConfig(model=str(folder), dtype="auto", skip_tokenizer_init=True,
+                               max_model_len=model_len(folder))
     names = linear_names(folder, quant)
     stub = torch.nn.Linear(1, 1, device="meta")  # a class-name target ("Linear") matches it as it would vLLM's
     layers = {}
@@ -236,7 +248,7 @@ def score(folder: Path, prompts: list[list[int]], kv_skip: list[int] | None = No
 
     skip = {"kv_cache_dtype_skip_layers": [str(i) for i in kv_skip]} if kv_skip else {}
     llm = LLM(model=str(folder), dtype=dtype, skip_tokenizer_init=True, enforce_eager=True,
-              max_model_len=256, seed=0, **skip, **({"max_logprobs": -1} if full else {}))
+              max_model_len=model_len(folder, prompts), seed=0, **skip, **({"max_logprobs": -1} if full else {}))
     try:
         model_info = llm.apply_model(lambda model: (type(model).__name__, engine_layers(model)))[0]
         params = SamplingParams(max_tokens=1, prompt_logprobs=-1 if full else 0, temperature=0.0)

@@ -31,12 +31,13 @@ from autoprec.inputs.batches import call_model
 from autoprec.profile.kvcache import model_output
 from autoprec.profile.serving import serving_estimate
 from autoprec.runtime.apply import apply_policy, remove_policy
+from autoprec.runtime.engines import VLLM
 from autoprec.runtime.experts import fused_experts, moe_routers
 from autoprec.runtime.kvcache import KV_FORMATS, calibrate_kv, kv_quantized
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.served import output_heads
 
-__all__ = ["Candidate", "ServedMix", "ServedPlan", "plan_served"]
+__all__ = ["Candidate", "ServedMix", "ServedPlan", "held_out_sqnr", "plan_mixes", "plan_served"]
 
 _FUSED = re.compile(r"(?P<parent>.*)\.(?P<part>q_proj|k_proj|v_proj|gate_proj|up_proj)$")
 
@@ -116,9 +117,10 @@ def _groups(model: nn.Module) -> list[tuple[str, ...]]:
 class _Measure:
     """The output's worst-batch SQNR against fp32 of a weights policy with a KV plan."""
 
-    def __init__(self, model: nn.Module, batches: Sequence[Any]):
+    def __init__(self, model: nn.Module, batches: Sequence[Any], scales: dict[str, Any] | None = None):
         self.model, self.batches = model.eval(), list(batches)
-        self.scales, _, results = calibrate_kv(model, self.batches)
+        calibrated, _, results = calibrate_kv(model, self.batches)
+        self.scales = calibrated if scales is None else scales  # given: from other batches (a held-out check's)
         self.reference = [model_output(r).detach().float() for r in results]
 
     def __call__(self, policy: Policy, kv: dict[str, str]) -> float:
@@ -132,6 +134,14 @@ class _Measure:
         return min(sqnr_db(r, o) for r, o in zip(self.reference, out))
 
 
+def held_out_sqnr(model: nn.Module, policy: Policy, calibration: Sequence[Any], held_out: Sequence[Any]) -> float:
+    """``policy`` (its weights and its KV cache) measured on ``held_out``: the output's worst-batch SQNR against
+    fp32, the KV cache scaled as calibrated on ``calibration`` (the batches the plan was chosen on), never on the
+    batches it is verified on. A policy with an ``engine`` runs as that engine serves it."""
+    scales = calibrate_kv(model, list(calibration))[0]
+    return _Measure(model, held_out, scales)(policy, policy.kv_cache)
+
+
 def _noise(db: float) -> float:
     return 0.0 if db == math.inf else 10 ** (-db / 10)
 
@@ -141,37 +151,48 @@ def plan_served(model: nn.Module, batches: Sequence[Any], floor_db: float, targe
     """The plan of weights (bf16 or fp8-rowwise) and KV cache (the model's dtype or one FP8 strategy) that serves
     ``mix`` fastest on ``target`` (estimated) with the output's SQNR against fp32 at or above ``floor_db`` on
     ``batches`` (measured): see the module's docstring. ``kv_strategies``: the FP8 KV formats the engine serves."""
+    return plan_mixes(model, batches, floor_db, target, [mix], kv_strategies)[0]
+
+
+def plan_mixes(model: nn.Module, batches: Sequence[Any], floor_db: float, target: str, mixes: Sequence[ServedMix],
+               kv_strategies: Sequence[str] = ("fp8", "fp8-head")) -> list[ServedPlan]:
+    """:func:`plan_served` for each of ``mixes``, every candidate measured once for all of them."""
     unknown = [s for s in kv_strategies if s not in KV_FORMATS or not KV_FORMATS[s].quantized]
     if unknown:
         raise ValueError(f"unknown FP8 KV cache format {unknown[0]!r}; the formats are fp8, fp8-head")
     measure = _Measure(model, batches)
-    base = Policy(default="bf16")
+    base = Policy(default="bf16", engine=VLLM)  # measured as vLLM serves it: every tensor in bf16
     base_db = measure(base, {})
     if base_db < floor_db:
         raise ValueError(f"bf16 everywhere measures {base_db:.1f} dB against fp32, under the floor of {floor_db:g} "
                          "dB: nothing in FP8 can meet it; fix: a lower floor")
-    time = _Timer(model, target, mix)
     weights = [Candidate("weights", g, "fp8-rowwise", measure(_with(base, g), {})) for g in _groups(model)]
-    best: ServedPlan | None = None
-    for strategy in kv_strategies:
-        kv = [Candidate("kv", (n,), strategy, measure(base, {n: strategy})) for n in measure.scales]
-        plan = _greedy(measure, time, base, base_db, floor_db, weights + kv)
-        if best is None or time(plan.policy) < time(best.policy):
-            best = plan
-    assert best is not None
-    best.parts = _parts(model, best, target, mix)
-    return best
+    kv = {strategy: [Candidate("kv", (n,), strategy, measure(base, {n: strategy})) for n in measure.scales]
+          for strategy in kv_strategies}
+    plans = []
+    for mix in mixes:
+        time = _Timer(model, target, mix)
+        best: ServedPlan | None = None
+        for strategy in kv_strategies:  # each mix prices its own copies of the candidates
+            candidates = [dataclasses.replace(c) for c in weights + kv[strategy]]
+            plan = _greedy(measure, time, base, base_db, floor_db, candidates)
+            if best is None or time(plan.policy) < time(best.policy):
+                best = plan
+        assert best is not None
+        best.parts = _parts(model, best, target, mix)
+        plans.append(best)
+    return plans
 
 
 def _with(policy: Policy, layers: Sequence[str], fmt: str = "fp8-rowwise") -> Policy:
     return Policy(default=policy.default, layers={**policy.layers, **dict.fromkeys(layers, fmt)},
-                  kv_cache=dict(policy.kv_cache))
+                  kv_cache=dict(policy.kv_cache), engine=policy.engine)
 
 
 def _apply(policy: Policy, candidate: Candidate) -> Policy:
     if candidate.kind == "weights":
         return _with(policy, candidate.layers, candidate.fmt)
-    return Policy(default=policy.default, layers=dict(policy.layers),
+    return Policy(default=policy.default, layers=dict(policy.layers), engine=policy.engine,
                   kv_cache={**policy.kv_cache, **dict.fromkeys(candidate.layers, candidate.fmt)})
 
 

@@ -328,7 +328,8 @@ class GenerationWorkload(InferenceWorkload):
     cli_help = ("generation (the time of a whole greedy generation from the batches as prompts, prefill and "
                 "decode steps with the KV cache; needs a model with .generate() or generate(model, batch) in "
                 "model.py; --budget on evaluate() or by default on the prompts' perplexity, default 1%%)")
-    cli_options = {"new_tokens": "--new-tokens is the length of each generation"}
+    cli_options = {"new_tokens": "--new-tokens is the length of each generation",
+                   "served_mix": "--served-mix plans weights and KV cache for the workload a generation serves"}
     notebook_settings = frozenset({"higher_is_better", "model_path", "holdout_batches", "timing_batch", "new_tokens",
                                    "generate"})
 
@@ -365,6 +366,11 @@ class GenerationWorkload(InferenceWorkload):
         parser.add_argument("--new-tokens", type=at_least(2, " (one token from the prefill, the rest decode steps)"),
                             default=None, metavar="N",
                             help=f"--for generation: tokens each timed generation makes (default {DEFAULT_NEW_TOKENS})")
+        parser.add_argument("--served-mix", metavar="PROMPT+NEW[xSEQUENCES]",
+                            help="--for generation: plan weights (bf16 or fp8-rowwise) and the KV cache together "
+                                 "for vLLM serving this mix, e.g. 4096+256x32 (32 sequences at once, each 4096 "
+                                 "prompt tokens making 256 new), priced by --target's cost model under --min-sqnr; "
+                                 "writes policy.json (engine vllm) and report.md")
 
     @classmethod
     def from_command(cls, args: argparse.Namespace, ranks: Any) -> tuple[GenerationWorkload, Any]:

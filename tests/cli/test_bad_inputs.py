@@ -291,6 +291,8 @@ class Case:
     command: str | None = None  # the subcommand that answers (default: args[0]; "" for autoprec itself)
 
 
+SERVED = ["tune", "{d}/tiny.py", "--for", "generation", "--out", "{d}/out-served"]  # the folder is never made
+
 CASES = [
     # ---- model.py --------------------------------------------------------------------------------------
     Case("model-missing", ["tune", "{d}/nope.py"], 1, ["nope.py", "no such file", "existing model.py"]),
@@ -403,6 +405,32 @@ CASES = [
          ["cannot open storage", "server is running", "user:***@"]),
     Case("storage-not-a-url", ["tune", "{d}/tiny.py", "--out", "{d}/out-s3", "--storage", "my-study"], 1,
          ["not a database URL", "sqlite:///"]),
+    # ---- tune --for generation --served-mix: the mix read, its settings checked, before the model loads ----
+    Case("generation-served-mix-syntax", [*SERVED, "--target", "h100", "--min-sqnr", "30", "--served-mix", "4096x32"],
+         1, ["--served-mix '4096x32'", "PROMPT+NEW[xSEQUENCES]", "fix: e.g. --served-mix 4096+256x32"]),
+    Case("generation-served-mix-one-new-token", [*SERVED, "--target", "h100", "--min-sqnr", "30", "--served-mix",
+                                                 "4096+1"], 1, ["'4096+1'", "2 new tokens", "fix:"]),
+    Case("generation-served-mix-no-sequences", [*SERVED, "--target", "h100", "--min-sqnr", "30", "--served-mix",
+                                                "16+64x0"], 1, ["'16+64x0'", "1 sequence"]),
+    Case("generation-served-mix-without-target", [*SERVED, "--min-sqnr", "30", "--served-mix", "16+64"], 1,
+         ["prices the mix on a GPU", "fix: add --target NAME"]),
+    Case("generation-served-mix-without-floor", [*SERVED, "--target", "h100", "--served-mix", "16+64"], 1,
+         ["one floor on the output's SQNR", "fix: add --min-sqnr DB"]),
+    Case("generation-served-mix-with-trials", [*SERVED, "--target", "h100", "--min-sqnr", "30", "--served-mix",
+                                               "16+64", "--trials", "5"], 1,
+         ["--trials does not apply to a --served-mix tune", "leave --trials out"]),
+    Case("generation-served-mix-with-budget", [*SERVED, "--target", "h100", "--served-mix", "16+64", "--budget",
+                                               "1%"], 1, ["--budget does not apply", "give --min-sqnr DB instead"]),
+    Case("generation-served-mix-with-new-tokens", [*SERVED, "--target", "h100", "--min-sqnr", "30", "--served-mix",
+                                                   "16+64", "--new-tokens", "8"], 1,
+         ["--new-tokens does not apply", "the mix gives the new tokens"]),
+    Case("generation-served-mix-stream-always", [*SERVED, "--target", "h100", "--min-sqnr", "30", "--served-mix",
+                                                 "16+64", "--stream", "always"], 1, ["holds the model in memory"]),
+    Case("generation-served-mix-no-kv-cache", [*SERVED, "--target", "h100", "--min-sqnr", "30", "--served-mix",
+                                               "16+64"], 1,  # the MLP has no transformers config: after loading
+         ["prices the KV cache from a transformers config", "Sequential has none", "without --served-mix"]),
+    Case("served-mix-for-inference", ["tune", "{d}/tiny.py", "--target", "h100", "--min-sqnr", "30",
+                                      "--served-mix", "16+64"], 1, ["--served-mix", "tune --for generation"]),
     # ---- policy files ------------------------------------------------------------------------------------
     Case("show-missing", ["show", "{d}/nope.json"], 1, ["cannot read policy file", "nope.json"]),
     Case("mxfp8-on-a-bare-linear-model", ["bench", "{d}/bare_linear.py", "--policy",
@@ -516,3 +544,9 @@ def test_one_line_answer(case: Case, results):
     assert errors[0].startswith(f"autoprec {command}: error: " if command else "autoprec: error: "), said
     for word in case.words:
         assert word in errors[0], f"{word!r} not in: {errors[0]}"
+
+
+def test_a_refused_served_mix_leaves_no_folder(results, folder):
+    """Every served-mix refusal above, the one after the model loads included, comes before its --out is made."""
+    assert results["generation-served-mix-no-kv-cache"].returncode == 1
+    assert not (folder / "out-served").exists()

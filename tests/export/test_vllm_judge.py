@@ -58,10 +58,10 @@ MIXED_SCHEMES = {"model.layers.0.self_attn.qkv_proj": FP8, "model.layers.0.self_
                  "lm_head": "UnquantizedEmbeddingMethod"}  # vLLM's ParallelLMHead, unquantized
 
 
-def export(tmp_path: Path, policy: Policy, name: str) -> tuple[Path, Path, Path]:
-    """(the folder, model.py, the policy file) of ``policy`` exported."""
+def export(tmp_path: Path, policy: Policy, name: str, model: str = MODEL_PY) -> tuple[Path, Path, Path]:
+    """(the folder, model.py, the policy file) of ``policy`` exported from ``model``'s model.py."""
     model_py = tmp_path / "model.py"
-    model_py.write_text(MODEL_PY)
+    model_py.write_text(model)
     policy_path = tmp_path / f"{name}.json"
     policy.save(policy_path)
     out = tmp_path / name
@@ -137,7 +137,11 @@ def test_vllm_serves_a_mixed_fp8_plan_layer_for_layer_within_bf16_rounding(tmp_p
 @pytest.mark.vllm
 @needs_vllm
 def test_a_plain_plan_is_served_unquantized_everywhere(tmp_path, vllm_python):
-    out, model_py, policy_path = export(tmp_path, Policy(default="bf16"), "plain")
+    # and a model whose context (128) is shorter than the 256 tokens the judge starts vLLM with where it can
+    short = MODEL_PY.replace('architectures=["LlamaForCausalLM"]', 'architectures=["LlamaForCausalLM"],\n'
+                             '                         max_position_embeddings=128')
+    assert short != MODEL_PY
+    out, model_py, policy_path = export(tmp_path, Policy(default="bf16"), "plain", short)
     verdict = judge_export(out, model_py, policy=policy_path, vllm_python=vllm_python)
     assert verdict.ok, verdict.problems
     assert verdict.layers == {**dict.fromkeys(MIXED_SCHEMES, PLAIN), "lm_head": "UnquantizedEmbeddingMethod"}

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from autoprec.search.served_mix import ServedMix, plan_served
+from autoprec.search.served_mix import ServedMix, plan_mixes, plan_served
 
 KV_BOUND, WEIGHT_BOUND = ServedMix(2048, 64, 64), ServedMix(16, 64, 1)
 
@@ -32,8 +32,11 @@ FLOOR_DB = 30.0
 
 @pytest.fixture(scope="module")
 def plans():
+    """Both mixes planned from one measurement of every candidate (plan_mixes), and the weight-bound one again
+    alone (plan_served), which must come out the same."""
     model = llama()
-    return {mix: plan_served(model, BATCHES, FLOOR_DB, "h100", mix) for mix in (KV_BOUND, WEIGHT_BOUND)}
+    both = dict(zip((KV_BOUND, WEIGHT_BOUND), plan_mixes(model, BATCHES, FLOOR_DB, "h100", [KV_BOUND, WEIGHT_BOUND])))
+    return {**both, "alone": plan_served(model, BATCHES, FLOOR_DB, "h100", WEIGHT_BOUND)}
 
 
 def test_a_kv_bound_mix_spends_the_budget_on_the_cache_and_a_weight_bound_one_on_weights(plans):
@@ -56,6 +59,9 @@ def test_a_kv_bound_mix_spends_the_budget_on_the_cache_and_a_weight_bound_one_on
     assert weight_bound.parts["weights"]["vs_bf16"] > 1.1
     assert any(line.startswith("  the KV cache: 1 layer in FP8") for line in kv_bound.lines())
     assert "  weights: none in FP8" in kv_bound.lines()
+    alone = plans["alone"]  # planned by itself: the same plan, SQNR and parts
+    assert alone.policy == weight_bound.policy and alone.sqnr_db == weight_bound.sqnr_db
+    assert alone.parts == weight_bound.parts
 
 
 def test_a_floor_nothing_meets_is_one_line():
