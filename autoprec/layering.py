@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("service", ("distributed", "context")),
     # a policy in a model: installing it, training with it, compiling around it
     ("apply", ("runtime.apply", "runtime.training", "runtime.rulecheck", "runtime.regionstate",
-               "runtime.torchao_linear", "runtime.compiled", "runtime.serve")),
+               "runtime.torchao_linear", "runtime.compiled", "runtime.serve_mode")),
     # precisions and their kernels, the policy file, model.py and its batches, errors, how text is written; the
     # names of a model DDP, FSDP2 or torch.compile wrapped (``common.wrapped``: every layer that names a layer needs
     # them), and what the ranks must hold alike (``runtime.agree``: applying a policy compares it across ranks)

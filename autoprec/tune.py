@@ -30,7 +30,7 @@ from autoprec.outputs.outdir import claim_out_dir
 from autoprec.outputs.results import TuneResult
 from autoprec.outputs.tuned import tune_outputs
 from autoprec.profile.reuse import NothingToTune, load_or_profile
-from autoprec.runtime.served import ServedAs
+from autoprec.runtime.as_served import ServedAs
 from autoprec.search.stage import search_workload, study_storage, unsearched
 from autoprec.verify.stage import autocast_for, fp32_answer, verify_search
 from autoprec.workloads import Workload
@@ -172,7 +172,7 @@ def _measure_as_served(workload: Workload, objective: Any, serving: tuple | None
                        fusion_groups: Mapping[str, Sequence[str]]) -> None:
     """A tune for a serving engine (``tune --engine vllm``, ``serving``: the engine and the dtype it serves in; the
     profile's fusion groups): from here on the search's objective and the verification measure every policy as the
-    engine serves it (:mod:`autoprec.runtime.served`)."""
+    engine serves it (:mod:`autoprec.runtime.as_served`)."""
     if serving is None:
         return
     engine, dtype = serving

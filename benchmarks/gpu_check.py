@@ -306,7 +306,7 @@ def fp8_rowwise(device: str, shapes: list[tuple[int, int, int]], warmup: int, re
     from autoprec import Policy, apply_policy
     from autoprec.common.sqnr import sqnr_db
     from autoprec.profile.costmodel import linear_ms
-    from autoprec.runtime.serve import held_bytes
+    from autoprec.runtime.serve_mode import held_bytes
 
     rows = []
     policy = Policy.from_assignment({"0": "fp8-rowwise"})

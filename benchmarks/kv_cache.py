@@ -72,7 +72,7 @@ def planted_rows() -> list[str]:
 def mix_lines() -> list[str]:
     from test_served_mix import BATCHES, KV_BOUND, WEIGHT_BOUND, llama
 
-    from autoprec.profile.serving import serving_estimate
+    from autoprec.profile.serving_estimate import serving_estimate
     from autoprec.search.served_mix import plan_served
 
     model = llama()

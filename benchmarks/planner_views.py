@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from provenance import stamped_dumps  # noqa: E402
 
-from autoprec.runtime.served import fake_quantize_input  # noqa: E402
+from autoprec.runtime.as_served import fake_quantize_input  # noqa: E402
 
 MODELS = {"structured": ROOT / "benchmarks" / "models" / "structured_llama" / "model.py",
           "served": ROOT / "benchmarks" / "models" / "served_llama" / "model.py"}
@@ -55,7 +55,7 @@ DECODE_TOKENS = 8  # ... of one decode step of 8 sequences (benchmarks/serving.p
 
 def fp8_rowwise(x: torch.Tensor) -> torch.Tensor:
     """``x`` through FP8 e4m3 with one scale per row (last dimension), quantized and dequantized with the runtime's
-    own arithmetic (:func:`autoprec.runtime.served.fake_quantize_input`): per output channel for a weight, per token
+    own arithmetic (:func:`autoprec.runtime.as_served.fake_quantize_input`): per output channel for a weight, per token
     for an input."""
     return fake_quantize_input(x, per_token=True)
 

@@ -48,7 +48,7 @@ def one_case(mode: str, precision: str, warm: bool) -> dict:
 
     sys.path.insert(0, str(ROOT))
     from autoprec import Policy, apply_policy
-    from autoprec.runtime.serve import held_bytes
+    from autoprec.runtime.serve_mode import held_bytes
 
     policy = Policy.from_assignment({str(i): precision for i in range(LAYERS)})
     if warm:

@@ -36,7 +36,7 @@ reload's scores, and its row says why. Plans:
   its roofline-guided MixPrecisionQuantizer needs vLLM on a GPU and is said so.
 
 Columns: the scores, the *estimated* serving time on an H100 and a B200 of the plan each checkpoint holds
-(autoprec.profile.serving.serving_estimate, SERVE below: decode tokens per second with the weights and the KV
+(autoprec.profile.serving_estimate.serving_estimate, SERVE below: decode tokens per second with the weights and the KV
 cache priced by the bytes they move, prefill ms by its FLOPs), the checkpoint's weight bytes, and the time to tune
 or quantize. Then the goal check (benchmarks/serving_goal.py): autoprec's plans (its Pareto front) against each
 peer's, once each: a win only where better beyond the noise (times within 1%, KL within the spread of one plan
@@ -79,7 +79,7 @@ from serving_goal import goal, goal_lines  # noqa: E402
 
 from autoprec.export import engine_schemes, export_checkpoint, plan_export  # noqa: E402
 from autoprec.export.judge import find_vllm_python  # noqa: E402
-from autoprec.profile.serving import serving_estimate  # noqa: E402
+from autoprec.profile.serving_estimate import serving_estimate  # noqa: E402
 from autoprec.runtime.policy import Policy  # noqa: E402
 
 SCORED = 4  # tiny: held-out batches after the tune's, each 8 x 128
@@ -640,7 +640,7 @@ def scorer(row: dict) -> str:
 
 def table(rows: list[dict], description: str) -> str:
     s = SERVE
-    lines = [f"Model: {description}. Estimated serving (autoprec.profile.serving): {s['batch']} prompts of "
+    lines = [f"Model: {description}. Estimated serving (autoprec.profile.serving_estimate): {s['batch']} prompts of "
              f"{s['prompt_tokens']} tokens, {s['new_tokens']} new tokens each, KV cache included. KL and "
              "perplexity as the row's scorer gives them; the logits' SQNR from the transformers reload (or in "
              "process: vLLM gives log-probabilities, not logits).", "",

@@ -41,7 +41,7 @@ def show(args: argparse.Namespace) -> int:
         print(_fusion_groups(policy, groups))
     serving = policy.result.get("serving")
     if isinstance(serving, dict) and {"target", "rows", "new_tokens", "kv_cache_priced"} <= set(serving):
-        from autoprec.workloads.serving import serving_lines
+        from autoprec.profile.serving_figures import serving_lines
 
         print("\n" + "\n".join(serving_lines(serving)).removeprefix("## ").rstrip())
     return 0

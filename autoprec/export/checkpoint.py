@@ -48,7 +48,7 @@ from autoprec.export.plan import SCHEMES, ExportPlan, ExportRefused, Scheme, fus
 from autoprec.export.quantize import shared_global_scales, weight_scale
 from autoprec.export.vllm import engine_schemes
 from autoprec.runtime.mx import nvfp4_global_scale, nvfp4_quantize
-from autoprec.runtime.served import EXPERT
+from autoprec.runtime.as_served import EXPERT
 
 __all__ = ["EXPORT_FILE", "SHARD_BYTES", "CheckpointLayout", "checkpoint_layout", "ct_scheme", "export_checkpoint",
            "quantization_config"]

@@ -6,7 +6,7 @@ quantizes ``clamp(x / scale, -448, 448)`` to E4M3 and stores ``scale`` beside ``
 0 (an all-zero row) is replaced by its dtype's eps. Weight scales are per output channel (FP8_DYNAMIC) or one per
 tensor, and are stored in the dtype the model is served in, as llm-compressor writes them for a model in that
 dtype, so that the engine, transformers and this emulation all multiply by the very same number. The FP8
-arithmetic is the runtime's (:mod:`autoprec.runtime.served`, which a ``tune --engine vllm`` measures with): vLLM
+arithmetic is the runtime's (:mod:`autoprec.runtime.as_served`, which a ``tune --engine vllm`` measures with): vLLM
 scales a dynamic FP8 input per token under either scheme, in fp32, and requantizes the per-tensor weights of a fused
 GEMM to the largest scale of its parts on loading (``tests/export/test_export.py`` holds these functions to
 compressed-tensors' own).
@@ -40,11 +40,11 @@ from torch import nn
 from autoprec.export.plan import SCHEMES, ExportPlan, Scheme, fused_experts
 from autoprec.export.vllm import engine_layers
 from autoprec.inputs.batches import call_model
-from autoprec.runtime import served
+from autoprec.runtime import as_served
 from autoprec.runtime.experts import FP8Experts
 from autoprec.runtime.mx import nvfp4_dequantize, nvfp4_fake_quantize, nvfp4_global_scale, nvfp4_quantize
 from autoprec.runtime.precision import Precision
-from autoprec.runtime.served import cast_stored, expert_gemm_groups, fake_quantize_input, fp8_served_values
+from autoprec.runtime.as_served import cast_stored, expert_gemm_groups, fake_quantize_input, fp8_served_values
 
 __all__ = ["ServedExperts", "ServedLinear", "calibrate_inputs", "fake_quantize_input", "fused_parts", "nvfp4_weight",
            "pack_e2m1", "quantize_weight", "served_model", "shared_global_scales", "weight_scale"]
@@ -52,13 +52,13 @@ __all__ = ["ServedExperts", "ServedLinear", "calibrate_inputs", "fake_quantize_i
 
 def weight_scale(weight: torch.Tensor, scheme: Scheme, scale_dtype: torch.dtype) -> torch.Tensor:
     """The weight's dequantization scale, as stored: shape (out, 1) per channel, (1,) per tensor."""
-    return served.weight_scale(weight, scheme.per_channel, scale_dtype)
+    return as_served.weight_scale(weight, scheme.per_channel, scale_dtype)
 
 
 def quantize_weight(weight: torch.Tensor, scheme: Scheme, scale_dtype: torch.dtype
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the weight in float8_e4m3fn, its scale): quantized from the fp32 weight with the stored scale's value."""
-    return served.quantize_weight(weight, scheme.per_channel, scale_dtype)
+    return as_served.quantize_weight(weight, scheme.per_channel, scale_dtype)
 
 
 # ---- NVFP4 --------------------------------------------------------------------------------------------------
@@ -83,8 +83,8 @@ def nvfp4_weight(weight: torch.Tensor, global_scale: torch.Tensor | None = None
 
 
 def fused_parts(names: list[str]) -> list[list[str]]:
-    """``names`` in the groups vLLM runs as one GEMM (q/k/v, gate/up, an expert's gate and up projections: its
-    w13, as :func:`autoprec.runtime.served.expert_gemm_groups` groups them for the runtime), each other layer alone."""
+    """``names`` in the groups vLLM runs as one GEMM (q/k/v, gate/up, an expert's gate and up projections: its w13, as
+    :func:`autoprec.runtime.as_served.expert_gemm_groups` groups them for the runtime), each other layer alone."""
     layers = engine_layers(names)
     return list(layers.linears.values()) + [g for experts in layers.moe.values() for g in expert_gemm_groups(experts)]
 
@@ -199,7 +199,7 @@ def served_model(model: nn.Module, plan: ExportPlan) -> nn.Module:
 
 def _requantized(model: nn.Module, plan: ExportPlan) -> dict[str, torch.Tensor]:
     """Per-tensor fp8 layer -> its served values, where vLLM fuses it with others into one GEMM: requantized to the
-    parts' largest scale on loading (:func:`autoprec.runtime.served.requantize_with_max_scale`)."""
+    parts' largest scale on loading (:func:`autoprec.runtime.as_served.requantize_with_max_scale`)."""
     names = [n for n, p in plan.quantized.items() if p is Precision.FP8]
     out: dict[str, torch.Tensor] = {}
     for parts in fused_parts(names):

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoprec.runtime.served import EXPERT
+from autoprec.runtime.as_served import EXPERT
 
 __all__ = ["LLAMA_PACKED", "EngineLayers", "engine_layers", "engine_schemes"]
 

@@ -42,7 +42,7 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-# autoprec.runtime.served.EXPERT, copied: this script imports nothing of autoprec (a test holds the two equal)
+# autoprec.runtime.as_served.EXPERT, copied: this script imports nothing of autoprec (a test holds the two equal)
 EXPERT = re.compile(r"(?P<moe>.*\.experts)\.(?P<index>\d+)\.(?P<proj>[^.]+)$")
 
 

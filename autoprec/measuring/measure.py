@@ -186,7 +186,7 @@ class Evaluator(Objective):
                  device: str | torch.device = "cpu",
                  served: Callable[[nn.Module, Policy], Policy] | None = None) -> None:
         self.model = model
-        # a tune for a serving engine (autoprec.runtime.served.ServedAs): each policy measured as the engine serves
+        # a tune for a serving engine (autoprec.runtime.as_served.ServedAs): each policy measured as the engine serves
         # it; the fp32 reference stays the plain model's
         self.served = served
         self.device = torch.device(device)

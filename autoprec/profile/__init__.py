@@ -31,7 +31,7 @@ from autoprec.profile.sensitivity import measure_sensitivity, sensitivity_work
 from autoprec.runtime.engines import SERVED_QUANTIZED, served_dtype
 from autoprec.runtime.experts import moe_routers
 from autoprec.runtime.precision import DEFAULT_PRECISIONS, Capability, Precision, device_capabilities
-from autoprec.runtime.served import ServedAs, output_heads
+from autoprec.runtime.as_served import ServedAs, output_heads
 
 __all__ = ["Profile", "LayerProfile", "ProfileConfig", "Sensitivity", "ProfileError", "profile_layers", "profile_model",
            "fingerprint", "predict_ms", "device_name"]

@@ -77,8 +77,8 @@ from autoprec.runtime.rulecheck import (
     structure_fingerprint,
     takes_precision,
 )
-from autoprec.runtime.serve import NOT_REMOVABLE, NOT_TRAINABLE, serve_linears, store_low_weights
-from autoprec.runtime.served import Served, install_served, remove_served
+from autoprec.runtime.serve_mode import NOT_REMOVABLE, NOT_TRAINABLE, serve_linears, store_low_weights
+from autoprec.runtime.as_served import Served, install_served, remove_served
 from autoprec.runtime.sharded import (
     FSDP_CASTS_FIX,
     Morphed,
@@ -112,7 +112,7 @@ class _Installed:
     fsdp_float8_all_gather: bool = False
     new_weights: set[int] = field(default_factory=set)  # swapped-in modules with weight Parameters of their own
     cast_once: list[nn.Module] = field(default_factory=list)  # linears and convs given CastWeights as their forward
-    served: Served | None = None  # a policy for a serving engine, run as it serves it (autoprec.runtime.served)
+    served: Served | None = None  # a policy for a serving engine, run as it serves it (autoprec.runtime.as_served)
     experts: list[FP8ExpertsForward] = field(default_factory=list)  # MoE experts run in fp8-rowwise
 
 
@@ -322,7 +322,7 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
 
     ``mode="inference"`` or ``"training"``: both keep the fp32 master weights and leave
     train()/eval() as they are. ``mode="serve"`` stores each weight once in its precision and drops the fp32
-    weights where a layer does not compute with them (:mod:`autoprec.runtime.serve`): the same outputs as
+    weights where a layer does not compute with them (:mod:`autoprec.runtime.serve_mode`): the same outputs as
     inference mode in less memory, for a model that is served, never trained or restored
     (``remove_policy`` and a training forward are refused).
 
@@ -395,7 +395,7 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
 
 
 def _apply_served(wrapper: nn.Module, model: nn.Module, policy: Policy, mode: str) -> nn.Module:
-    """A policy tuned for a serving engine, installed as :mod:`autoprec.runtime.served` runs it: for inference."""
+    """A policy tuned for a serving engine, installed as :mod:`autoprec.runtime.as_served` runs it: for inference."""
     if mode != "inference":
         raise PolicyError(f"this policy was tuned for {policy.engine} (its 'engine'), and applied it runs the model "
                           f"as {policy.engine} serves it, for inference only: use mode='inference' (to train or to "

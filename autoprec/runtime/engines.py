@@ -11,7 +11,7 @@ with a dynamic input scale per token (fp8 and fp8-rowwise alike); the per-tensor
 fused GEMM (q/k/v, gate/up, an expert's gate/up) are requantized to the largest of them; a MoE layer's experts
 module in fp8-rowwise runs its FP8 MoE (:mod:`autoprec.runtime.experts`). A policy for it is held to
 that: its default is the served dtype, and a layer is either that dtype or quantized. How a plan is run as the
-engine serves it, in this process, is :mod:`autoprec.runtime.served`.
+engine serves it, in this process, is :mod:`autoprec.runtime.as_served`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A MoE layer's routed experts in fp8-rowwise: the one implementation of their FP8 arithmetic, for ``apply_policy``
 (a rule of fp8-rowwise on an experts module, exact or inherited), for a plan run as vLLM serves it
-(:mod:`autoprec.runtime.served`, what ``tune --engine vllm`` measures) and for ``autoprec export``'s emulation of the
+(:mod:`autoprec.runtime.as_served`, what ``tune --engine vllm`` measures) and for ``autoprec export``'s emulation of the
 checkpoint (:class:`autoprec.export.quantize.ServedExperts`).
 
 transformers 5 keeps a MoE layer's experts in one module with 3-D parameters (``MixtralExperts``,

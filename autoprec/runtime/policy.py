@@ -7,7 +7,7 @@ A policy is plain JSON (never pickle)::
      "fp8": {"recipe": "tensorwise", "amax_history": 16}, ...}
 
 An optional ``"engine": "vllm"`` says the plan was tuned for that serving engine (:mod:`autoprec.runtime.engines`):
-applied, it runs as the engine serves it (:mod:`autoprec.runtime.served`). A file without it is for in-process use.
+applied, it runs as the engine serves it (:mod:`autoprec.runtime.as_served`). A file without it is for in-process use.
 An optional ``"kv_cache": {"model.layers.0.self_attn": "fp8-head", ...}`` gives attention layers' KV cache a format
 (:mod:`autoprec.runtime.kvcache`: ``auto``, ``fp8``, ``fp8-head``); a layer it does not name keeps the model's dtype.
 

@@ -5,13 +5,13 @@ at batch 1 are bound by the weights, long prompts at high concurrency by the cac
 weights, or a layer's cache) depends on the mix served (:class:`ServedMix`: prompt tokens, new tokens, concurrent
 sequences), and both spend one budget: the output's SQNR against fp32.
 
-How (:func:`plan_served`): every candidate is measured alone on the calibration batches against fp32 (a fused
-group's weights in fp8-rowwise with the rest bf16, as vLLM serves them; an attention layer's cache in FP8 with its
-calibrated static scales, per tensor or per head: one strategy per checkpoint, so each is planned and the better
-kept), and priced by what it saves of the mix's time on the target (:func:`autoprec.profile.serving.serving_estimate`,
-prefill and decode). Independent errors add as noise powers, so a plan's noise is about the sum of its parts'; the
-candidates are taken by time saved per unit of noise while the sum stays under the floor, then the plan is
-measured whole, and the last taken is given back until the measurement, not the sum, meets the floor.
+How (:func:`plan_served`): every candidate is measured alone on the calibration batches against fp32 (a fused group's
+weights in fp8-rowwise with the rest bf16, as vLLM serves them; an attention layer's cache in FP8 with its calibrated
+static scales, per tensor or per head: one strategy per checkpoint, so each is planned and the better kept), and priced
+by what it saves of the mix's time on the target (:func:`autoprec.profile.serving_estimate.serving_estimate`, prefill
+and decode). Independent errors add as noise powers, so a plan's noise is about the sum of its parts'; the candidates
+are taken by time saved per unit of noise while the sum stays under the floor, then the plan is measured whole, and the
+last taken is given back until the measurement, not the sum, meets the floor.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from torch import nn
 from autoprec.common.sqnr import sqnr_db
 from autoprec.inputs.batches import call_model
 from autoprec.profile.kvcache import model_output
-from autoprec.profile.serving import serving_estimate
+from autoprec.profile.serving_estimate import serving_estimate
 from autoprec.runtime.apply import apply_policy, remove_policy
 from autoprec.runtime.engines import VLLM
 from autoprec.runtime.experts import fused_experts, moe_routers
 from autoprec.runtime.kvcache import KV_FORMATS, calibrate_kv, kv_quantized
 from autoprec.runtime.policy import Policy
-from autoprec.runtime.served import output_heads
+from autoprec.runtime.as_served import output_heads
 
 __all__ = ["Candidate", "ServedMix", "ServedPlan", "held_out_sqnr", "plan_mixes", "plan_served"]
 

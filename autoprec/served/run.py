@@ -3,11 +3,11 @@
 vLLM serving that mix, under one floor on the output's SQNR against fp32
 (:func:`autoprec.search.served_mix.plan_served`), then verified on model.py's held-out batches as vLLM serves it.
 
-The mix's time is the target's cost model's estimate (:func:`autoprec.profile.serving.serving_estimate`); accuracy
-is measured here. The report sets the plan beside the one for a contrasting workload: a mix is KV-bound where the
-cache its last decode step reads outweighs the weights (bf16, estimated), else weight-bound; its contrast is the
-other kind (a weight-bound mix's: long prompts at high concurrency; a KV-bound one's: a short prompt alone), and
-the table gives every plan's estimated decode tokens/s and prefill under both, so it says why the plans differ.
+The mix's time is the target's cost model's estimate (:func:`autoprec.profile.serving_estimate.serving_estimate`);
+accuracy is measured here. The report sets the plan beside the one for a contrasting workload: a mix is KV-bound where
+the cache its last decode step reads outweighs the weights (bf16, estimated), else weight-bound; its contrast is the
+other kind (a weight-bound mix's: long prompts at high concurrency; a KV-bound one's: a short prompt alone), and the
+table gives every plan's estimated decode tokens/s and prefill under both, so it says why the plans differ.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from autoprec.common.writing import markdown_table, text_table
 from autoprec.common.wrapped import own_class
 from autoprec.errors import Terminated, UserError
-from autoprec.profile.serving import ServingEstimate, kv_cache_of, serving_estimate
+from autoprec.profile.serving_estimate import ServingEstimate, kv_cache_of, serving_estimate
 from autoprec.runtime.apply import structure_fingerprint
 from autoprec.runtime.engines import VLLM
 from autoprec.runtime.policy import Policy

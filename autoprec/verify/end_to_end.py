@@ -95,7 +95,7 @@ class Shortlist:
     # latency from the cost model for the GPU of VerifyConfig.estimated_for: one estimate per entry, not timed rounds
     estimated_ms: Callable[[Policy], float] | None = None
     # a tune for a serving engine: each candidate (and blanket autocast) as the engine serves it, which is what is
-    # measured, timed, estimated and chosen (autoprec.runtime.served.served_policy)
+    # measured, timed, estimated and chosen (autoprec.runtime.as_served.served_policy)
     served: Callable[[Policy], Policy] | None = None
 
 

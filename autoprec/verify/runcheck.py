@@ -30,7 +30,7 @@ from autoprec.runtime.experts import EXPERTS_PRECISION, FP8Experts, FP8ExpertsFo
 from autoprec.runtime.fp8_linear import FP8Linear, FP8RowwiseLinear, FP8ServedLinear
 from autoprec.runtime.mx import BlockScaledLinear
 from autoprec.runtime.policy import Policy, PolicyError
-from autoprec.runtime.served import EngineFP8Linear
+from autoprec.runtime.as_served import EngineFP8Linear
 from autoprec.runtime.sharded import FSDP_CASTS_FIX, fsdp_casts
 
 __all__ = ["check_policy_runs", "policy_runs_note"]

@@ -100,7 +100,7 @@ class Workload:
     steps = 0  # steps of each verification training run (0: verification does not train)
     # can be tuned for a serving engine (tune --engine): measures forwards, as an engine serves them
     serves_engines = False
-    served: Any = None  # set by the tune for an engine: how a policy runs as it serves it (runtime.served.ServedAs)
+    served: Any = None  # set by the tune for an engine: how a policy runs as it serves it (runtime.as_served.ServedAs)
     cli_help = ""  # what ``tune --for NAME`` tunes for, in --help
     cli_options: Mapping[str, str] = {}  # its own options' dests -> what each is, said where another --for is asked
     notebook_settings: frozenset[str] = frozenset()  # tune(model, batches, ...)'s settings beside TuneConfig's

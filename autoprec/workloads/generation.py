@@ -557,7 +557,7 @@ class GenerationWorkload(InferenceWorkload):
         if self.default_metric:
             out["metric_kind"] = "reply perplexity" if self.replies else "prompt perplexity"
         if verification.estimated_for is not None and self.generate is None:
-            from autoprec.workloads.serving import serving_figures
+            from autoprec.profile.serving_figures import serving_figures
 
             shapes = [tuple(prompt_tokens(self.prompt(b))[0].shape) for b in self.batches]
             out["serving"] = serving_figures(self.model, verification.policy, verification.estimated_for, shapes,
@@ -583,7 +583,7 @@ class GenerationWorkload(InferenceWorkload):
         lines = ["## Prefill and decode", ""]
         times = self.times
         if v.estimated_for is not None:
-            from autoprec.workloads.serving import serving_lines
+            from autoprec.profile.serving_figures import serving_lines
 
             serving = tuned.policy.result.get("serving")
             return [*lines, f"Estimated for {v.estimated_for} by the cost model, not timed: each layer's time is its "

@@ -1,4 +1,5 @@
-"""A plan for vLLM, run in this process as vLLM serves it (autoprec.runtime.served), and exported as it was tuned.
+"""A plan for vLLM, run in this process as vLLM serves it (autoprec.runtime.as_served), and exported as it was
+tuned.
 
 The arithmetic is checked against a direct computation written here from vLLM's own code
 (compressed_tensors_w8a8_fp8.py: a dynamic input is quantized per token; w8a8_utils.requantize_with_max_scale: the
@@ -22,7 +23,7 @@ from autoprec.runtime.fp8 import FP8Recipe
 from autoprec.runtime.fp8_linear import FP8Linear
 from autoprec.runtime.policy import Policy, PolicyError
 from autoprec.runtime.precision import Precision
-from autoprec.runtime.served import EXPERT, EngineFP8Linear, fused_gemms
+from autoprec.runtime.as_served import EXPERT, EngineFP8Linear, fused_gemms
 
 pytest.importorskip("transformers")
 

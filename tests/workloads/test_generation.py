@@ -215,7 +215,7 @@ def test_target_prices_the_decode_steps_at_their_own_shapes(tmp_path, capsys):
     """--target for generation: each layer's estimate is its prefill at the prompts' shapes plus new_tokens - 1
     decode steps at one token per row, where the linears are memory-bound (bf16 about halves their time). The
     report and `autoprec show` give the serving estimates (tokens/s, prefill, weights' memory) of the plan, bf16
-    everywhere and FP8 everywhere: those of autoprec.profile.serving.serving_estimate."""
+    everywhere and FP8 everywhere: those of autoprec.profile.serving_estimate.serving_estimate."""
     from autoprec.profile.costmodel import linear_ms
 
     profiles = {}
@@ -235,8 +235,8 @@ def test_target_prices_the_decode_steps_at_their_own_shapes(tmp_path, capsys):
 
 
 def _the_serving_section_is_the_estimate(policy: Policy, out, new_tokens: int, capsys) -> None:
-    from autoprec.profile.serving import serving_estimate
-    from autoprec.workloads.serving import fp8_everywhere
+    from autoprec.profile.serving_estimate import serving_estimate
+    from autoprec.profile.serving_figures import fp8_everywhere
 
     serving = json.loads((out / "policy.json").read_text())["result"]["serving"]
     assert serving["target"] == "h100" and serving["estimated"] and serving["kv_cache_priced"]

@@ -1,6 +1,6 @@
 """What a generation tune for a named GPU (``--for generation --target NAME``) says of serving its plan: decode
 tokens per second at the prompts' batch sizes, the prefill's time and the weights' memory, for the plan, for bf16
-everywhere and for FP8 everywhere, from :func:`autoprec.profile.serving.serving_estimate`. The figures go into
+everywhere and for FP8 everywhere, from :func:`autoprec.profile.serving_estimate.serving_estimate`. The figures go into
 policy.json's ``result`` (so ``autoprec show`` gives them) and the report renders the same ones."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torch import nn
 
 from autoprec.common.writing import markdown_table
 from autoprec.profile.costmodel import cores, get_target
-from autoprec.profile.serving import serving_estimate
+from autoprec.profile.serving_estimate import serving_estimate
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision, emulated_for_shape
 

@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from autoprec.profile import costmodel
-from autoprec.profile.serving import kv_cache_of, serving_estimate, with_kv_formats
+from autoprec.profile.serving_estimate import kv_cache_of, serving_estimate, with_kv_formats
 from autoprec.runtime.experts import fused_experts
 from autoprec.runtime.policy import Policy
 

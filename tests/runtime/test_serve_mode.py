@@ -10,7 +10,7 @@ import torch.nn as nn
 from autoprec import apply_policy, remove_policy
 from autoprec.runtime.fp8_linear import FP8ServedLinear
 from autoprec.runtime.policy import Policy, PolicyError
-from autoprec.runtime.serve import held_bytes
+from autoprec.runtime.serve_mode import held_bytes
 
 WIDTH, DEPTH = 256, 4
 LINEARS = [str(2 * i) for i in range(DEPTH)]  # the linears of mlp(), between its activations

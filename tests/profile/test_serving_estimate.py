@@ -1,5 +1,5 @@
-"""Serving estimates (``autoprec.profile.serving``): a decode step priced by the bytes it moves (the weights at the
-plan's precisions, the KV cache at its context), a prefill by its FLOPs, for a named GPU. Every figure is the cost
+"""Serving estimates (``autoprec.profile.serving_estimate``): a decode step priced by the bytes it moves (the weights at
+the plan's precisions, the KV cache at its context), a prefill by its FLOPs, for a named GPU. Every figure is the cost
 model's, so nothing here depends on this CPU's speed.
 
 The model is a tiny Llama from a LlamaConfig (2 layers, hidden 64, 4 query heads of 16, random weights)."""
@@ -12,9 +12,9 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from autoprec.profile.costmodel import MEMORY_EFFICIENCY, TARGETS
-from autoprec.profile.serving import KVCache, kv_cache_of, serving_estimate
+from autoprec.profile.serving_estimate import KVCache, kv_cache_of, serving_estimate
 from autoprec.runtime.policy import Policy
-from autoprec.workloads.serving import fp8_everywhere, serving_figures, serving_lines
+from autoprec.profile.serving_figures import fp8_everywhere, serving_figures, serving_lines
 
 BF16 = Policy(default="bf16")
 
