@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # over the stages, beside the pipeline (the CLI picks one by the memory the model needs)
     ("stream", ("stream",)),
     # weights and the KV cache planned for a served mix (`tune --for generation --served-mix`): its own path too
-    ("served", ("served",)),
+    ("served_mix", ("served_mix",)),
     # what a tune writes and shows; the pipeline and the CLI read them, nothing below does
     ("outputs", ("outputs",)),
     # what is tuned for: the one place that knows inference from training from generation

@@ -125,8 +125,8 @@ def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
         return _interrupted(getattr(stop, "phase", "checking"), signal_name, out) if ranks.writes else status
     if not ranks.writes:  # the first rank prints the result and wrote the outputs
         return 0
-    if hasattr(result, "bounds"):  # a served-mix tune (autoprec.served) prints its own
-        from autoprec.served.run import print_served
+    if hasattr(result, "bounds"):  # a served-mix tune (autoprec.served_mix) prints its own
+        from autoprec.served_mix.run import print_served
 
         return print_served(result)
     if hasattr(result, "chosen"):  # a streamed tune (autoprec.stream) prints its own
@@ -151,8 +151,8 @@ def _tuned(args: argparse.Namespace, ranks: Any, log: Any, out: Path) -> Any:
     config = _config(args, out=out, compile=args.compile, profile_all=args.profile_all,  # before loading
                      exact_sensitivity=args.exact_sensitivity, progress=ranks.writes, fuse=args.fuse,
                      engine=args.engine)
-    if getattr(args, "served_mix", None) is not None:  # weights and KV cache for a served mix (autoprec/served/)
-        from autoprec.served.run import check_served, served_tune
+    if getattr(args, "served_mix", None) is not None:  # weights and KV cache for a served mix (autoprec/served_mix/)
+        from autoprec.served_mix.run import check_served, served_tune
 
         settings = {"target": config.target, "min_sqnr": config.min_sqnr, "stream": args.stream}
         return served_tune(args.model_py, check_served(args.served_mix, _given(args), settings, ranks.world_size),

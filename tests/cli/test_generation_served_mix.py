@@ -19,7 +19,7 @@ from autoprec.runtime.apply import apply_policy, remove_policy
 from autoprec.runtime.kvcache import KV_FORMATS
 from autoprec.runtime.policy import Policy
 from autoprec.search.served_mix import ServedMix, ServedPlan
-from autoprec.served.run import SHORT_ALONE, ServedResult, contrast_of, kv_bound, report
+from autoprec.served_mix.run import SHORT_ALONE, ServedResult, contrast_of, kv_bound, report
 
 LLAMA = Path(__file__).parents[1] / "cli_models" / "tiny_llama.py"
 KV_BOUND = "4096+256x32"  # 32 long prompts at once
