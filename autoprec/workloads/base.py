@@ -1,17 +1,20 @@
 """What is tuned for: a workload tells the one pipeline (:func:`autoprec.tune`) what differs.
 
 The pipeline (checks -> capture -> profile -> search -> verify -> outputs) is written once, in
-:mod:`autoprec.tune`. A :class:`Workload` answers its questions for one use of the model:
+:mod:`autoprec.tune`. A :class:`Workload` answers its questions for one use of the model. As optuna's samplers and
+llm-compressor's modifiers are, it is a few methods it must write and hooks it may override:
 
-- which budget applies by default, and which settings make no sense for it (:meth:`budget`, :meth:`check`);
-- the objective the search constrains and its fp32 reference (:meth:`objective`);
-- which batches show every layer, and how the profile measures latency (:meth:`capture_batches`,
-  :meth:`profile`): a forward, or a training step;
-- how verification runs a candidate on data the search never saw, and how it times it
-  (:meth:`held_out`, :meth:`time`): held-out batches, or short interleaved training runs;
-- what the outputs add (:meth:`write_extras`, :meth:`report_sections`): e.g. ``loss.png``;
-- its options on the command line and its settings in the notebook API (:meth:`add_arguments`,
-  :meth:`from_command`, :meth:`from_notebook`), and what else the pipeline asks (the class attributes).
+- it must write (:data:`MUST_WRITE`): how it is made from the command line and from the notebook API
+  (:meth:`~Workload.from_command`, :meth:`~Workload.from_notebook`), the objective the search constrains and its
+  fp32 reference (:meth:`~Workload.objective`), and how verification runs a candidate on data the search never
+  saw and times it (:meth:`~Workload.held_out`, :meth:`~Workload.time`): held-out batches, or short interleaved
+  training runs;
+- it may override the hooks, whose defaults are a forward pass over its search ``batches``: which budget applies
+  and which settings make no sense (:meth:`~Workload.budget`, :meth:`~Workload.check`), which batches show every
+  layer and how the profile measures latency (:meth:`~Workload.capture_batches`, :meth:`~Workload.profile`), the
+  search's margin, what the outputs add (:meth:`~Workload.policy_result`, :meth:`~Workload.write_extras`,
+  :meth:`~Workload.report_sections`: e.g. ``loss.png``), its own options (:meth:`~Workload.add_arguments`), and
+  the class attributes (its name, what verification checks, what it can be tuned for).
 
 Three workloads ship: :class:`~autoprec.workloads.inference.InferenceWorkload`,
 :class:`~autoprec.workloads.training.TrainingWorkload` and
@@ -42,7 +45,10 @@ if TYPE_CHECKING:
     from autoprec.runtime.policy import Policy
     from autoprec.runtime.precision import Precision
 
-__all__ = ["HeldOut", "Workload", "check_settings", "load_model_py_of"]
+__all__ = ["MUST_WRITE", "HeldOut", "Workload", "check_settings", "load_model_py_of"]
+
+# the methods every workload writes; every other method of Workload is a hook with a default
+MUST_WRITE = ("from_command", "from_notebook", "objective", "held_out", "time")
 
 
 def load_model_py_of(args: argparse.Namespace, shard: bool = False, check: bool = True) -> Any:
@@ -79,19 +85,21 @@ class HeldOut:
 
 
 class Workload:
-    """The base every workload extends; see the module docstring for what the pipeline asks of it.
+    """The base every workload extends: it writes the methods :data:`MUST_WRITE` names and overrides the hooks
+    where their defaults (a forward pass over its search ``batches``) do not fit; see the module docstring.
 
     Verification entries (``runners``) are None (plain fp32), a Precision (blanket torch.autocast) or
     a Policy.
     """
 
+    # What the pipeline reads of a workload besides its methods; the defaults suit a forward pass.
     name = "workload"  # "inference", "training", "generation": in the profile, the policy and the study name
-    verify_best = 6  # how many of the search's best candidates verification checks where the search never looked
-    verify_timed = 4  # how many of those that pass it times (in predicted order; heuristics and blanket as well)
-    latency_key = "latency_ms"  # policy.json's result key for the measured times
     # names its study and says its profile apart ("autoprec-training-...", "reusing the training profile");
     # inference's "" keeps the names its runs had first, so that they resume
     tag = "workload"
+    verify_best = 6  # how many of the search's best candidates verification checks where the search never looked
+    verify_timed = 4  # how many of those that pass it times (in predicted order; heuristics and blanket as well)
+    latency_key = "latency_ms"  # policy.json's result key for the measured times
     trains = False  # runs backward passes and optimizer steps: room for gradients, DDP replicas under torchrun
     tunes_sharded = False  # a model sharded across the ranks (fully_shard) can be tuned for it
     # verification times what the profile's latency model predicts (one forward at the profile's batch shapes),
@@ -100,17 +108,16 @@ class Workload:
     steps = 0  # steps of each verification training run (0: verification does not train)
     # can be tuned for a serving engine (tune --engine): measures forwards, as an engine serves them
     serves_engines = False
-    served: Any = None  # set by the tune for an engine: how a policy runs as it serves it (runtime.as_served.ServedAs)
     cli_help = ""  # what ``tune --for NAME`` tunes for, in --help
     cli_options: Mapping[str, str] = {}  # its own options' dests -> what each is, said where another --for is asked
     notebook_settings: frozenset[str] = frozenset()  # tune(model, batches, ...)'s settings beside TuneConfig's
+    served: Any = None  # set by the tune for an engine: how a policy runs as it serves it (runtime.as_served.ServedAs)
 
     model: nn.Module
+    batches: list  # the search batches (the hooks' defaults read them)
     path: Path  # the model.py (for messages about the user's code)
 
-    @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """The options of ``autoprec tune`` that are this workload's own (each named in :attr:`cli_options`)."""
+    # ---- what every workload writes (MUST_WRITE) ----
 
     @classmethod
     def from_command(cls, args: argparse.Namespace, ranks: Ranks) -> tuple[Workload, Any]:
@@ -125,29 +132,56 @@ class Workload:
         :attr:`notebook_settings`."""
         raise NotImplementedError
 
-    def check(self, config: TuneConfig) -> None:
-        """Refuse settings that make no sense for this workload (before any work)."""
-
-    def budget(self, config: TuneConfig, has_metric: bool) -> Budget:
-        raise NotImplementedError
-
     def objective(self, device: torch.device) -> Objective:
         """The search's objective, measured on the search batches; builds fp32's reference (which runs
         fp32 on every one of them, so a batch the model fails on is named before any work)."""
         raise NotImplementedError
 
-    def fingerprint(self) -> str:
-        """What a saved profile must have been taken on to be reused."""
+    def held_out(self, runners: Mapping[str, Policy | Precision | None], device: torch.device, seed: int = 0
+                 ) -> HeldOut:
+        """Each entry measured where the search never looked."""
         raise NotImplementedError
 
-    def capture_batches(self) -> list:
-        """Every batch whose layers count."""
+    def time(self, runners: Mapping[str, Policy | Precision | None], device: torch.device, compiled: bool = False
+             ) -> tuple[dict[str, list[float]], str, str | None]:
+        """ms per interleaved round for each entry (the same rounds for all: samples pair up), what was
+        timed (for the results table), and a one-line verdict where timing noise left a comparison undecided.
+        ``compiled`` (``tune --compile``): each entry compiled with torch.compile; a workload that cannot time
+        compiled refuses the setting in :meth:`check`."""
         raise NotImplementedError
+
+    # ---- hooks: override where the default does not fit ----
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """The options of ``autoprec tune`` that are this workload's own (each named in :attr:`cli_options`)."""
+
+    def check(self, config: TuneConfig) -> None:
+        """Refuse settings that make no sense for this workload (before any work)."""
+
+    def budget(self, config: TuneConfig, has_metric: bool) -> Budget:
+        """The budget of the tune's settings: ``config.budget`` on the metric, or the SQNR floor
+        (:func:`autoprec.measuring.budget.choose_budget`)."""
+        from autoprec.measuring.budget import choose_budget
+
+        return choose_budget(has_metric, config.budget, config.min_sqnr)
+
+    def fingerprint(self) -> str:
+        """What a saved profile must have been taken on to be reused: by default the model and the search batches."""
+        from autoprec.profile import fingerprint
+
+        return fingerprint(self.model, self.batches)
+
+    def capture_batches(self) -> list:
+        """Every batch whose layers count: by default the search batches."""
+        return list(self.batches)
 
     def profile(self, table: LayerTable, config: ProfileConfig, context: RunContext) -> Profile:
         """The profile stage for this workload: capture's layers profiled (the context's ranks, a torchrun job,
-        share the sensitivity evaluations)."""
-        raise NotImplementedError
+        share the sensitivity evaluations); by default forwards on the search batches."""
+        from autoprec.profile import profile_layers
+
+        return profile_layers(self, table, config, context)
 
     def search_budget(self, budget: Budget, objective: Objective, low: Precision) -> tuple[Budget, Margin | None]:
         """The budget the search works to, and the margin that puts it inside ``budget`` (None: the
@@ -173,19 +207,6 @@ class Workload:
     def verify_budget(self, budget: Budget) -> Budget:
         """The part of the budget verification checks (the whole budget unless said otherwise)."""
         return budget
-
-    def held_out(self, runners: Mapping[str, Policy | Precision | None], device: torch.device, seed: int = 0
-                 ) -> HeldOut:
-        """Each entry measured where the search never looked."""
-        raise NotImplementedError
-
-    def time(self, runners: Mapping[str, Policy | Precision | None], device: torch.device, compiled: bool = False
-             ) -> tuple[dict[str, list[float]], str, str | None]:
-        """ms per interleaved round for each entry (the same rounds for all: samples pair up), what was
-        timed (for the results table), and a one-line verdict where timing noise left a comparison undecided.
-        ``compiled`` (``tune --compile``): each entry compiled with torch.compile; a workload that cannot time
-        compiled refuses the setting in :meth:`check`."""
-        raise NotImplementedError
 
     def fp32_times(self, profile: Profile, device: torch.device) -> tuple[list[float], str]:
         """fp32's ms per round and what they timed, where nothing else is timed (no precision can pay off

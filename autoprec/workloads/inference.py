@@ -12,7 +12,6 @@ import torch
 import torch.nn as nn
 
 from autoprec.capture.layers import LayerTable
-from autoprec.config import TuneConfig
 from autoprec.context import RunContext
 from autoprec.distributed.ranks import Ranks
 from autoprec.inputs.batches import (
@@ -26,11 +25,11 @@ from autoprec.inputs.batches import (
     to_device,
 )
 from autoprec.inputs.userspec import split_holdout
-from autoprec.measuring.budget import Budget, Margin, choose_budget, search_margin
+from autoprec.measuring.budget import Budget, Margin, search_margin
 from autoprec.measuring.compare import compare
 from autoprec.measuring.measure import BatchError, Evaluator, policy_runs
 from autoprec.measuring.objective import Measurement, Objective
-from autoprec.profile import Profile, ProfileConfig, fingerprint, profile_layers
+from autoprec.profile import Profile, ProfileConfig, profile_layers
 from autoprec.runtime import compiled as compiled_module
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
@@ -99,9 +98,6 @@ class InferenceWorkload(Workload):
                    settings.get("holdout_batches"), settings.get("timing_batch"),
                    Path(settings.get("model_path", "model.py")))
 
-    def budget(self, config: TuneConfig, has_metric: bool) -> Budget:
-        return choose_budget(has_metric, config.budget, config.min_sqnr)
-
     def objective(self, device: torch.device) -> Evaluator:
         # One forward on the timing batch, before the fp32 reference runs on every batch: a copy, the user's stays
         if self.timing_batch is not None and holds_cache(self.timing_batch):
@@ -139,9 +135,6 @@ class InferenceWorkload(Workload):
         return (f"the tuned policy keeps the budget on the held-out batches by {slack:.2g}{unit}, less than the "
                 f"{needed:.2g}{unit} their spread asks for (one batch varies by {margin.batch_std:.2g}{unit}): on "
                 "other data it may fall outside; to be sure, give more held-out batches or a budget that much stricter")
-
-    def fingerprint(self) -> str:
-        return fingerprint(self.model, self.batches)
 
     def capture_batches(self) -> list:
         return [*self.batches, *self.holdout_batches]

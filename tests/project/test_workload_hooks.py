@@ -1,0 +1,96 @@
+"""The Workload contract is the few methods a workload must write (``MUST_WRITE``) and hooks with defaults: only
+those methods are left unwritten in the base, every shipped workload writes them, and one that writes only them
+gets the rest from the hooks."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+import torch
+import torch.nn as nn
+
+from autoprec.config import TuneConfig
+from autoprec.workloads import registry
+from autoprec.workloads.base import MUST_WRITE, Workload
+
+
+def unwritten(cls: type) -> list[str]:
+    """The methods of ``cls`` whose body (after the docstring) is only ``raise NotImplementedError``."""
+    found = []
+    for name, member in vars(cls).items():
+        function = getattr(member, "__func__", member)
+        if not inspect.isfunction(function):
+            continue
+        try:
+            source = inspect.getsource(function)
+        except OSError:  # written by @dataclass (__init__, __eq__): no source, and never a stub
+            continue
+        body = ast.parse(textwrap.dedent(source)).body[0].body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]
+        if (len(body) == 1 and isinstance(body[0], ast.Raise)
+                and "NotImplementedError" in ast.unparse(body[0].exc)):
+            found.append(name)
+    return sorted(found)
+
+
+def missing(cls: type) -> list[str]:
+    """The MUST_WRITE methods ``cls`` leaves as the base's."""
+    return [name for name in MUST_WRITE if getattr(cls, name).__qualname__.startswith("Workload.")]
+
+
+def test_the_base_leaves_only_the_must_write_methods_unwritten():
+    assert unwritten(Workload) == sorted(MUST_WRITE)
+
+
+def test_every_shipped_workload_writes_them():
+    for key in registry.REGISTRY:
+        cls = registry.workload_class(key)
+        assert not missing(cls), f"{cls.__name__} leaves {missing(cls)} to the base"
+        assert not unwritten(cls), f"{cls.__name__} raises NotImplementedError in {unwritten(cls)}"
+
+
+class Half(Workload):
+    """Writes two of the five: the check must name the other three."""
+
+    def objective(self, device: torch.device):
+        return None
+
+    def held_out(self, runners, device, seed=0):
+        return None
+
+
+class Five(Half):
+    """Writes all five, and nothing else."""
+
+    def __init__(self, model: nn.Module, batches: list) -> None:
+        self.model, self.batches = model, batches
+
+    @classmethod
+    def from_command(cls, args, ranks):
+        return cls(nn.Linear(4, 4), [torch.ones(2, 4)]), None
+
+    @classmethod
+    def from_notebook(cls, model, batches, evaluate, settings):
+        return cls(model, list(batches))
+
+    def time(self, runners, device, compiled=False):
+        return {}, "", None
+
+
+def test_the_checks_find_what_they_look_for():
+    assert missing(Half) == ["from_command", "from_notebook", "time"]
+    assert not missing(Five)
+    assert unwritten(Half) == [] and unwritten(Workload) != []
+
+
+def test_a_workload_of_the_five_gets_the_rest_from_the_hooks():
+    workload = Five.from_notebook(nn.Linear(4, 4), [torch.ones(2, 4), torch.zeros(2, 4)], None, {})
+    assert len(workload.capture_batches()) == 2
+    budget = workload.budget(TuneConfig(min_sqnr=25.0), has_metric=False)
+    assert budget.min_sqnr == 25.0
+    assert workload.fingerprint() == Five.from_notebook(workload.model, workload.batches, None, {}).fingerprint()
+    assert workload.fingerprint() != Five.from_notebook(workload.model, workload.batches[:1], None, {}).fingerprint()
+    assert workload.policy_result({"a": 1}, None) == {"a": 1} and workload.report_sections(None) == []
