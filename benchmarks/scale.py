@@ -186,7 +186,8 @@ def one_training(blocks: int, width: int, rows: int, code: str) -> dict:
     v = result.verification
     return {"blocks": blocks, "width": width, "rows": rows, "tokens": TOKENS, "steps": TRAIN_STEPS,
             "wall_s": wall, "phases_s": {**result.profile.cost.get("seconds", {}), **result.seconds},
-            "verified_entries": sorted(k for k in v.losses if k != "tuned") if v is not None else [],
+            "verified_entries": sorted(k for k in v.training.losses if k != "tuned")
+            if v is not None and v.training is not None else [],
             "model_mib": weights / 2**20, "peak_mib_above_start": peak / 2**20,
             "default": result.policy.default.value, "policy": result.policy.to_dict().get("layers")}
 

@@ -234,8 +234,9 @@ def report_markdown(result: TuneResult, workload: Any = None) -> str:
     title = "# autoprec tuning report" + (": training" if training else "")
     lines = [title, "", decision(v, result.budget), ""]
     if training:
+        steps = v.training.steps if v.training is not None else 0  # 0: nothing trained (nothing could pay off)
         lines += ["Tuned for training: step time as the objective, the loss on the search batches and a gradient "
-                  f"floor as the constraint ({result.budget}), then {v.steps}-step training runs as the proof.", ""]
+                  f"floor as the constraint ({result.budget}), then {steps}-step training runs as the proof.", ""]
     lines += [results_table(v, markdown=True), ""]
     for note in v.notes + s.notes:
         lines.append(f"- {note}")

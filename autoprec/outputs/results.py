@@ -4,7 +4,6 @@ holds it) and the one-paragraph decision."""
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,10 +63,10 @@ def _labels(v: Verification) -> list[tuple[str, str]]:
 
 def results_rows(v: Verification) -> tuple[list[str], list[list[Any]]]:
     estimated = v.estimated_for is not None
-    what = "step ms" if v.steps else "latency ms"
+    what = "step ms" if v.training is not None else "latency ms"
     compiled = bool(v.compiled_samples)
     # training shows each run's final loss beside its metric, unless the metric is that final loss (no evaluate())
-    with_loss = bool(v.steps) and v.metric_kind != "final loss"
+    with_loss = v.training is not None and v.metric_kind != "final loss"
     header = ["", f"{what} (estimated for {v.estimated_for})" if estimated else f"eager {what}" if compiled else what,
               "speed-up vs fp32" if estimated else "speed-up vs fp32 (range)",
               *([f"compiled {what}", "compiled speed-up vs fp32 (range)"] if compiled else []),
@@ -80,14 +79,9 @@ def results_rows(v: Verification) -> tuple[list[str], list[list[Any]]]:
                 "1.00x" if key == "fp32" else str(v.speedup_of(key, compiled=True))] if compiled else []
         ok = "yes" if key == "fp32" or v.within_budget.get(key) else "no"
         value = "exact" if v.fidelity and key == "fp32" else v.metric.get(key)
-        final = [_final_loss(v.losses[key], v.steps)] if with_loss else []
+        final = [v.training.final_loss(key)] if with_loss else []
         rows.append([label, _ms(v.latency_ms[key]), speedup, *side, *final, value, ok])
     return header, rows
-
-
-def _final_loss(losses: list[float], steps: int) -> float:
-    tail = losses[-max(1, steps // 4):]
-    return sum(tail) / len(tail) if all(math.isfinite(x) for x in tail) else math.nan
 
 
 def _versus_autocast(v: Verification) -> str | None:
@@ -130,10 +124,11 @@ def results_table(v: Verification, markdown: bool = False) -> str:
     rounds = len(v.samples["fp32"])
     title = (f"held-out batches; latency on {v.timed_on}: median of {rounds} interleaved rounds, "
              "speed-up range over the rounds")
-    if v.steps:
-        title = (f"training runs of {v.steps} steps from the same weights; step time (forward, backward, "
+    if v.training is not None:
+        steps = v.training.steps
+        title = (f"training runs of {steps} steps from the same weights; step time (forward, backward, "
                  f"optimizer): median of the last {rounds} steps, interleaved; final loss: mean of the last "
-                 f"{max(1, v.steps // 4)}")
+                 f"{max(1, steps // 4)}")
     if v.compiled_samples:
         title += f"; compiled: {v.compiled_on}, in interleaved rounds of their own (the choice follows them)"
     if v.estimated_for is not None:
@@ -148,7 +143,7 @@ def results_table(v: Verification, markdown: bool = False) -> str:
 
 
 def _unit(v: Verification) -> str:
-    return "training step" if v.steps else "forward"
+    return "training step" if v.training is not None else "forward"
 
 
 def decision(v: Verification, budget: Any) -> str:

@@ -115,8 +115,9 @@ class Verification:
     estimated_for: str | None = None  # latencies from the cost model for this GPU, not measured
     notes: list[str] = field(default_factory=list)
     prediction_error_pct: dict[str, float] = field(default_factory=dict)  # label -> (predicted - measured) / measured
-    losses: dict[str, list[float]] = field(default_factory=dict)  # per training step (training only)
-    steps: int = 0  # steps of each verification training run (training only)
+    # the training runs behind the verdict, the tuned entry's under "tuned" too (workloads.training.TrainingRuns:
+    # each entry's loss per step); None where verification did not train
+    training: Any = None
     metric_kind: str = "metric"  # "output SQNR dB", "metric", "evaluate" or "final loss"
     compiled_samples: dict[str, list[float]] = field(default_factory=dict)  # as samples, every entry compiled
     compiled_on: str = ""  # what the compiled samples timed, and how it was compiled
@@ -220,15 +221,13 @@ def verify_candidates(workload: Workload, shortlist: Shortlist, config: VerifyCo
     metric["tuned"] = held.measured[tuned].metric
     sqnr = {"fp32": math.inf, "autocast": held.measured["autocast"].sqnr_db,
             "tuned": held.measured[tuned].sqnr_db if tuned != "fp32" else math.inf}
-    losses = dict(held.losses)
-    if losses:
-        losses["tuned"] = losses[tuned]
     return Verification(chosen=chosen, policy=run.policy_of(chosen) if chosen else None, samples=samples, metric=metric,
                         sqnr_db=sqnr, within_budget={"autocast": run.within["autocast"], "tuned": run.within[tuned]},
                         autocast_precision=autocast.value, predicted_ms=chosen.predicted_ms if chosen else None,
                         timed_on=run.timed_on, fidelity=held.reference.uses_fidelity,
                         tuned_is_autocast=tuned == "autocast", estimated_for=config.estimated_for, notes=run.notes,
-                        prediction_error_pct=errors, losses=losses, steps=workload.steps,
+                        prediction_error_pct=errors,
+                        training=None if held.training is None else held.training.with_tuned(tuned),
                         metric_kind=workload.metric_kind(held.reference), compiled_samples=run.compiled_samples,
                         compiled_on=run.compiled_on, autocast_excluded=shortlist.autocast_excluded,
                         machine=run.machine)

@@ -81,7 +81,7 @@ class HeldOut:
     reference: Objective  # fp32's metric there, and which way is better
     measured: dict[str, Measurement]  # entry -> its measurement (fp32 included)
     where: str  # "on the held-out batches", "in the 16-step training run": said in notes
-    losses: dict[str, list[float]] = field(default_factory=dict)  # per step, training only
+    training: Any = None  # the training runs (workloads.training.TrainingRuns); None where nothing trained
 
 
 class Workload:
@@ -105,7 +105,6 @@ class Workload:
     # verification times what the profile's latency model predicts (one forward at the profile's batch shapes),
     # so the prediction's error on each candidate is worth a note
     predicts_latency = False
-    steps = 0  # steps of each verification training run (0: verification does not train)
     # can be tuned for a serving engine (tune --engine): measures forwards, as an engine serves them
     serves_engines = False
     cli_help = ""  # what ``tune --for NAME`` tunes for, in --help

@@ -52,8 +52,8 @@ from autoprec.runtime.training import TrainStep
 from autoprec.workloads.base import HeldOut, Workload, check_settings
 from autoprec.workloads.inference import VERIFY_SECONDS
 
-__all__ = ["COMPILE_REFUSED", "DEFAULT_STEPS", "DEFAULT_TRAIN_BUDGET", "SEARCH_BATCHES", "TrainingWorkload",
-           "loss_plot", "metric_after", "train_runs"]
+__all__ = ["COMPILE_REFUSED", "DEFAULT_STEPS", "DEFAULT_TRAIN_BUDGET", "SEARCH_BATCHES", "TrainingRuns",
+           "TrainingWorkload", "loss_plot", "metric_after", "train_runs"]
 
 DEFAULT_TRAIN_BUDGET = "2%"  # of fp32's final loss (or of its evaluate() metric after the run)
 SEARCH_BATCHES = 2  # training batches the search measures each candidate's loss and gradients on
@@ -64,6 +64,25 @@ SEARCH_BATCHES = 2  # training batches the search measures each candidate's loss
 DEFAULT_STEPS = 16
 COMPILE_REFUSED = ("--compile times inference only for now; tune for training without it (an applied policy "
                    "compiles for training with no graph breaks of its own: compile the tuned model as you deploy it)")
+
+
+@dataclass(frozen=True)
+class TrainingRuns:
+    """What verification's training runs showed beside their metric: each entry's loss per step, in runs of
+    ``steps`` steps. Training's own result: the held-out measurement and the verification carry it (their
+    ``training``; None where nothing trained) for the results table, the report and loss.png."""
+
+    steps: int
+    losses: dict[str, list[float]]
+
+    def with_tuned(self, key: str) -> TrainingRuns:
+        """The same runs, with the chosen entry ``key``'s losses also under "tuned"."""
+        return TrainingRuns(self.steps, {**self.losses, "tuned": self.losses[key]})
+
+    def final_loss(self, key: str) -> float:
+        """``key``'s final loss: the mean of its last quarter of steps (NaN where one is not finite)."""
+        tail = self.losses[key][-max(1, self.steps // 4):]
+        return sum(tail) / len(tail) if all(math.isfinite(x) for x in tail) else math.nan
 
 
 @dataclass
@@ -212,7 +231,8 @@ class TrainingWorkload(Workload):
                                  "optimizer")
         reference = Objective(metric["fp32"], self.higher_is_better if self.evaluate is not None else False)
         measured = {k: Measurement(m, math.inf, math.isnan(m), 0.0) for k, m in metric.items()}
-        return HeldOut(reference, measured, f"in the {self.steps}-step training run", losses=dict(self._losses))
+        return HeldOut(reference, measured, f"in the {self.steps}-step training run",
+                       training=TrainingRuns(self.steps, dict(self._losses)))
 
     def time(self, runners: Mapping[str, Policy | Precision | None], device: torch.device, compiled: bool = False
              ) -> tuple[dict[str, list[float]], str, str | None]:
@@ -420,7 +440,7 @@ def train_runs(model: nn.Module, runners: dict[str, Policy | Precision | None], 
 def loss_plot(v: Any, path: str | Path) -> Path | None:
     """The loss curves of fp32, blanket autocast and the tuned policy side by side; None without matplotlib."""
     plt = plot_library()
-    if plt is None:
+    if plt is None or v.training is None:  # nothing trained: no curves
         return None
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     # a tuned policy that is fp32 or blanket autocast itself shares that curve, and its label says so
@@ -430,7 +450,8 @@ def loss_plot(v: Any, path: str | Path) -> Path | None:
     if not v.tuned_is_autocast and v.policy is not None:
         shown.append(("tuned", "autoprec policy", ":"))
     for key, label, style in shown:
-        ax.plot(range(1, len(v.losses[key]) + 1), v.losses[key], style, marker=".", label=label)
+        losses = v.training.losses[key]
+        ax.plot(range(1, len(losses) + 1), losses, style, marker=".", label=label)
     ax.set_xlabel("training step")
     ax.set_ylabel("loss")
     ax.set_title("training loss from the same weights and data order")

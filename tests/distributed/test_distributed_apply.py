@@ -346,15 +346,15 @@ def _training_verification(how: str, rank: int) -> None:
     runners = {"fp32": None, "autocast": autoprec.Precision.BF16,
                "mixed": Policy(default="bf16", layers={"head": "fp32", "blocks.0.fc1": "fp8"})}
     single = TrainingWorkload(Net(), [b[0] for b in batches], loss, train_batches=batches, steps=4)
-    expected = single.held_out(runners, torch.device("cpu")).losses
+    expected = single.held_out(runners, torch.device("cpu")).training.losses
     workload = TrainingWorkload(Net(), [b[0] for b in batches], loss, train_batches=batches, steps=4,
                                 wrap=lambda m: _wrap(m, how))
     with timed_together(_slowest):
         held = workload.held_out(runners, torch.device("cpu"))
         samples, _, verdict = workload.time(runners, torch.device("cpu"))
     for key in runners:
-        assert torch.allclose(torch.tensor(held.losses[key]), torch.tensor(expected[key]), rtol=1e-5), \
-            f"{key}: {held.losses[key]} vs one process's {expected[key]}"
+        assert torch.allclose(torch.tensor(held.training.losses[key]), torch.tensor(expected[key]), rtol=1e-5), \
+            f"{key}: {held.training.losses[key]} vs one process's {expected[key]}"
     rounds = {len(v) for v in samples.values()}
     assert len(rounds) == 1 and min(rounds) >= 6, (samples, verdict)
     assert all(x > 0 for v in samples.values() for x in v)

@@ -1,11 +1,14 @@
 """The Workload contract is the few methods a workload must write (``MUST_WRITE``) and hooks with defaults: only
 those methods are left unwritten in the base, every shipped workload writes them, and one that writes only them
-gets the rest from the hooks."""
+gets the rest from the hooks. Training's own results (the loss per step) live in training's type, not in the
+verification every workload returns."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
+import math
 import textwrap
 
 import torch
@@ -94,3 +97,19 @@ def test_a_workload_of_the_five_gets_the_rest_from_the_hooks():
     assert workload.fingerprint() == Five.from_notebook(workload.model, workload.batches, None, {}).fingerprint()
     assert workload.fingerprint() != Five.from_notebook(workload.model, workload.batches[:1], None, {}).fingerprint()
     assert workload.policy_result({"a": 1}, None) == {"a": 1} and workload.report_sections(None) == []
+
+
+def test_training_only_results_live_with_training():
+    """Verification and the held-out measurement carry training's results in one field of training's own type."""
+    from autoprec.verify.end_to_end import Verification
+    from autoprec.workloads.base import HeldOut
+    from autoprec.workloads.training import TrainingRuns
+
+    for cls in (Verification, HeldOut):
+        names = [f.name for f in dataclasses.fields(cls)]
+        assert not [n for n in names if "loss" in n or "step" in n], names
+        assert "training" in names
+    runs = TrainingRuns(4, {"fp32": [1.0, 0.8, 0.6, 0.5], "trial #1": [1.0, 0.9, 0.7, float("nan")]})
+    assert runs.with_tuned("trial #1").losses["tuned"] == runs.losses["trial #1"]
+    assert runs.final_loss("fp32") == 0.5 and math.isnan(runs.final_loss("trial #1"))
+    assert not hasattr(Workload, "steps")

@@ -16,6 +16,7 @@ from autoprec.profile.costmodel import estimate
 from autoprec.runtime.precision import Capability, Precision, emulated_for_shape
 from autoprec.runtime.torchao_linear import torchao_takes
 from autoprec.verify.end_to_end import Verification, bench_policy, emulated_here
+from autoprec.workloads.training import TrainingRuns
 
 
 def _mlp(width: int = 64) -> nn.Module:
@@ -97,7 +98,7 @@ def test_the_training_table_shows_the_final_loss_once(metric_kind, columns):
     v = Verification(chosen=None, policy=None, samples={"fp32": [10.0, 11.0], "autocast": [6.0, 7.0]},
                      metric={"fp32": 0.5, "autocast": 0.51}, sqnr_db={}, within_budget={"autocast": True},
                      autocast_precision="bf16", predicted_ms=None, timed_on="4 training steps",
-                     losses={"fp32": [1.0, 0.8, 0.6, 0.5], "autocast": [1.0, 0.8, 0.6, 0.51]}, steps=4,
+                     training=TrainingRuns(4, {"fp32": [1.0, 0.8, 0.6, 0.5], "autocast": [1.0, 0.8, 0.6, 0.51]}),
                      metric_kind=metric_kind)
     header, rows = results_rows(v)
     assert header.count("final loss") == columns, header

@@ -56,7 +56,7 @@ def test_the_entries_train_in_turn_one_copy_at_a_time_and_lose_what_interleaved_
     interleaved = train_runs(model, runners(), batches, mse_loss, adamw, steps=6)
     assert Counted.most == len(runners())  # what verification held before: one copy per entry
     for key, run in interleaved.items():  # the same seeds, batches and order: the same losses, bit for bit
-        assert held.losses[key] == run.losses, key
+        assert held.training.losses[key] == run.losses, key
     assert all(math.isfinite(m.metric) for m in held.measured.values())
 
 

@@ -70,7 +70,7 @@ def test_planted_trap_stays_fp32_while_ordinary_layers_go_bf16_and_the_policy_tr
     # It trains: the verification run's final loss is within the 2% budget of fp32's.
     v = result.verification
     assert v.within_budget["tuned"] and v.metric["tuned"] <= v.metric["fp32"] * 1.02, v.metric
-    assert final_loss(v.losses["tuned"]) < v.losses["tuned"][0]  # the loss fell
+    assert final_loss(v.training.losses["tuned"]) < v.training.losses["tuned"][0]  # the loss fell
     # Blanket bf16 hits the trap in training: that is why the policy is not blanket autocast.
     assert not v.within_budget["autocast"]
 
@@ -140,7 +140,8 @@ def test_a_candidate_that_passes_the_search_batches_but_fails_training_is_reject
     assert v.chosen is None and v.policy is None
     assert any(n.startswith("trial #3 met the budget on the search batches but not in the 12-step training run")
                for n in v.notes), v.notes
-    assert final_loss(v.losses["trial #3"]) > 1.02 * final_loss(v.losses["fp32"]) or math.isnan(v.metric["trial #3"])
+    losses = v.training.losses
+    assert final_loss(losses["trial #3"]) > 1.02 * final_loss(losses["fp32"]) or math.isnan(v.metric["trial #3"])
 
 
 @pytest.mark.parametrize("name, expected", [
