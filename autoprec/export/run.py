@@ -55,7 +55,12 @@ def export_model_py(model_py: str | Path, run: TunedRun, out: str | Path, keep_f
     path = Path(model_py).resolve()
     module = import_model_py(path)
     shard_bytes = SHARD_BYTES if shard_bytes is None else shard_bytes
-    checkpoint = checkpoint_to_stream(module, path, stream, shard_bytes, log)
+    streamed = checkpoint_to_stream(module, path, stream, lambda c: (
+        c.published_bytes + min(shard_bytes, c.published_bytes), "the model as published and one shard"))
+    checkpoint = None if streamed is None else streamed[0]
+    if streamed is not None:
+        log(f"export: streamed from {checkpoint.folder}, one tensor at a time, at most one "
+            f"{shard_bytes / 2**30:.1f} GiB shard held ({streamed[1]})")
     if checkpoint is None:
         get_model = find_function(module, path, "get_model", "get_model() -> torch.nn.Module", required=True)
         model = call_user(path, "get_model", get_model).eval()

@@ -29,17 +29,18 @@ __all__ = ["MODES", "checkpoint_to_stream", "streamed_reader"]
 MODES = ("auto", "always", "never")
 
 
-def checkpoint_to_stream(module: Any, path: Path, stream: str, shard_bytes: int,
-                         log: Callable[[str], None]) -> Checkpoint | None:
-    """The checkpoint to export from, a tensor at a time (its skeleton on meta), or None for ``get_model()``'s
-    model: ``stream`` always, or auto where the model as published and one shard would not fit in free memory."""
+def checkpoint_to_stream(module: Any, path: Path, stream: str,
+                         need: Callable[[Checkpoint], tuple[int, str]]) -> tuple[Checkpoint, str] | None:
+    """The checkpoint model.py names, its skeleton on meta, and why it is read a tensor at a time rather than
+    loaded by ``get_model()``; or None, to load it: ``stream`` never; auto where ``need`` (the bytes loading it
+    takes, and what they are) fits in free memory; always (where model.py names no folder: one line)."""
     folder = getattr(module, "MODEL_DIR", None)
     if stream == "never":
         return None
     if folder is None:
         if stream == "always":
-            raise UserCodeError(path, "MODEL_DIR", "not set: a streamed export reads the checkpoint folder model.py "
-                                "names", "add MODEL_DIR = \"/path/to/checkpoint\" (autoprec init --hf writes it)")
+            raise UserCodeError(path, "MODEL_DIR", "not set: streaming reads the checkpoint folder model.py names",
+                                "add MODEL_DIR = \"/path/to/checkpoint\" (autoprec init --hf writes it)")
         return None
     try:
         sizes = open_checkpoint(folder, skeleton=False)
@@ -48,16 +49,14 @@ def checkpoint_to_stream(module: Any, path: Path, stream: str, shard_bytes: int,
             raise
         return None  # a folder it cannot read a tensor at a time (e.g. .bin weights): get_model(), as before
     kb = proc_number("/proc/meminfo", "MemAvailable:")
-    need = sizes.published_bytes + min(shard_bytes, sizes.published_bytes)
-    if stream == "auto" and (kb is None or need <= kb * 1024):
+    needed, what = need(sizes)
+    if stream == "auto" and (kb is None or needed <= kb * 1024):
         return None
     why = ("--stream always" if stream == "always" else
-           f"the model as published and one shard, {need / GiB:.1f} GiB, do not fit in {kb * 1024 / GiB:.1f} GiB free")
-    log(f"export: streamed from {sizes.folder}, one tensor at a time, at most one {shard_bytes / GiB:.1f} GiB shard "
-        f"held ({why})")
+           f"{what}, {needed / GiB:.1f} GiB, would not fit in {kb * 1024 / GiB:.1f} GiB free")
     checkpoint = open_checkpoint(folder)
     _as_published(checkpoint)
-    return checkpoint
+    return checkpoint, why
 
 
 def _as_published(checkpoint: Checkpoint) -> None:
