@@ -29,7 +29,8 @@ def export_arguments(parser: argparse.ArgumentParser) -> None:
                              "of the plan are then said, with what they measured in bf16)")
     parser.add_argument("--stream", choices=("auto", "always", "never"), default="auto",
                         help="read the checkpoint folder model.py names (MODEL_DIR) one tensor at a time instead of "
-                             "loading the model: always, never, or auto (where the model would not fit in memory)")
+                             "loading the model: always, never, or auto (where the model would not fit in memory); "
+                             "the check then holds vLLM's mapping of every layer to the plan, without its logprobs")
     parser.add_argument("--check", action="store_true",
                         help="then load the folder in vLLM (a fresh process of --vllm-python) and hold each layer's "
                              "scheme and its logprobs on model.py's held-out batches to the plan")
@@ -72,7 +73,7 @@ def _check(folder: Path, args: argparse.Namespace) -> int:
     from autoprec.export.judge import judge_export
 
     print(f"checking {folder} in vLLM", file=sys.stderr)
-    verdict = judge_export(folder, args.model, policy=args.run_dir, vllm_python=args.vllm_python)
+    verdict = judge_export(folder, args.model, policy=args.run_dir, vllm_python=args.vllm_python, stream=args.stream)
     if verdict.lines:
         print("\n".join(verdict.lines))
     for problem in verdict.problems:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from vllm_engine import needs_vllm
 
 from autoprec.cli import main
 from autoprec.export.plan import ExportRefused
@@ -141,3 +142,32 @@ def test_the_command_says_it_streams(tmp_path, capsys):
     assert status == 0, captured.err
     assert f"export: streamed from {checkpoint}, one tensor at a time" in captured.err
     assert "5 quantized layers" in captured.out
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_checkpoint_too_large_to_load_is_checked_by_vllms_mapping_of_every_layer(tmp_path, vllm_python):
+    """--stream always stands in for a model too large to load: vLLM maps every layer from config.json, no weight
+    loaded anywhere, and the mapping is held to the plan: a folder whose config drops planned layers fails."""
+    from autoprec.export.judge import judge_export
+
+    checkpoint = _publish(tmp_path / "published", "llama")
+    model_py = _model_py(tmp_path, checkpoint)
+    out = _export(tmp_path, model_py, MIXED, "streamed", "always")
+    verdict = judge_export(out, model_py, policy=tmp_path / "policy.json", vllm_python=vllm_python, stream="always")
+    assert verdict.ok and not verdict.scored, verdict.problems
+    assert f"not loaded: the model is read from {checkpoint} a tensor at a time" in verdict.lines[0]
+    fp8, plain = "CompressedTensorsW8A8Fp8", ("UnquantizedLinearMethod", "unquantized")
+    assert verdict.layers["model.layers.0.self_attn.qkv_proj"] == fp8
+    assert verdict.layers["model.layers.1.mlp.gate_up_proj"] == fp8
+    assert verdict.layers["model.layers.0.mlp.gate_up_proj"] in plain
+    config = json.loads((out / "config.json").read_text())
+    quant = config["quantization_config"]
+    moved = ["model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"]
+    group = quant["config_groups"]["FP8_PER_TENSOR_DYNAMIC"]
+    group["targets"] = [t for t in group["targets"] if t not in moved]
+    quant["ignore"] += moved
+    (out / "config.json").write_text(json.dumps(config))
+    verdict = judge_export(out, model_py, policy=tmp_path / "policy.json", vllm_python=vllm_python, stream="always")
+    problems = verdict.problems
+    assert any(p.startswith("model.layers.1.mlp.gate_up_proj: the plan has") for p in problems), problems
