@@ -13,6 +13,12 @@ resident memory as the tune saved them (streamed.json). From the measured per-bl
 8B (32 blocks) and a 70B (80 blocks of hidden 8192, MLP 28672, GQA 64/8) on this machine, each block scaled by its
 parameters (projections, labelled so). A projection onto one and eight H100s is not written yet.
 
+``--export-only`` skips the tune and measures ``autoprec export --stream always`` of the checkpoint instead (wall
+time and the child's peak resident memory, read by GNU time), with a plan that puts every decoder-block linear in
+FP8 (rowwise), the most the export converts; then vLLM's own config parsing (``vllm_side.config_mapping`` in the
+vLLM venv: ``$AUTOPREC_VLLM_PYTHON``) maps the folder layer by layer, no weight loaded, and every planned layer must
+map to ``CompressedTensorsW8A8Fp8`` and every other to an unquantized method.
+
 Goals (issue 44): peak resident memory <= 6 GB, wall time <= 45 min for the 32-block model. Writing 32 blocks is
 16 GB of shards and the tune takes most of an hour on 2 shared cores: ``--layers 2`` at full width is the run that
 fits beside other work, and the 32-block run is left for a quiet machine.
@@ -126,6 +132,60 @@ def run(layers: int, work: Path) -> dict:
             "first_lines": done.stderr.splitlines()[:3], "stdout": done.stdout.splitlines()[:8], **streamed}
 
 
+def export_run(layers: int, work: Path) -> dict:
+    """``autoprec export --stream always`` of the checkpoint (written unless ``work`` holds it), timed and its peak
+    memory read; then vLLM's config parsing maps the folder."""
+    folder = work / "ckpt"
+    if not (folder / "config.json").is_file():
+        write_checkpoint(folder, layers)
+    model_py = work / "model.py"
+    model_py.write_text(MODEL_PY.format(folder=str(folder), tokens=TOKENS, batches=BATCHES))
+    policy = work / "fp8-blocks.json"
+    policy.write_text(json.dumps({"schema": "autoprec.policy", "version": 1, "default": "bf16",
+                                  "layers": {r"re:model\.layers\.\d+\..*_proj": "fp8-rowwise"}}))
+    out = work / "export"
+    command = ["/usr/bin/time", "-f", "peak_kb=%M", sys.executable, "-m", "autoprec", "export", str(policy),
+               "--model", str(model_py), "--out", str(out), "--stream", "always"]
+    start = time.perf_counter()
+    done = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode:
+        raise SystemExit(f"the export failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    peak_kb = int(done.stderr.strip().splitlines()[-1].removeprefix("peak_kb="))
+    result = {"layers": layers, "checkpoint_gb": round(sum(f.stat().st_size for f in folder.iterdir()) / 1e9, 3),
+              "export_gb": round(sum(f.stat().st_size for f in out.iterdir()) / 1e9, 3),
+              "wall_s": round(wall, 1), "peak_rss_gb": round(peak_kb * 1024 / 1e9, 3),
+              "said": [line for line in done.stderr.splitlines() if line.startswith("export:")],
+              "summary": done.stdout.splitlines()[:4]}
+    return {**result, "vllm_mapping": vllm_mapping(out)}
+
+
+def vllm_mapping(folder: Path) -> dict:
+    """vLLM's config parsing of the exported folder (no weight loaded): each layer's scheme, counted, and the
+    layers that are not what the plan says (every decoder-block linear FP8, everything else unquantized)."""
+    python = os.environ.get("AUTOPREC_VLLM_PYTHON")
+    if not python:
+        return {"not_run": "set AUTOPREC_VLLM_PYTHON to the Python that has vLLM"}
+    side = ROOT / "autoprec" / "export"
+    script = (f"import json, sys; from pathlib import Path; sys.path.insert(0, {str(side)!r}); import vllm_side; "
+              f"print('MAPPING=' + json.dumps(vllm_side.config_mapping(Path({str(folder)!r}))))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([python, "-c", script], env=env, capture_output=True, text=True, cwd=folder.parent)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("MAPPING=")), None)
+    if done.returncode or line is None:
+        return {"error": (done.stderr.strip().splitlines() or ["(no output)"])[-1]}
+    layers = json.loads(line.removeprefix("MAPPING="))["layers"]
+    schemes: dict[str, int] = {}
+    wrong = []
+    for name, info in layers.items():
+        scheme = info.get("scheme") or info.get("error")
+        schemes[scheme] = schemes.get(scheme, 0) + 1
+        planned = name.startswith("model.layers.")
+        if (scheme == "CompressedTensorsW8A8Fp8") != planned:
+            wrong.append(f"{name}: {scheme}")
+    return {"layers": len(layers), "schemes": schemes, "not_as_planned": wrong}
+
+
 def project(measured: dict) -> dict:
     """The whole 8B and a 70B from the measured per-block seconds: blocks scale by their FLOPs (a block's work is
     its GEMMs on the same tokens), the rest (embeddings, head, search, verification's head) is measured once."""
@@ -151,7 +211,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2, help="decoder blocks (32: the whole 8B; default 2)")
     parser.add_argument("--json", type=Path, help="write the results here (benchmarks/results/stream_8b.json)")
     parser.add_argument("--keep", type=Path, help="work in this folder and keep it (default: a temporary one)")
+    parser.add_argument("--export-only", action="store_true",
+                        help="measure `autoprec export --stream always` of the checkpoint instead of the tune")
     args = parser.parse_args()
+    if args.export_only:
+        return export_main(args)
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
         measured = run(args.layers, args.keep)
@@ -162,6 +226,21 @@ def main() -> None:
               "shape": LLAMA_8B, "tokens": {"per_batch": TOKENS, "batches": BATCHES}, "measured": measured,
               "projected": project(measured),
               "goals": {"peak_rss_gb": 6.0, "wall_min_32_layers": 45.0}}
+    text = stamped_dumps(result, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+
+
+def export_main(args: argparse.Namespace) -> None:
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        measured = export_run(args.layers, args.keep)
+    else:
+        with tempfile.TemporaryDirectory(prefix="autoprec-8b-") as work:
+            measured = export_run(args.layers, Path(work))
+    result = {"command": f"python benchmarks/stream_8b.py --layers {args.layers} --export-only",
+              "shape": LLAMA_8B, "measured": measured, "goals": {"peak_rss_gb": 6.0}}
     text = stamped_dumps(result, indent=2)
     print(text)
     if args.json:

@@ -27,6 +27,10 @@ def export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-fp32", action="store_true",
                         help="serve every unquantized layer in fp32 (default: bf16, as engines run; fp32 islands "
                              "of the plan are then said, with what they measured in bf16)")
+    parser.add_argument("--stream", choices=("auto", "always", "never"), default="auto",
+                        help="read the checkpoint folder model.py names (MODEL_DIR) one tensor at a time instead of "
+                             "loading the model: always, never, or auto (where the model would not fit in memory); "
+                             "the check then holds vLLM's mapping of every layer to the plan, without its logprobs")
     parser.add_argument("--check", action="store_true",
                         help="then load the folder in vLLM (a fresh process of --vllm-python) and hold each layer's "
                              "scheme and its logprobs on model.py's held-out batches to the plan")
@@ -52,7 +56,8 @@ def export(args: argparse.Namespace) -> int:
     run = read_run(args.run_dir)
     print(f"loading {args.model}", file=sys.stderr)
     try:
-        export_model_py(args.model, run, out, keep_fp32=args.keep_fp32)
+        export_model_py(args.model, run, out, keep_fp32=args.keep_fp32, stream=args.stream,
+                        log=lambda line: print(line, file=sys.stderr))
     except ExportRefused as e:
         print(f"autoprec export: cannot be served as planned: {e}", file=sys.stderr)
         return REFUSED
@@ -68,7 +73,7 @@ def _check(folder: Path, args: argparse.Namespace) -> int:
     from autoprec.export.judge import judge_export
 
     print(f"checking {folder} in vLLM", file=sys.stderr)
-    verdict = judge_export(folder, args.model, policy=args.run_dir, vllm_python=args.vllm_python)
+    verdict = judge_export(folder, args.model, policy=args.run_dir, vllm_python=args.vllm_python, stream=args.stream)
     if verdict.lines:
         print("\n".join(verdict.lines))
     for problem in verdict.problems:

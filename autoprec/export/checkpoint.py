@@ -38,7 +38,7 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -51,7 +51,7 @@ from autoprec.runtime.mx import nvfp4_global_scale, nvfp4_quantize
 from autoprec.runtime.as_served import EXPERT
 
 __all__ = ["EXPORT_FILE", "SHARD_BYTES", "CheckpointLayout", "checkpoint_layout", "ct_scheme", "export_checkpoint",
-           "quantization_config"]
+           "quantization_config", "state_tensors"]
 
 EXPORT_FILE = "autoprec-export.json"
 SHARD_BYTES = 2 * 2**30  # at most this much of converted tensors is held at once (and written per file)
@@ -71,7 +71,7 @@ def checkpoint_layout(model: nn.Module, plan: ExportPlan) -> CheckpointLayout:
     """Each state-dict tensor's checkpoint names and shapes, found on meta tensors (nothing is allocated), and each
     planned layer's checkpoint layers. A model whose reverse conversion joins several of its tensors into one is
     refused: this export converts one tensor at a time."""
-    state = _state(model)
+    state = state_tensors(model)
     meta = {k: torch.empty(t.shape, dtype=t.dtype, device="meta") for k, t in state.items()}
     tensors = {k: {n: tuple(t.shape) for n, t in _reverted(model, {k: v}).items()} for k, v in meta.items()}
     whole = {n: tuple(t.shape) for n, t in _reverted(model, meta).items()}
@@ -108,7 +108,7 @@ def _check_expert_rows(layer: str, module: nn.Module, tensors: dict[str, dict[st
                                 "does not quantize yet; fix: give it bf16 in policy.json")
 
 
-def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+def state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's tensors, each tied tensor once: the name transformers keeps (the one the model expects on
     reload), or, for another model, the first name."""
     state = model.state_dict()
@@ -205,8 +205,11 @@ def check_engine_loads(plan: ExportPlan, layout: CheckpointLayout | None = None)
 
 
 def export_checkpoint(model: nn.Module, plan: ExportPlan, out: str | Path, tokenizer: Any = None,
-                      shard_bytes: int = SHARD_BYTES, source: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write ``plan`` of ``model`` into the folder ``out``; returns what autoprec-export.json records."""
+                      shard_bytes: int = SHARD_BYTES, source: dict[str, Any] | None = None,
+                      read: Callable[[str], torch.Tensor] | None = None) -> dict[str, Any]:
+    """Write ``plan`` of ``model`` into the folder ``out``; returns what autoprec-export.json records. ``read``:
+    each state-dict tensor by its key, where the model does not hold them (its parameters on meta, read from the
+    checkpoint's shards as their turn comes: :mod:`.streamed`)."""
     from huggingface_hub import split_state_dict_into_shards_factory
     from safetensors.torch import save_file
 
@@ -223,7 +226,8 @@ def export_checkpoint(model: nn.Module, plan: ExportPlan, out: str | Path, token
         raise ExportRefused(f"nvfp4 layer {uncalibrated[0]!r} has no calibrated input_global_scale (engines read a "
                             "static one); fix: export with the model's batches (model.py's get_batches(), or "
                             "plan.input_amax = calibrate_inputs(model, plan, batches))")
-    state = _state(model)
+    state = state_tensors(model)
+    read = read if read is not None else state.__getitem__
     split = split_state_dict_into_shards_factory(  # each key as a 1-tuple: the splitter skips strings
         {k: (k,) for k in state}, get_storage_size=lambda key: _out_bytes(key[0], layout, plan, state[key[0]]),
         filename_pattern="model{suffix}.safetensors", max_shard_size=shard_bytes)
@@ -233,7 +237,7 @@ def export_checkpoint(model: nn.Module, plan: ExportPlan, out: str | Path, token
     weight_map, written = {}, 0
     kv_scales = kv_scale_tensors(model, plan.kv_cache, plan.kv_scales, plan.torch_dtype)  # a few bytes: shard one
     for file_name, keys in split.filename_to_tensors.items():
-        tensors = {name: t for key in keys for name, t in writer.converted(key, state[key]).items()}
+        tensors = {name: t for key in keys for name, t in writer.converted(key, read(key)).items()}
         tensors.update(kv_scales)
         kv_scales = {}
         save_file(tensors, str(out / file_name), metadata={"format": "pt"})

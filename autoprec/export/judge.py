@@ -103,18 +103,21 @@ def find_vllm_python(given: str | Path | None = None, root: Path | None = None) 
 
 
 def judge_export(folder: str | Path, model_py: str | Path, policy: str | Path | None = None,
-                 vllm_python: str | Path | None = None) -> Verdict:
+                 vllm_python: str | Path | None = None, stream: str = "auto") -> Verdict:
     """Load ``folder`` in vLLM and hold what it serves to the plan: ``policy``'s (the file the folder was exported
     from: refused if it changed since), else the one the folder's config.json says. Raises :class:`JudgeRefused`
-    where it cannot check (no vLLM, a folder of another plan)."""
+    where it cannot check (no vLLM, a folder of another plan). A model that would not fit in memory (``stream``
+    auto: its fp32 copy here and vLLM's beside it; always) is checked by vLLM's config parsing and scheme mapping,
+    layer by layer, no weight loaded (:func:`_judge_mapping`)."""
     folder = Path(folder).resolve()
     policy = read_run(policy).path if policy is not None else None  # a tune's folder: its policy.json
     summary = _read_export(folder, policy)
     python = _vllm_python(vllm_python)
+    streamed = _too_large(model_py, stream)
+    if streamed is not None:
+        return _judge_mapping(folder, summary, policy, python, *streamed)
     model, batches, holdout = _model_and_batches(model_py)
-    # given the policy, the plan is the policy's own (the folder's config is then checked, by vLLM, against it)
-    plan = (plan_export(model, Policy.load(policy), keep_fp32=bool(summary.get("source", {}).get("keep_fp32")))
-            if policy is not None else _folder_plan(folder, summary, model))
+    plan = _plan_held_to(folder, summary, policy, model)
     if plan.nvfp4_layers:
         plan.input_amax = calibrate_inputs(model, plan, batches)  # as the export calibrated them
     if plan.kv_cache:
@@ -127,6 +130,36 @@ def judge_export(folder: str | Path, model_py: str | Path, policy: str | Path | 
             export_checkpoint(model, plan_export(model, Policy(default="bf16")), reference)
         result = _run_side(python, folder, reference, prompts, Path(tmp), {"kv_skip_layers": plan.kv_skip or []})
     return _verdict(result, folder, plan, model, prompts)
+
+
+def _plan_held_to(folder: Path, summary: dict[str, Any], policy: Path | None, model: torch.nn.Module) -> ExportPlan:
+    """Given the policy, the plan is the policy's own (the folder's config is then checked, by vLLM, against it);
+    else the one the folder's config says."""
+    if policy is None:
+        return _folder_plan(folder, summary, model)
+    return plan_export(model, Policy.load(policy), keep_fp32=bool(summary.get("source", {}).get("keep_fp32")))
+
+
+def _too_large(model_py: str | Path, stream: str) -> tuple[Any, str] | None:
+    """The checkpoint model.py names, its skeleton on meta, and why, where the check cannot load the model."""
+    from autoprec.export.streamed import checkpoint_to_stream
+    from autoprec.inputs.userspec import import_model_py
+
+    path = Path(model_py).resolve()
+    return checkpoint_to_stream(import_model_py(path), path, stream, lambda c: (
+        4 * c.parameters + c.published_bytes, "the model in fp32 here and as published in vLLM"))
+
+
+def _judge_mapping(folder: Path, summary: dict[str, Any], policy: Path | None, python: Path, checkpoint: Any,
+                   why: str) -> Verdict:
+    """vLLM's config parsing and scheme mapping of every layer of ``folder`` held to the plan made on the model's
+    skeleton (on meta): no weight is loaded, here or in vLLM, and no logprob compared."""
+    plan = _plan_held_to(folder, summary, policy, checkpoint.model)
+    with tempfile.TemporaryDirectory(prefix="autoprec-judge-") as tmp:
+        result = _run_side(python, folder, None, [], Path(tmp), {
+            "map_only": f"not loaded: the model is read from {checkpoint.folder} a tensor at a time ({why})",
+            "kv_skip_layers": plan.kv_skip or []})
+    return _verdict(result, folder, plan, checkpoint.model, [])
 
 
 def vllm_scores(folder: str | Path, prompts: list[list[int]], vllm_python: str | Path | None = None,

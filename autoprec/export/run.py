@@ -7,11 +7,12 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from autoprec.export.checkpoint import EXPORT_FILE, export_checkpoint
+from autoprec.export.checkpoint import EXPORT_FILE, SHARD_BYTES, export_checkpoint, state_tensors
 from autoprec.export.plan import ExportRefused, plan_export
 from autoprec.export.quantize import calibrate_inputs
+from autoprec.export.streamed import checkpoint_to_stream, streamed_reader
 from autoprec.runtime.kvcache import calibrate_kv
 from autoprec.runtime.policy import Policy
 
@@ -44,35 +45,56 @@ def read_run(path: str | Path) -> TunedRun:
 
 
 def export_model_py(model_py: str | Path, run: TunedRun, out: str | Path, keep_fp32: bool = False,
-                    shard_bytes: int | None = None) -> dict[str, Any]:
-    """Load ``model_py``'s model (and tokenizer), plan ``run``'s policy on it, write the checkpoint into ``out``."""
+                    shard_bytes: int | None = None, stream: str = "auto",
+                    log: Callable[[str], None] = lambda _line: None) -> dict[str, Any]:
+    """Load ``model_py``'s model (and tokenizer), plan ``run``'s policy on it, write the checkpoint into ``out``;
+    ``stream`` (auto, always, never): read the checkpoint folder model.py names (``MODEL_DIR``) a tensor at a time
+    instead of loading the model, where it would not fit (:mod:`.streamed`); ``log``: what it says of that."""
     from autoprec.inputs.userspec import call_user, find_function, import_model_py
 
     path = Path(model_py).resolve()
     module = import_model_py(path)
-    get_model = find_function(module, path, "get_model", "get_model() -> torch.nn.Module", required=True)
-    model = call_user(path, "get_model", get_model).eval()
+    shard_bytes = SHARD_BYTES if shard_bytes is None else shard_bytes
+    streamed = checkpoint_to_stream(module, path, stream, lambda c: (
+        c.published_bytes + min(shard_bytes, c.published_bytes), "the model as published and one shard"))
+    checkpoint = None if streamed is None else streamed[0]
+    if streamed is not None:
+        log(f"export: streamed from {checkpoint.folder}, one tensor at a time, at most one "
+            f"{shard_bytes / 2**30:.1f} GiB shard held ({streamed[1]})")
+    if checkpoint is None:
+        get_model = find_function(module, path, "get_model", "get_model() -> torch.nn.Module", required=True)
+        model = call_user(path, "get_model", get_model).eval()
+    else:
+        model = checkpoint.model  # on meta: each tensor is read from the shards as it is written
     plan = plan_export(model, run.policy, keep_fp32=keep_fp32, profile=run.profile)
-    if plan.nvfp4_layers:  # engines read a static input_global_scale: calibrated on the batches the plan was tuned on
-        get_batches = find_function(module, path, "get_batches", "get_batches() -> list", required=False)
-        if get_batches is None:
-            raise ExportRefused(f"{plan.nvfp4_layers[0]!r} is nvfp4, whose input_global_scale is calibrated on the "
-                                "model's batches, and model.py has no get_batches(); fix: define get_batches() in "
-                                f"{path.name}")
-        plan.input_amax = calibrate_inputs(model, plan, call_user(path, "get_batches", get_batches))
-    if plan.kv_cache:  # engines read static KV scales: calibrated on the batches, as the tune measured them
-        get_batches = find_function(module, path, "get_batches", "get_batches() -> list", required=False)
-        if get_batches is None:
-            raise ExportRefused(f"the plan's KV cache is {next(iter(plan.kv_cache.values()))}, whose scales are "
-                                f"calibrated on the model's batches, and model.py has no get_batches(); fix: define "
-                                f"get_batches() in {path.name}")
-        plan.kv_scales = calibrate_kv(model, call_user(path, "get_batches", get_batches))[0]
+    read = None if checkpoint is None else streamed_reader(checkpoint, plan, state_tensors(model))
+    if checkpoint is None:
+        _calibrate(module, path, model, plan)
     tokenizer, found = find_tokenizer(module, path, model)
     # which plan the folder holds: `autoprec export --check` refuses it once the policy file says otherwise
     source = {"policy": str(run.path), "policy_sha256": policy_sha256(run.path), "model_py": str(path),
               "keep_fp32": keep_fp32, "tokenizer": found}
-    extra = {} if shard_bytes is None else {"shard_bytes": shard_bytes}
-    return export_checkpoint(model, plan, out, tokenizer=tokenizer, source=source, **extra)
+    return export_checkpoint(model, plan, out, tokenizer=tokenizer, source=source, shard_bytes=shard_bytes, read=read)
+
+
+def _calibrate(module: Any, path: Path, model: Any, plan: Any) -> None:
+    """The static scales engines read, calibrated on model.py's batches as the tune measured them: NVFP4's input
+    global scales, the KV cache's scales."""
+    from autoprec.inputs.userspec import call_user, find_function
+
+    if not plan.nvfp4_layers and not plan.kv_cache:
+        return
+    get_batches = find_function(module, path, "get_batches", "get_batches() -> list", required=False)
+    if get_batches is None:
+        what = (f"{plan.nvfp4_layers[0]!r} is nvfp4, whose input_global_scale is" if plan.nvfp4_layers else
+                f"the plan's KV cache is {next(iter(plan.kv_cache.values()))}, whose scales are")
+        raise ExportRefused(f"{what} calibrated on the model's batches, and model.py has no get_batches(); fix: "
+                            f"define get_batches() in {path.name}")
+    batches = call_user(path, "get_batches", get_batches)
+    if plan.nvfp4_layers:
+        plan.input_amax = calibrate_inputs(model, plan, batches)
+    if plan.kv_cache:
+        plan.kv_scales = calibrate_kv(model, batches)[0]
 
 
 def policy_sha256(path: str | Path) -> str:

@@ -6,7 +6,8 @@ keeps only to quote the last line of an error.
 
 The request: ``{"folder": FOLDER, "reference": FOLDER or null, "prompts": [[token ids], ...], "cannot_run":
 {platform: {config group name: why}}, "cannot_run_experts": likewise, for a group holding MoE experts,
-"kv_skip_layers": [layer index, ...]}`` (a folder holding such a group on that platform is mapped, not loaded; the
+"kv_skip_layers": [layer index, ...], "map_only": why or absent}`` (a folder holding such a group on that platform,
+or any folder where ``map_only`` says why, is mapped, not loaded; the
 KV cache of the layers ``kv_skip_layers`` names is served in the model's dtype, vLLM's
 ``kv_cache_dtype_skip_layers``), and optionally ``"full_logprobs": FILE.npy``: the folder's whole next-token
 distribution at every scored position is written there (what a benchmark computes a KL divergence from;
@@ -297,7 +298,8 @@ def main(request_path: str, result_path: str) -> int:
         traceback.print_exc()
     groups = (json.loads((folder / "config.json").read_text()).get("quantization_config") or {}).get(
         "config_groups", {})
-    cannot = [why for name, why in request.get("cannot_run", {}).get(platform, {}).items() if name in groups]
+    cannot = [request["map_only"]] if request.get("map_only") else []  # a model too large to load beside
+    cannot += [why for name, why in request.get("cannot_run", {}).get(platform, {}).items() if name in groups]
     experts = {name for name, g in groups.items() for t in g.get("targets", []) if ".experts" in t}
     cannot += [why for name, why in request.get("cannot_run_experts", {}).get(platform, {}).items() if name in experts]
     kv_problem = (entry.get("mapping") or {}).get("kv_cache", {}).get("cannot_run")

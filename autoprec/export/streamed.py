@@ -1,0 +1,100 @@
+"""An export read from the checkpoint's shards one tensor at a time (``autoprec export --stream``).
+
+A model.py that names its checkpoint folder (``MODEL_DIR``, as ``autoprec init --hf`` writes it) can be exported
+without ``get_model()``: the model is built on the meta device from the folder's config (no memory), the plan is
+made on it as on the loaded model, and each tensor the checkpoint writes is read from its shard as its turn comes,
+converted and freed. The process then holds at most one output shard (``SHARD_BYTES``) and one tensor in fp32, not
+the model: what lets an 8B or 70B checkpoint be exported on the machine that tuned it block by block
+(``tune --stream``). The files are those the in-memory export writes, byte for byte (a test holds them equal).
+
+What a streamed export cannot write, it refuses in one line: NVFP4's input scales and an FP8 KV cache's scales are
+calibrated on a forward of the whole model, and a MoE checkpoint whose experts transformers fuses on load stores
+tensors the model does not name one for one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from autoprec.common.procfs import proc_number
+from autoprec.export.plan import ExportPlan, ExportRefused
+from autoprec.inputs.userspec import UserCodeError
+from autoprec.stream.checkpoint import Checkpoint, CheckpointError, GiB, open_checkpoint
+
+__all__ = ["MODES", "checkpoint_to_stream", "streamed_reader"]
+
+MODES = ("auto", "always", "never")
+
+
+def checkpoint_to_stream(module: Any, path: Path, stream: str,
+                         need: Callable[[Checkpoint], tuple[int, str]]) -> tuple[Checkpoint, str] | None:
+    """The checkpoint model.py names, its skeleton on meta, and why it is read a tensor at a time rather than
+    loaded by ``get_model()``; or None, to load it: ``stream`` never; auto where ``need`` (the bytes loading it
+    takes, and what they are) fits in free memory; always (where model.py names no folder: one line)."""
+    folder = getattr(module, "MODEL_DIR", None)
+    if stream == "never":
+        return None
+    if folder is None:
+        if stream == "always":
+            raise UserCodeError(path, "MODEL_DIR", "not set: streaming reads the checkpoint folder model.py names",
+                                "add MODEL_DIR = \"/path/to/checkpoint\" (autoprec init --hf writes it)")
+        return None
+    try:
+        sizes = open_checkpoint(folder, skeleton=False)
+    except CheckpointError:
+        if stream == "always":
+            raise
+        return None  # a folder it cannot read a tensor at a time (e.g. .bin weights): get_model(), as before
+    kb = proc_number("/proc/meminfo", "MemAvailable:")
+    needed, what = need(sizes)
+    if stream == "auto" and (kb is None or needed <= kb * 1024):
+        return None
+    why = ("--stream always" if stream == "always" else
+           f"{what}, {needed / GiB:.1f} GiB, would not fit in {kb * 1024 / GiB:.1f} GiB free")
+    checkpoint = open_checkpoint(folder)
+    _as_published(checkpoint)
+    return checkpoint, why
+
+
+def _as_published(checkpoint: Checkpoint) -> None:
+    """The skeleton's config and generation config as ``from_pretrained`` gives them (the skeleton is built for a
+    tune, without a KV cache), so that config.json and generation_config.json are written as the in-memory export
+    writes them."""
+    import json
+
+    from transformers import GenerationConfig
+
+    model, folder = checkpoint.model, checkpoint.folder
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = json.loads((folder / "config.json").read_text()).get("use_cache", True)
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
+
+
+def streamed_reader(checkpoint: Checkpoint, plan: ExportPlan,
+                    state: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    """Each state-dict tensor of the skeleton read from its shard as published (a real buffer the skeleton built
+    itself, such as rotary frequencies, as it is); refuses first, in one line, what cannot be read this way."""
+    if plan.nvfp4_layers or plan.kv_cache:
+        what = (f"{plan.nvfp4_layers[0]!r} is nvfp4, whose input_global_scale" if plan.nvfp4_layers else
+                f"the plan's KV cache is {next(iter(plan.kv_cache.values()))}, whose scales")
+        raise ExportRefused(f"{what} is calibrated on a forward of the whole model, which a streamed export does not "
+                            "run; fix: export with --stream never on a machine that holds the model")
+    stored = checkpoint.weight_map
+    missing = [k for k, t in state.items() if t.device.type == "meta" and checkpoint.key(k) not in stored]
+    if missing:
+        raise ExportRefused(f"{checkpoint.folder} stores {missing[0]!r} otherwise than the model names it (a MoE's "
+                            "experts fused on load, or a renamed tensor), and a streamed export reads each tensor as "
+                            "the model names it; fix: export with --stream never on a machine that holds the model")
+
+    def read(key: str) -> torch.Tensor:
+        tensor = state[key]
+        if tensor.device.type != "meta":
+            return tensor
+        name = checkpoint.key(key)
+        return checkpoint.read([name], dtype=None)[name]
+
+    return read

@@ -1,0 +1,173 @@
+"""Issue 44: ``autoprec export --stream``: the checkpoint folder model.py names read a tensor at a time, never the
+whole model, writes the files the in-memory export writes, byte for byte; what it cannot write is one line.
+
+Small models from configs (seeded), published as bf16 safetensors shards with a tokenizer in tmp_path.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from vllm_engine import needs_vllm
+
+from autoprec.cli import main
+from autoprec.export.plan import ExportRefused
+from autoprec.export.run import TunedRun, export_model_py
+from autoprec.inputs.userspec import UserCodeError
+from autoprec.runtime.policy import Policy
+
+pytest.importorskip("transformers")
+safetensors = pytest.importorskip("safetensors.torch")
+
+# layer 0's q/k/v FP8 per row, layer 1's gate/up FP8 per tensor, the head FP8 (served unquantized, said), the rest bf16
+MIXED = Policy(layers={r"re:model\.layers\.0\.self_attn\.[qkv]_proj": "fp8-rowwise",
+                       r"re:model\.layers\.1\.mlp\.(gate|up)_proj": "fp8", "lm_head": "fp8-rowwise"}, default="bf16")
+
+
+def _publish(folder: Path, kind: str) -> Path:
+    """A seeded model of ``kind`` in bf16, saved as save_pretrained publishes it (several shards), its tokenizer
+    beside it."""
+    import transformers
+    from export_models import tiny_tokenizer
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=False))
+    else:  # a tied head and q/k/v biases
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, tie_word_embeddings=True))
+    model.to(torch.bfloat16).save_pretrained(folder, max_shard_size="40KB")
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _model_py(folder: Path, checkpoint: Path, named: bool = True) -> Path:
+    """model.py loading ``checkpoint``; ``named``: and naming it as MODEL_DIR (as autoprec init --hf writes it)."""
+    folder.mkdir(exist_ok=True)
+    path = folder / "model.py"
+    path.write_text(textwrap.dedent(f"""
+        import transformers
+
+        {"MODEL_DIR = " + repr(str(checkpoint)) if named else ""}
+
+
+        def get_model():
+            return transformers.AutoModelForCausalLM.from_pretrained({str(checkpoint)!r}, local_files_only=True)
+    """))
+    return path
+
+
+def _export(tmp_path: Path, model_py: Path, policy: Policy, name: str, stream: str, **options) -> Path:
+    policy_path = tmp_path / "policy.json"
+    policy.save(policy_path)
+    out = tmp_path / name
+    export_model_py(model_py, TunedRun(Policy.load(policy_path), None, policy_path), out, stream=stream, **options)
+    return out
+
+
+def _files(folder: Path) -> dict[str, object]:
+    """Every file of the folder: a safetensors file as its tensors' bytes and metadata, any other as its text."""
+    from safetensors import safe_open
+
+    out: dict[str, object] = {}
+    for path in sorted(folder.iterdir()):
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as f:
+                out[path.name] = (f.metadata(), {k: (str(f.get_tensor(k).dtype), f.get_tensor(k).view(torch.uint8)
+                                                     .flatten().tolist()) for k in f.keys()})
+        else:
+            out[path.name] = path.read_text()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2-tied"])
+def test_a_streamed_export_writes_the_in_memory_exports_files_byte_for_byte(tmp_path, kind):
+    checkpoint = _publish(tmp_path / "published", kind)
+    model_py = _model_py(tmp_path, checkpoint)
+    lines: list[str] = []
+    streamed = _export(tmp_path, model_py, MIXED, "streamed", "always", shard_bytes=40_000, log=lines.append)
+    loaded = _export(tmp_path, model_py, MIXED, "loaded", "never", shard_bytes=40_000)
+    assert lines and lines[0].startswith(f"export: streamed from {checkpoint}") and "--stream always" in lines[0]
+    files = _files(streamed)
+    assert files == _files(loaded)
+    assert sum(name.endswith(".safetensors") for name in files) > 1  # several shards, each written and freed
+    summary = json.loads(files["autoprec-export.json"])
+    assert summary["schemes"] == {"FP8_DYNAMIC": {"about": summary["schemes"]["FP8_DYNAMIC"]["about"], "layers": 3},
+                                  "FP8_PER_TENSOR_DYNAMIC": {"about": summary["schemes"]["FP8_PER_TENSOR_DYNAMIC"]
+                                                             ["about"], "layers": 2}}
+    assert any("lm_head" in note for note in summary["notes"])  # the head the plan had in FP8, served unquantized
+    assert "tokenizer.json" in files
+
+
+def test_auto_loads_the_model_where_it_fits_and_without_a_folder_never_streams(tmp_path):
+    checkpoint = _publish(tmp_path / "published", "llama")
+    lines: list[str] = []
+    _export(tmp_path, _model_py(tmp_path, checkpoint), Policy(default="bf16"), "auto", "auto", log=lines.append)
+    assert lines == []  # a 0.1 MB model fits: get_model(), nothing said
+    no_folder = _model_py(tmp_path / "plain", checkpoint, named=False)
+    _export(tmp_path, no_folder, Policy(default="bf16"), "plain", "auto", log=lines.append)
+    assert lines == []
+    with pytest.raises(UserCodeError, match="MODEL_DIR.*not set.*autoprec init --hf"):
+        _export(tmp_path, no_folder, Policy(default="bf16"), "always", "always")
+
+
+def test_what_a_streamed_export_cannot_write_is_one_line_and_writes_nothing(tmp_path):
+    from export_models import tiny_moe
+
+    checkpoint = _publish(tmp_path / "published", "llama")
+    kv = Policy(default="bf16", kv_cache={"model.layers.1.self_attn": "fp8"})
+    with pytest.raises(ExportRefused, match="KV cache is fp8.*forward of the whole model.*--stream never"):
+        _export(tmp_path, _model_py(tmp_path, checkpoint), kv, "kv", "always")
+    assert not (tmp_path / "kv").exists()
+    moe = tmp_path / "moe"
+    tiny_moe("mixtral").to(torch.bfloat16).save_pretrained(moe)  # the hub layout: experts.{e}.w1 ...
+    with pytest.raises(ExportRefused, match=r"stores 'model\.layers\.0\.mlp\..*' otherwise than the "
+                                            "model names it.*--stream never"):
+        _export(tmp_path, _model_py(tmp_path / "m", moe), Policy(default="bf16"), "moe-out", "always")
+    assert not (tmp_path / "moe-out").exists()
+
+
+def test_the_command_says_it_streams(tmp_path, capsys):
+    checkpoint = _publish(tmp_path / "published", "llama")
+    policy = tmp_path / "policy.json"
+    MIXED.save(policy)
+    status = main(["export", str(policy), "--model", str(_model_py(tmp_path, checkpoint)), "--out",
+                   str(tmp_path / "out"), "--stream", "always"])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert f"export: streamed from {checkpoint}, one tensor at a time" in captured.err
+    assert "5 quantized layers" in captured.out
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_checkpoint_too_large_to_load_is_checked_by_vllms_mapping_of_every_layer(tmp_path, vllm_python):
+    """--stream always stands in for a model too large to load: vLLM maps every layer from config.json, no weight
+    loaded anywhere, and the mapping is held to the plan: a folder whose config drops planned layers fails."""
+    from autoprec.export.judge import judge_export
+
+    checkpoint = _publish(tmp_path / "published", "llama")
+    model_py = _model_py(tmp_path, checkpoint)
+    out = _export(tmp_path, model_py, MIXED, "streamed", "always")
+    verdict = judge_export(out, model_py, policy=tmp_path / "policy.json", vllm_python=vllm_python, stream="always")
+    assert verdict.ok and not verdict.scored, verdict.problems
+    assert f"not loaded: the model is read from {checkpoint} a tensor at a time" in verdict.lines[0]
+    fp8, plain = "CompressedTensorsW8A8Fp8", ("UnquantizedLinearMethod", "unquantized")
+    assert verdict.layers["model.layers.0.self_attn.qkv_proj"] == fp8
+    assert verdict.layers["model.layers.1.mlp.gate_up_proj"] == fp8
+    assert verdict.layers["model.layers.0.mlp.gate_up_proj"] in plain
+    config = json.loads((out / "config.json").read_text())
+    quant = config["quantization_config"]
+    moved = ["model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"]
+    group = quant["config_groups"]["FP8_PER_TENSOR_DYNAMIC"]
+    group["targets"] = [t for t in group["targets"] if t not in moved]
+    quant["ignore"] += moved
+    (out / "config.json").write_text(json.dumps(config))
+    verdict = judge_export(out, model_py, policy=tmp_path / "policy.json", vllm_python=vllm_python, stream="always")
+    problems = verdict.problems
+    assert any(p.startswith("model.layers.1.mlp.gate_up_proj: the plan has") for p in problems), problems
