@@ -105,6 +105,21 @@ def test_the_training_table_shows_the_final_loss_once(metric_kind, columns):
     assert metric_kind in header and all(len(row) == len(header) for row in rows)
 
 
+def test_a_training_tune_that_trained_nothing_has_no_loss_curves(tmp_path):
+    """Where nothing could pay off, verification trains nothing: no loss.png (and no final loss column), while one
+    that trained draws its curves."""
+    pytest.importorskip("matplotlib")
+    from autoprec.workloads.training import loss_plot
+
+    v = Verification(chosen=None, policy=None, samples={"fp32": [10.0, 11.0], "tuned": [10.0, 11.0]},
+                     metric={"fp32": 0.5, "tuned": 0.5}, sqnr_db={}, within_budget={"tuned": True},
+                     autocast_precision="bf16", predicted_ms=None, timed_on="one forward", no_gain="nothing is faster")
+    assert loss_plot(v, tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
+    v.training = TrainingRuns(4, {key: [1.0, 0.8, 0.6, 0.5] for key in ("fp32", "autocast", "tuned")})
+    v.samples["autocast"] = [6.0, 7.0]
+    assert loss_plot(v, tmp_path / "loss.png").exists()
+
+
 # ---- the dashboard of a study kept elsewhere ------------------------------------------------------------------
 def test_the_dashboard_takes_the_storage_url_a_tune_was_given(tmp_path):
     import optuna
