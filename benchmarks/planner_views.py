@@ -144,6 +144,12 @@ def loss_gradients(model: torch.nn.Module, units: dict, batches: list) -> dict:
     return {id(lin): score(lin) for lin in linears}
 
 
+def plan_db(model: torch.nn.Module, linears: list[torch.nn.Linear], held_out: list, refs: list) -> list[float]:
+    """``linears`` in FP8, the logits' SQNR against fp32 on each held-out batch, lowest first."""
+    with Fp8(linears):
+        return sorted(sqnr(r, o) for r, o in zip(refs, logits(model, held_out)))
+
+
 def curve(model: torch.nn.Module, units: dict, order: list[str], held_out: list, refs: list) -> list[dict]:
     """Each prefix of ``order`` in FP8, scored on the held-out batches: its share of the linear parameters and the
     logits' SQNR (worst and best batch, and the median)."""
@@ -151,8 +157,7 @@ def curve(model: torch.nn.Module, units: dict, order: list[str], held_out: list,
     points = []
     for k in range(1, len(order) + 1):
         chosen = order[:k]
-        with Fp8([lin for name in chosen for lin in units[name]]):
-            db = sorted(sqnr(r, o) for r, o in zip(refs, logits(model, held_out)))
+        db = plan_db(model, [lin for name in chosen for lin in units[name]], held_out, refs)
         share = sum(lin.weight.numel() for name in chosen for lin in units[name]) / total
         points.append({"units": k, "share": share, "sqnr_db": [db[0], db[-1]], "median_db": db[len(db) // 2]})
     return points
