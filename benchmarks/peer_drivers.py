@@ -59,17 +59,21 @@ def id_tokenizer(vocab: int):
     return PreTrainedTokenizerFast(tokenizer_object=words, eos_token="t0", pad_token="t0", unk_token="t0")
 
 
-def modelopt_search(work: Workload, bits: float, config: str) -> torch.nn.Module:
-    """ModelOpt's auto_quantize (its loss-scored search over which linears take ``config``) on the workload's bf16
-    model within ``bits`` effective bits, calibrated and scored on its calibration batches: its quantized model."""
+def modelopt_search(work: Workload, bits: float, config: str, dtype: torch.dtype = torch.bfloat16,
+                    checkpoint: Path | None = None) -> torch.nn.Module:
+    """ModelOpt's auto_quantize (its loss-scored search over which linears take ``config``) on the workload's model
+    in ``dtype`` within ``bits`` effective bits, calibrated and scored on its calibration batches: its quantized
+    model. With ``checkpoint``, its own search-state file: written by the first call, and a later call restores the
+    scores from it and only solves for its budget (ModelOpt's way to ask one scoring for several budgets)."""
     import modelopt.torch.quantization as mtq
 
     data = [dict(work.feed(b), labels=b["input_ids"].masked_fill(~b["attention_mask"].bool(), -100))
             for b in work.calibration]
-    model = work.get_model().to(torch.bfloat16)  # the layers it leaves unquantized serve in bf16, as the others'
+    model = work.get_model().to(dtype)  # bf16: the layers it leaves unquantized serve in bf16, as the others'
     return mtq.auto_quantize(model, constraints={"effective_bits": bits}, quantization_formats=[config],
                              data_loader=data, forward_step=lambda m, b: m(**b), loss_func=lambda out, b: out.loss,
-                             num_calib_steps=len(data), num_score_steps=len(data), verbose=False)[0]
+                             num_calib_steps=len(data), num_score_steps=len(data), verbose=False,
+                             checkpoint=None if checkpoint is None else str(checkpoint))[0]
 
 
 def modelopt_quantized(model: torch.nn.Module) -> set[str]:
@@ -77,11 +81,12 @@ def modelopt_quantized(model: torch.nn.Module) -> set[str]:
     return {n for n, m in model.named_modules() if getattr(getattr(m, "weight_quantizer", None), "is_enabled", False)}
 
 
-def autoround_quantize(work: Workload, bits: float, folder: Path) -> Path:
+def autoround_quantize(work: Workload, bits: float, folder: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     """AutoRound's AutoScheme (auto-round 0.16): its delta-loss search choosing, per linear, FP8_DYNAMIC (per-channel
     weights, per-token dynamic inputs: what vLLM serves) or BF16 within ``bits`` average bits, vLLM's fused groups
     deciding together (``shared_layers``), rounding to nearest (``iters=0``), on the calibration batches as text,
-    written in its ``llm_compressor`` format (compressed-tensors): the folder it wrote."""
+    written in its ``llm_compressor`` format (compressed-tensors): the folder it wrote. The model is given to it in
+    ``dtype``."""
     from auto_round import AutoRound, AutoScheme
     from auto_round.schemes import QuantizationScheme
 
@@ -94,7 +99,7 @@ def autoround_quantize(work: Workload, bits: float, folder: Path) -> Path:
     common = {"dataset": str(data), "nsamples": len(texts), "seqlen": length}
     scheme = AutoScheme(avg_bits=bits, options=[QuantizationScheme.from_dict(AUTOROUND_FP8_DYNAMIC), "BF16"],
                         shared_layers=FUSED, batch_size=4, device_map="cpu", **common)
-    model = work.get_model().to(torch.bfloat16)
+    model = work.get_model().to(dtype)
     AutoRound(model, tokenizer=work.tokenizer, scheme=scheme, iters=0, device_map="cpu",
               **common).quantize_and_save(str(folder), format="llm_compressor")
     return next(folder.glob("**/config.json")).parent  # a subfolder named for the model and the scheme

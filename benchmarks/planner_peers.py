@@ -87,14 +87,14 @@ def peer_runs(peer: str, work: Workload, names: list[str], out: Path, ctx: dict)
     for share in SHARES:
         bits = budget_bits(share)
         if peer == "modelopt":
-            def run():
-                model = modelopt_search(work, bits, MODELOPT_CONFIG)
+            def run():  # in fp32: this CPU has no bf16 matmuls (ModelOpt's bf16 scoring ran > 4 min a batch)
+                model = modelopt_search(work, bits, MODELOPT_CONFIG, torch.float32, out / "modelopt-search.pth")
                 return modelopt_quantized(model), {}
         elif peer == "autoround":
             def run():
                 folder = out / f"autoround-{share}"
                 try:
-                    policy = served_policy(autoround_quantize(work, bits, folder), names, in_bf16=True)
+                    policy = served_policy(autoround_quantize(work, bits, folder, torch.float32), names, in_bf16=True)
                 finally:
                     shutil.rmtree(folder, ignore_errors=True)
                 return {n for n, p in policy.layers.items() if p.value.startswith("fp8")}, {}
@@ -105,9 +105,9 @@ def peer_runs(peer: str, work: Workload, names: list[str], out: Path, ctx: dict)
                 said = {"effective_bits": best.effective_bits, "linears by scheme": dict(Counter(schemes.values()))}
                 return {n for n, s in schemes.items() if s != "native"}, said
         done, seconds, failed = peer_attempt(peer, ctx, run)
-        if failed:
-            rows.append({"peer": peer, "level": share, "knob": bits, "error": failed["skipped"]})
-            continue
+        if failed:  # a peer that did not finish at one budget would not at the next: said once for each
+            return rows + [{"peer": peer, "level": s, "knob": budget_bits(s), "error": failed["skipped"]}
+                           for s in SHARES if s >= share]
         fp8, said = done
         rows.append({"peer": peer, "level": share, "knob": bits, "fp8_linears": sorted(fp8), "said": said,
                      "seconds": seconds})
@@ -180,6 +180,8 @@ def main() -> None:
                     mod.get_batches(4, start=mod.N_BATCHES), mod.get_batches(3), dict, None,
                     id_tokenizer(mod.SETTINGS["vocab"]), "structured_llama")
     out = Path(tempfile.gettempdir()) / "autoprec-planner-peers"
+    shutil.rmtree(out, ignore_errors=True)  # ModelOpt's search state from an earlier run would be restored
+    out.mkdir(parents=True)
     ctx = {"peer_limit_s": args.peer_limit}
     model = mod.get_model()
     units = units_of(model)
