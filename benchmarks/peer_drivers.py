@@ -86,7 +86,8 @@ def autoround_quantize(work: Workload, bits: float, folder: Path, dtype: torch.d
     weights, per-token dynamic inputs: what vLLM serves) or BF16 within ``bits`` average bits, vLLM's fused groups
     deciding together (``shared_layers``), rounding to nearest (``iters=0``), on the calibration batches as text,
     written in its ``llm_compressor`` format (compressed-tensors): the folder it wrote. The model is given to it in
-    ``dtype``."""
+    ``dtype``. Its low-CPU-memory scoring is off: it reloads each block from the model's checkpoint folder, and a
+    model built in memory has none."""
     from auto_round import AutoRound, AutoScheme
     from auto_round.schemes import QuantizationScheme
 
@@ -98,7 +99,7 @@ def autoround_quantize(work: Workload, bits: float, folder: Path, dtype: torch.d
     length = int(work.calibration[0]["attention_mask"].sum(-1).min())
     common = {"dataset": str(data), "nsamples": len(texts), "seqlen": length}
     scheme = AutoScheme(avg_bits=bits, options=[QuantizationScheme.from_dict(AUTOROUND_FP8_DYNAMIC), "BF16"],
-                        shared_layers=FUSED, batch_size=4, device_map="cpu", **common)
+                        shared_layers=FUSED, batch_size=4, device_map="cpu", low_cpu_mem_usage=False, **common)
     model = work.get_model().to(dtype)
     AutoRound(model, tokenizer=work.tokenizer, scheme=scheme, iters=0, device_map="cpu",
               **common).quantize_and_save(str(folder), format="llm_compressor")

@@ -1,12 +1,13 @@
 """The peers' own planners on the model where planners part ways, scored as benchmarks/planner_views.py scores.
 
-    PYTHONPATH=. python benchmarks/planner_peers.py [--peers modelopt,autoround,quark] [--peer-limit 900]
+    PYTHONPATH=. nice -n 5 /work/main/.venv-peers/bin/python benchmarks/planner_peers.py \
+        [--peers modelopt,autoround,quark] [--peer-limit 900]
 
-Run it where the peers are installed (see benchmarks/serving.py). benchmarks/planner_views.py applies four *scoring
-rules* the way the peers score; this runs the peers' *programs* (benchmarks/peer_drivers.py, the drivers
-benchmarks/serving.py runs them with) on benchmarks/models/structured_llama, at each of planner_views' budgets
-(SHARES of the decoder layers' linear parameters in FP8, asked of each peer as effective bits: 16 - 8 x share, FP8's
-8 bits against bf16's 16):
+Run it where the peers are installed (nvidia-modelopt 0.47, auto-round 0.16, amd-quark 0.13: see
+benchmarks/serving.py). benchmarks/planner_views.py applies four *scoring rules* the way the peers score; this runs
+the peers' *programs* (benchmarks/peer_drivers.py, the drivers benchmarks/serving.py runs them with) on
+benchmarks/models/structured_llama, at each of planner_views' budgets (SHARES of the decoder layers' linear
+parameters in FP8, asked of each peer as effective bits: 16 - 8 x share, FP8's 8 bits against bf16's 16):
 
 - **ModelOpt** ``mtq.auto_quantize``, FP8_PER_CHANNEL_PER_TOKEN_CFG (fp8-rowwise's format), ``effective_bits``;
 - **AutoRound** ``AutoScheme``, FP8_DYNAMIC or BF16 per linear, vLLM's fused groups shared, ``avg_bits``;
@@ -18,7 +19,14 @@ AutoRound's checkpoint, Quark's assignment), mapped to planner_views' engine uni
 own emulation* (``fp8-rowwise``, whatever format the peer quantized in) on the same held-out batches: the logits' SQNR
 against fp32, worst and best batch. So only the choice differs between rows, not the quantizer. The four rules'
 plans at the same budgets (their orders from the scores in benchmarks/results/planner_views.json) are scored again
-in the same run beside them. A peer that fails or does not finish gets its one-line error as its row.
+in the same run beside them.
+
+A peer's budget is a ceiling on effective bits, so a floor on the share in FP8 (its plan uses at least about the
+share), where planner_views' rules take at most the share. So each peer's plan is also set against the measured
+rule's plan within the share the peer actually used, scored in the same run: one is better only where its worst
+held-out batch is above the other's best; overlapping intervals are a tie. Quark's rows carry its own score of each
+unit it chose beside that score's range over every unit: its reason for the plan. A peer that fails or does not
+finish gets its one-line error as its row.
 """
 
 from __future__ import annotations
@@ -102,8 +110,7 @@ def peer_runs(peer: str, work: Workload, names: list[str], out: Path, ctx: dict)
             def run():
                 best = quark_search(*profiled, bits, shape, candidates=1)[1].payload.candidates[0]
                 schemes = {e.module_name: e.scheme for e in best.assignment}
-                said = {"effective_bits": best.effective_bits, "linears by scheme": dict(Counter(schemes.values()))}
-                return {n for n, s in schemes.items() if s != "native"}, said
+                return {n for n, s in schemes.items() if s != "native"}, quark_said(best, *profiled)
         done, seconds, failed = peer_attempt(peer, ctx, run)
         if failed:  # a peer that did not finish at one budget would not at the next: said once for each
             return rows + [{"peer": peer, "level": s, "knob": budget_bits(s), "error": failed["skipped"]}
@@ -113,6 +120,21 @@ def peer_runs(peer: str, work: Workload, names: list[str], out: Path, ctx: dict)
                      "seconds": seconds})
         print(f"{peer} at {bits:.2f} bits: {len(fp8)} linears in FP8 ({seconds:.0f} s)", flush=True)
     return rows
+
+
+def quark_said(best, space, profile) -> dict:
+    """What Quark's plan rests on: its effective bits, its linears by scheme, and its score of each unit it put in
+    FP8 (the relative weight MSE, squared error over the weight's own power, that its linear program weighs by
+    size), beside every unit's score: where the scores are close, its choice among the units is a choice among
+    near-ties."""
+    schemes = {e.module_name: e.scheme for e in best.assignment}
+    members = {u.unit_id: u.members for u in space.payload.decision_units}
+    score = {(r.unit_id, r.scheme): r.score.relative_mse for r in profile.payload.records}
+    chosen = {unit: schemes[parts[0]] for unit, parts in members.items() if schemes.get(parts[0], "native") != "native"}
+    lowest = {unit: min(v for (u, scheme), v in score.items() if u == unit and scheme != "native") for unit in members}
+    return {"effective_bits": best.effective_bits, "linears by scheme": dict(Counter(schemes.values())),
+            "relative weight mse of its units": {unit: [s, score[unit, s]] for unit, s in sorted(chosen.items())},
+            "relative weight mse of every unit, lowest first (its better FP8 scheme)": sorted(lowest.values())}
 
 
 def bf16_model(work: Workload):
@@ -147,6 +169,28 @@ def rule_rows(views: dict, names: dict) -> list[dict]:
     return rows
 
 
+def verdict(peer_db: list[float], measured_db: list[float]) -> str:
+    """A peer's plan against autoprec's measured one, each an SQNR interval (worst, best batch) on the same held-out
+    batches: one is better only where its worst batch is above the other's best; overlapping intervals are a tie."""
+    if measured_db[0] > peer_db[1]:
+        return "measured better"
+    if peer_db[0] > measured_db[1]:
+        return "peer better"
+    return "tie"
+
+
+def at_equal_share(row: dict, views: dict, names: dict, score) -> dict:
+    """The measured rule's plan within the share of the parameters ``row``'s peer actually put in FP8 (its largest
+    prefix within it: a peer's own budget accounting may overshoot planner_views' share), scored by ``score`` (a
+    row's plan to its scored row), and the verdict of ``row`` against it."""
+    order = sorted(names, key=views["scores"]["measured"].get)
+    k = at_share(views["curves"]["measured"], row["share"])["units"]
+    measured = score({"peer": "rule: measured", "level": row["level"],
+                      "fp8_linears": sorted(n for unit in order[:k] for n in names[unit])})
+    return {"share": measured["share"], "fp8": measured["fp8"], "sqnr_db": measured["sqnr_db"],
+            "median_db": measured["median_db"], "verdict": verdict(row["sqnr_db"], measured["sqnr_db"])}
+
+
 def print_row(row: dict) -> None:
     head = f"at most {row['level']:.0%} {row['peer']:32s}"
     if "error" in row:
@@ -157,6 +201,10 @@ def print_row(row: dict) -> None:
     print(f"{head} {low:5.1f}-{high:5.1f} dB ({row['share']:.0%} used); planted in FP8: "
           f"{', '.join(row['planted_fp8']) or '-'}; planted kept: {', '.join(row['planted_kept']) or '-'}{split}",
           flush=True)
+    if "measured_at_equal_share" in row:
+        same = row["measured_at_equal_share"]
+        print(f"{'':42s} measured at its share: {same['sqnr_db'][0]:5.1f}-{same['sqnr_db'][1]:5.1f} dB "
+              f"({same['share']:.0%} used): {same['verdict']}", flush=True)
 
 
 def main() -> None:
@@ -192,8 +240,11 @@ def main() -> None:
     refs = logits(model, held_out)
     marks = planted(mod)
     views = json.loads((ROOT / "benchmarks" / "results" / "planner_views.json").read_text())
-    rows = [r if "error" in r else scored(r, model, units, names, held_out, refs, marks)
-            for r in sorted(rule_rows(views, names) + runs, key=lambda r: r["level"])]
+    score = lambda r: scored(r, model, units, names, held_out, refs, marks)  # noqa: E731
+    rows = [r if "error" in r else score(r) for r in sorted(rule_rows(views, names) + runs, key=lambda r: r["level"])]
+    for row in rows:
+        if "error" not in row and not row["peer"].startswith("rule: "):
+            row["measured_at_equal_share"] = at_equal_share(row, views, names, score)
     for row in rows:
         print_row(row)
     load.append(os.getloadavg())

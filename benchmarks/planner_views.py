@@ -8,8 +8,9 @@ channel, inputs per token, as vLLM's FP8_DYNAMIC) would hurt, the way one family
 
 - **measured** (autoprec's profile): the logits' SQNR against the reference with that unit alone in FP8, on the
   calibration batches (its worst batch);
-- **weight error, relative** (HIGGS-like, model-free): the unit's weight quantization error over its weight's size;
-- **weight error, absolute** (AMD Quark's MixedPrecisionPlanner: the weights' MSE);
+- **weight error, relative** (HIGGS-like, model-free; AMD Quark's MixedPrecisionPlanner scores this, weighed by
+  the unit's size in its linear program): the unit's weight quantization error over its weight's size;
+- **weight error, absolute**: the weights' MSE;
 - **loss-scored** (ModelOpt's auto_quantize: the squared first-order change of the next-token loss, the gradient at
   the unit's output times the output's change, summed over tokens).
 

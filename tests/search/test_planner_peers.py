@@ -39,3 +39,27 @@ def test_a_plan_of_nothing_or_of_other_names_puts_no_unit_in_fp8(peers):
 
 def test_the_budget_is_asked_as_effective_bits(peers):
     assert [peers.budget_bits(s) for s in (0.0, 0.25, 0.5, 1.0)] == [16, 14, 12, 8]
+
+
+def test_a_plan_is_better_only_where_its_worst_batch_is_above_the_others_best(peers):
+    assert peers.verdict([19.6, 20.1], [37.3, 39.0]) == "measured better"
+    assert peers.verdict([30.0, 31.0], [23.3, 23.7]) == "peer better"  # the rule loses where the peer is clear of it
+    assert peers.verdict([35.4, 37.2], [35.4, 37.2]) == "tie"  # the same plan
+    assert peers.verdict([30.3, 31.0], [29.3, 30.9]) == "tie"  # overlapping: within the batches' spread
+
+
+def test_the_measured_plan_set_against_a_peer_uses_at_most_the_peers_share(peers):
+    names = {"a": ["a.0"], "b": ["b.0"], "c": ["c.0"]}
+    views = {"scores": {"measured": {"a": -40.0, "b": -30.0, "c": -20.0}},
+             "curves": {"measured": [{"units": 1, "share": 0.2}, {"units": 2, "share": 0.6},
+                                     {"units": 3, "share": 1.0}]}}
+    seen = []
+
+    def score(row):
+        seen.append(row["fp8_linears"])
+        return {**row, "share": {1: 0.2, 2: 0.6}[len(row["fp8_linears"])], "fp8": row["fp8_linears"],
+                "sqnr_db": [30.0, 31.0], "median_db": 30.5}
+
+    same = peers.at_equal_share({"level": 0.5, "share": 0.59, "sqnr_db": [20.0, 21.0]}, views, names, score)
+    assert seen == [["a.0"]]  # 0.6 would exceed the peer's 0.59
+    assert (same["share"], same["verdict"]) == (0.2, "measured better")
