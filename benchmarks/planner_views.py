@@ -8,8 +8,9 @@ channel, inputs per token, as vLLM's FP8_DYNAMIC) would hurt, the way one family
 
 - **measured** (autoprec's profile): the logits' SQNR against the reference with that unit alone in FP8, on the
   calibration batches (its worst batch);
-- **weight error, relative** (HIGGS-like, model-free): the unit's weight quantization error over its weight's size;
-- **weight error, absolute** (AMD Quark's MixedPrecisionPlanner: the weights' MSE);
+- **weight error, relative** (HIGGS-like, model-free; AMD Quark's MixedPrecisionPlanner scores this, weighed by
+  the unit's size in its linear program): the unit's weight quantization error over its weight's size;
+- **weight error, absolute**: the weights' MSE;
 - **loss-scored** (ModelOpt's auto_quantize: the squared first-order change of the next-token loss, the gradient at
   the unit's output times the output's change, summed over tokens).
 
@@ -144,6 +145,12 @@ def loss_gradients(model: torch.nn.Module, units: dict, batches: list) -> dict:
     return {id(lin): score(lin) for lin in linears}
 
 
+def plan_db(model: torch.nn.Module, linears: list[torch.nn.Linear], held_out: list, refs: list) -> list[float]:
+    """``linears`` in FP8, the logits' SQNR against fp32 on each held-out batch, lowest first."""
+    with Fp8(linears):
+        return sorted(sqnr(r, o) for r, o in zip(refs, logits(model, held_out)))
+
+
 def curve(model: torch.nn.Module, units: dict, order: list[str], held_out: list, refs: list) -> list[dict]:
     """Each prefix of ``order`` in FP8, scored on the held-out batches: its share of the linear parameters and the
     logits' SQNR (worst and best batch, and the median)."""
@@ -151,8 +158,7 @@ def curve(model: torch.nn.Module, units: dict, order: list[str], held_out: list,
     points = []
     for k in range(1, len(order) + 1):
         chosen = order[:k]
-        with Fp8([lin for name in chosen for lin in units[name]]):
-            db = sorted(sqnr(r, o) for r, o in zip(refs, logits(model, held_out)))
+        db = plan_db(model, [lin for name in chosen for lin in units[name]], held_out, refs)
         share = sum(lin.weight.numel() for name in chosen for lin in units[name]) / total
         points.append({"units": k, "share": share, "sqnr_db": [db[0], db[-1]], "median_db": db[len(db) // 2]})
     return points

@@ -46,19 +46,15 @@ scored through several pipelines) and no worse in any respect; ties said as ties
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import importlib.util
 import json
 import math
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -75,9 +71,12 @@ import tiny_llm  # noqa: E402
 tiny_llm.SETTINGS.update(TINY_SETTINGS)
 import model as tiny  # noqa: E402  (benchmarks/models/tiny_llm/model.py, reading the settings above)
 from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
+from peer_drivers import (  # noqa: E402  (benchmarks/peer_drivers.py: the peers' programs, driven one way)
+    QUARK_BITS, QUARK_GATE, QUARK_PPL_TOKENS, Workload, autoround_quantize, modelopt_quantized, modelopt_search,
+    peer_attempt, quark_plan, quark_tokens, served_policy)
 from serving_goal import goal, goal_lines  # noqa: E402
 
-from autoprec.export import engine_schemes, export_checkpoint, plan_export  # noqa: E402
+from autoprec.export import export_checkpoint, plan_export  # noqa: E402
 from autoprec.export.judge import find_vllm_python  # noqa: E402
 from autoprec.profile.serving_estimate import serving_estimate  # noqa: E402
 from autoprec.runtime.policy import Policy  # noqa: E402
@@ -99,22 +98,6 @@ from model import HIGHER_IS_BETTER, evaluate, get_batches, get_model  # noqa: E4
 def get_tokenizer():
     return tiny.tokenizer()
 '''
-
-
-@dataclass
-class Workload:
-    """One model the harness runs: how to build it, the batches it is scored on and how a batch is fed."""
-
-    shape: str
-    model_py: Path
-    get_model: Callable[[], torch.nn.Module]
-    skeleton: torch.nn.Module  # the model's layers for the serving estimates (on the meta device where large)
-    batches: list
-    calibration: list  # the tune's batches: what a peer calibrates or scores its search on
-    feed: Callable[[dict], dict]  # a batch as the model's keyword arguments
-    perplexity: Callable | None  # tiny: held-out perplexity; served: None (random weights, random tokens)
-    tokenizer: object
-    description: str
 
 
 def tiny_workload(out: Path) -> Workload:
@@ -195,22 +178,6 @@ def estimated(work: Workload, policy: Policy) -> dict:
         out[f"{target} prefill ms"] = e.prefill_ms
         out["weight bytes"], out["kv cache bytes"] = e.weight_bytes, e.kv_cache_bytes
     return out
-
-
-def served_policy(folder: Path, names: list[str], in_bf16: bool = False) -> Policy:
-    """The plan a checkpoint holds, as vLLM's matching reads it: each quantized layer fp8-rowwise (weights scaled
-    per channel) or fp8 (per tensor), the rest in the checkpoint's dtype, or in bf16 where ``in_bf16`` (vLLM
-    serves every row in bf16: a checkpoint written in fp32, AutoRound's, is served, and so estimated, in bf16)."""
-    config = json.loads((folder / "config.json").read_text())
-    dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-    default = "fp32" if "float32" in dtype and not in_bf16 else "bf16"
-    quantization = config.get("quantization_config")
-    if not quantization:
-        return Policy(default=default)
-    groups, _ = engine_schemes(names, quantization, packed={})
-    strategy = {g: s.get("weights", {}).get("strategy") for g, s in quantization["config_groups"].items()}
-    return Policy(layers={n: "fp8-rowwise" if strategy[g] == "channel" else "fp8" for n, g in groups.items() if g},
-                  default=default)
 
 
 def fp8_count(policy: Policy) -> int:
@@ -355,25 +322,15 @@ def modelopt_row(bits: float, ctx: dict, folder: Path, of: str = "") -> dict:
     config = "FP8_DEFAULT_CFG" if ctx["precision"] == "fp8" else "FP8_PER_CHANNEL_PER_TOKEN_CFG"
     name = f"ModelOpt auto_quantize {config}, effective_bits={bits:.2f}{f' ({of})' if of else ''}"
     try:
-        import modelopt.torch.quantization as mtq
         from modelopt.torch.export import export_hf_checkpoint
     except ImportError as e:
         return {"plan": name, "skipped": f"not installed ({e}); pip install -e .[peers]"}
     work: Workload = ctx["work"]
 
-    def search() -> torch.nn.Module:
-        data = [dict(work.feed(b), labels=b["input_ids"].masked_fill(~b["attention_mask"].bool(), -100))
-                for b in work.calibration]
-        model = work.get_model().to(torch.bfloat16)  # the layers it leaves unquantized serve in bf16, as the others'
-        return mtq.auto_quantize(model, constraints={"effective_bits": bits},
-                                 quantization_formats=[config], data_loader=data,
-                                 forward_step=lambda m, b: m(**b), loss_func=lambda out, b: out.loss,
-                                 num_calib_steps=len(data), num_score_steps=len(data), verbose=False)[0]
-
-    model, seconds, failed = peer_attempt(name, ctx, search)
+    model, seconds, failed = peer_attempt(name, ctx, lambda: modelopt_search(work, bits, config))
     if failed:
         return failed
-    fp8 = {n for n, m in model.named_modules() if getattr(getattr(m, "weight_quantizer", None), "is_enabled", False)}
+    fp8 = modelopt_quantized(model)
     precision = "fp8" if config == "FP8_DEFAULT_CFG" else "fp8-rowwise"
     policy = Policy(layers=dict.fromkeys(sorted(fp8 & set(ctx["names"])), precision), default="bf16")
     split = split_groups(set(policy.layers), ctx["names"])
@@ -394,13 +351,6 @@ def modelopt_row(bits: float, ctx: dict, folder: Path, of: str = "") -> dict:
     return served_scores({**row, "weight_bytes": weight_bytes(folder)}, folder, ctx)
 
 
-# AutoRound has no preset of compressed-tensors' FP8_DYNAMIC (its FP8_STATIC has a static per-tensor input scale,
-# which vLLM's CPU build cannot run): the same scheme given as its own QuantizationScheme's fields
-AUTOROUND_FP8_DYNAMIC = {"bits": 8, "group_size": -1, "data_type": "fp", "act_bits": 8, "act_group_size": -1,
-                         "act_data_type": "fp", "act_dynamic": True, "act_sym": True}
-FUSED = [["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]]  # what vLLM runs as one GEMM
-
-
 def autoround_row(folder: Path, bits: float, ctx: dict, of: str) -> dict:
     """AutoRound's AutoScheme (auto-round 0.16): its delta-loss search choosing, per linear, FP8_DYNAMIC (per-channel
     weights, per-token dynamic inputs: what vLLM serves) or BF16 within ``bits`` average bits, vLLM's fused groups
@@ -408,29 +358,14 @@ def autoround_row(folder: Path, bits: float, ctx: dict, of: str) -> dict:
     format (compressed-tensors) and scored as every other checkpoint; ``of``: whose bits they are."""
     name = f"AutoRound AutoScheme FP8_DYNAMIC/BF16, avg_bits={bits:.2f} ({of})"
     try:
-        from auto_round import AutoRound, AutoScheme
-        from auto_round.schemes import QuantizationScheme
+        import auto_round  # noqa: F401
     except ImportError as e:
         return {"plan": name, "skipped": f"not installed ({e}); pip install auto-round==0.16.1"}
     work: Workload = ctx["work"]
     if work.tokenizer is None:
         return {"plan": name, "skipped": "AutoScheme calibrates on text through a tokenizer; this model has none"}
 
-    def quantize() -> Path:
-        data = folder.with_name("autoround-calibration.json")  # the tune's batches, as text (its local dataset)
-        texts = [work.tokenizer.decode(row[mask.bool()].tolist())
-                 for b in work.calibration for row, mask in zip(b["input_ids"], b["attention_mask"])]
-        data.write_text(json.dumps(texts))
-        length = int(work.calibration[0]["attention_mask"].sum(-1).min())
-        common = {"dataset": str(data), "nsamples": len(texts), "seqlen": length}
-        scheme = AutoScheme(avg_bits=bits, options=[QuantizationScheme.from_dict(AUTOROUND_FP8_DYNAMIC), "BF16"],
-                            shared_layers=FUSED, batch_size=4, device_map="cpu", **common)
-        model = work.get_model().to(torch.bfloat16)
-        AutoRound(model, tokenizer=work.tokenizer, scheme=scheme, iters=0, device_map="cpu",
-                  **common).quantize_and_save(str(folder), format="llm_compressor")
-        return next(folder.glob("**/config.json")).parent  # a subfolder named for the model and the scheme
-
-    written, seconds, skipped = peer_attempt(name, ctx, quantize)
+    written, seconds, skipped = peer_attempt(name, ctx, lambda: autoround_quantize(work, bits, folder))
     if skipped:
         return skipped
     return exported_row(name, written, seconds, ctx, peer=True)
@@ -442,112 +377,6 @@ def split_groups(fp8: set[str], names: list[str]) -> list[str]:
 
     return [fused for fused, parts in engine_layers(names).linears.items()
             if len(parts) > 1 and 0 < len(fp8 & set(parts)) < len(parts)]
-
-
-def peer_attempt(name: str, ctx: dict, run: Callable[[], object]) -> tuple[object, float, dict | None]:
-    """``run()`` within --peer-limit: its result and seconds, or the row that says why it did not finish here."""
-    start = time.perf_counter()
-    try:
-        with time_limit(ctx["peer_limit_s"]):
-            return run(), time.perf_counter() - start, None
-    except TimeoutError:
-        return None, 0.0, {"plan": name, "seconds": time.perf_counter() - start,
-                           "skipped": f"did not finish in {ctx['peer_limit_s']:.0f} s on this CPU (--peer-limit)"}
-    except Exception as e:  # a peer's failure on this CPU is a result to report, not a crash of the harness
-        return None, 0.0, {"plan": name, "skipped": f"does not run here: {type(e).__name__}: "
-                                                    f"{str(e).splitlines()[0][:200]}"}
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float):
-    """TimeoutError in this (the main) thread after ``seconds``: a peer that would take hours here is a result."""
-    def expire(signum, frame):
-        raise TimeoutError
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(max(1, round(seconds)))
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-# the planner's effective-bits budgets (lm_head aside; scales counted: ptpc_fp8 is 8 + 32 / in_features bits), tried
-# lowest first: 8.5 lets every layer be FP8 with per-channel scales down to 64 inputs wide, 16 keeps all in bf16
-QUARK_BITS = (8.5, 10, 12, 14, 16)
-QUARK_GATE = 0.01  # its perplexity gate: at most 1% above bf16's (autoprec's default budget)
-QUARK_CANDIDATES = 4  # the plans its linear program proposes per budget, each quantized and scored
-QUARK_PPL_TOKENS = 2048  # its gate's chunk length: the planner's MVP accepts no other
-
-
-def quark_strategy(bits: float, calibration: tuple[int, int]):
-    """The planner's settings: MI355 (fp8 per tensor, ptpc_fp8 = per-channel weights and per-token activations,
-    or native bf16), vLLM's fused groups deciding together, weight-MSE sensitivity, one 2048-token gate chunk."""
-    from quark.experimental.torch.mixed_precision_planner import MixedPrecisionStrategy
-
-    samples, length = calibration
-    return MixedPrecisionStrategy.from_dict({
-        "schema_version": 1, "hardware": {"target": "mi355"}, "deployment_backend": {"name": "vllm"},
-        "decision_space": {"exclude_patterns": []}, "sensitivity_profile": {"methods": ["weight_mse"]},
-        "calibration": {"dataset": "pileval", "num_samples": samples, "max_length": length, "batch_size": 1},
-        "search": {"granularity": "fine", "algorithm": "linear_programming", "num_candidates": QUARK_CANDIDATES,
-                   "budget": {"metric": "effective_bits", "value": bits, "scope": "quantizable"}},
-        "plan_selection": {"quality_gate": {"metric": "ppl", "dataset": "wikitext2", "max_degradation": QUARK_GATE,
-                                            "num_chunks": 1, "max_length": QUARK_PPL_TOKENS},
-                           "selection_policy": "lowest_effective_bits",
-                           "evaluator": {"backend": "hf", "protocol": "token_ppl_v1"}},
-        "output": {"dir": "unused"}, "seed": 42})
-
-
-def quark_tokens(work: Workload) -> tuple:
-    """The tune's batches as the planner's token manifests: their tokens in one stream (each row's real tokens, then
-    EOS), cut into calibration rows of the batches' length and one gate chunk (the stream repeated where short).
-    Its MVP accepts only pile-val and wikitext-2 manifests, so these carry those labels over the harness's tokens."""
-    from quark.experimental.torch.mixed_precision_planner import TokenDataset
-    from quark.experimental.torch.mixed_precision_planner.data import TokenPurpose, fingerprint_tokenizer
-
-    eos = getattr(work.tokenizer, "eos_token_id", None)
-    stream = [int(t) for b in work.calibration for ids, mask in zip(b["input_ids"], b["attention_mask"])
-              for t in [*ids[mask.bool()].tolist(), *([eos] if isinstance(eos, int) else [])]]
-    length = work.calibration[0]["input_ids"].shape[1]
-    samples = min(128, len(stream) // length)
-    repeats = math.ceil(QUARK_PPL_TOKENS / len(stream))
-    labels = {"revision": None, "tokenizer_id": work.shape,
-              "tokenizer_fingerprint": fingerprint_tokenizer(work.tokenizer)}
-    calibration = TokenDataset.create(
-        purpose=TokenPurpose.CALIBRATION, dataset="mit-han-lab/pile-val-backup", split="validation", sampling_seed=42,
-        sequences=tuple(tuple(stream[i * length:(i + 1) * length]) for i in range(samples)), **labels)
-    gate = TokenDataset.create(purpose=TokenPurpose.PPL, dataset="Salesforce/wikitext/wikitext-2-raw-v1", split="test",
-                               sequences=(tuple((stream * repeats)[:QUARK_PPL_TOKENS]),), **labels)
-    return calibration, gate, (samples, length), repeats
-
-
-def quark_plan(work: Workload, factory: Callable, tokens: tuple) -> tuple:
-    """The planner's five stages, at the lowest budget of QUARK_BITS where one of its plans passes its gate: the
-    decision space and weight-MSE sensitivity once, then per budget its linear program and the candidates scored."""
-    from quark.experimental.torch.mixed_precision_planner import EvaluationRuntimeContext, MixedPrecisionPlanner
-    from quark.experimental.torch.mixed_precision_planner.errors import NoCandidatePassedError
-    from quark.experimental.torch.mixed_precision_planner.plan_selection import prepend_model
-
-    calibration, gate, shape, _ = tokens
-    model = factory()
-    planner = MixedPrecisionPlanner(quark_strategy(QUARK_BITS[0], shape))
-    space = planner.decision_space(model)
-    profile = planner.sensitivity_profile(model, space)
-    failed = []
-    for bits in QUARK_BITS:
-        planner = MixedPrecisionPlanner(quark_strategy(bits, shape))
-        candidates = planner.search(space, profile)
-        runtime = EvaluationRuntimeContext(model_source=str(work.model_py), device="cpu",
-                                           model_factory=factory if model is None else prepend_model(model, factory))
-        model = None  # the profiled model scores the baseline, then goes: one model at a time
-        try:
-            return planner, space, planner.select_best_plan_with_runtime(runtime, space, candidates, calibration,
-                                                                         gate), bits, failed
-        except NoCandidatePassedError:
-            failed.append(bits)
-    raise RuntimeError(f"no plan passed its gate at any budget {QUARK_BITS}")
 
 
 def quark_policy(folder: Path) -> Policy:
