@@ -47,8 +47,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from peer_drivers import (  # noqa: E402
-    Workload, autoround_quantize, id_tokenizer, modelopt_quantized, modelopt_search, peer_attempt, quark_profile,
-    quark_search, served_policy)
+    Workload,
+    autoround_quantize,
+    id_tokenizer,
+    modelopt_quantized,
+    modelopt_search,
+    peer_attempt,
+    quark_profile,
+    quark_search,
+    served_policy,
+)
 from planner_views import MODELS, RULES, SHARES, at_share, logits, plan_db, units_of  # noqa: E402
 from provenance import stamped_dumps  # noqa: E402
 
@@ -95,11 +103,11 @@ def peer_runs(peer: str, work: Workload, names: list[str], out: Path, ctx: dict)
     for share in SHARES:
         bits = budget_bits(share)
         if peer == "modelopt":
-            def run():  # in fp32: this CPU has no bf16 matmuls (ModelOpt's bf16 scoring ran > 4 min a batch)
+            def run(bits=bits):  # in fp32: this CPU has no bf16 matmuls (ModelOpt's bf16 scoring ran > 4 min a batch)
                 model = modelopt_search(work, bits, MODELOPT_CONFIG, torch.float32, out / "modelopt-search.pth")
                 return modelopt_quantized(model), {}
         elif peer == "autoround":
-            def run():
+            def run(bits=bits, share=share):
                 folder = out / f"autoround-{share}"
                 try:
                     policy = served_policy(autoround_quantize(work, bits, folder, torch.float32), names, in_bf16=True)
@@ -107,7 +115,7 @@ def peer_runs(peer: str, work: Workload, names: list[str], out: Path, ctx: dict)
                     shutil.rmtree(folder, ignore_errors=True)
                 return {n for n, p in policy.layers.items() if p.value.startswith("fp8")}, {}
         else:
-            def run():
+            def run(bits=bits):
                 best = quark_search(*profiled, bits, shape, candidates=1)[1].payload.candidates[0]
                 schemes = {e.module_name: e.scheme for e in best.assignment}
                 return {n for n, s in schemes.items() if s != "native"}, quark_said(best, *profiled)

@@ -70,10 +70,20 @@ import tiny_llm  # noqa: E402
 
 tiny_llm.SETTINGS.update(TINY_SETTINGS)
 import model as tiny  # noqa: E402  (benchmarks/models/tiny_llm/model.py, reading the settings above)
-from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 from peer_drivers import (  # noqa: E402  (benchmarks/peer_drivers.py: the peers' programs, driven one way)
-    QUARK_BITS, QUARK_GATE, QUARK_PPL_TOKENS, Workload, autoround_quantize, modelopt_quantized, modelopt_search,
-    peer_attempt, quark_plan, quark_tokens, served_policy)
+    QUARK_BITS,
+    QUARK_GATE,
+    QUARK_PPL_TOKENS,
+    Workload,
+    autoround_quantize,
+    modelopt_quantized,
+    modelopt_search,
+    peer_attempt,
+    quark_plan,
+    quark_tokens,
+    served_policy,
+)
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 from serving_goal import goal, goal_lines  # noqa: E402
 
 from autoprec.export import export_checkpoint, plan_export  # noqa: E402

@@ -47,8 +47,8 @@ from autoprec.export.kvcache import kv_cache_scheme, kv_scale_tensors
 from autoprec.export.plan import SCHEMES, ExportPlan, ExportRefused, Scheme, fused_experts
 from autoprec.export.quantize import shared_global_scales, weight_scale
 from autoprec.export.vllm import engine_schemes
-from autoprec.runtime.mx import nvfp4_global_scale, nvfp4_quantize
 from autoprec.runtime.as_served import EXPERT
+from autoprec.runtime.mx import nvfp4_global_scale, nvfp4_quantize
 
 __all__ = ["EXPORT_FILE", "SHARD_BYTES", "CheckpointLayout", "checkpoint_layout", "ct_scheme", "export_checkpoint",
            "quantization_config", "state_tensors"]

@@ -41,10 +41,10 @@ from autoprec.export.plan import SCHEMES, ExportPlan, Scheme, fused_experts
 from autoprec.export.vllm import engine_layers
 from autoprec.inputs.batches import call_model
 from autoprec.runtime import as_served
+from autoprec.runtime.as_served import cast_stored, expert_gemm_groups, fake_quantize_input, fp8_served_values
 from autoprec.runtime.experts import FP8Experts
 from autoprec.runtime.mx import nvfp4_dequantize, nvfp4_fake_quantize, nvfp4_global_scale, nvfp4_quantize
 from autoprec.runtime.precision import Precision
-from autoprec.runtime.as_served import cast_stored, expert_gemm_groups, fake_quantize_input, fp8_served_values
 
 __all__ = ["ServedExperts", "ServedLinear", "calibrate_inputs", "fake_quantize_input", "fused_parts", "nvfp4_weight",
            "pack_e2m1", "quantize_weight", "served_model", "shared_global_scales", "weight_scale"]

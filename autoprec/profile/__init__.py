@@ -28,10 +28,10 @@ from autoprec.profile.latency import fp32_latency, layers_not_faster, measure_la
 from autoprec.profile.probe import nothing_pays_off, probe_precisions
 from autoprec.profile.result import LayerProfile, Profile, ProfileError, Sensitivity, device_name, fingerprint
 from autoprec.profile.sensitivity import measure_sensitivity, sensitivity_work
+from autoprec.runtime.as_served import ServedAs, output_heads
 from autoprec.runtime.engines import SERVED_QUANTIZED, served_dtype
 from autoprec.runtime.experts import moe_routers
 from autoprec.runtime.precision import DEFAULT_PRECISIONS, Capability, Precision, device_capabilities
-from autoprec.runtime.as_served import ServedAs, output_heads
 
 __all__ = ["Profile", "LayerProfile", "ProfileConfig", "Sensitivity", "ProfileError", "profile_layers", "profile_model",
            "fingerprint", "predict_ms", "device_name"]

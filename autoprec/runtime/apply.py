@@ -60,6 +60,7 @@ from torch.overrides import TorchFunctionMode
 from autoprec.common.wrapped import own_class, unwrap
 from autoprec.runtime import torchao_linear
 from autoprec.runtime.agree import check_policy_agrees, model_groups
+from autoprec.runtime.as_served import Served, install_served, remove_served
 from autoprec.runtime.experts import EXPERTS_PRECISION, FP8ExpertsForward, is_fused_experts
 from autoprec.runtime.fp8_linear import FP8Linear, FP8RowwiseLinear
 from autoprec.runtime.mx import BlockScaledLinear
@@ -78,7 +79,6 @@ from autoprec.runtime.rulecheck import (
     takes_precision,
 )
 from autoprec.runtime.serve_mode import NOT_REMOVABLE, NOT_TRAINABLE, serve_linears, store_low_weights
-from autoprec.runtime.as_served import Served, install_served, remove_served
 from autoprec.runtime.sharded import (
     FSDP_CASTS_FIX,
     Morphed,

@@ -31,11 +31,11 @@ from autoprec.inputs.batches import call_model
 from autoprec.profile.kvcache import model_output
 from autoprec.profile.serving_estimate import serving_estimate
 from autoprec.runtime.apply import apply_policy, remove_policy
+from autoprec.runtime.as_served import output_heads
 from autoprec.runtime.engines import VLLM
 from autoprec.runtime.experts import fused_experts, moe_routers
 from autoprec.runtime.kvcache import KV_FORMATS, calibrate_kv, kv_quantized
 from autoprec.runtime.policy import Policy
-from autoprec.runtime.as_served import output_heads
 
 __all__ = ["Candidate", "ServedMix", "ServedPlan", "held_out_sqnr", "plan_mixes", "plan_served"]
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from autoprec.common.writing import markdown_table, text_table
 from autoprec.common.wrapped import own_class
+from autoprec.common.writing import markdown_table, text_table
 from autoprec.errors import Terminated, UserError
 from autoprec.profile.serving_estimate import ServingEstimate, kv_cache_of, serving_estimate
 from autoprec.runtime.apply import structure_fingerprint

@@ -40,8 +40,8 @@ from autoprec.verify.config import VerifyConfig
 if TYPE_CHECKING:
     from autoprec.workloads import Workload
 
-__all__ = ["Shortlist", "Speedup", "Verification", "autocast_baseline", "bench_policy", "fastest_simplest", "is_blanket",
-           "is_fp32", "verify", "verify_candidates"]
+__all__ = ["Shortlist", "Speedup", "Verification", "autocast_baseline", "bench_policy", "fastest_simplest",
+           "is_blanket", "is_fp32", "verify", "verify_candidates"]
 
 AUTOCAST_CHOICES = (Precision.BF16, Precision.FP16)  # the dtypes torch.autocast takes
 

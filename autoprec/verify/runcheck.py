@@ -26,11 +26,11 @@ from autoprec.capture.tracing import COMPUTE_OPS, modules_running
 from autoprec.common.wrapped import unwrap
 from autoprec.inputs.userspec import batch_args, one_line
 from autoprec.runtime.apply import applied_policy, apply_policy, effective_precisions, remove_policy
+from autoprec.runtime.as_served import EngineFP8Linear
 from autoprec.runtime.experts import EXPERTS_PRECISION, FP8Experts, FP8ExpertsForward
 from autoprec.runtime.fp8_linear import FP8Linear, FP8RowwiseLinear, FP8ServedLinear
 from autoprec.runtime.mx import BlockScaledLinear
 from autoprec.runtime.policy import Policy, PolicyError
-from autoprec.runtime.as_served import EngineFP8Linear
 from autoprec.runtime.sharded import FSDP_CASTS_FIX, fsdp_casts
 
 __all__ = ["check_policy_runs", "policy_runs_note"]

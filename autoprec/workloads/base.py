@@ -25,7 +25,7 @@ one new module with one new subclass, and one line in :data:`autoprec.workloads.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 

@@ -19,11 +19,11 @@ from export_models import tiny_llama, token_batch
 from autoprec import check_policy_runs
 from autoprec.export import ExportPlan, ExportRefused, plan_export, served_model, vllm_side
 from autoprec.runtime.apply import apply_policy, remove_policy
+from autoprec.runtime.as_served import EXPERT, EngineFP8Linear, fused_gemms
 from autoprec.runtime.fp8 import FP8Recipe
 from autoprec.runtime.fp8_linear import FP8Linear
 from autoprec.runtime.policy import Policy, PolicyError
 from autoprec.runtime.precision import Precision
-from autoprec.runtime.as_served import EXPERT, EngineFP8Linear, fused_gemms
 
 pytest.importorskip("transformers")
 

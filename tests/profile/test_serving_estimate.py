@@ -13,8 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from autoprec.profile.costmodel import MEMORY_EFFICIENCY, TARGETS
 from autoprec.profile.serving_estimate import KVCache, kv_cache_of, serving_estimate
-from autoprec.runtime.policy import Policy
 from autoprec.profile.serving_figures import fp8_everywhere, serving_figures, serving_lines
+from autoprec.runtime.policy import Policy
 
 BF16 = Policy(default="bf16")
 

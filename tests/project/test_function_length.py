@@ -31,8 +31,8 @@ def test_no_function_is_over_80_lines():
 def test_each_stage_entry_takes_its_config_and_the_run_context():
     from autoprec.outputs.report import write_outputs
     from autoprec.profile import profile_layers
-    from autoprec.profile.training import profile_training_layers
     from autoprec.profile.reuse import load_or_profile
+    from autoprec.profile.training import profile_training_layers
     from autoprec.search.stage import search_workload
     from autoprec.search.study import run_search
     from autoprec.verify.end_to_end import verify_candidates

@@ -173,8 +173,8 @@ def test_intercept_sees_keys_after_rope_for_each_layer():
 def test_a_plan_turned_into_what_vllm_serves_keeps_its_kv_cache_decisions():
     """``served_policy`` rebuilds the plan as the engine runs it (weights in the served dtype, the output head
     unquantized); the KV cache decisions pass through it unchanged, so a tune for vLLM measures and exports them."""
-    from autoprec.runtime.precision import Precision
     from autoprec.runtime.as_served import served_policy
+    from autoprec.runtime.precision import Precision
 
     model = tiny_llama()
     plan = Policy(default="bf16", layers={"model.layers.0.mlp.down_proj": "fp8-rowwise", "lm_head": "fp8-rowwise"},
