@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -10,6 +11,14 @@ from pathlib import Path
 import pytest
 
 AUTOPREC = [sys.executable, "-m", "autoprec"]
+
+# Under pytest-xdist (`-n N`, the default in pyproject.toml) each worker's torch runs its kernels on its share of the
+# cores, read when torch is imported, here before any test's: N workers of two threads each on two cores would
+# crowd each other (and every tune would see the machine busy and measure longer). The commands the tests start
+# inherit it, as they inherit any environment.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
 # What nearly every test imports. Imported once at the start and frozen out of the garbage collector: a tune
 # gives memory back between stages with a full collection (autoprec.inputs.fits.free_memory), which in a process
