@@ -215,36 +215,28 @@ def main() -> None:
                         help="measure `autoprec export --stream always` of the checkpoint instead of the tune")
     args = parser.parse_args()
     if args.export_only:
-        return export_main(args)
-    if args.keep:
-        args.keep.mkdir(parents=True, exist_ok=True)
-        measured = run(args.layers, args.keep)
+        measured = in_work(args, export_run)
+        result = {"command": f"python benchmarks/stream_8b.py --layers {args.layers} --export-only",
+                  "shape": LLAMA_8B, "measured": measured, "goals": {"peak_rss_gb": 6.0}}
     else:
-        with tempfile.TemporaryDirectory(prefix="autoprec-8b-") as work:
-            measured = run(args.layers, Path(work))
-    result = {"command": " ".join(["python", "benchmarks/stream_8b.py", f"--layers {args.layers}"]),
-              "shape": LLAMA_8B, "tokens": {"per_batch": TOKENS, "batches": BATCHES}, "measured": measured,
-              "projected": project(measured),
-              "goals": {"peak_rss_gb": 6.0, "wall_min_32_layers": 45.0}}
+        measured = in_work(args, run)
+        result = {"command": " ".join(["python", "benchmarks/stream_8b.py", f"--layers {args.layers}"]),
+                  "shape": LLAMA_8B, "tokens": {"per_batch": TOKENS, "batches": BATCHES}, "measured": measured,
+                  "projected": project(measured),
+                  "goals": {"peak_rss_gb": 6.0, "wall_min_32_layers": 45.0}}
     text = stamped_dumps(result, indent=2)
     print(text)
     if args.json:
         args.json.write_text(text + "\n")
 
 
-def export_main(args: argparse.Namespace) -> None:
+def in_work(args: argparse.Namespace, measure) -> dict:
+    """``measure(layers, folder)`` in --keep's folder, or in a temporary one removed after."""
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
-        measured = export_run(args.layers, args.keep)
-    else:
-        with tempfile.TemporaryDirectory(prefix="autoprec-8b-") as work:
-            measured = export_run(args.layers, Path(work))
-    result = {"command": f"python benchmarks/stream_8b.py --layers {args.layers} --export-only",
-              "shape": LLAMA_8B, "measured": measured, "goals": {"peak_rss_gb": 6.0}}
-    text = stamped_dumps(result, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+        return measure(args.layers, args.keep)
+    with tempfile.TemporaryDirectory(prefix="autoprec-8b-") as work:
+        return measure(args.layers, Path(work))
 
 
 if __name__ == "__main__":
