@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,14 @@ AUTOPREC = [sys.executable, "-m", "autoprec"]
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+# A suite started in the background of a script (`cmd &` without job control) starts with SIGINT ignored, and the
+# commands its tests start would inherit that (a Python started so never raises KeyboardInterrupt): handled here,
+# it is back to the default in every child, as under a terminal, where the tests of Ctrl-C expect it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    except ValueError:  # not the main thread: left as it is
+        pass
 
 # What nearly every test imports. Imported once at the start and frozen out of the garbage collector: a tune
 # gives memory back between stages with a full collection (autoprec.inputs.fits.free_memory), which in a process
