@@ -35,6 +35,7 @@ from autoprec.export.kvcache import is_attention
 from autoprec.export.plan import SCHEMES, ExportPlan, plan_export
 from autoprec.export.quantize import calibrate_inputs, served_model
 from autoprec.export.run import policy_sha256, read_run
+from autoprec.inputs.userspec import import_model_py
 from autoprec.runtime.kvcache import KV_FORMATS, calibrate_kv, kv_quantized
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
@@ -113,10 +114,12 @@ def judge_export(folder: str | Path, model_py: str | Path, policy: str | Path | 
     policy = read_run(policy).path if policy is not None else None  # a tune's folder: its policy.json
     summary = _read_export(folder, policy)
     python = _vllm_python(vllm_python)
-    streamed = _too_large(model_py, stream)
+    path = Path(model_py).resolve()
+    module = import_model_py(path)  # once: its top level is the user's code
+    streamed = _too_large(module, path, stream)
     if streamed is not None:
         return _judge_mapping(folder, summary, policy, python, *streamed)
-    model, batches, holdout = _model_and_batches(model_py)
+    model, batches, holdout = _model_and_batches(module, path)
     plan = _plan_held_to(folder, summary, policy, model)
     if plan.nvfp4_layers:
         plan.input_amax = calibrate_inputs(model, plan, batches)  # as the export calibrated them
@@ -140,13 +143,11 @@ def _plan_held_to(folder: Path, summary: dict[str, Any], policy: Path | None, mo
     return plan_export(model, Policy.load(policy), keep_fp32=bool(summary.get("source", {}).get("keep_fp32")))
 
 
-def _too_large(model_py: str | Path, stream: str) -> tuple[Any, str] | None:
+def _too_large(module: Any, path: Path, stream: str) -> tuple[Any, str] | None:
     """The checkpoint model.py names, its skeleton on meta, and why, where the check cannot load the model."""
     from autoprec.export.streamed import checkpoint_to_stream
-    from autoprec.inputs.userspec import import_model_py
 
-    path = Path(model_py).resolve()
-    return checkpoint_to_stream(import_model_py(path), path, stream, lambda c: (
+    return checkpoint_to_stream(module, path, stream, lambda c: (
         4 * c.parameters + c.published_bytes, "the model in fp32 here and as published in vLLM"))
 
 
@@ -210,12 +211,10 @@ def _read_export(folder: Path, policy: str | Path | None) -> dict[str, Any]:
     return summary
 
 
-def _model_and_batches(model_py: str | Path) -> tuple[torch.nn.Module, list, list]:
+def _model_and_batches(module: Any, path: Path) -> tuple[torch.nn.Module, list, list]:
     """model.py's fp32 model, all its batches and the held-out ones (the last, as a tune holds them out)."""
-    from autoprec.inputs.userspec import call_user, find_function, import_model_py, split_holdout
+    from autoprec.inputs.userspec import call_user, find_function, split_holdout
 
-    path = Path(model_py).resolve()
-    module = import_model_py(path)
     get_model = find_function(module, path, "get_model", "get_model() -> torch.nn.Module", required=True)
     get_batches = find_function(module, path, "get_batches", "get_batches() -> list", required=True)
     model = call_user(path, "get_model", get_model).float().eval()

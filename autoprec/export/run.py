@@ -57,19 +57,21 @@ def export_model_py(model_py: str | Path, run: TunedRun, out: str | Path, keep_f
     shard_bytes = SHARD_BYTES if shard_bytes is None else shard_bytes
     streamed = checkpoint_to_stream(module, path, stream, lambda c: (
         c.published_bytes + min(shard_bytes, c.published_bytes), "the model as published and one shard"))
-    checkpoint = None if streamed is None else streamed[0]
-    if streamed is not None:
-        log(f"export: streamed from {checkpoint.folder}, one tensor at a time, at most one "
-            f"{shard_bytes / 2**30:.1f} GiB shard held ({streamed[1]})")
-    if checkpoint is None:
+    checkpoint = None
+    if streamed is None:
         get_model = find_function(module, path, "get_model", "get_model() -> torch.nn.Module", required=True)
         model = call_user(path, "get_model", get_model).eval()
     else:
+        checkpoint, why = streamed
         model = checkpoint.model  # on meta: each tensor is read from the shards as it is written
+        log(f"export: streamed from {checkpoint.folder}, one tensor at a time, at most one "
+            f"{shard_bytes / 2**30:.1f} GiB shard held ({why})")
     plan = plan_export(model, run.policy, keep_fp32=keep_fp32, profile=run.profile)
-    read = None if checkpoint is None else streamed_reader(checkpoint, plan, state_tensors(model))
     if checkpoint is None:
+        read = None
         _calibrate(module, path, model, plan)
+    else:
+        read = streamed_reader(checkpoint, plan, state_tensors(model))
     tokenizer, found = find_tokenizer(module, path, model)
     # which plan the folder holds: `autoprec export --check` refuses it once the policy file says otherwise
     source = {"policy": str(run.path), "policy_sha256": policy_sha256(run.path), "model_py": str(path),

@@ -19,14 +19,10 @@ from typing import Any, Callable
 
 import torch
 
-from autoprec.common.procfs import proc_number
 from autoprec.export.plan import ExportPlan, ExportRefused
-from autoprec.inputs.userspec import UserCodeError
-from autoprec.stream.checkpoint import Checkpoint, CheckpointError, GiB, open_checkpoint
+from autoprec.stream.checkpoint import Checkpoint, GiB, available_bytes, named_checkpoint, open_checkpoint
 
-__all__ = ["MODES", "checkpoint_to_stream", "streamed_reader"]
-
-MODES = ("auto", "always", "never")
+__all__ = ["checkpoint_to_stream", "streamed_reader"]
 
 
 def checkpoint_to_stream(module: Any, path: Path, stream: str,
@@ -34,27 +30,18 @@ def checkpoint_to_stream(module: Any, path: Path, stream: str,
     """The checkpoint model.py names, its skeleton on meta, and why it is read a tensor at a time rather than
     loaded by ``get_model()``; or None, to load it: ``stream`` never; auto where ``need`` (the bytes loading it
     takes, and what they are) fits in free memory; always (where model.py names no folder: one line)."""
-    folder = getattr(module, "MODEL_DIR", None)
     if stream == "never":
         return None
-    if folder is None:
-        if stream == "always":
-            raise UserCodeError(path, "MODEL_DIR", "not set: streaming reads the checkpoint folder model.py names",
-                                "add MODEL_DIR = \"/path/to/checkpoint\" (autoprec init --hf writes it)")
+    sizes = named_checkpoint(module, path, stream, "streaming")
+    if sizes is None:  # no folder, or one it cannot read a tensor at a time: get_model(), as before
         return None
-    try:
-        sizes = open_checkpoint(folder, skeleton=False)
-    except CheckpointError:
-        if stream == "always":
-            raise
-        return None  # a folder it cannot read a tensor at a time (e.g. .bin weights): get_model(), as before
-    kb = proc_number("/proc/meminfo", "MemAvailable:")
+    free = available_bytes()
     needed, what = need(sizes)
-    if stream == "auto" and (kb is None or needed <= kb * 1024):
+    if stream == "auto" and (free is None or needed <= free):
         return None
     why = ("--stream always" if stream == "always" else
-           f"{what}, {needed / GiB:.1f} GiB, would not fit in {kb * 1024 / GiB:.1f} GiB free")
-    checkpoint = open_checkpoint(folder)
+           f"{what}, {needed / GiB:.1f} GiB, would not fit in {free / GiB:.1f} GiB free")
+    checkpoint = open_checkpoint(sizes.folder)
     _as_published(checkpoint)
     return checkpoint, why
 

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from autoprec.errors import UserError
 
-__all__ = ["Checkpoint", "CheckpointError", "GiB", "Scope", "open_checkpoint"]
+__all__ = ["Checkpoint", "CheckpointError", "GiB", "Scope", "available_bytes", "named_checkpoint", "open_checkpoint"]
 
 GiB = 2**30
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
@@ -177,6 +177,35 @@ def open_checkpoint(folder: str | Path, skeleton: bool = True) -> Checkpoint:
     checkpoint.blocks_path = _decoder_blocks(checkpoint.model, folder, config)
     checkpoint.base_path = checkpoint.blocks_path.rpartition(".")[0]
     return checkpoint
+
+
+def named_checkpoint(module: Any, path: Path, stream: str, what: str) -> Checkpoint | None:
+    """The checkpoint folder model.py (``module``, at ``path``) names as ``MODEL_DIR``, its sizes read from the
+    shards' headers (no skeleton); None where it names none or where the folder cannot be read a tensor at a time
+    (``.bin`` weights, say): today's path. Under ``stream`` always either is one line instead; ``what`` says what
+    reads the folder (a streamed tune, a streamed export)."""
+    from autoprec.inputs.userspec import UserCodeError
+
+    folder = getattr(module, "MODEL_DIR", None)
+    if folder is None:
+        if stream == "always":
+            raise UserCodeError(path, "MODEL_DIR", f"not set: {what} reads the checkpoint folder model.py names",
+                                "add MODEL_DIR = \"/path/to/checkpoint\" (autoprec init --hf writes it)")
+        return None
+    try:
+        return open_checkpoint(folder, skeleton=False)
+    except CheckpointError:
+        if stream == "always":
+            raise
+        return None
+
+
+def available_bytes() -> int | None:
+    """Free memory (MemAvailable), or None where /proc does not say."""
+    from autoprec.common.procfs import proc_number
+
+    kb = proc_number("/proc/meminfo", "MemAvailable:")
+    return None if kb is None else kb * 1024
 
 
 def _weight_map(folder: Path) -> dict[str, str]:

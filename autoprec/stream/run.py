@@ -18,11 +18,10 @@ import torch
 import torch.utils._pytree as pytree
 
 from autoprec.common.jsonsafe import dumps
-from autoprec.common.procfs import proc_number
 from autoprec.errors import Terminated, UserError
 from autoprec.inputs.userspec import UserCodeError, call_user, find_function, import_model_py, split_holdout
 from autoprec.runtime.policy import Policy
-from autoprec.stream.checkpoint import Checkpoint, CheckpointError, GiB, open_checkpoint
+from autoprec.stream.checkpoint import Checkpoint, GiB, available_bytes, named_checkpoint, open_checkpoint
 
 __all__ = ["ACTIVATIONS_IN_MEMORY", "IN_MEMORY_FACTOR", "Mode", "StreamError", "StreamInterrupted", "StreamedResult",
            "check_settings", "choose_mode", "print_streamed", "streamed_bytes", "streamed_tune"]
@@ -55,11 +54,6 @@ class Mode:
     lines: list[str] = field(default_factory=list)
 
 
-def _available() -> int | None:
-    kb = proc_number("/proc/meminfo", "MemAvailable:")
-    return None if kb is None else kb * 1024
-
-
 def streamed_bytes(checkpoint: Checkpoint) -> int:
     """What a streamed tune holds at once, at most: the larger of the embeddings as published (read once, for the
     first block's inputs), two copies of the largest block in fp32 (the block and its lowered weights) and the output
@@ -75,19 +69,10 @@ def choose_mode(model_py: str | Path, stream: str, log: Callable[[str], None]) -
     a model.py that names no checkpoint folder (today's path, nothing said)."""
     path = Path(model_py).resolve()
     module = import_model_py(path)
-    folder = getattr(module, "MODEL_DIR", None)
-    if folder is None:
-        if stream == "always":
-            raise UserCodeError(path, "MODEL_DIR", "not set: a streamed tune reads the checkpoint folder model.py "
-                                "names", "add MODEL_DIR = \"/path/to/checkpoint\" (autoprec init --hf writes it)")
+    checkpoint = named_checkpoint(module, path, stream, "a streamed tune")
+    if checkpoint is None:  # no folder, or one a streamed tune cannot read (e.g. .bin weights): in memory, as before
         return None
-    try:
-        checkpoint = open_checkpoint(folder, skeleton=False)
-    except CheckpointError:
-        if stream == "always":
-            raise
-        return None  # a folder a streamed tune cannot read (e.g. .bin weights): in memory, as before
-    fp32, free = 4 * checkpoint.parameters, _available()
+    fp32, free = 4 * checkpoint.parameters, available_bytes()
     need, streamed = int(IN_MEMORY_FACTOR * fp32), streamed_bytes(checkpoint)
     blocks, block = checkpoint.block_bytes()
     dtype = str(checkpoint.dtype).removeprefix("torch.")
