@@ -21,6 +21,7 @@ from torch import nn
 from autoprec.common.wrapped import own_class
 from autoprec.runtime.experts import EXPERTS_PRECISION, experts_problem, is_fused_experts
 from autoprec.runtime.fp8_linear import FP8Linear, FP8RowwiseLinear
+from autoprec.runtime.kvcache import KV_FORMATS
 from autoprec.runtime.mx import BlockScaledLinear
 from autoprec.runtime.policy import Policy, PolicyError
 from autoprec.runtime.precision import Precision
@@ -110,6 +111,17 @@ def check_names(model: nn.Module, policy: Policy, strict: bool) -> None:
         _warn_once(policy, f"policy {which} no module of the model")
 
 
+def check_kv_layers(model: nn.Module, policy: Policy) -> None:
+    """Refuse a ``kv_cache`` layer the model lacks, as a ``layers`` one: one line naming the first."""
+    modules = dict(model.named_modules())
+    missing = [n for n in policy.kv_cache if n not in modules]
+    if missing:
+        close = difflib.get_close_matches(missing[0], list(modules), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise PolicyError(f"'kv_cache' names {missing[0]!r}{hint}, which is not a module of the model; fix: name its "
+                          "attention layers (e.g. 'model.layers.0.self_attn')")
+
+
 def structure_fingerprint(model: nn.Module) -> str:
     """A hash of what a policy's names refer to: module paths and types, parameter names and shapes.
 
@@ -125,13 +137,14 @@ def structure_fingerprint(model: nn.Module) -> str:
 
 
 def check_model(model: nn.Module, policy: Policy) -> None:
-    """Warn when the policy records another model type or structure than ``model`` has, or holds KV cache formats
-    (``kv_cache``), which apply_policy does not emulate: their static scales come from calibration batches, which
-    ``autoprec export`` has (it writes them for the engine) and apply_policy does not."""
-    if policy.kv_cache:
-        _warn_once(policy, f"this policy holds KV cache formats for {len(policy.kv_cache)} attention layer(s); "
-                           "apply_policy runs their KV cache in the model's dtype (the formats need calibrated "
-                           "scales): `autoprec export` writes them for vLLM")
+    """Warn when the policy records another model type or structure than ``model`` has, or puts a KV cache in FP8
+    without its calibration (``kv_amax``: a file written before the tune wrote it), which apply_policy cannot
+    emulate: it runs that cache in the model's dtype."""
+    uncalibrated = [n for n, f in policy.kv_cache.items() if KV_FORMATS[f].quantized and n not in policy.kv_amax]
+    if uncalibrated:
+        _warn_once(policy, f"this policy puts the KV cache of {len(uncalibrated)} attention layer(s) in FP8 without "
+                           "their calibrated scales ('kv_amax', written by tunes since), so apply_policy runs it in "
+                           "the model's dtype; fix: tune again (`autoprec export` calibrates its own)")
     recorded_type, recorded_structure = policy.model.get("type"), policy.model.get("structure")
     differs = []
     if recorded_type is not None and recorded_type != own_class(model).__name__:
