@@ -129,7 +129,7 @@ def check_kv_amax(amax: Any, formats: Mapping[str, str], problems: list[str]) ->
     uncalibrated = [n for n, f in formats.items() if KV_FORMATS[f].quantized and n not in out]
     if amax and uncalibrated:
         problems.append(f"'kv_amax' has no calibration for {uncalibrated[0]!r}, which 'kv_cache' puts in "
-                        f"{formats[uncalibrated[0]]}; fix: tune again (it calibrates every attention layer it "
+                        f"{formats[uncalibrated[0]]}: tune again (it calibrates every attention layer it "
                         "reaches), or keep that layer auto")
     return out
 
