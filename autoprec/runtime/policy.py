@@ -226,7 +226,8 @@ class Policy:
         elif Precision.FP8 in self.precisions_used():  # an engine scales each input per token: no recipe
             lines.append(f"fp8: {self.fp8.recipe}, amax_history={self.fp8.amax_history}")
         if self.kv_cache:
-            lines.append("KV cache: " + ", ".join(f"{n} {f}" for n, f in self.kv_cache.items()))
+            lines.append("KV cache: " + ", ".join(f"{n} {f}" for n, f in self.kv_cache.items())
+                         + (" (calibrated: kv_amax)" if self.kv_amax else ""))
         if self.needs_grad_scaler:
             lines.append("training: fp16 layers present, use a GradScaler (policy.grad_scaler())")
         return "\n".join(lines)
