@@ -17,7 +17,7 @@ import torch
 from autoprec.common.sqnr import sqnr_db
 from autoprec.profile.kvcache import measure_kv
 from autoprec.runtime.apply import apply_policy, remove_policy
-from autoprec.runtime.kvcache import KVScales, calibrate_kv
+from autoprec.runtime.kvcache import KVScales, calibrate_kv, kv_quantized
 from autoprec.runtime.policy import Policy, PolicyError
 
 pytest.importorskip("transformers")
@@ -208,3 +208,27 @@ def test_a_served_policy_runs_its_kv_cache_as_the_served_mix_tune_measured_it(pr
         assert worst_db(reference, logits(model, BATCHES[:1])) > measured + 0.1
     finally:
         remove_policy(model)
+
+
+def test_a_latent_attentions_cache_applied_is_the_profiles_and_comes_off():
+    """DeepSeek-V3's multi-head latent attention: its latent is quantized at its expand_kv, applied as the profile's
+    kv_quantized block quantizes it (bit for bit), and removing the policy leaves no expand_kv of autoprec's."""
+    import llm_zoo
+
+    arch = next(a for a in llm_zoo.ARCHITECTURES if a.name == "deepseek-v3")
+    model = llm_zoo.model_maker(arch)()
+    ids = torch.randint(3, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+    layer = "model.layers.0.self_attn"
+    scales = calibrate_kv(model, [{"input_ids": ids}])[0]
+    with kv_quantized(model, {layer: "fp8"}, scales), torch.no_grad():
+        profiled = model(input_ids=ids).logits
+    apply_policy(model, Policy(kv_cache={layer: "fp8"}, kv_amax=scales))
+    with torch.no_grad():
+        applied = model(input_ids=ids).logits
+    remove_policy(model)
+    assert torch.equal(applied, profiled) and not torch.equal(applied, plain)
+    assert "expand_kv" not in model.get_submodule(layer).__dict__
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, plain)
