@@ -69,7 +69,6 @@ from autoprec.runtime.policy import Policy, PolicyError
 from autoprec.runtime.precision import Precision
 from autoprec.runtime.regionstate import in_fp32_region
 from autoprec.runtime.rulecheck import (
-    check_kv_layers,
     check_linear_formats,
     check_master_weights,
     check_model,
@@ -346,10 +345,8 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     ``re:`` pattern that matches no module warns, or is an error with ``strict=True``. A policy
     recorded for another model type or structure (``policy.model``) warns.
 
-    A policy's KV cache formats (``kv_cache``) run as the tune measured them: each attention layer's keys and
-    values through E4M3 at the static scales calibrated on the tune's batches (``kv_amax``), where attention reads
-    them (:mod:`autoprec.runtime.kvcache`). A file without that calibration warns once and runs the cache in the
-    model's dtype.
+    A policy's KV cache formats (``kv_cache``) run as the tune measured them, at its calibrated scales (``kv_amax``;
+    a file without them warns once and runs the model's dtype): see :mod:`autoprec.runtime.kvcache`.
 
     ``kernels``: who computes FP8, MXFP8 and NVFP4 linears. ``"auto"``: torchao's modules where
     torchao is installed and the device has the tensor cores, autoprec's own elsewhere;
@@ -373,11 +370,8 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
         raise RuntimeError("this model already has a policy applied; call autoprec.remove_policy(model) first")
     check_names(model, policy, strict)  # these two warn at the caller's line (stacklevel): called from here
     check_model(model, policy)
-    check_kv_layers(model, policy)
     if policy.engine is not None:  # tuned for a serving engine: the model runs as that engine serves it
-        _apply_served(wrapper, model, policy, mode)
-        _install_kv(model)
-        return wrapper
+        return _apply_served(wrapper, model, policy, mode)
     precisions = _checked_precisions(model, wrapper, policy, mode)
 
     state = _Installed(policy=policy, mode=mode, fsdp_float8_all_gather=fsdp_float8_all_gather)
@@ -430,6 +424,7 @@ def _apply_served(wrapper: nn.Module, model: nn.Module, policy: Policy, mode: st
     state = _Installed(policy=policy, mode=mode)
     state.served = install_served(model, policy, precisions)
     object.__setattr__(model, _STATE_ATTR, state)
+    _install_kv(model)
     return wrapper
 
 

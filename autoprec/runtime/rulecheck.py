@@ -86,7 +86,8 @@ def parent_precision(name: str, precisions: dict[str, Precision]) -> Precision:
 
 
 def check_names(model: nn.Module, policy: Policy, strict: bool) -> None:
-    """Every exact name must be a module of the model; a pattern that matches none warns (strict: fails).
+    """Every exact name (and ``kv_cache`` layer) must be a module of the model; a pattern that matches none warns
+    (strict: fails).
 
     Each names every offender in one line, with the closest module name for a missing layer.
     """
@@ -100,6 +101,7 @@ def check_names(model: nn.Module, policy: Policy, strict: bool) -> None:
             raise PolicyError(f"layer {missing[0]!r} is in the policy but not in the model{hint}")
         listed = ", ".join(f"{n!r}" + (f" (did you mean {close[n]}?)" if close[n] else "") for n in missing)
         raise PolicyError(f"{len(missing)} layers are in the policy but not in the model: {listed}")
+    check_kv_layers(model, policy)
     unmatched = [source for source, (pattern, _) in zip(policy.patterns, policy._patterns, strict=True)
                  if not any(pattern.fullmatch(n) for n in names)]
     if unmatched:
