@@ -123,7 +123,7 @@ def judge_export(folder: str | Path, model_py: str | Path, policy: str | Path | 
     plan = _plan_held_to(folder, summary, policy, model)
     if plan.nvfp4_layers:
         plan.input_amax = calibrate_inputs(model, plan, batches)  # as the export calibrated them
-    if plan.kv_cache:
+    if plan.kv_cache and not plan.kv_scales:  # as the export calibrated them (or the policy's kv_amax)
         plan.kv_scales = calibrate_kv(model, batches)[0]
     prompts = _prompts(holdout)
     with tempfile.TemporaryDirectory(prefix="autoprec-judge-") as tmp:

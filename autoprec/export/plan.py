@@ -121,6 +121,8 @@ def plan_export(model: nn.Module, policy: Policy, keep_fp32: bool = False,
     that the notes on fp32 islands quote. Raises :class:`ExportRefused` where an engine cannot load the plan."""
     plan = _plan_weights(model, policy, keep_fp32, profile)
     plan.kv_cache, plan.kv_skip, notes = kv_export_plan(model, policy.kv_cache, ExportRefused)
+    if plan.kv_cache:  # the scales the tune measured with, where the policy holds them: served as tuned
+        plan.kv_scales = dict(policy.kv_amax)
     plan.notes += notes
     return plan
 

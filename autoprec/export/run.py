@@ -81,10 +81,11 @@ def export_model_py(model_py: str | Path, run: TunedRun, out: str | Path, keep_f
 
 def _calibrate(module: Any, path: Path, model: Any, plan: Any) -> None:
     """The static scales engines read, calibrated on model.py's batches as the tune measured them: NVFP4's input
-    global scales, the KV cache's scales."""
+    global scales, the KV cache's scales (where the policy does not hold the tune's own, ``kv_amax``)."""
     from autoprec.inputs.userspec import call_user, find_function
 
-    if not plan.nvfp4_layers and not plan.kv_cache:
+    kv = plan.kv_cache and not plan.kv_scales  # a policy with its KV calibration (kv_amax) brings its own
+    if not plan.nvfp4_layers and not kv:
         return
     get_batches = find_function(module, path, "get_batches", "get_batches() -> list", required=False)
     if get_batches is None:
@@ -95,7 +96,7 @@ def _calibrate(module: Any, path: Path, model: Any, plan: Any) -> None:
     batches = call_user(path, "get_batches", get_batches)
     if plan.nvfp4_layers:
         plan.input_amax = calibrate_inputs(model, plan, batches)
-    if plan.kv_cache:
+    if kv:
         plan.kv_scales = calibrate_kv(model, batches)[0]
 
 

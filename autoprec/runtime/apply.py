@@ -63,6 +63,7 @@ from autoprec.runtime.agree import check_policy_agrees, model_groups
 from autoprec.runtime.as_served import Served, install_served, remove_served
 from autoprec.runtime.experts import EXPERTS_PRECISION, FP8ExpertsForward, is_fused_experts
 from autoprec.runtime.fp8_linear import FP8Linear, FP8RowwiseLinear
+from autoprec.runtime.kvcache import KV_FORMATS, InstalledKV
 from autoprec.runtime.mx import BlockScaledLinear
 from autoprec.runtime.policy import Policy, PolicyError
 from autoprec.runtime.precision import Precision
@@ -114,6 +115,7 @@ class _Installed:
     cast_once: list[nn.Module] = field(default_factory=list)  # linears and convs given CastWeights as their forward
     served: Served | None = None  # a policy for a serving engine, run as it serves it (autoprec.runtime.as_served)
     experts: list[FP8ExpertsForward] = field(default_factory=list)  # MoE experts run in fp8-rowwise
+    kv: InstalledKV | None = None  # the KV cache in its formats, at the tune's calibrated scales
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype, only_from: tuple[torch.dtype, ...]) -> Any:
@@ -343,6 +345,9 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     ``re:`` pattern that matches no module warns, or is an error with ``strict=True``. A policy
     recorded for another model type or structure (``policy.model``) warns.
 
+    A policy's KV cache formats (``kv_cache``) run as the tune measured them, at its calibrated scales (``kv_amax``;
+    a file without them warns once and runs the model's dtype): see :mod:`autoprec.runtime.kvcache`.
+
     ``kernels``: who computes FP8, MXFP8 and NVFP4 linears. ``"auto"``: torchao's modules where
     torchao is installed and the device has the tensor cores, autoprec's own elsewhere;
     ``"autoprec"``: always autoprec's own; ``"torchao"``: torchao's wherever it takes the layer
@@ -391,7 +396,17 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
         _store_once(model, precisions)
     _install_regions(model, precisions, state, own_dtype)
     object.__setattr__(model, _STATE_ATTR, state)
+    _install_kv(model)
     return wrapper
+
+
+def _install_kv(model: nn.Module) -> None:
+    """The policy's KV cache formats, where it has their calibration (else :func:`check_model` said so): each layer's
+    keys and values through E4M3 at the tune's static scales where attention reads them, as the tune measured."""
+    state: _Installed = getattr(model, _STATE_ATTR)
+    policy = state.policy
+    if policy.kv_amax and any(KV_FORMATS[f].quantized for f in policy.kv_cache.values()):
+        state.kv = InstalledKV(model, policy.kv_cache, policy.kv_amax)
 
 
 def _apply_served(wrapper: nn.Module, model: nn.Module, policy: Policy, mode: str) -> nn.Module:
@@ -409,6 +424,7 @@ def _apply_served(wrapper: nn.Module, model: nn.Module, policy: Policy, mode: st
     state = _Installed(policy=policy, mode=mode)
     state.served = install_served(model, policy, precisions)
     object.__setattr__(model, _STATE_ATTR, state)
+    _install_kv(model)
     return wrapper
 
 
@@ -569,6 +585,8 @@ def remove_policy(model: nn.Module) -> nn.Module:
         raise RuntimeError("this model has no policy applied")
     if state.mode == "serve":
         raise RuntimeError(NOT_REMOVABLE)
+    if state.kv is not None:
+        state.kv.remove()
     if state.served is not None:
         remove_served(model, state.served)
         object.__delattr__(model, _STATE_ATTR)

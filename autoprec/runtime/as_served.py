@@ -178,7 +178,8 @@ def served_policy(model: nn.Module, policy: Policy, engine: str, dtype: Precisio
     """``policy`` as ``engine`` serves it on ``model``: each exact ``nn.Linear`` the policy puts in fp8 or
     fp8-rowwise keeps it (the output head and embeddings excepted), and so does each MoE layer's experts module in
     fp8-rowwise (vLLM's CompressedTensorsW8A8Fp8MoE); everything else runs in ``dtype``; one exact rule per
-    quantized layer, the engine and the fusion groups recorded; the KV cache decisions kept as they are."""
+    quantized layer, the engine and the fusion groups recorded; the KV cache decisions and their calibration kept as
+    they are."""
     heads = set(output_heads(model))
     precisions = policy.effective_precisions(model)
     layers = {name: precisions[name].value for name, module in model.named_modules()
@@ -186,7 +187,8 @@ def served_policy(model: nn.Module, policy: Policy, engine: str, dtype: Precisio
               or (precisions[name] is EXPERTS_PRECISION and served_experts(module))}
     groups = {"fusion_groups": {k: list(v) for k, v in fusion_groups.items()}} if fusion_groups else {}
     return Policy(layers=layers, default=dtype, engine=engine, model={**policy.model, **groups}, fp8=policy.fp8,
-                  kv_cache=dict(policy.kv_cache), tuned_on=policy.tuned_on, result=policy.result)
+                  kv_cache=dict(policy.kv_cache), kv_amax=dict(policy.kv_amax), tuned_on=policy.tuned_on,
+                  result=policy.result)
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,18 @@ latent attention (DeepSeek's MLA) caches its compressed latent and its RoPE key,
 the latent is what is quantized, at the ``expand_kv`` that widens it (one "head": per head is per tensor). An
 attention module that never reaches either (its own attention code, linear attention with a recurrent state) is
 named by :func:`unwrapped_lines` and keeps its cache in the model's dtype.
+
+A policy's ``kv_cache`` formats with their calibration (``kv_amax``, which the tune writes) are what ``apply_policy``
+installs (:class:`InstalledKV`: this module's :func:`kv_quantized`, held until ``remove_policy``), so the model
+applied runs its cache as the tune measured it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,8 +39,9 @@ from torch import nn
 
 from autoprec.runtime.fp8 import E4M3, E4M3_MAX
 
-__all__ = ["KV_FORMATS", "KVFormat", "KVScales", "SCALE_DTYPE", "calibrate_kv", "check_kv_formats", "fake_quantize_kv",
-           "intercept_kv", "is_mla", "kv_amax", "kv_layers", "kv_quantized", "unwrapped_lines"]
+__all__ = ["KV_FORMATS", "InstalledKV", "KVFormat", "KVScales", "SCALE_DTYPE", "calibrate_kv", "check_kv_amax",
+           "check_kv_formats", "fake_quantize_kv", "intercept_kv", "is_mla", "kv_amax", "kv_layers", "kv_quantized",
+           "unwrapped_lines"]
 
 SCALE_DTYPE = torch.bfloat16  # the served dtype the checkpoint stores KV scales in (as llm-compressor does)
 KVHook = Callable[[str, nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -96,6 +103,48 @@ class KVScales:
             out.append(torch.where(scale == 0, torch.finfo(dtype).eps, scale).float())
         return out[0], out[1]
 
+    def to_dict(self) -> dict[str, list[float]]:
+        """As policy.json holds it (``kv_amax``): each fp32 |max| written exactly, read back bit for bit."""
+        return {"key_amax": self.key_amax.tolist(), "value_amax": self.value_amax.tolist()}
+
+
+_AMAX_SHAPE = '{"key_amax": [...], "value_amax": [...]}'
+
+
+def check_kv_amax(amax: Any, formats: Mapping[str, str], problems: list[str]) -> dict[str, KVScales]:
+    """A policy's ``kv_amax`` (attention module name -> its calibrated |max| of keys and values per KV head),
+    checked, as :class:`KVScales`; each bad entry, and each layer ``formats`` puts in FP8 that it lacks (where it
+    is given at all: a file written before it existed has none), is added to ``problems``."""
+    if not isinstance(amax, Mapping):
+        problems.append(f"'kv_amax' must map attention layer names to {_AMAX_SHAPE}, got {type(amax).__name__}")
+        return {}
+    out = {}
+    for name, value in amax.items():
+        scales = value if isinstance(value, KVScales) else _amax_entry(value)
+        if scales is None or not isinstance(name, str):
+            problems.append(f"'kv_amax': layer {name!r} must be {_AMAX_SHAPE}, one finite |max| >= 0 per KV head "
+                            "for keys and as many for values")
+            continue
+        out[name] = scales
+    uncalibrated = [n for n, f in formats.items() if KV_FORMATS[f].quantized and n not in out]
+    if amax and uncalibrated:
+        problems.append(f"'kv_amax' has no calibration for {uncalibrated[0]!r}, which 'kv_cache' puts in "
+                        f"{formats[uncalibrated[0]]}: tune again (it calibrates every attention layer it "
+                        "reaches), or keep that layer auto")
+    return out
+
+
+def _amax_entry(value: Any) -> KVScales | None:
+    if not isinstance(value, Mapping) or set(value) != {"key_amax", "value_amax"}:
+        return None
+    lists = [value["key_amax"], value["value_amax"]]
+    if not all(isinstance(x, list) and x and all(isinstance(a, (int, float)) and not isinstance(a, bool)
+                                                 and 0 <= a < float("inf") for a in x) for x in lists):
+        return None
+    if len(lists[0]) != len(lists[1]):
+        return None
+    return KVScales(*(torch.tensor(x, dtype=torch.float32) for x in lists))
+
 
 def calibrate_kv(model: nn.Module, batches: Sequence[Any], run: Callable[[nn.Module, Any], Any] | None = None
                  ) -> tuple[dict[str, KVScales], set[str], list[Any]]:
@@ -149,52 +198,99 @@ def _interface() -> Any:
     return ALL_ATTENTION_FUNCTIONS
 
 
-@contextlib.contextmanager
-def intercept_kv(model: nn.Module, hook: KVHook) -> Iterator[set[str]]:
-    """Within the block, ``hook(name, module, key, value) -> (key, value)`` sees (and may replace) the keys and
-    values every attention module of ``model`` hands to attention; yields the set of names seen so far."""
-    names = {id(m): n for n, m in model.named_modules()}
-    seen: set[str] = set()
-    interface = _interface()
+@dataclass(eq=False)
+class _Watch:
+    """One interception in force: the model's modules (weakly: a model dropped without its ``remove`` matches
+    nothing, and a new module at its address is not mistaken for it), the hook, the names seen."""
 
-    def wrap(original: Callable | None) -> Callable:
-        def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      *args: Any, **kwargs: Any) -> Any:
-            name = names.get(id(module))
-            if name is not None and not is_mla(module):
-                seen.add(name)
-                key, value = hook(name, module, key, value)
-            inner = original or sys.modules[type(module).__module__].eager_attention_forward
-            return inner(module, query, key, value, *args, **kwargs)
-
-        return attention
-
-    saved = dict(interface._local_mapping)
-    mla = {n: m for n, m in model.named_modules() if is_mla(m)}
-    try:
-        for impl in [k for k in interface if "|" not in k]:
-            interface[impl] = wrap(interface[impl])
-        interface["eager"] = wrap(None)  # get_interface("eager", the model's eager) finds this first
-        for name, module in mla.items():
-            module.expand_kv = _mla_hook(name, module, hook, seen)
-        yield seen
-    finally:
-        interface._local_mapping.clear()
-        interface._local_mapping.update(saved)
-        for module in mla.values():
-            module.__dict__.pop("expand_kv", None)
+    names: weakref.WeakKeyDictionary
+    hook: KVHook
+    seen: set[str]
 
 
-def _mla_hook(name: str, module: nn.Module, hook: KVHook, seen: set[str]) -> Callable:
-    """MLA's ``expand_kv(latent, rope_key)``: the two tensors its cache holds ((batch, 1, tokens, width) each)."""
-    expand = type(module).expand_kv.__get__(module)
+# Every interception in force, oldest first; the newest sees the keys first (as a wrapper around a wrapper did).
+# A policy's KV cache stays installed across calls (apply_policy, removed by remove_policy) while blocks of
+# calibrate_kv or kv_quantized come and go, in any order: so one dispatcher serves them all, put into transformers'
+# attention interface when the first starts and taken out when the last ends.
+_WATCHES: list[_Watch] = []
+_SAVED: list[dict] = []  # the interface's own mapping before the first interception
+_PATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # MLA module -> [interceptions, its own expand_kv]
+
+
+def _run_hooks(module: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    for watch in reversed(_WATCHES):
+        name = watch.names.get(module)
+        if name is not None:
+            watch.seen.add(name)
+            key, value = watch.hook(name, module, key, value)
+    return key, value
+
+
+def _dispatcher(original: Callable | None) -> Callable:
+    def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  *args: Any, **kwargs: Any) -> Any:
+        if not is_mla(module):
+            key, value = _run_hooks(module, key, value)
+        inner = original or sys.modules[type(module).__module__].eager_attention_forward
+        return inner(module, query, key, value, *args, **kwargs)
+
+    return attention
+
+
+def _mla_dispatcher(module: nn.Module, own: Callable | None) -> Callable:
+    """MLA's ``expand_kv(latent, rope_key)``: the two tensors its cache holds ((batch, 1, tokens, width) each).
+    ``own``: an ``expand_kv`` the module already had of its own, else its class's."""
+    expand = own if own is not None else type(module).expand_kv.__get__(module)
 
     def expand_kv(latent: torch.Tensor, rope_key: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        seen.add(name)
-        latent, rope_key = hook(name, module, latent, rope_key)
+        latent, rope_key = _run_hooks(module, latent, rope_key)
         return expand(latent, rope_key, *args, **kwargs)
 
     return expand_kv
+
+
+def _start(watch: _Watch) -> None:
+    if not _WATCHES:
+        interface = _interface()
+        _SAVED[:] = [dict(interface._local_mapping)]
+        for impl in [k for k in interface if "|" not in k]:
+            interface[impl] = _dispatcher(interface[impl])
+        interface["eager"] = _dispatcher(None)  # get_interface("eager", the model's eager) finds this first
+    _WATCHES.append(watch)
+    for module in [m for m in watch.names if is_mla(m)]:
+        count = _PATCHED.setdefault(module, [0, module.__dict__.get("expand_kv")])
+        if not count[0]:
+            module.expand_kv = _mla_dispatcher(module, count[1])
+        count[0] += 1
+
+
+def _stop(watch: _Watch) -> None:
+    _WATCHES.remove(watch)
+    for module in [m for m in watch.names if is_mla(m)]:
+        count = _PATCHED[module]
+        count[0] -= 1
+        if not count[0]:
+            module.__dict__.pop("expand_kv", None)
+            if count[1] is not None:
+                module.__dict__["expand_kv"] = count[1]
+            del _PATCHED[module]
+    if not _WATCHES:
+        interface = _interface()
+        interface._local_mapping.clear()
+        interface._local_mapping.update(_SAVED.pop())
+
+
+@contextlib.contextmanager
+def intercept_kv(model: nn.Module, hook: KVHook) -> Iterator[set[str]]:
+    """Within the block, ``hook(name, module, key, value) -> (key, value)`` sees (and may replace) the keys and
+    values every attention module of ``model`` hands to attention; yields the set of names seen so far. Blocks
+    may overlap in any order (a policy's KV cache stays installed while others come and go)."""
+    watch = _Watch(weakref.WeakKeyDictionary((m, n) for n, m in model.named_modules()), hook, set())
+    _start(watch)
+    try:
+        yield watch.seen
+    finally:
+        _stop(watch)
 
 
 @contextlib.contextmanager
@@ -214,12 +310,40 @@ def kv_quantized(model: nn.Module, formats: Mapping[str, str], scales: Mapping[s
         if name not in chosen:
             return key, value
         _, (k_scale, v_scale) = chosen[name]
+        if k_scale.numel() not in (1, key.shape[1]):
+            raise ValueError(f"KV cache layer {name!r} has {k_scale.numel()} calibrated scales and "
+                             f"{key.shape[1]} KV heads: the scales were calibrated on another model; fix: tune "
+                             "this one")
         if is_mla(module):  # one cache entry, the latent beside its RoPE key: one scale (vLLM's k_scale)
             k_scale = v_scale = torch.maximum(k_scale.amax(), v_scale.amax()).reshape(1)
         return fake_quantize_kv(key, k_scale), fake_quantize_kv(value, v_scale)
 
     with intercept_kv(model, hook) as seen:
         yield seen
+
+
+class InstalledKV:
+    """A policy's KV cache formats installed in ``model`` (:func:`kv_quantized`) until :meth:`remove`: what
+    ``apply_policy`` runs. After the model's first forward, an FP8 layer the emulation did not reach is named in
+    one warning (:func:`unwrapped_lines`): its cache ran in the model's dtype."""
+
+    def __init__(self, model: nn.Module, formats: Mapping[str, str], amax: Mapping[str, KVScales]):
+        self._fp8 = {n: model.get_submodule(n) for n, f in formats.items() if KV_FORMATS[f].quantized}
+        self._blocks = contextlib.ExitStack()
+        self.seen = self._blocks.enter_context(kv_quantized(model, formats, amax))
+        self._first: Any = model.register_forward_hook(self._after_first_forward)
+
+    def _after_first_forward(self, *_: Any) -> None:
+        self._first.remove()
+        self._first = None
+        lines = unwrapped_lines(self._fp8, self.seen)
+        if lines:
+            warnings.warn("the policy's KV cache format is not emulated on " + "; ".join(lines), stacklevel=2)
+
+    def remove(self) -> None:
+        if self._first is not None:
+            self._first.remove()
+        self._blocks.close()
 
 
 def unwrapped_lines(layers: Mapping[str, nn.Module], seen: set[str]) -> list[str]:

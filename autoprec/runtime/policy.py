@@ -10,6 +10,9 @@ An optional ``"engine": "vllm"`` says the plan was tuned for that serving engine
 applied, it runs as the engine serves it (:mod:`autoprec.runtime.as_served`). A file without it is for in-process use.
 An optional ``"kv_cache": {"model.layers.0.self_attn": "fp8-head", ...}`` gives attention layers' KV cache a format
 (:mod:`autoprec.runtime.kvcache`: ``auto``, ``fp8``, ``fp8-head``); a layer it does not name keeps the model's dtype.
+Its static scales come from ``"kv_amax": {"model.layers.0.self_attn": {"key_amax": [...], "value_amax": [...]}}``:
+each attention layer's |max| of keys and of values per KV head on the tune's calibration batches (the scale is
+amax / 448, stored in bf16), with which ``apply_policy`` runs the cache as the tune measured it.
 
 Precedence, for one module: an exact module path wins; otherwise the first ``re:`` pattern,
 in file order, that matches the whole path. A module with no rule inherits the precision of
@@ -31,7 +34,7 @@ import torch
 from autoprec.common.jsonsafe import dumps, json_safe
 from autoprec.runtime.engines import check_engine, policy_problems
 from autoprec.runtime.fp8 import FP8Recipe
-from autoprec.runtime.kvcache import check_kv_formats
+from autoprec.runtime.kvcache import KVScales, check_kv_amax, check_kv_formats
 from autoprec.runtime.precision import Precision
 
 __all__ = ["SCHEMA", "VERSION", "Policy", "PolicyError"]
@@ -39,7 +42,8 @@ __all__ = ["SCHEMA", "VERSION", "Policy", "PolicyError"]
 SCHEMA = "autoprec.policy"
 VERSION = 1
 PATTERN_PREFIX = "re:"
-_KEYS = {"schema", "version", "default", "layers", "fp8", "engine", "kv_cache", "model", "tuned_on", "result"}
+_KEYS = {"schema", "version", "default", "layers", "fp8", "engine", "kv_cache", "kv_amax", "model", "tuned_on",
+         "result"}
 _FP8_KEYS = {"recipe", "amax_history"}
 _INFO_KEYS = ("model", "tuned_on", "result")  # what the policy was tuned on and achieved: free-form objects
 MAX_FILE_BYTES = 16 * 2**20  # a policy names each layer once: even 100k layers fit in a few MiB
@@ -63,6 +67,7 @@ class Policy:
     result: dict[str, Any] = field(default_factory=dict)
     engine: str | None = None  # the serving engine it was tuned for (None: in-process); see autoprec.runtime.engines
     kv_cache: dict[str, str] = field(default_factory=dict)  # attention layer -> KV format (autoprec.runtime.kvcache)
+    kv_amax: dict[str, KVScales] = field(default_factory=dict)  # attention layer -> its calibrated |max| of K, V
 
     def __post_init__(self) -> None:
         # Every problem is collected, then all are named in one message: fixing a file should
@@ -80,6 +85,7 @@ class Policy:
             self.engine = None
         problems += policy_problems(self.engine, self.default, self.layers)
         self.kv_cache = check_kv_formats(self.kv_cache, problems)
+        self.kv_amax = check_kv_amax(self.kv_amax, self.kv_cache, problems)
         for key in _INFO_KEYS:
             if not isinstance(getattr(self, key), Mapping):
                 problems.append(f"{key!r} must be an object, got {type(getattr(self, key)).__name__}")
@@ -166,6 +172,8 @@ class Policy:
             out["engine"] = self.engine
         if self.kv_cache:  # and plans without a KV cache decision as they were written before there were any
             out["kv_cache"] = dict(self.kv_cache)
+        if self.kv_amax:
+            out["kv_amax"] = {name: scales.to_dict() for name, scales in self.kv_amax.items()}
         for key in _INFO_KEYS:
             block = getattr(self, key)
             if block:
@@ -218,7 +226,8 @@ class Policy:
         elif Precision.FP8 in self.precisions_used():  # an engine scales each input per token: no recipe
             lines.append(f"fp8: {self.fp8.recipe}, amax_history={self.fp8.amax_history}")
         if self.kv_cache:
-            lines.append("KV cache: " + ", ".join(f"{n} {f}" for n, f in self.kv_cache.items()))
+            lines.append("KV cache: " + ", ".join(f"{n} {f}" for n, f in self.kv_cache.items())
+                         + (" (calibrated: kv_amax)" if self.kv_amax else ""))
         if self.needs_grad_scaler:
             lines.append("training: fp16 layers present, use a GradScaler (policy.grad_scaler())")
         return "\n".join(lines)
@@ -243,6 +252,7 @@ def _from_dict(cls: type[Policy], data: Any, source: str, problems: list[str]) -
     try:
         policy = cls(layers=data.get("layers", {}), default=data.get("default", "fp32"), fp8=data.get("fp8", {}),
                      engine=data.get("engine"), kv_cache=data.get("kv_cache", {}),
+                     kv_amax=data.get("kv_amax", {}),
                      **{key: data.get(key, {}) for key in _INFO_KEYS})
     except PolicyError as e:
         problems.append(str(e))

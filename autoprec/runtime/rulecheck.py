@@ -21,6 +21,7 @@ from torch import nn
 from autoprec.common.wrapped import own_class
 from autoprec.runtime.experts import EXPERTS_PRECISION, experts_problem, is_fused_experts
 from autoprec.runtime.fp8_linear import FP8Linear, FP8RowwiseLinear
+from autoprec.runtime.kvcache import KV_FORMATS
 from autoprec.runtime.mx import BlockScaledLinear
 from autoprec.runtime.policy import Policy, PolicyError
 from autoprec.runtime.precision import Precision
@@ -85,7 +86,8 @@ def parent_precision(name: str, precisions: dict[str, Precision]) -> Precision:
 
 
 def check_names(model: nn.Module, policy: Policy, strict: bool) -> None:
-    """Every exact name must be a module of the model; a pattern that matches none warns (strict: fails).
+    """Every exact name (and ``kv_cache`` layer) must be a module of the model; a pattern that matches none warns
+    (strict: fails).
 
     Each names every offender in one line, with the closest module name for a missing layer.
     """
@@ -99,6 +101,7 @@ def check_names(model: nn.Module, policy: Policy, strict: bool) -> None:
             raise PolicyError(f"layer {missing[0]!r} is in the policy but not in the model{hint}")
         listed = ", ".join(f"{n!r}" + (f" (did you mean {close[n]}?)" if close[n] else "") for n in missing)
         raise PolicyError(f"{len(missing)} layers are in the policy but not in the model: {listed}")
+    check_kv_layers(model, policy)
     unmatched = [source for source, (pattern, _) in zip(policy.patterns, policy._patterns, strict=True)
                  if not any(pattern.fullmatch(n) for n in names)]
     if unmatched:
@@ -108,6 +111,17 @@ def check_names(model: nn.Module, policy: Policy, strict: bool) -> None:
             raise PolicyError(f"policy {which} no module of the model; fix or remove "
                               f"{'it' if len(unmatched) == 1 else 'them'} (strict=True)")
         _warn_once(policy, f"policy {which} no module of the model")
+
+
+def check_kv_layers(model: nn.Module, policy: Policy) -> None:
+    """Refuse a ``kv_cache`` layer the model lacks, as a ``layers`` one: one line naming the first."""
+    modules = dict(model.named_modules())
+    missing = [n for n in policy.kv_cache if n not in modules]
+    if missing:
+        close = difflib.get_close_matches(missing[0], list(modules), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise PolicyError(f"'kv_cache' names {missing[0]!r}{hint}, which is not a module of the model; fix: name its "
+                          "attention layers (e.g. 'model.layers.0.self_attn')")
 
 
 def structure_fingerprint(model: nn.Module) -> str:
@@ -125,13 +139,14 @@ def structure_fingerprint(model: nn.Module) -> str:
 
 
 def check_model(model: nn.Module, policy: Policy) -> None:
-    """Warn when the policy records another model type or structure than ``model`` has, or holds KV cache formats
-    (``kv_cache``), which apply_policy does not emulate: their static scales come from calibration batches, which
-    ``autoprec export`` has (it writes them for the engine) and apply_policy does not."""
-    if policy.kv_cache:
-        _warn_once(policy, f"this policy holds KV cache formats for {len(policy.kv_cache)} attention layer(s); "
-                           "apply_policy runs their KV cache in the model's dtype (the formats need calibrated "
-                           "scales): `autoprec export` writes them for vLLM")
+    """Warn when the policy records another model type or structure than ``model`` has, or puts a KV cache in FP8
+    without its calibration (``kv_amax``: a file written before the tune wrote it), which apply_policy cannot
+    emulate: it runs that cache in the model's dtype."""
+    uncalibrated = [n for n, f in policy.kv_cache.items() if KV_FORMATS[f].quantized and n not in policy.kv_amax]
+    if uncalibrated:
+        _warn_once(policy, f"this policy puts the KV cache of {len(uncalibrated)} attention layer(s) in FP8 without "
+                           "their calibrated scales ('kv_amax', written by tunes since), so apply_policy runs it in "
+                           "the model's dtype; fix: tune again (`autoprec export` calibrates its own)")
     recorded_type, recorded_structure = policy.model.get("type"), policy.model.get("structure")
     differs = []
     if recorded_type is not None and recorded_type != own_class(model).__name__:

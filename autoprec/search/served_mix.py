@@ -137,8 +137,9 @@ class _Measure:
 def held_out_sqnr(model: nn.Module, policy: Policy, calibration: Sequence[Any], held_out: Sequence[Any]) -> float:
     """``policy`` (its weights and its KV cache) measured on ``held_out``: the output's worst-batch SQNR against
     fp32, the KV cache scaled as calibrated on ``calibration`` (the batches the plan was chosen on), never on the
-    batches it is verified on. A policy with an ``engine`` runs as that engine serves it."""
-    scales = calibrate_kv(model, list(calibration))[0]
+    batches it is verified on (a policy that holds that calibration, ``kv_amax``, is held to its own). A policy with
+    an ``engine`` runs as that engine serves it."""
+    scales = policy.kv_amax or calibrate_kv(model, list(calibration))[0]
     return _Measure(model, held_out, scales)(policy, policy.kv_cache)
 
 
@@ -180,6 +181,8 @@ def plan_mixes(model: nn.Module, batches: Sequence[Any], floor_db: float, target
                 best = plan
         assert best is not None
         best.parts = _parts(model, best, target, mix)
+        if best.policy.kv_cache:  # the scales it was measured with, for apply_policy and the export to run it so
+            best.policy = dataclasses.replace(best.policy, kv_amax=dict(measure.scales))
         plans.append(best)
     return plans
 

@@ -170,7 +170,7 @@ def _served_tune(model_py: Path, mix: ServedMix, config: Any, log: Callable[[str
             f"on {len(search)} batches; {len(held)} held out to verify")
         plan, contrast = plan_mixes(model, search, floor, target, [mix, contrast_mix])
         policy = Policy(default="bf16", layers=dict(plan.policy.layers), kv_cache=dict(plan.policy.kv_cache),
-                        engine=VLLM)
+                        kv_amax=dict(plan.policy.kv_amax), engine=VLLM)
         held_db = held_out_sqnr(model, policy, search, held)
         bf16_db = held_out_sqnr(model, Policy(default="bf16", engine=VLLM), search, held)
         table, why = _compare(model, target, plan, contrast)

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 
 import cli_runner
 import pytest
 import torch
 
-from autoprec.inputs.userspec import import_model_py
+from autoprec.common.sqnr import sqnr_db
+from autoprec.inputs.batches import call_model
+from autoprec.inputs.userspec import import_model_py, load_model_py
+from autoprec.profile.kvcache import model_output
 from autoprec.runtime.apply import apply_policy, remove_policy
 from autoprec.runtime.kvcache import KV_FORMATS
 from autoprec.runtime.policy import Policy
@@ -44,13 +48,20 @@ def test_a_kv_bound_mix_writes_a_vllm_plan_of_its_kv_cache_that_loads_and_export
     policy = Policy.load(out / "policy.json")
     assert policy.engine == "vllm" and policy.kv_cache and not policy.layers  # the cache pays here, no weight does
     assert policy.result["meets_floor_held_out"] is True and policy.result["metric"] >= FLOOR
-    model = import_model_py(LLAMA).get_model()
-    with pytest.warns(UserWarning, match="apply_policy runs their KV cache in the model's dtype") as said:
-        apply_policy(model, policy, mode="inference")  # applied as vLLM serves it
-    assert not [w for w in said if "another model" in str(w.message)]  # policy.json names this model
-    try:
+    assert set(policy.kv_amax) == {"model.layers.0.self_attn", "model.layers.1.self_attn"}  # its calibration
+    spec = load_model_py(LLAMA)
+    model = spec.model.eval()
+    with torch.no_grad():
+        reference = [model_output(call_model(model, b)).float() for b in spec.holdout_batches]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        apply_policy(model, policy, mode="inference")  # applied as vLLM serves it, its KV cache as tuned
+    assert not said  # policy.json names this model, and holds its KV cache's scales
+    try:  # served = tuned: the figure the tune's held-out check wrote
         with torch.no_grad():
-            assert torch.isfinite(model(torch.randint(0, 512, (1, 8))).logits).all()
+            applied = [model_output(call_model(model, b)).float() for b in spec.holdout_batches]
+        measured = min(sqnr_db(r, o) for r, o in zip(reference, applied))
+        assert measured == pytest.approx(policy.result["metric"], abs=1e-3)
     finally:
         remove_policy(model)
     export = autoprec("export", out, "--model", LLAMA, "--out", tmp_path / "served")

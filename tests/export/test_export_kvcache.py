@@ -63,6 +63,37 @@ def test_the_kv_cache_scheme_and_its_scales_are_written_as_llm_compressor_writes
     assert summary["kv_cache"] == {"scheme": fmt, "layers": 2, "skip_layers": []}
 
 
+def test_a_policy_with_its_kv_calibration_is_exported_at_the_tunes_scales(tmp_path):
+    """A tune writes the |max| it scaled the cache with (``kv_amax``, here from the first two of model.py's batches
+    as a tune's search batches): the export writes the scales from it, the very ones apply_policy runs, not from
+    all of get_batches() again; the scheme and the skip list are what the same plan without it gets."""
+    import importlib.util
+
+    model_py = tmp_path / "model.py"
+    model_py.write_text(MODEL_PY)
+    spec = importlib.util.spec_from_file_location("kv_model", model_py)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    tuned = calibrate_kv(module.get_model(), module.get_batches()[:2])[0]
+    plain = {LAYERS[1]: "fp8-head"}
+    with_amax, _, _ = export(tmp_path, Policy(default="bf16", kv_cache=plain, kv_amax=tuned), "tuned")
+    without, _, _ = export(tmp_path, Policy(default="bf16", kv_cache=plain), "plain")
+    written, recalibrated = tensors(with_amax), tensors(without)
+    assert set(written) == set(recalibrated)  # every attention layer's scales, the skip list's layer 0 too
+    for layer in LAYERS:
+        k, v = tuned[layer].scales(KV_FORMATS["fp8-head"])
+        assert torch.equal(written[f"{layer}.k_scale"].float().flatten(), k)
+        assert torch.equal(written[f"{layer}.v_scale"].float().flatten(), v)
+    # the case that should lose: all four batches calibrate other scales, which the export no longer takes
+    assert not torch.equal(written[f"{LAYERS[1]}.k_scale"], recalibrated[f"{LAYERS[1]}.k_scale"])
+    for name in ("config.json", "autoprec-export.json"):
+        a, b = (json.loads((folder / name).read_text()) for folder in (with_amax, without))
+        if name == "config.json":
+            assert a["quantization_config"] == b["quantization_config"]
+        else:
+            assert a["kv_cache"] == b["kv_cache"] == {"scheme": "fp8-head", "layers": 1, "skip_layers": [0]}
+
+
 def test_a_layer_kept_in_the_models_dtype_is_the_engines_skip_list(tmp_path):
     out, _, _ = export(tmp_path, Policy(default="bf16", kv_cache={LAYERS[1]: "fp8"}), "one")
     summary = json.loads((out / "autoprec-export.json").read_text())

@@ -182,20 +182,3 @@ def test_a_plan_turned_into_what_vllm_serves_keeps_its_kv_cache_decisions():
     served = served_policy(model, plan, "vllm", Precision.BF16)
     assert served.kv_cache == {"model.layers.1.self_attn": "fp8"}
     assert served.layers == {"model.layers.0.mlp.down_proj": "fp8-rowwise"}  # the head as vLLM serves it
-
-
-def test_apply_policy_says_once_that_it_runs_the_kv_cache_in_the_models_dtype():
-    """A plan with KV cache formats applied in process: one warning (the formats need calibrated scales, which the
-    export has); a plan without them warns nothing."""
-    import warnings
-
-    from autoprec.runtime.apply import apply_policy, remove_policy
-
-    model = tiny_llama()
-    plan = Policy(default="fp32", kv_cache={"model.layers.1.self_attn": "fp8"})
-    with pytest.warns(UserWarning, match=r"KV cache formats for 1 attention layer.*autoprec export"):
-        apply_policy(model, plan)
-    remove_policy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        apply_policy(model, Policy(default="fp32"))
