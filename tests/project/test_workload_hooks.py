@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from autoprec.config import TuneConfig
 from autoprec.workloads import registry
-from autoprec.workloads.base import MUST_WRITE, Workload
+from autoprec.workloads.base import MUST_WRITE, ReportWords, Workload
 
 
 def unwritten(cls: type) -> list[str]:
@@ -97,6 +97,7 @@ def test_a_workload_of_the_five_gets_the_rest_from_the_hooks():
     assert workload.fingerprint() == Five.from_notebook(workload.model, workload.batches, None, {}).fingerprint()
     assert workload.fingerprint() != Five.from_notebook(workload.model, workload.batches[:1], None, {}).fingerprint()
     assert workload.policy_result({"a": 1}, None) == {"a": 1} and workload.report_sections(None) == []
+    assert workload.report_words(None) == ReportWords()  # report.md in a forward pass's words
 
 
 def test_training_only_results_live_with_training():
