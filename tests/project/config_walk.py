@@ -10,7 +10,8 @@ What is counted, exactly:
   ``VerifyConfig`` (within one tune, each was made from the one config).
 - *hand-over*: a call (``sys.setprofile``'s ``call`` event) of a Python function whose code lives in ``autoprec/``
   with a carried object among its arguments (positional, keyword-only, ``*args`` items, ``**kwargs`` values,
-  ``self``: a method or property of a config counts). A generator's resumption is not a new call.
+  ``self``: a method or property of a config counts), or an argument that holds one as an attribute of its own
+  (``self`` of a class that keeps its stage's config). A generator's resumption is not a new call.
 - *caller*: the module of the nearest frame below the call whose code lives in ``autoprec/`` (a call made through
   the standard library, torch or optuna, such as a dataclass's generated ``__init__`` calling ``__post_init__``,
   counts from the autoprec module that started it). Modules are dotted names without ``autoprec.``.
@@ -124,6 +125,18 @@ def _arguments(frame: Any) -> list[Any]:
     return values
 
 
+def _holds(value: Any, carried: tuple[type, ...]) -> bool:
+    """Whether ``value`` is a carried object or holds one as an attribute of its own (``self`` of a class that
+    keeps its stage's config)."""
+    if isinstance(value, carried):
+        return True
+    try:
+        attributes = vars(value)
+    except TypeError:  # no __dict__ (a number, a tuple, a slotted object)
+        return False
+    return any(isinstance(held, carried) for held in list(attributes.values()))
+
+
 def trace(run: Callable[[], Any]) -> Walk:
     """The config walk of ``run()`` (a tune), traced as it runs."""
     carried, names, resumed = carried_types(), {}, set()
@@ -138,7 +151,7 @@ def trace(run: Callable[[], Any]) -> Walk:
             if frame in resumed:  # a generator resumed: no new call
                 return
             resumed.add(frame)
-        if not any(isinstance(value, carried) for value in _arguments(frame)):
+        if not any(_holds(value, carried) for value in _arguments(frame)):
             return
         below = frame.f_back
         while below is not None and _module(below.f_code, names) is None:
