@@ -104,6 +104,9 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
     workload, ranks = _checked(workload, config, ranks, log)  # cheap checks first: nothing expensive runs before
     budget = workload.budget(config, getattr(workload, "evaluate", None) is not None)
     stages = config.stages(budget)  # the config may have been written on another machine: its device checked here
+    if stages.serving is not None and not workload.serves_engines:  # still before any work: the config is asked once
+        raise ValueError(f"--engine {config.engine} plans what an engine serves, which tune --for inference measures; "
+                         f"tune --for {workload.name} runs in-process: leave out --engine")
     device, out_dir = stages.device, config.out if ranks.writes else None  # one rank writes the outputs
     phase, seconds = "checking", {}
     try:
@@ -160,9 +163,6 @@ def _checked(workload: Workload, config: TuneConfig, ranks: Ranks, log: Callable
                              f"{workload.name}: build the model whole in get_model() (wrap may still shard it)")
         ranks = ranks.together()
     workload.check(config)
-    if config.serving is not None and not workload.serves_engines:
-        raise ValueError(f"--engine {config.engine} plans what an engine serves, which tune --for inference measures; "
-                         f"tune --for {workload.name} runs in-process: leave out --engine")
     # every rank profiles the same weights and batches, or the job ends here naming the rank that differs
     check_same_work(workload, ranks)
     return workload, ranks

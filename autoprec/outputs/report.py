@@ -17,6 +17,7 @@ import numpy
 from autoprec.common.writing import markdown_table, plot_library, save_figure, text_table, write_text_atomic
 from autoprec.outputs.results import decision, results_table
 from autoprec.profile import Profile
+from autoprec.workloads.base import ReportWords
 
 if TYPE_CHECKING:
     from autoprec.outputs.results import TuneResult
@@ -228,15 +229,11 @@ def _search_section(s: SearchResult) -> list[str]:
 
 def report_markdown(result: TuneResult, workload: Any = None) -> str:
     """report.md: the decision, the results, the notes, what ``workload`` adds, the policy, the layers,
-    the search and the profile."""
+    the search and the profile; its title, lead, layer columns and metric in the workload's words (without one, a
+    forward pass's: :class:`~autoprec.workloads.base.ReportWords`)."""
     v, s, p = result.verification, result.search, result.profile
-    training = p.training is not None
-    title = "# autoprec tuning report" + (": training" if training else "")
-    lines = [title, "", decision(v, result.budget), ""]
-    if training:
-        steps = v.training.steps if v.training is not None else 0  # 0: nothing trained (nothing could pay off)
-        lines += ["Tuned for training: step time as the objective, the loss on the search batches and a gradient "
-                  f"floor as the constraint ({result.budget}), then {steps}-step training runs as the proof.", ""]
+    words = workload.report_words(result) if workload is not None else ReportWords()
+    lines = [words.title, "", decision(v, result.budget), "", *words.lead]
     lines += [results_table(v, markdown=True), ""]
     for note in v.notes + s.notes:
         lines.append(f"- {note}")
@@ -245,7 +242,7 @@ def report_markdown(result: TuneResult, workload: Any = None) -> str:
               if result.margin is not None else "")
     lines += ["", f"Device: `{p.device}`; precisions: "
               + ", ".join(f"{k} ({c})" for k, c in p.capabilities.items())
-              + f". Metric: {_metric_words(p.metric['kind'])}"
+              + f". Metric: {words.metric or _metric_words(p.metric['kind'])}"
               + f". Budget: {result.budget} (the search works to {searched_to}{margin}"
               + "; verification checks the budget itself).", ""]
     if workload is not None:
@@ -257,7 +254,7 @@ def report_markdown(result: TuneResult, workload: Any = None) -> str:
                       f"{v.chosen.predicted_ms:.3g} ms at the profiling batch size.", ""]
     lines += ["## Layers", ""]
     chosen = v.chosen.assignment if v.chosen else {}
-    ms, sqnr = ("fwd+bwd ms", "grad SQNR dB") if training else ("ms", "SQNR dB")
+    ms, sqnr = words.timed, words.sensitivity
     header = ["layer", "kind", "chosen", f"fp32 {ms}"] + [f"{q} {ms}" for q in p.precisions] + \
              [f"{q} {sqnr}" for q in p.precisions]
     by_model = set(p.fp32_by_model)  # fp32 whatever the policy says around them: what runs is what is shown
@@ -309,8 +306,7 @@ def _fusion_section(result: TuneResult) -> list[str]:
 
 
 def _metric_words(kind: str) -> str:
-    return {"fidelity": "output SQNR in dB against fp32", "loss": "the training loss (lower is better)"}.get(
-        kind, "your evaluate()")
+    return "output SQNR in dB against fp32" if kind == "fidelity" else "your evaluate()"
 
 
 def write_outputs(result: TuneResult, workload: Any = None) -> dict[str, Path]:

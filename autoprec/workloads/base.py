@@ -12,8 +12,9 @@ llm-compressor's modifiers are, it is a few methods it must write and hooks it m
 - it may override the hooks, whose defaults are a forward pass over its search ``batches``: which budget applies
   and which settings make no sense (:meth:`~Workload.budget`, :meth:`~Workload.check`), which batches show every
   layer and how the profile measures latency (:meth:`~Workload.capture_batches`, :meth:`~Workload.profile`), the
-  search's margin, what the outputs add (:meth:`~Workload.policy_result`, :meth:`~Workload.write_extras`,
-  :meth:`~Workload.report_sections`: e.g. ``loss.png``), its own options (:meth:`~Workload.add_arguments`), and
+  search's margin, what the outputs add and say in its words (:meth:`~Workload.policy_result`,
+  :meth:`~Workload.write_extras`, :meth:`~Workload.report_words`, :meth:`~Workload.report_sections`: e.g.
+  ``loss.png``), its own options (:meth:`~Workload.add_arguments`), and
   the class attributes (its name, what verification checks, what it can be tuned for).
 
 Three workloads ship: :class:`~autoprec.workloads.inference.InferenceWorkload`,
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
     from autoprec.runtime.policy import Policy
     from autoprec.runtime.precision import Precision
 
-__all__ = ["MUST_WRITE", "HeldOut", "Workload", "check_settings", "load_model_py_of"]
+__all__ = ["MUST_WRITE", "HeldOut", "ReportWords", "Workload", "check_settings", "load_model_py_of"]
 
 # the methods every workload writes; every other method of Workload is a hook with a default
 MUST_WRITE = ("from_command", "from_notebook", "objective", "held_out", "time")
@@ -82,6 +83,18 @@ class HeldOut:
     measured: dict[str, Measurement]  # entry -> its measurement (fp32 included)
     where: str  # "on the held-out batches", "in the 16-step training run": said in notes
     training: Any = None  # the training runs (workloads.training.TrainingRuns); None where nothing trained
+
+
+@dataclass(frozen=True)
+class ReportWords:
+    """What report.md says in a workload's own words around the tables every tune writes
+    (:meth:`Workload.report_words`); the defaults are a forward pass's."""
+
+    title: str = "# autoprec tuning report"
+    lead: tuple[str, ...] = ()  # lines between the decision and the results table (what the tune was for)
+    timed: str = "ms"  # what the layer table's times are of ("fwd+bwd ms")
+    sensitivity: str = "SQNR dB"  # what its sensitivity columns measure ("grad SQNR dB")
+    metric: str | None = None  # the metric in words, where it is the workload's own (None: fidelity or evaluate())
 
 
 class Workload:
@@ -223,6 +236,10 @@ class Workload:
     def write_extras(self, tuned: Any) -> dict[str, Path]:
         """Plots this workload adds to the run folder (name -> path)."""
         return {}
+
+    def report_words(self, tuned: Any) -> ReportWords:
+        """report.md's title, lead, layer-table columns and metric in this workload's words."""
+        return ReportWords()
 
     def report_sections(self, tuned: Any) -> list[str]:
         """Markdown lines this workload adds to report.md, after the results."""

@@ -49,7 +49,7 @@ from autoprec.runtime.apply import apply_policy, remove_policy
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
 from autoprec.runtime.training import TrainStep
-from autoprec.workloads.base import HeldOut, Workload, check_settings
+from autoprec.workloads.base import HeldOut, ReportWords, Workload, check_settings
 from autoprec.workloads.inference import VERIFY_SECONDS
 
 __all__ = ["COMPILE_REFUSED", "DEFAULT_STEPS", "DEFAULT_TRAIN_BUDGET", "SEARCH_BATCHES", "TrainingRuns",
@@ -255,6 +255,14 @@ class TrainingWorkload(Workload):
     def write_extras(self, tuned: Any) -> dict[str, Path]:
         path = loss_plot(tuned.verification, tuned.out_dir / "loss.png")
         return {"loss": path} if path is not None else {}
+
+    def report_words(self, tuned: Any) -> ReportWords:
+        v = tuned.verification
+        steps = v.training.steps if v.training is not None else 0  # 0: nothing trained (nothing could pay off)
+        lead = ("Tuned for training: step time as the objective, the loss on the search batches and a gradient floor "
+                f"as the constraint ({tuned.budget}), then {steps}-step training runs as the proof.", "")
+        loss = "the training loss (lower is better)" if tuned.profile.metric["kind"] == "loss" else None
+        return ReportWords("# autoprec tuning report: training", lead, "fwd+bwd ms", "grad SQNR dB", loss)
 
     def report_sections(self, tuned: Any) -> list[str]:
         p = tuned.profile
