@@ -65,11 +65,15 @@ def streamed_reader(checkpoint: Checkpoint, plan: ExportPlan,
                     state: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
     """Each state-dict tensor of the skeleton read from its shard as published (a real buffer the skeleton built
     itself, such as rotary frequencies, as it is); refuses first, in one line, what cannot be read this way."""
-    if plan.nvfp4_layers or plan.kv_cache:
-        what = (f"{plan.nvfp4_layers[0]!r} is nvfp4, whose input_global_scale" if plan.nvfp4_layers else
-                f"the plan's KV cache is {next(iter(plan.kv_cache.values()))}, whose scales")
-        raise ExportRefused(f"{what} is calibrated on a forward of the whole model, which a streamed export does not "
-                            "run; fix: export with --stream never on a machine that holds the model")
+    if plan.nvfp4_layers:
+        raise ExportRefused(f"{plan.nvfp4_layers[0]!r} is nvfp4, whose input_global_scale is calibrated on a forward "
+                            "of the whole model, which a streamed export does not run; fix: export with --stream "
+                            "never on a machine that holds the model")
+    if plan.kv_cache and not plan.kv_scales:  # a policy with the tune's own calibration (kv_amax) brings its scales
+        raise ExportRefused(f"the plan's KV cache is {next(iter(plan.kv_cache.values()))}, and the policy holds no "
+                            "calibrated scales (kv_amax, which a tune writes): they are calibrated on a forward of "
+                            "the whole model, which a streamed export does not run; fix: tune again, or export with "
+                            "--stream never on a machine that holds the model")
     stored = checkpoint.weight_map
     missing = [k for k, t in state.items() if t.device.type == "meta" and checkpoint.key(k) not in stored]
     if missing:

@@ -104,6 +104,27 @@ def test_a_streamed_export_writes_the_in_memory_exports_files_byte_for_byte(tmp_
     assert "tokenizer.json" in files
 
 
+def test_a_kv_plan_with_the_tunes_calibration_streams_byte_for_byte(tmp_path):
+    """A policy whose KV cache carries the tune's calibration (kv_amax) needs no forward: streamed and loaded write
+    the same scales; without it the streamed export refuses (below)."""
+    import transformers
+
+    from autoprec.runtime.kvcache import calibrate_kv
+
+    checkpoint = _publish(tmp_path / "published", "llama")
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True).float().eval()
+    scales = calibrate_kv(model, [{"input_ids": torch.randint(0, 256, (2, 12), generator=torch.Generator()
+                                                              .manual_seed(1))}])[0]
+    kv = Policy(default="bf16", kv_cache={"model.layers.1.self_attn": "fp8-head"},
+                kv_amax={name: s.to_dict() for name, s in scales.items()})
+    model_py = _model_py(tmp_path, checkpoint)
+    streamed = _export(tmp_path, model_py, kv, "streamed", "always", shard_bytes=40_000)
+    loaded = _export(tmp_path, model_py, kv, "loaded", "never", shard_bytes=40_000)
+    files = _files(streamed)
+    assert files == _files(loaded)
+    assert json.loads(files["config.json"])["quantization_config"]["kv_cache_scheme"]["strategy"] == "attn_head"
+
+
 def test_auto_loads_the_model_where_it_fits_and_without_a_folder_never_streams(tmp_path):
     checkpoint = _publish(tmp_path / "published", "llama")
     lines: list[str] = []
