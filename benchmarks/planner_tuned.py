@@ -101,8 +101,9 @@ def tune_plans(run: Path, skeleton: torch.nn.Module) -> list[dict]:
     study = optuna.load_study(study_name=name, storage=storage)
     rows = [{**p, "peer": f"tune {run.name}: trial #{p['trial']}"}
             for p in study_front(study.get_trials(states=(optuna.trial.TrialState.COMPLETE,)))]
-    chosen = json.loads((run / "policy.json").read_text())
-    rows.insert(0, {"peer": f"tune {run.name}: its policy.json", "policy": chosen, "chosen": True})
+    if (run / "policy.json").exists():  # a tune stopped in its search has a front, not yet a verified policy
+        chosen = json.loads((run / "policy.json").read_text())
+        rows.insert(0, {"peer": f"tune {run.name}: its policy.json", "policy": chosen, "chosen": True})
     for row in rows:
         row["fp8_linears"] = fp8_linears(row["policy"], skeleton)
         row["run"] = str(run)
