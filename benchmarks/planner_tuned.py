@@ -18,7 +18,9 @@ budget of bits (SHARES) the tune's plan is its front's largest within the share 
 against the measured ranking's plan within the share the tune's plan used, and against ModelOpt's and AutoRound's
 plans at that budget (their FP8 linears from benchmarks/results/planner_views-peers.json, rescored in this run) by
 planner_peers' rule: one is better only where its worst held-out batch is above the other's best; overlap is a tie.
-A peer used a little more than the share, the tune's plan at most the share: the shares are printed beside.
+A peer used a little more than the share, the tune's plan at most the share, so each peer is also set against the
+tune's plan with at least the peer's share (the two bracket equal bits); every plan of the tune is also set against
+the measured ranking within the share that plan used. The shares are printed beside every verdict.
 The tune's objective is time (the cost model's H100 estimate of one forward of the search batch), not bits, so each
 plan's share of FP8's decode saving (planner_views' ``saved_ms``) is printed too.
 """
@@ -126,13 +128,21 @@ def compared(level: float, tuned: list[dict], peers: list[dict], against_measure
         same = against_measured({**plan, "level": level})
         out["measured_at_its_share"] = {**same, "verdict": said(same["verdict"], "measured")}
     for peer in (p for p in peers if p["level"] == level):
-        mine = at_share(tuned, peer["share"])
-        if "fp8" not in mine:
-            out["peers"].append({**_brief(peer), "tune": None, "verdict": "no tuned plan within its share"})
-            continue
-        out["peers"].append({**_brief(peer), "tune": _brief(mine),
-                             "verdict": said(verdict(mine["sqnr_db"], peer["sqnr_db"]), peer["peer"])})
+        row = {**_brief(peer), "tune": None, "verdict": "no tuned plan within its share"}
+        mine, above = at_share(tuned, peer["share"]), at_least(tuned, peer["share"])
+        if "fp8" in mine:
+            row.update(tune=_brief(mine), verdict=said(verdict(mine["sqnr_db"], peer["sqnr_db"]), peer["peer"]))
+        if above is not None:  # the other side of equal bits: the tune's plan with as much in FP8 or more
+            row["tune_at_least_its_share"] = {**_brief(above), "verdict": said(verdict(above["sqnr_db"],
+                                                                                     peer["sqnr_db"]), peer["peer"])}
+        out["peers"].append(row)
     return out
+
+
+def at_least(points: list[dict], share: float) -> dict | None:
+    """The plan with the smallest share of at least ``share`` in FP8, or None: with :func:`at_share`, the two plans
+    of a front that bracket a share."""
+    return min((p for p in points if p["share"] >= share - 1e-9), key=lambda p: p["share"], default=None)
 
 
 def _brief(row: dict) -> dict:
@@ -154,6 +164,9 @@ def print_comparison(c: dict) -> None:
     for p in c["peers"]:
         mine = f"{p['tune']['peer']} {show(p['tune'])}" if p["tune"] else "-"
         print(f"{'':16s}{p['peer']:10s} {show(p)} against {mine}: {p['verdict']}", flush=True)
+        if "tune_at_least_its_share" in p:
+            above = p["tune_at_least_its_share"]
+            print(f"{'':27s}{show(p)} against {above['peer']} {show(above)}: {above['verdict']}", flush=True)
 
 
 def timing(run: Path) -> dict:
@@ -217,7 +230,14 @@ def main() -> None:
               f"{r['decode_saving']:.0%} of the decode saving; planted kept: {', '.join(r['planted_kept']) or '-'}",
               flush=True)
     rivals = [score(r) for r in peer_rows(peers)]
-    front = [r for r in tuned if not r.get("chosen")]
+    for row in tuned:  # every plan of the tune against the measured ranking within the share that plan used
+        if row["fp8"]:
+            same = at_equal_share({**row, "level": None}, views, names, score)
+            row["measured_at_its_share"] = {**same, "verdict": said(same["verdict"], "measured")}
+            print(f"{row['peer']:40s} against the measured ranking at {same['share']:.0%}: "
+                  f"{same['sqnr_db'][0]:5.1f}-{same['sqnr_db'][1]:5.1f} dB: {row['measured_at_its_share']['verdict']}",
+                  flush=True)
+    front = [r for r in tuned if not r.get("chosen") and r["fp8"]]  # a plan with nothing in FP8 meets no budget
     comparisons = [compared(level, front, rivals, lambda p: at_equal_share(p, views, names, score))
                    for level in SHARES]
     for c in comparisons:

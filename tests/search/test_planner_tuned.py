@@ -106,6 +106,16 @@ def test_each_peer_meets_the_tunes_plan_within_the_share_that_peer_used(tuned):
     assert [(p["peer"], p["tune"]["peer"], p["verdict"]) for p in c["peers"]] == [
         ("modelopt", "t3", "tune better"),  # within ModelOpt's own 78%
         ("autoround", "t2", "autoround better")]
+    # and against the tune's plan with at least the peer's share: 78% for both, where the tune loses to neither
+    assert [(p["tune_at_least_its_share"]["peer"], p["tune_at_least_its_share"]["verdict"]) for p in c["peers"]] == [
+        ("t3", "tune better"), ("t3", "tune better")]
+
+
+def test_the_plans_that_bracket_a_share(tuned):
+    front = [_row("t1", 0.40, [30.0, 31.0]), _row("t2", 0.69, [25.0, 26.0]), _row("t3", 0.83, [21.0, 22.0])]
+    assert tuned.at_least(front, 0.76)["peer"] == "t3"
+    assert tuned.at_least(front, 0.69)["peer"] == "t2"  # its own share counts
+    assert tuned.at_least(front, 0.9) is None
 
 
 def test_no_tuned_plan_within_a_budget_is_said_not_guessed(tuned):
@@ -113,6 +123,7 @@ def test_no_tuned_plan_within_a_budget_is_said_not_guessed(tuned):
                        lambda plan: pytest.fail("no plan to set against"))
     assert c["tune"] is None
     assert c["peers"][0]["verdict"] == "no tuned plan within its share"
+    assert c["peers"][0]["tune_at_least_its_share"]["verdict"] == "modelopt better"  # 60% in FP8 and worse
 
 
 def test_the_decode_saving_is_a_share_of_every_units_and_counts_a_unit_that_costs(tuned):
