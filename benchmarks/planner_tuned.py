@@ -218,11 +218,12 @@ def main() -> None:
     views, peers = (json.loads((root / f).read_text()) for f in ("planner_views.json", "planner_views-peers.json"))
     done: dict[tuple, dict] = {}
 
-    def score(row: dict) -> dict:  # a plan scored once however many rows name it
+    def score(row: dict) -> dict:  # a plan scored once however many rows name it; each row keeps its own fields
         key = tuple(row["fp8_linears"])
         if key not in done:
-            done[key] = scored(row, model, units, names, held_out, refs, marks)
-        return {**done[key], **row, "decode_saving": decode_saving(done[key]["fp8"], saving)}
+            done[key] = {k: v for k, v in scored(row, model, units, names, held_out, refs, marks).items()
+                         if k not in row}
+        return {**row, **done[key], "decode_saving": decode_saving(done[key]["fp8"], saving)}
 
     tuned = [score(r) for r in tuned]
     for r in tuned:
