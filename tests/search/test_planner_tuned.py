@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,11 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def tuned():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("planner_tuned", ROOT / "benchmarks" / "planner_tuned.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmarks import one another by name
+    return importlib.import_module("planner_tuned")
 
 
 def _layer() -> torch.nn.Module:
