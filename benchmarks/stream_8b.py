@@ -150,9 +150,9 @@ def traced(command: list[str], env: dict, log: Path) -> tuple[int, str, list[dic
         child = subprocess.Popen(command, env=env, stdout=stdout, stderr=said, text=True)
         while True:
             status = Path(f"/proc/{child.pid}/status")
-            with contextlib.suppress(OSError):
-                rss = next(line for line in status.read_text().splitlines() if line.startswith("VmRSS:"))
-                high = max(high, int(rss.split()[1]) / 2**20)
+            with contextlib.suppress(OSError):  # gone, or a zombie (no VmRSS line): its peak is read after
+                rss = next((line for line in status.read_text().splitlines() if line.startswith("VmRSS:")), None)
+                high = max(high, int(rss.split()[1]) / 2**20) if rss else high
             text = log.read_text()
             for line in text[seen:text.rfind("\n") + 1].splitlines():
                 stages.append({"line": line.strip()[:100], "peak_gib": round(high, 2)})
