@@ -154,9 +154,11 @@ def traced(command: list[str], env: dict, log: Path) -> tuple[int, str, list[dic
                 rss = next((line for line in status.read_text().splitlines() if line.startswith("VmRSS:")), None)
                 high = max(high, int(rss.split()[1]) / 2**20) if rss else high
             text = log.read_text()
-            for line in text[seen:text.rfind("\n") + 1].splitlines():
-                stages.append({"line": line.strip()[:100], "peak_gib": round(high, 2)})
-                high = 0.0
+            for line in text[seen:text.rfind("\n") + 1].split("\n")[:-1]:  # a progress bar's redraws: its last
+                line = line.rpartition("\r")[2].strip()
+                if line:
+                    stages.append({"line": line[:100], "peak_gib": round(high, 2)})
+                    high = 0.0
             seen = text.rfind("\n") + 1
             if child.poll() is not None:
                 break
