@@ -8,10 +8,12 @@ the embeddings and the head), a model.py naming it, and runs
 
     autoprec tune model.py --target h100 --precisions bf16,fp8-rowwise --stream always
 
-in a fresh process: its wall time, its peak resident memory (the child's ru_maxrss), and each block's seconds and
-resident memory as the tune saved them (streamed.json). From the measured per-block figures it projects the whole
-8B (32 blocks) and a 70B (80 blocks of hidden 8192, MLP 28672, GQA 64/8) on this machine, each block scaled by its
-parameters (projections, labelled so). A projection onto one and eight H100s is not written yet.
+in a fresh process: its wall time, its peak resident memory (the child's ru_maxrss), the most resident before each
+line the tune says (sampled every 0.25 s: each stage's line comes at its end), and each block's seconds and
+resident memory as the tune saved them (streamed.json); a checkpoint already in ``--keep``'s folder is reused.
+From the measured per-block figures it projects the whole 8B (32 blocks) and a 70B (80 blocks of hidden 8192, MLP
+28672, GQA 64/8) on this machine, each block scaled by its parameters (projections, labelled so). A projection
+onto one and eight H100s is not written yet.
 
 ``--export-only`` skips the tune and measures ``autoprec export --stream always`` of the checkpoint instead (wall
 time and the child's peak resident memory, read by GNU time), with a plan that puts every decoder-block linear in
@@ -246,7 +248,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=2, help="decoder blocks (32: the whole 8B; default 2)")
     parser.add_argument("--json", type=Path, help="write the results here (benchmarks/results/stream_8b.json)")
-    parser.add_argument("--keep", type=Path, help="work in this folder and keep it (default: a temporary one)")
+    parser.add_argument("--keep", type=Path, help="work in this folder and keep it (default: a temporary one); a "
+                        "checkpoint already in it (ckpt/config.json) is reused, not rewritten")
     parser.add_argument("--export-only", action="store_true",
                         help="measure `autoprec export --stream always` of the checkpoint instead of the tune")
     args = parser.parse_args()
