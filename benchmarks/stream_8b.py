@@ -155,7 +155,8 @@ def traced(command: list[str], env: dict, log: Path) -> tuple[int, str, list[dic
             with contextlib.suppress(OSError):  # gone, or a zombie (no VmRSS line): its peak is read after
                 rss = next((line for line in status.read_text().splitlines() if line.startswith("VmRSS:")), None)
                 high = max(high, int(rss.split()[1]) / 2**20) if rss else high
-            text = log.read_text()
+            with open(log, newline="") as f:  # a progress bar's "\r" kept, not read as a new line
+                text = f.read()
             for line in text[seen:text.rfind("\n") + 1].split("\n")[:-1]:  # a progress bar's redraws: its last
                 line = line.rpartition("\r")[2].strip()
                 if line:
