@@ -8,10 +8,12 @@ the embeddings and the head), a model.py naming it, and runs
 
     autoprec tune model.py --target h100 --precisions bf16,fp8-rowwise --stream always
 
-in a fresh process: its wall time, its peak resident memory (the child's ru_maxrss), and each block's seconds and
-resident memory as the tune saved them (streamed.json). From the measured per-block figures it projects the whole
-8B (32 blocks) and a 70B (80 blocks of hidden 8192, MLP 28672, GQA 64/8) on this machine, each block scaled by its
-parameters (projections, labelled so). A projection onto one and eight H100s is not written yet.
+in a fresh process: its wall time, its peak resident memory (the child's ru_maxrss), the most resident before each
+line the tune says (sampled every 0.25 s: each stage's line comes at its end), and each block's seconds and
+resident memory as the tune saved them (streamed.json); a checkpoint already in ``--keep``'s folder is reused.
+From the measured per-block figures it projects the whole 8B (32 blocks) and a 70B (80 blocks of hidden 8192, MLP
+28672, GQA 64/8) on this machine, each block scaled by its parameters (projections, labelled so). A projection
+onto one and eight H100s is not written yet.
 
 ``--export-only`` skips the tune and measures ``autoprec export --stream always`` of the checkpoint instead (wall
 time and the child's peak resident memory, read by GNU time), with a plan that puts every decoder-block linear in
@@ -27,9 +29,11 @@ fits beside other work, and the 32-block run is left for a quiet machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -110,26 +114,61 @@ def get_batches():
 
 
 def run(layers: int, work: Path) -> dict:
+    """``autoprec tune --stream always`` of the checkpoint (written unless ``work`` holds one: ``ckpt/config.json``),
+    timed and its peak memory read; the tune's lines go to ``work/tune.log`` as they come (a memory trace can
+    follow its stages)."""
     folder = work / "ckpt"
     start = time.perf_counter()
-    write_checkpoint(folder, layers)
+    if not (folder / "config.json").is_file():
+        write_checkpoint(folder, layers)
     written = time.perf_counter() - start
+    layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]  # a kept folder's own depth
     model_py = work / "model.py"
     model_py.write_text(MODEL_PY.format(folder=str(folder), tokens=TOKENS, batches=BATCHES))
     out = work / "run"
     command = [sys.executable, "-m", "autoprec", "tune", str(model_py), "--target", "h100", "--precisions",
                "bf16,fp8-rowwise", "--stream", "always", "--trials", "30", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    shutil.rmtree(out, ignore_errors=True)  # a run folder left by an earlier tune would be resumed, not measured
     start = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    returncode, stdout, stages = traced(command, env, work / "tune.log")
     wall = time.perf_counter() - start
-    if done.returncode:
-        raise SystemExit(f"the tune failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    lines = (work / "tune.log").read_text().splitlines()
+    if returncode:
+        raise SystemExit(f"the tune failed ({returncode}):\n" + "\n".join(lines[-40:]))
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     streamed = json.loads((out / "streamed.json").read_text())
     return {"layers": layers, "checkpoint_gb": sum(f.stat().st_size for f in folder.iterdir()) / 1e9,
             "write_s": round(written, 1), "wall_s": round(wall, 1), "peak_rss_gb": round(peak / 1e9, 3),
-            "first_lines": done.stderr.splitlines()[:3], "stdout": done.stdout.splitlines()[:8], **streamed}
+            "stages": stages, "first_lines": lines[:3], "stdout": stdout.splitlines()[:8], **streamed}
+
+
+def traced(command: list[str], env: dict, log: Path) -> tuple[int, str, list[dict]]:
+    """``command`` run with its stderr in ``log``, its resident memory (VmRSS) sampled every 0.25 s: per line it
+    says, the most resident between the line before and it (each stage's line comes at the stage's end), in GiB.
+    Returns (exit status, stdout, those stages; the last one, ``(exit)``, after the last line)."""
+    stages, high, seen = [], 0.0, 0
+    with open(log, "w") as said, tempfile.TemporaryFile("w+") as stdout:
+        child = subprocess.Popen(command, env=env, stdout=stdout, stderr=said, text=True)
+        while True:
+            status = Path(f"/proc/{child.pid}/status")
+            with contextlib.suppress(OSError):  # gone, or a zombie (no VmRSS line): its peak is read after
+                rss = next((line for line in status.read_text().splitlines() if line.startswith("VmRSS:")), None)
+                high = max(high, int(rss.split()[1]) / 2**20) if rss else high
+            with open(log, newline="") as f:  # a progress bar's "\r" kept, not read as a new line
+                text = f.read()
+            for line in text[seen:text.rfind("\n") + 1].split("\n")[:-1]:  # a progress bar's redraws: its last
+                line = line.rpartition("\r")[2].strip()
+                if line:
+                    stages.append({"line": line[:100], "peak_gib": round(high, 2)})
+                    high = 0.0
+            seen = text.rfind("\n") + 1
+            if child.poll() is not None:
+                break
+            time.sleep(0.25)
+        stages.append({"line": "(exit)", "peak_gib": round(high, 2)})
+        stdout.seek(0)
+        return child.returncode, stdout.read(), stages
 
 
 def export_run(layers: int, work: Path) -> dict:
@@ -210,7 +249,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=2, help="decoder blocks (32: the whole 8B; default 2)")
     parser.add_argument("--json", type=Path, help="write the results here (benchmarks/results/stream_8b.json)")
-    parser.add_argument("--keep", type=Path, help="work in this folder and keep it (default: a temporary one)")
+    parser.add_argument("--keep", type=Path, help="work in this folder and keep it (default: a temporary one); a "
+                        "checkpoint already in it (ckpt/config.json) is reused, not rewritten")
     parser.add_argument("--export-only", action="store_true",
                         help="measure `autoprec export --stream always` of the checkpoint instead of the tune")
     args = parser.parse_args()

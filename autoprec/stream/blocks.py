@@ -11,17 +11,19 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from autoprec.common.procfs import proc_number
+from autoprec.runtime.apply import apply_policy, remove_policy
+from autoprec.runtime.policy import Policy
 from autoprec.stream.checkpoint import Checkpoint, Scope
 
-__all__ = ["Activations", "Calibration", "block_scope", "first_inputs", "head_paths", "head_scope", "resident_gib",
-           "run_block"]
+__all__ = ["Activations", "Calibration", "block_scope", "first_inputs", "head_paths", "lowered",
+           "resident_gib", "run_block"]
 
 
 class _Stop(Exception):
@@ -130,18 +132,16 @@ def head_paths(checkpoint: Checkpoint) -> tuple[list[str], str]:
     return after, next(n for n, m in model.named_modules() if m is head)
 
 
-def head_scope(checkpoint: Checkpoint) -> Scope:
-    """The final norm(s) and the output head, loaded in fp32: hidden states in, logits (fp32) out."""
-    after, head_path = head_paths(checkpoint)
-    scope = Scope({p: checkpoint.load(p) for p in [*after, head_path]})
-
-    def run(hidden: torch.Tensor) -> torch.Tensor:  # each module looked up at each call: a policy may swap it
-        for p in after:
-            hidden = scope.get_submodule(p)(hidden)
-        return scope.get_submodule(head_path)(hidden).float()
-
-    scope.run = run
-    return scope
+def lowered(scope: Scope, policy: Policy | None, run: Callable[[], Any]) -> Any:
+    """``run()`` without gradients, ``scope`` under ``policy`` (None: as loaded, fp32) while it runs."""
+    if policy is not None:
+        apply_policy(scope, policy)
+    try:
+        with torch.no_grad():
+            return run()
+    finally:
+        if policy is not None:
+            remove_policy(scope)
 
 
 @dataclass

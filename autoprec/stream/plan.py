@@ -13,14 +13,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from autoprec.common.sqnr import sqnr_db
 from autoprec.measuring.objective import Measurement, Objective
 from autoprec.profile.result import LayerProfile, Profile, Sensitivity
 from autoprec.runtime.apply import apply_policy, remove_policy
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
-from autoprec.stream.blocks import Calibration, block_scope, head_paths, head_scope, run_block
+from autoprec.stream.blocks import Calibration, block_scope, run_block
 from autoprec.stream.checkpoint import Checkpoint, Scope
+from autoprec.stream.head import Head
 from autoprec.stream.profiling import StreamedFigures
 from autoprec.version import __version__
 
@@ -109,6 +109,12 @@ def _within(policy: Policy, paths: Sequence[str], effective: dict) -> Policy:
     return Policy(layers=rules, default=default)
 
 
+def _sqnr(signal: float, noise: float) -> float:
+    """As :func:`autoprec.common.sqnr.sqnr_db` says it, from the powers."""
+    return math.inf if noise == 0 else 10 * math.log10(max(signal, 1e-300) / noise) if math.isfinite(noise) \
+        else -math.inf
+
+
 def _run_all(scope: Scope, parts: dict[str, Policy], hidden: dict[str, list], run: Callable) -> dict[str, list]:
     out = {}
     for key, policy in parts.items():
@@ -137,20 +143,14 @@ def verify_streamed(checkpoint: Checkpoint, calibration: Calibration, plans: dic
         hidden = _run_all(scope, parts, hidden,
                           lambda b, h, scope=scope, i=i: run_block(scope, h, calibration.inputs[b][i]))
         checkpoint.free(path)
-    after, head_path = head_paths(checkpoint)
-    scope = head_scope(checkpoint)
-    parts = {k: _within(p, [*after, head_path], effective[k]) for k, p in entries.items()}
-    logits = _run_all(scope, parts, hidden, lambda b, h: scope(h))
-    for p in [*after, head_path]:
-        checkpoint.free(p)
-    verified = Verified()
-    for key in plans:
-        worst = math.inf
-        for b, ref in enumerate(logits["fp32"]):
-            keep = calibration.real[b]
-            got = logits[key][b]
-            worst = min(worst, sqnr_db(ref if keep is None else ref[keep], got if keep is None else got[keep]))
-        verified.sqnr_db[key] = worst
+    head = Head(checkpoint)
+    parts = {k: _within(p, [*head.after, head.path], effective[k]) for k, p in entries.items()}
+    batches = range(len(calibration.hidden))
+    signal, noise = head.compare((parts["fp32"], hidden["fp32"]), {k: (parts[k], hidden[k]) for k in plans},
+                                 calibration.real)  # the logits a chunk of the vocabulary at a time, never whole
+    verified = Verified(sqnr_db={key: min((_sqnr(signal[b], noise[key][b]) for b in batches), default=math.inf)
+                                 for key in plans})
+    head.free()
     verified.seconds = time.perf_counter() - start
     log(f"verified {len(plans)} plans by a streamed forward of the held-out batches ({verified.seconds:.1f} s)")
     return verified

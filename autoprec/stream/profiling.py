@@ -31,19 +31,18 @@ import torch.nn as nn
 from autoprec.capture.fusion import FusionGroup
 from autoprec.capture.layers import Layer, LayerTable, capture
 from autoprec.profile.estimate import PROBES
-from autoprec.runtime.apply import apply_policy, remove_policy
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
 from autoprec.stream.blocks import (
     Activations,
     Calibration,
     block_scope,
-    head_paths,
-    head_scope,
+    lowered,
     resident_gib,
     run_block,
 )
 from autoprec.stream.checkpoint import Checkpoint, Scope
+from autoprec.stream.head import Head
 
 __all__ = ["PROBES", "StreamedFigures", "stream_profile"]
 
@@ -93,15 +92,6 @@ def _carried_back(module: nn.Module, hidden: torch.Tensor, inputs: tuple, cotang
     return grad.reshape(cotangents.shape).detach()
 
 
-def _lowered(scope: Scope, policy: Policy, run: Callable[[], torch.Tensor]) -> torch.Tensor:
-    apply_policy(scope, policy)
-    try:
-        with torch.no_grad():
-            return run()
-    finally:
-        remove_policy(scope)
-
-
 def _items(table: LayerTable, candidates: dict[str, list[str]], path: str) -> list[tuple[str, str]]:
     return [(layer.name, p) for layer in table if layer.name.startswith(path + ".") or layer.name == path
             for p in candidates.get(layer.name, [])]
@@ -116,10 +106,10 @@ def _measure(scope: Scope, table: LayerTable, candidates: dict[str, list[str]], 
     for b, (h, ref) in enumerate(zip(hidden, refs)):
         run = lambda h=h, b=b: run_block(scope, h, inputs[b])  # noqa: E731
         for name, p in items:
-            value = _noise(_lowered(scope, Policy.from_assignment({name: p}), run) - ref, cotangents[b])
+            value = _noise(lowered(scope, Policy.from_assignment({name: p}), run) - ref, cotangents[b])
             noise.setdefault(name, {})[p] = max(noise.get(name, {}).get(p, 0.0), value)
         for p in glue_precisions:
-            value = _noise(_lowered(scope, _glue_policy(table, path, p), run) - ref, cotangents[b])
+            value = _noise(lowered(scope, _glue_policy(table, path, p), run) - ref, cotangents[b])
             glue[p] = max(glue.get(p, 0.0), value)
     return noise, glue
 
@@ -225,44 +215,34 @@ def _forward(checkpoint: Checkpoint, calibration: Calibration, acts: Activations
 def _head(checkpoint: Checkpoint, calibration: Calibration, hidden: list[torch.Tensor], low: list[Precision],
           probes: int) -> tuple[LayerTable, dict, list[torch.Tensor]]:
     """The output head: its layers, their candidates and noise (their own change of the logits), its glue's, and
-    the cotangents at its input."""
-    scope = head_scope(checkpoint)
-    table = _capture(scope, hidden[0])
-    candidates = _candidates(scope, table, low)
+    the cotangents at its input; the vocabulary a chunk of rows at a time (:class:`~.head.Head`)."""
+    head = Head(checkpoint)
+    skeleton, batch = head.skeleton(hidden[0])
+    table = _capture(skeleton, batch)
+    candidates = _candidates(skeleton, table, low)
+    runs: dict[Any, Policy] = {(name, p): Policy.from_assignment({name: p})
+                               for name, options in candidates.items() for p in options}
+    runs.update({("", p): _glue_policy(table, "", p) for p in [q.value for q in low if not q.swaps_linear]})
     noise: dict[str, dict[str, float]] = {}
     glue: dict[str, Any] = {"path": ""}
     carried = []
     for b, h in enumerate(hidden):
-        with torch.no_grad():
-            y = scope(h)
         real = calibration.real[b]
-        keep = torch.ones(y.shape[:-1], dtype=torch.bool) if real is None else real
-        scale = y[keep].double().pow(2).sum().clamp(min=1e-300)
-
-        def relative(out: torch.Tensor, y=y, keep=keep, scale=scale) -> float:
-            d = (out - y)[keep]
-            return math.inf if not torch.isfinite(d).all() else float(d.double().pow(2).sum() / scale)
-
-        for name, options in candidates.items():
-            for p in options:
-                value = relative(_lowered(scope, Policy.from_assignment({name: p}), lambda h=h: scope(h)))
+        signal, powers = head.compare((None, [h]), {key: (policy, [h]) for key, policy in runs.items()}, [real])
+        scale = torch.tensor(signal[0], dtype=torch.float64).clamp(min=1e-300)
+        for (name, p), power in powers.items():
+            value = power[0] / float(scale)
+            if name:
                 noise.setdefault(name, {})[p] = max(noise.get(name, {}).get(p, 0.0), value)
-        for p in [q.value for q in low if not q.swaps_linear]:
-            value = relative(_lowered(scope, _glue_policy(table, "", p), lambda h=h: scope(h)))
-            glue[p] = max(glue.get(p, 0.0), value)
+            else:
+                glue[p] = max(glue.get(p, 0.0), value)
         generator = torch.Generator().manual_seed(b)
-        rows = []
-        x = h.detach().requires_grad_(True)
-        with torch.enable_grad():
-            logits = scope(x)  # one forward; its graph kept for every probe's backward
-            for p in range(probes):  # one at a time: a vocabulary's logits, times every probe, would not fit
-                v = torch.randn(y.shape, generator=generator, dtype=y.dtype) * keep.unsqueeze(-1) / scale.sqrt().float()
-                (grad,) = torch.autograd.grad(logits, x, v, retain_graph=p < probes - 1)
-                rows.append(grad)
-        carried.append(torch.stack(rows))
-    after, head_path = head_paths(checkpoint)
-    for module_path in [*after, head_path]:
-        checkpoint.free(module_path)
+        shape = (*h.shape[:-1], head.vocab)
+        keep = (torch.ones(shape[:-1], dtype=torch.bool) if real is None else real).unsqueeze(-1)
+        # one at a time: a vocabulary's logits, times every probe, would not fit
+        draws = (torch.randn(shape, generator=generator) * keep / scale.sqrt().float() for _ in range(probes))
+        carried.append(head.carried_back(h, draws))
+    head.free()
     return table, {"noise": noise, "glue": glue, "candidates": candidates}, carried
 
 

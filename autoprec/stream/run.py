@@ -55,13 +55,18 @@ class Mode:
 
 
 def streamed_bytes(checkpoint: Checkpoint) -> int:
-    """What a streamed tune holds at once, at most: the larger of the embeddings as published (read once, for the
-    first block's inputs), two copies of the largest block in fp32 (the block and its lowered weights) and the output
-    head in fp32 with its logits; plus the activations held in memory and the libraries."""
+    """What a streamed tune holds at once, at most: the larger of two copies of the largest block in fp32 (the block
+    and its lowered weights) and the output head (or the embeddings, read once for the first block's inputs) as
+    published with four of its chunks in fp32 (a chunk, its lowered copy, the quantizer's temporaries: the head is
+    run a chunk of the vocabulary at a time); plus the activations held in memory and the libraries."""
+    from autoprec.stream.head import ROWS
+
     _, block = checkpoint.block_bytes()
     vocab_fp32 = max((4 * n for name, n in checkpoint.numels.items() if name.endswith("embed_tokens.weight")
                       or name.startswith("lm_head.")), default=0)
-    return max(vocab_fp32 // 2, 2 * block, vocab_fp32 * 5 // 4) + ACTIVATIONS_IN_MEMORY + LIBRARIES
+    vocab = getattr(checkpoint.config, "vocab_size", 0) or ROWS
+    head = vocab_fp32 * torch.finfo(checkpoint.dtype).bits // 32 + 4 * vocab_fp32 * min(ROWS, vocab) // vocab
+    return max(2 * block, head) + ACTIVATIONS_IN_MEMORY + LIBRARIES
 
 
 def choose_mode(model_py: str | Path, stream: str, log: Callable[[str], None]) -> Mode | None:

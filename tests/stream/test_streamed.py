@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from autoprec.cli import main
+from autoprec.common.sqnr import sqnr_db
 from autoprec.profile.frame import low_precisions
 from autoprec.runtime.policy import Policy
 from autoprec.stream.blocks import first_inputs
@@ -190,3 +191,61 @@ def test_streamed_sensitivity_agrees_with_exact_evaluation(tmp_path: Path, check
             streamed = -10 * math.log10(figures.noise[name][p])
             assert abs(streamed - exact) < 3.0, (name, p, streamed, exact)
         assert figures.noise[name]["fp8-rowwise"] > 10 ** 1.5 * figures.noise[name]["bf16"]
+
+
+def test_the_head_a_chunk_of_the_vocabulary_at_a_time_gives_the_whole_heads_figures(
+        tmp_path: Path, checkpoint: Path, monkeypatch) -> None:
+    """The output head lowered and run 37 rows of its 256-word vocabulary at a time (the last chunk short) gives
+    the figures of the whole head run at once (one chunk) and of the whole model in memory with the head lowered,
+    to float tolerance: its noise in bf16, FP8 rowwise and FP8 per tensor (whose scale is the whole weight's, not
+    a chunk's), its glue, the cotangents carried below it, and the verified SQNR of plans that lower it, on
+    batches with padded tokens. FP8 per tensor is told apart from rowwise, so agreeing is not the same figure
+    everywhere."""
+    from transformers import AutoModelForCausalLM
+
+    import autoprec.stream.head as head
+    from autoprec.runtime.apply import apply_policy, remove_policy
+    from autoprec.stream.plan import verify_streamed
+
+    precisions = low_precisions(["bf16", "fp8", "fp8-rowwise"])
+    mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, 256, (2, 8), generator=g), "attention_mask": mask} for _ in range(2)]
+    plans = {"fp8 head": Policy.from_assignment({"lm_head": "fp8"}, default="bf16"),
+             "rowwise head": Policy.from_assignment({"lm_head": "fp8-rowwise"})}
+    runs = {}
+    for rows in (37, 10**6):
+        monkeypatch.setattr(head, "ROWS", rows)
+        ckpt = open_checkpoint(checkpoint)
+        calibration = first_inputs(ckpt, batches)
+        figures = stream_profile(ckpt, calibration, precisions, tmp_path / str(rows), "fp", lambda _l: None, 2**30,
+                                 probes=4)
+        cotangents = torch.load(tmp_path / str(rows) / "cotangents-0.pt", weights_only=True)
+        runs[rows] = figures, cotangents, verify_streamed(ckpt, calibration, plans, lambda _l: None).sqnr_db
+    (chunked, below, verified), (whole, whole_below, whole_verified) = runs[37], runs[10**6]
+    assert chunked.noise.keys() == whole.noise.keys() and chunked.glue.keys() == whole.glue.keys()
+    for name in chunked.noise:
+        for p, value in chunked.noise[name].items():
+            assert value == pytest.approx(whole.noise[name][p], rel=1e-4), (name, p)
+    assert chunked.glue[""]["bf16"] == pytest.approx(whole.glue[""]["bf16"], rel=1e-4)
+    for mine, theirs in zip(below, whole_below):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).float().eval()
+    real = mask.bool()
+    with torch.no_grad():
+        reference = [model(**batch).logits[real] for batch in batches]
+        for p in ("bf16", "fp8", "fp8-rowwise"):
+            exact = 0.0
+            for batch, ref in zip(batches, reference):
+                apply_policy(model, Policy.from_assignment({"lm_head": p}))
+                lowered = model(**batch).logits.float()[real]
+                remove_policy(model)
+                exact = max(exact, float((lowered - ref).double().pow(2).sum() / ref.double().pow(2).sum()))
+            assert chunked.noise["lm_head"][p] == pytest.approx(exact, rel=1e-3), p
+        assert chunked.noise["lm_head"]["fp8"] != pytest.approx(chunked.noise["lm_head"]["fp8-rowwise"], rel=1e-2)
+        for key, policy in plans.items():
+            apply_policy(model, policy)  # once for both batches, as verification runs them
+            exact = min(sqnr_db(ref, model(**batch).logits.float()[real]) for batch, ref in zip(batches, reference))
+            remove_policy(model)
+            assert verified[key] == pytest.approx(exact, abs=1e-3) and whole_verified[key] == pytest.approx(exact,
+                                                                                                           abs=1e-3)
