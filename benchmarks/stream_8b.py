@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -140,7 +141,21 @@ def run(layers: int, work: Path) -> dict:
     streamed = json.loads((out / "streamed.json").read_text())
     return {"layers": layers, "checkpoint_gb": sum(f.stat().st_size for f in folder.iterdir()) / 1e9,
             "write_s": round(written, 1), "wall_s": round(wall, 1), "peak_rss_gb": round(peak / 1e9, 3),
-            "stages": stages, "first_lines": lines[:3], "stdout": stdout.splitlines()[:8], **streamed}
+            "stages": merged_bars(stages), "first_lines": lines[:3], "stdout": stdout.splitlines()[:8], **streamed}
+
+
+def merged_bars(stages: list[dict]) -> list[dict]:
+    """A progress bar's redraws, one line each where stderr is not a terminal, as one stage: its last line, the most
+    resident over all of them."""
+    out: list[dict] = []
+    for stage in stages:
+        bar = re.match(r"([\w ]+):\s+\d+%\|", stage["line"])
+        last = out[-1]["line"] if out else ""
+        if bar and last.startswith(bar.group(1) + ":") and re.match(r"[\w ]+:\s+\d+%\|", last):
+            out[-1] = {"line": stage["line"], "peak_gib": max(out[-1]["peak_gib"], stage["peak_gib"])}
+        else:
+            out.append(stage)
+    return out
 
 
 def traced(command: list[str], env: dict, log: Path) -> tuple[int, str, list[dict]]:
