@@ -49,6 +49,7 @@ from autoprec.export.quantize import shared_global_scales, weight_scale
 from autoprec.export.vllm import engine_schemes
 from autoprec.runtime.as_served import EXPERT
 from autoprec.runtime.mx import nvfp4_global_scale, nvfp4_quantize
+from autoprec.stream.checkpoint import return_freed_memory
 
 __all__ = ["EXPORT_FILE", "SHARD_BYTES", "CheckpointLayout", "checkpoint_layout", "ct_scheme", "export_checkpoint",
            "quantization_config", "state_tensors"]
@@ -244,6 +245,7 @@ def export_checkpoint(model: nn.Module, plan: ExportPlan, out: str | Path, token
         written += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, file_name))
         del tensors  # the next shard's tensors replace these, never join them
+        return_freed_memory()  # their pages back to the system, not kept in the heap for the next shard
     if split.is_sharded:  # save_pretrained's index
         index = {"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
