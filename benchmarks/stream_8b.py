@@ -33,7 +33,6 @@ import contextlib
 import json
 import os
 import re
-import resource
 import shutil
 import subprocess
 import sys
@@ -132,12 +131,15 @@ def run(layers: int, work: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     shutil.rmtree(out, ignore_errors=True)  # a run folder left by an earlier tune would be resumed, not measured
     start = time.perf_counter()
-    returncode, stdout, stages = traced(command, env, work / "tune.log")
+    returncode, stdout, stages, hwm_gib = traced(command, env, work / "tune.log")
     wall = time.perf_counter() - start
     lines = (work / "tune.log").read_text().splitlines()
     if returncode:
         raise SystemExit(f"the tune failed ({returncode}):\n" + "\n".join(lines[-40:]))
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    # the child's own high-water mark (VmHWM, reset at its exec), not RUSAGE_CHILDREN's ru_maxrss: that counts the
+    # image forked from this process, which holds the checkpoint it just wrote (9.1 GB "peak" for an 8-block tune
+    # whose every sample was under 3.1 GiB)
+    peak = hwm_gib * 2**30
     streamed = json.loads((out / "streamed.json").read_text())
     return {"layers": layers, "checkpoint_gb": sum(f.stat().st_size for f in folder.iterdir()) / 1e9,
             "write_s": round(written, 1), "wall_s": round(wall, 1), "peak_rss_gb": round(peak / 1e9, 3),
@@ -158,18 +160,22 @@ def merged_bars(stages: list[dict]) -> list[dict]:
     return out
 
 
-def traced(command: list[str], env: dict, log: Path) -> tuple[int, str, list[dict]]:
+def traced(command: list[str], env: dict, log: Path) -> tuple[int, str, list[dict], float]:
     """``command`` run with its stderr in ``log``, its resident memory (VmRSS) sampled every 0.25 s: per line it
     says, the most resident between the line before and it (each stage's line comes at the stage's end), in GiB.
-    Returns (exit status, stdout, those stages; the last one, ``(exit)``, after the last line)."""
-    stages, high, seen = [], 0.0, 0
+    Returns (exit status, stdout, those stages (the last one, ``(exit)``, after the last line), the most resident the
+    child has been by its high-water mark (VmHWM) at the last reading, in GiB)."""
+    stages, high, seen, hwm = [], 0.0, 0, 0.0
     with open(log, "w") as said, tempfile.TemporaryFile("w+") as stdout:
         child = subprocess.Popen(command, env=env, stdout=stdout, stderr=said, text=True)
         while True:
             status = Path(f"/proc/{child.pid}/status")
             with contextlib.suppress(OSError):  # gone, or a zombie (no VmRSS line): its peak is read after
-                rss = next((line for line in status.read_text().splitlines() if line.startswith("VmRSS:")), None)
+                text = status.read_text().splitlines()
+                rss = next((line for line in text if line.startswith("VmRSS:")), None)
                 high = max(high, int(rss.split()[1]) / 2**20) if rss else high
+                most = next((line for line in text if line.startswith("VmHWM:")), None)
+                hwm = max(hwm, int(most.split()[1]) / 2**20) if most else hwm
             with open(log, newline="") as f:  # a progress bar's "\r" kept, not read as a new line
                 text = f.read()
             for line in text[seen:text.rfind("\n") + 1].split("\n")[:-1]:  # a progress bar's redraws: its last
@@ -183,7 +189,7 @@ def traced(command: list[str], env: dict, log: Path) -> tuple[int, str, list[dic
             time.sleep(0.25)
         stages.append({"line": "(exit)", "peak_gib": round(high, 2)})
         stdout.seek(0)
-        return child.returncode, stdout.read(), stages
+        return child.returncode, stdout.read(), stages, hwm
 
 
 def export_run(layers: int, work: Path) -> dict:
