@@ -43,13 +43,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from autoprec.common.memory import return_freed_memory
 from autoprec.export.kvcache import kv_cache_scheme, kv_scale_tensors
 from autoprec.export.plan import SCHEMES, ExportPlan, ExportRefused, Scheme, fused_experts
 from autoprec.export.quantize import shared_global_scales, weight_scale
 from autoprec.export.vllm import engine_schemes
 from autoprec.runtime.as_served import EXPERT
 from autoprec.runtime.mx import nvfp4_global_scale, nvfp4_quantize
-from autoprec.stream.checkpoint import return_freed_memory
 
 __all__ = ["EXPORT_FILE", "SHARD_BYTES", "CheckpointLayout", "checkpoint_layout", "ct_scheme", "export_checkpoint",
            "quantization_config", "state_tensors"]

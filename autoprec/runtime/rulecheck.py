@@ -101,7 +101,7 @@ def check_names(model: nn.Module, policy: Policy, strict: bool) -> None:
             raise PolicyError(f"layer {missing[0]!r} is in the policy but not in the model{hint}")
         listed = ", ".join(f"{n!r}" + (f" (did you mean {close[n]}?)" if close[n] else "") for n in missing)
         raise PolicyError(f"{len(missing)} layers are in the policy but not in the model: {listed}")
-    check_kv_layers(model, policy)
+    _check_kv_layers(policy, names)
     unmatched = [source for source, (pattern, _) in zip(policy.patterns, policy._patterns, strict=True)
                  if not any(pattern.fullmatch(n) for n in names)]
     if unmatched:
@@ -113,12 +113,13 @@ def check_names(model: nn.Module, policy: Policy, strict: bool) -> None:
         _warn_once(policy, f"policy {which} no module of the model")
 
 
-def check_kv_layers(model: nn.Module, policy: Policy) -> None:
-    """Refuse a ``kv_cache`` layer the model lacks, as a ``layers`` one: one line naming the first."""
-    modules = dict(model.named_modules())
-    missing = [n for n in policy.kv_cache if n not in modules]
+def _check_kv_layers(policy: Policy, names: list[str]) -> None:
+    """Refuse a ``kv_cache`` layer the model (its module ``names``) lacks, as a ``layers`` one: one line naming the
+    first."""
+    known = set(names)
+    missing = [n for n in policy.kv_cache if n not in known]
     if missing:
-        close = difflib.get_close_matches(missing[0], list(modules), n=1)
+        close = difflib.get_close_matches(missing[0], names, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise PolicyError(f"'kv_cache' names {missing[0]!r}{hint}, which is not a module of the model; fix: name its "
                           "attention layers (e.g. 'model.layers.0.self_attn')")

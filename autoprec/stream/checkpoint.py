@@ -7,9 +7,6 @@ A folder the streamed tune cannot read is one :class:`CheckpointError` line nami
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import functools
 import hashlib
 import json
 import math
@@ -21,10 +18,10 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
+from autoprec.common.memory import return_freed_memory
 from autoprec.errors import UserError
 
-__all__ = ["Checkpoint", "CheckpointError", "GiB", "Scope", "available_bytes", "named_checkpoint", "open_checkpoint",
-           "return_freed_memory"]
+__all__ = ["Checkpoint", "CheckpointError", "GiB", "Scope", "available_bytes", "named_checkpoint", "open_checkpoint"]
 
 GiB = 2**30
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
@@ -152,24 +149,6 @@ def _place(root: nn.Module, path: str, module: nn.Module) -> None:
             node.add_module(part, nn.ModuleDict())
         node = node._modules[part]
     node.add_module(leaf, module)
-
-
-def return_freed_memory() -> None:
-    """Give the pages of freed tensors back to the system (glibc's ``malloc_trim``; nothing elsewhere). glibc keeps
-    freed blocks of a few MB to 32 MB in its heap once it has seen such sizes freed, so without this the resident
-    memory of a streamed run grows block by block with nothing held: on a 1024-wide 16-block Llama a streamed tune
-    went from 0.48 to 1.18 GiB; with the heap trimmed after each block it stayed at 0.45-0.49 GiB (a run cut after
-    3 of its 16 sensitivity blocks), as it did with glibc's dynamic mmap threshold turned off."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    return getattr(libc, "malloc_trim", None)
 
 
 def open_checkpoint(folder: str | Path, skeleton: bool = True) -> Checkpoint:
