@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +117,7 @@ def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
     signal with what was kept, and tells the other ranks (so none is blamed as gone without a word)."""
     out = Path(args.out) if args.out else default_out(args.model_py)
     try:
-        result = _tuned(args, ranks, log, out)
+        result, printed = _tuned(args, ranks, log, out)
     except KeyboardInterrupt as stop:  # a TuneInterrupted knows its phase; before the tune started, nothing was
         signal_name = getattr(stop, "signal", "SIGTERM" if isinstance(stop, Terminated) else "SIGINT")
         ranks.interrupted(signal_name)  # the other ranks of a job stop as this one did
@@ -125,21 +125,12 @@ def _tune(args: argparse.Namespace, ranks: Any, log: Any) -> int:
         return _interrupted(getattr(stop, "phase", "checking"), signal_name, out) if ranks.writes else status
     if not ranks.writes:  # the first rank prints the result and wrote the outputs
         return 0
-    if hasattr(result, "bounds"):  # a served-mix tune (autoprec.served_mix) prints its own
-        from autoprec.served_mix.run import print_served
-
-        return print_served(result)
-    if hasattr(result, "chosen"):  # a streamed tune (autoprec.stream) prints its own
-        from autoprec.stream.run import print_streamed
-
-        return print_streamed(result)
-    from autoprec.outputs.results import results_table
-
-    return _print_tuned(results_table(result.verification), result, out)
+    return printed(result)
 
 
-def _tuned(args: argparse.Namespace, ranks: Any, log: Any, out: Path) -> Any:
-    """The tune's result (:func:`autoprec.tune.tune`), every setting checked before the model is loaded."""
+def _tuned(args: argparse.Namespace, ranks: Any, log: Any, out: Path) -> tuple[Any, Callable[[Any], int]]:
+    """The tune's result and what prints it (a served-mix tune and a streamed one print their own; any other is
+    :func:`autoprec.tune.tune`'s), every setting checked before the model is loaded."""
     from autoprec.tune import tune as run_tune
 
     check_device(args.device)  # said as --device, before the config says it as device=
@@ -152,19 +143,19 @@ def _tuned(args: argparse.Namespace, ranks: Any, log: Any, out: Path) -> Any:
                      exact_sensitivity=args.exact_sensitivity, progress=ranks.writes, fuse=args.fuse,
                      engine=args.engine)
     if getattr(args, "served_mix", None) is not None:  # weights and KV cache for a served mix (autoprec/served_mix/)
-        from autoprec.served_mix.run import check_served, served_tune
+        from autoprec.served_mix.run import check_served, print_served, served_tune
 
         settings = {"target": config.target, "min_sqnr": config.min_sqnr, "stream": args.stream}
         return served_tune(args.model_py, check_served(args.served_mix, _given(args), settings, ranks.world_size),
-                           config, log)
+                           config, log), print_served
     from autoprec.stream.run import choose_mode
 
     mode = choose_mode(args.model_py, args.stream, log if ranks.writes else lambda _line: None)
     if mode is not None and mode.streamed:  # a checkpoint folder a block at a time (autoprec/stream/)
-        from autoprec.stream.run import check_settings, streamed_tune
+        from autoprec.stream.run import check_settings, print_streamed, streamed_tune
 
         check_settings(config, ranks, args.for_, DEFAULT_WORKLOAD)
-        return streamed_tune(args.model_py, mode, config, log)
+        return streamed_tune(args.model_py, mode, config, log), print_streamed
     workload, spec = for_.from_command(args, ranks)
     if spec.published is not None:
         log(f"get_model() returned the model in {str(spec.published).removeprefix('torch.')} (as published): the "
@@ -173,7 +164,10 @@ def _tuned(args: argparse.Namespace, ranks: Any, log: Any, out: Path) -> Any:
         from autoprec.distributed.tuning import job_wrap
 
         workload.wrap = job_wrap(spec, workload.trains)
-    return run_tune(workload, config, log=log, ranks=ranks)
+    from autoprec.outputs.results import results_table
+
+    return run_tune(workload, config, log=log, ranks=ranks), lambda result: _print_tuned(
+        results_table(result.verification), result, out)
 
 
 def _given(args: argparse.Namespace) -> dict[str, str]:
