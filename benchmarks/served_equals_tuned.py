@@ -1,9 +1,10 @@
 """Served = tuned (issue 42's result): what vLLM serves of a plan, held to what the tune measured.
 
-    python benchmarks/served_equals_tuned.py [--vllm-python /work/vllm-venv/bin/python] [--min-sqnr DB]
+    python benchmarks/served_equals_tuned.py [--shape 1024|2048] [--vllm-python PATH] [--min-sqnr DB]
 
-Issue 42's user case at a size a 2-core CPU runs in minutes, on a model whose layers differ: benchmarks/llm.py's
-tiny_llm (a Llama trained here on the standard library's docstrings, cached after the first run) at SETTINGS below.
+Issue 42's user case on a model whose layers differ: benchmarks/llm.py's tiny_llm (a Llama trained here on the
+standard library's docstrings, cached after the first run) at SHAPES below: ``1024`` (the default, minutes on a
+2-core CPU) or ``2048``, the issue's own shape (2 layers, hidden 2048, MLP 8192, GQA 16/4; 155M parameters).
 Its model.py's batches are held-out text, unpadded: 16 batches of 2 rows of 64 tokens; the tune holds out the last
 4 (8 rows), which the check scores. Then, for each engine (the in-process default, and ``--engine vllm``):
 
@@ -47,11 +48,14 @@ sys.path.insert(0, str(TINY))
 # keep bf16 everywhere (measured: nothing to compare).
 SETTINGS = {"layers": 2, "width": 1024, "mlp": 4096, "heads": 8, "vocab": 8192, "steps": 40, "batch": 2,
             "warmup": 10}
+# the issue's user case: a 2-layer Llama at serving widths, trained the same 40 steps
+SHAPES = {"1024": SETTINGS, "2048": {**SETTINGS, "width": 2048, "mlp": 8192, "heads": 16, "kv_heads": 4}}
 ROWS, BATCHES, SEQ = 2, 16, 64  # 16 batches of 2 rows: the tune searches on 12 and holds out the last 4 (8 rows,
 # which the check scores: its MAX_PROMPTS)
 PRECISIONS = "bf16,fp8-rowwise"
 TRIALS = 8
-RESULTS = ROOT / "benchmarks" / "results" / "served_equals_tuned.json"
+RESULTS = {"1024": ROOT / "benchmarks" / "results" / "served_equals_tuned.json",
+           "2048": ROOT / "benchmarks" / "results" / "served_equals_tuned-2048.json"}
 MODEL_PY = '''"""benchmarks/served_equals_tuned.py's model: tiny_llm at its settings, unpadded held-out text."""
 import sys
 
@@ -105,9 +109,9 @@ json.dump(out, open(f"{request['out']}/layers.json", "w"))
 '''
 
 
-def write_model_py(work: Path) -> Path:
+def write_model_py(work: Path, settings: dict) -> Path:
     path = work / "model.py"
-    path.write_text(MODEL_PY.format(folder=str(TINY), settings=SETTINGS, seq=SEQ, rows=ROWS, batches=BATCHES))
+    path.write_text(MODEL_PY.format(folder=str(TINY), settings=settings, seq=SEQ, rows=ROWS, batches=BATCHES))
     return path
 
 
@@ -160,23 +164,35 @@ def served(model: torch.nn.Module, policy) -> torch.nn.Module:
     return served_model(model, plan_export(model, policy))
 
 
+def faster_in_fp8(model: torch.nn.Module) -> list[str]:
+    """The linears the H100 cost model prices faster in fp8-rowwise than in bf16 at the tune's shape (ROWS x SEQ
+    tokens a forward, every batch's shape, the one the estimates price)."""
+    from autoprec.profile.costmodel import linear_ms
+
+    tokens = ROWS * SEQ
+    return [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+            and linear_ms("h100", tokens, m.in_features, m.out_features, "fp8-rowwise")
+            < linear_ms("h100", tokens, m.in_features, m.out_features, "bf16")]
+
+
 def choose_floor(model: torch.nn.Module, ids: torch.Tensor, fp32: tuple) -> dict:
     """X: the in-process SQNR (apply_policy, as the default tune measures) of every linear the H100 cost model
-    prices faster in FP8 here (both down projections and lm_head) in fp8-rowwise, the rest bf16, less 2 dB, rounded
-    down to 0.5 dB: room for each tune's FP8 candidates, as it measures them, with the search's margin and the
-    spread between batches. At this size neither tune chooses FP8 at this floor or at 50.5 dB (tried): the FP8 plans
-    it finds are estimated within the verification's TIE_TOLERANCE of blanket bf16, which it keeps as the simpler."""
+    prices faster in FP8 (:func:`faster_in_fp8`) in fp8-rowwise, the rest bf16, less 2 dB, rounded down to 0.5 dB:
+    room for each tune's FP8 candidates, as it measures them, with the search's margin and the spread between
+    batches. At 1024 wide those are both down projections and lm_head, and neither tune chooses FP8 at this floor or
+    at 50.5 dB (tried): the FP8 plans it finds are estimated within the verification's TIE_TOLERANCE of blanket bf16,
+    which it keeps as the simpler."""
     from autoprec.runtime.apply import apply_policy
     from autoprec.runtime.policy import Policy
 
-    faster = Policy(layers={r"re:model\.layers\.\d+\.mlp\.down_proj": "fp8-rowwise", "lm_head": "fp8-rowwise"},
-                    default="bf16")
-    fp8 = figures(apply_policy(copy.deepcopy(model), faster), fp32, ids)["logits_sqnr_db"]
+    faster = faster_in_fp8(model)
+    fp8 = figures(apply_policy(copy.deepcopy(model), Policy(layers=dict.fromkeys(faster, "fp8-rowwise"),
+                                                             default="bf16")), fp32, ids)["logits_sqnr_db"]
     bf16 = figures(served(model, Policy(default="bf16")), fp32, ids)["logits_sqnr_db"]
-    return {"cost_model_faster_in_fp8_in_process_sqnr_db": fp8, "bf16_everywhere_served_sqnr_db": bf16,
-            "min_sqnr": math.floor((fp8 - 2) * 2) / 2,
-            "rule": "down projections and lm_head (what the H100 cost model prices faster in FP8 at 2 x 64 tokens) "
-                    "in fp8-rowwise in process (apply_policy), less 2 dB, rounded down to 0.5 dB"}
+    return {"cost_model_faster_in_fp8": faster, "cost_model_faster_in_fp8_in_process_sqnr_db": fp8,
+            "bf16_everywhere_served_sqnr_db": bf16, "min_sqnr": math.floor((fp8 - 2) * 2) / 2,
+            "rule": "the linears the H100 cost model prices faster in FP8 at 2 x 64 tokens in fp8-rowwise in process "
+                    "(apply_policy), less 2 dB, rounded down to 0.5 dB"}
 
 
 def tune_and_export(engine: str, model_py: Path, work: Path, floor: float, trials: int) -> dict:
@@ -313,16 +329,19 @@ def main() -> int:
     parser.add_argument("--vllm-python", default=None, help="the Python that has vLLM (default: as --check finds it)")
     parser.add_argument("--min-sqnr", type=float, default=None, help="X (default: chosen as the docstring says)")
     parser.add_argument("--trials", type=int, default=TRIALS)
-    parser.add_argument("--json", type=Path, default=RESULTS)
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="1024", help="the model's width (SHAPES)")
+    parser.add_argument("--json", type=Path, default=None, help="the results file (default: RESULTS[shape])")
     args = parser.parse_args()
+    settings = SHAPES[args.shape]
+    args.json = args.json or RESULTS[args.shape]
     vllm_python = str(find_vllm_python(args.vllm_python) or sys.exit("no vLLM: give --vllm-python"))
-    result: dict = {"settings": SETTINGS, "batches": f"{BATCHES} of {ROWS} rows of {SEQ} tokens",
+    result: dict = {"settings": settings, "batches": f"{BATCHES} of {ROWS} rows of {SEQ} tokens",
                     "held_out": "the last 4 batches (the tune's held-out ones; the check's prompts)",
                     "precisions": PRECISIONS, "trials": args.trials, "vllm_python": vllm_python,
                     "machine": machine()}
     with tempfile.TemporaryDirectory(prefix="served-equals-tuned-") as tmp:
         work = Path(tmp)
-        model_py = write_model_py(work)
+        model_py = write_model_py(work, settings)
         start = time.perf_counter()
         module = load_model_py(model_py)
         model = module.get_model().float().eval()  # trains first where not cached

@@ -22,7 +22,7 @@ every scored position. A checkpoint vLLM cannot run here (per-tensor FP8, NVFP4 
 reload's scores, and its row says why. Plans:
 
 - fp32, and bf16 everywhere (autoprec export of the blanket policy);
-- autoprec's plan: `autoprec tune model.py --precisions bf16,<fp8> --target h100`, then `autoprec export`;
+- autoprec's plan: `autoprec tune model.py --precisions bf16,<fp8> --target h100 --engine vllm`, then `autoprec export`;
 - FP8_DYNAMIC on every linear but lm_head, written by `autoprec export` (from the fp32 weights) and by
   llm-compressor (`oneshot` with QuantizationModifier on the bf16 model, as its examples do);
 - ModelOpt's auto_quantize in FP8_PER_CHANNEL_PER_TOKEN_CFG (fp8-rowwise's format; FP8_DEFAULT_CFG only against a
@@ -583,7 +583,9 @@ def run_rows(ctx: dict, out: Path, trials: int, peers: set[str]) -> list[dict]:
     """Every row: the references, autoprec's tunes, and the peers named in ``peers``."""
     work: Workload = ctx["work"]
     rows = reference_rows(ctx, out)
-    flags = ["--precisions", f"bf16,{ctx['precision']}", "--target", "h100", "--trials", str(trials)]
+    # tuned for the engine every row is served by (lm_head and the embeddings unquantized, FP8 inputs per token)
+    flags = ["--precisions", f"bf16,{ctx['precision']}", "--target", "h100", "--engine", "vllm", "--trials",
+             str(trials)]
     rows += tuned_row(out / "tuned", flags, ctx)
     if "llmcompressor" in peers:
         peer = llmcompressor_row(out / "llmcompressor", ctx)

@@ -275,8 +275,10 @@ def count_complete(db: Path) -> int:
         return 0
 
 
-def wait_for(condition, process: subprocess.Popen, log: Path, what: str, timeout: float = 90,
+def wait_for(condition, process: subprocess.Popen, log: Path, what: str, timeout: float = 300,
              poll: float = 0.2) -> None:
+    # returns as soon as ``condition`` holds: the timeout only bounds a hung tune (at a load of 10 on 2 cores the
+    # profile alone took over 60 s, and 90 s was too short for 3 trials)
     deadline = time.monotonic() + timeout
     while not condition():
         if process.poll() is not None:
