@@ -58,6 +58,7 @@ class LayerTiming:
     low: list[Precision]
     repeats: int = 9  # timed rounds per layer, at least (the in-memory profile's)
     profile_all: bool = False  # no probe: every precision timed and profiled (tune --profile-all)
+    end_to_end_seconds: float = 20.0  # at most, each part's end-to-end checks (the in-memory profile's, per model)
     capabilities: dict[Precision, Capability] = field(default_factory=dict)
     verdict: dict[str, Any] | None = None
 
@@ -94,7 +95,7 @@ class LayerTiming:
         start = time.perf_counter()
         timed, emulated = timed_precisions(self.low, self.capabilities, self.verdict["not_profiled"])
         latency = measure_latency(model, batch, layers, fp8_layers, timed, self.device, repeats=self.repeats,
-                                  emulated=emulated)
+                                  emulated=emulated, end_to_end_seconds=self.end_to_end_seconds)
         not_faster = {} if self.profile_all else layers_not_faster(latency, [p for p in timed if p not in emulated])
         return {"result": dataclasses.asdict(_scaled(latency, scale)), "not_faster": not_faster,
                 "seconds": time.perf_counter() - start}
