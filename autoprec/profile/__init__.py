@@ -24,14 +24,20 @@ from autoprec.measuring.compare import timed_together
 from autoprec.measuring.measure import Evaluator, to_device
 from autoprec.profile.config import ProfileConfig
 from autoprec.profile.frame import assemble, device_label, layer_candidates, low_precisions
-from autoprec.profile.latency import fp32_latency, layers_not_faster, measure_latency, predict_ms
-from autoprec.profile.probe import nothing_pays_off, probe_precisions
+from autoprec.profile.latency import (
+    fp32_latency,
+    layers_not_faster,
+    measure_latency,
+    predict_ms,
+    timed_precisions,
+)
+from autoprec.profile.probe import probe_precisions, probe_verdict
 from autoprec.profile.result import LayerProfile, Profile, ProfileError, Sensitivity, device_name, fingerprint
 from autoprec.profile.sensitivity import measure_sensitivity, sensitivity_work
 from autoprec.runtime.as_served import ServedAs, output_heads
 from autoprec.runtime.engines import SERVED_QUANTIZED, served_dtype
 from autoprec.runtime.experts import moe_routers
-from autoprec.runtime.precision import DEFAULT_PRECISIONS, Capability, Precision, device_capabilities
+from autoprec.runtime.precision import DEFAULT_PRECISIONS, Precision, device_capabilities
 
 __all__ = ["Profile", "LayerProfile", "ProfileConfig", "Sensitivity", "ProfileError", "profile_layers", "profile_model",
            "fingerprint", "predict_ms", "device_name"]
@@ -176,15 +182,9 @@ def _latency(model: nn.Module, job: nn.Module, table: LayerTable, first: Any, lo
         # gathers its weights from every rank); the first rank's decision stands for all
         with timed_together(ranks.slowest) if ranks.shards_one_model else contextlib.nullcontext():
             probes = ranks.from_first(probe_precisions(model, table, first, low, timing.caps, device))
-        timing.not_profiled = {p: probe.why for p, probe in probes.items() if not probe.pays_off}
-        timing.nothing = nothing_pays_off(probes, device)
-        checked = [probe for probe in probes.values() if probe.model_ratio is not None]
-        if checked:  # where the whole model overruled its largest layer: for profile.json
-            timing.looked = {"notes": [probe.note for probe in checked if probe.note], "machine": checked[0].machine}
-    emulated = [p for p in low if timing.caps[p] is Capability.EMULATED]
-    # An emulated block-scaled format is never timed: its emulation's time says nothing of the
-    # format's speed on the GPUs that have it (plan for one with --target). It keeps its sensitivity.
-    timed = [p for p in low if not (p.block_scaled and p in emulated) and p.value not in timing.not_profiled]
+        # where the whole model overruled its largest layer, its notes: for profile.json
+        timing.not_profiled, timing.nothing, timing.looked = probe_verdict(probes, device)
+    timed, emulated = timed_precisions(low, timing.caps, timing.not_profiled)
     with timed_together(ranks.slowest):  # a job with collectives inside runs them on every rank at once
         if timing.nothing:  # fp32 is the answer: its times are for the report, so two forwards give them
             latency = fp32_latency(job, first, names, device)

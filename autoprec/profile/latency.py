@@ -33,9 +33,10 @@ from autoprec.profile.clock import LayerClock, cast_ms
 from autoprec.profile.runnable import autocast_untuned, runnable_policy
 from autoprec.runtime.apply import apply_policy, remove_policy, takes_precision
 from autoprec.runtime.policy import Policy
-from autoprec.runtime.precision import Precision
+from autoprec.runtime.precision import Capability, Precision
 
-__all__ = ["LatencyResult", "blanket_policy", "fp32_latency", "layers_not_faster", "measure_latency", "predict_ms"]
+__all__ = ["LatencyResult", "blanket_policy", "fp32_latency", "layers_not_faster", "measure_latency", "predict_ms",
+           "timed_precisions"]
 
 # A precision must be measured at least this much faster than fp32 to be worth a boundary: smaller gains are
 # within the noise of a shared machine. The one margin of the profile, the search and the structure.
@@ -66,6 +67,15 @@ def blanket_policy(precision: Precision, fp8_layers: Sequence[str], model: nn.Mo
         return Policy.from_assignment({name: precision for name in fp8_layers
                                        if model is None or takes_precision(model.get_submodule(name), precision)})
     return Policy(default=precision)
+
+
+def timed_precisions(low: Sequence[Precision], capabilities: Mapping[Precision, Capability],
+                     not_profiled: Mapping[str, str] | Sequence[str] = ()) -> tuple[list[Precision], list[Precision]]:
+    """(the low precisions timed here, those of ``low`` the device only emulates). An emulated block-scaled format
+    is never timed: its emulation's time says nothing of the format's speed on the GPUs that have it (plan for one
+    with --target); it keeps its sensitivity. Nor is one the probe left out (``not_profiled``)."""
+    emulated = [p for p in low if capabilities[p] is Capability.EMULATED]
+    return [p for p in low if not (p.block_scaled and p in emulated) and p.value not in not_profiled], emulated
 
 
 def predict_ms(assignment: Mapping[str, str], default: str, latency_ms: Mapping[str, Mapping[str, float]],

@@ -36,7 +36,7 @@ from autoprec.measuring.load import MachineLoad, machine_load
 from autoprec.profile.latency import SPEED_MARGIN
 from autoprec.runtime.precision import Capability, Precision
 
-__all__ = ["PrecisionProbe", "confirm_on_the_model", "device_words", "probe_precisions"]
+__all__ = ["PrecisionProbe", "confirm_on_the_model", "device_words", "probe_precisions", "probe_verdict"]
 
 PROBE_SECONDS = 5.0  # at most, per precision, once the clear cases are out of the way
 CLEARLY_SLOWER = 3.0  # every round this many times fp32: decided after two rounds (an emulation, not noise)
@@ -161,14 +161,16 @@ def _how(estimate: float) -> str:
 def probe_precisions(model: nn.Module, table: LayerTable, batch: Any, precisions: Sequence[Precision],
                      capabilities: dict[Precision, Capability], device: torch.device,
                      seconds: float = PROBE_SECONDS, *, clock: Callable[[], float] = time.perf_counter,
-                     machine: MachineLoad | None = None) -> dict[str, PrecisionProbe]:
+                     machine: MachineLoad | None = None, model_words: str = "the whole model"
+                     ) -> dict[str, PrecisionProbe]:
     """Per low precision, whether it may pay off here (see the module's docstring).
 
     Emulated precisions that would be timed (fp8 on a device without fp8) never pay off; the block-scaled
     ones are left to the profile (accuracy only). A precision that is not an autocast dtype (fp8 where it
     is native) is not probed: the per-layer timing decides. Where the largest layer rules out every precision,
     the whole model decides (:func:`confirm_on_the_model`). ``clock`` and ``machine`` (the machine's load,
-    looked at when needed) are injected by tests."""
+    looked at when needed) are injected by tests; ``model_words``: what ``model`` is, as the lines say it (a
+    streamed tune probes its first block)."""
     where = device_words(device)
     result: dict[str, PrecisionProbe] = {}
     reached = [layer for layer in table if not layer.batches or 0 in layer.batches]
@@ -203,7 +205,8 @@ def probe_precisions(model: nn.Module, table: LayerTable, batch: Any, precisions
         how = f"{p.value} measured {_how(ratio[0])} fp32"
         result[p.value] = PrecisionProbe(p.value, f"{how} on {where} {detail}", largest.name, ratio,
                                          short=f"{how} {detail}")
-    result = confirm_on_the_model(model, batch, result, capabilities, device, clock=clock, machine=machine)
+    result = confirm_on_the_model(model, batch, result, capabilities, device, clock=clock, machine=machine,
+                                  model_words=model_words)
     timed_alone = [probe for probe in result.values() if probe.ratio and not probe.machine]
     if timed_alone and not any(probe.pays_off or probe.machine for probe in result.values()):
         # the tune ends on the layer alone (an emulation): its times, too, are of this moment and this load
@@ -221,7 +224,8 @@ def _looked(state: MachineLoad) -> dict:
 def confirm_on_the_model(model: nn.Module, batch: Any, probes: dict[str, PrecisionProbe],
                          capabilities: dict[Precision, Capability], device: torch.device,
                          seconds: float = MODEL_SECONDS, *, clock: Callable[[], float] = time.perf_counter,
-                         machine: MachineLoad | None = None) -> dict[str, PrecisionProbe]:
+                         machine: MachineLoad | None = None, model_words: str = "the whole model"
+                         ) -> dict[str, PrecisionProbe]:
     """``probes`` where the whole model, not one layer, decided what ends a tune.
 
     Where the largest layer alone ruled out every precision, each native one it timed is compared as the whole
@@ -260,11 +264,11 @@ def confirm_on_the_model(model: nn.Module, batch: Any, probes: dict[str, Precisi
         alone = f"the largest layer, {layer.layer}, timed alone: {_measured(layer.ratio or [math.nan] * 3)}"
         if r.outcome in ("faster", "undecided"):
             told = "it may pay off after all" if r.outcome == "faster" else "it could not be told from fp32"
-            note = (f"{p.value}: {alone}, but the whole model under blanket {p.value} autocast took {said}{busy}: "
+            note = (f"{p.value}: {alone}, but {model_words} under blanket {p.value} autocast took {said}{busy}: "
                     f"{told}, so it is profiled and verification decides")
             out[p.value] = replace(layer, why="", short="", model_ratio=model_ratio, note=note, machine=looked)
             continue
-        detail = f"the whole model under blanket {p.value} autocast took {said}; {alone}{busy}"
+        detail = f"{model_words} under blanket {p.value} autocast took {said}; {alone}{busy}"
         how = f"{p.value} is {_how(r.estimate)} fp32 for this model"
         out[p.value] = replace(layer, why=f"{how} on {device_words(device)}: {detail}", short=f"{how}: {detail}",
                                model_ratio=model_ratio, machine=looked)
@@ -276,6 +280,17 @@ def _paired(fp32: Callable[[], Any], low: Callable[[], Any], device: torch.devic
     result = compare({"fp32": fp32, "low": low}, reference="fp32", device=str(device), max_seconds=seconds,
                      clock=clock)
     return result.samples["low"], result.samples["fp32"]
+
+
+def probe_verdict(probes: dict[str, PrecisionProbe], device: torch.device) -> tuple[dict[str, str], str, dict]:
+    """What a profile keeps of the probes: precision -> why it is not profiled (those that cannot pay off), the line
+    a tune ends with where none can ("" where one may), and where the model overruled its largest layer, the notes
+    and the machine then (``{}`` where it did not)."""
+    not_profiled = {p: probe.why for p, probe in probes.items() if not probe.pays_off}
+    checked = [probe for probe in probes.values() if probe.model_ratio is not None]
+    looked = ({"notes": [probe.note for probe in checked if probe.note], "machine": checked[0].machine}
+              if checked else {})
+    return not_profiled, nothing_pays_off(probes, device), looked
 
 
 def nothing_pays_off(probes: dict[str, PrecisionProbe], device: torch.device, cpuinfo: str = "/proc/cpuinfo") -> str:

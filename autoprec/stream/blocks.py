@@ -22,7 +22,7 @@ from autoprec.runtime.apply import apply_policy, remove_policy
 from autoprec.runtime.policy import Policy
 from autoprec.stream.checkpoint import Checkpoint, Scope
 
-__all__ = ["Activations", "Calibration", "block_scope", "first_inputs", "head_paths", "lowered",
+__all__ = ["Activations", "Calibration", "block_scope", "first_inputs", "head_paths", "lowered", "on_inputs",
            "resident_gib", "run_block"]
 
 
@@ -117,8 +117,17 @@ def block_scope(checkpoint: Checkpoint, index: int) -> Scope:
     path = f"{checkpoint.blocks_path}.{index}"
     scope = Scope({path: checkpoint.load(path)})
     # looked up at each call: a policy may have swapped the module under that path
-    scope.run = lambda *args, **kwargs: scope.get_submodule(path)(*args, **kwargs)
+    scope.run = lambda self, *args, **kwargs: self.get_submodule(path)(*args, **kwargs)
     return scope
+
+
+def on_inputs(scope: Scope, path: str, inputs: tuple[tuple, dict]) -> Scope:
+    """The block at ``path`` in ``scope`` as a model of one input, its hidden states: its other inputs (``inputs``,
+    the rotary embeddings, the mask) bound, as the latency stage times a model on a batch."""
+    args, kwargs = inputs
+    bound = Scope({path: scope.get_submodule(path)})
+    bound.run = lambda self, hidden: self.get_submodule(path)(hidden, *args, **kwargs)
+    return bound
 
 
 def head_paths(checkpoint: Checkpoint) -> tuple[list[str], str]:

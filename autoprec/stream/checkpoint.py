@@ -129,7 +129,8 @@ class Checkpoint:
 
 class Scope(nn.Module):
     """One loaded part of the model under its own path (``model.layers.3``, or the output head), so a policy
-    written with the model's layer names applies to it as it is; calling the scope calls its ``run``."""
+    written with the model's layer names applies to it as it is; calling the scope calls its ``run`` with the scope
+    first, so a copy (which timing makes, one per policy) runs the copy's modules."""
 
     def __init__(self, parts: dict[str, nn.Module]) -> None:
         super().__init__()
@@ -138,7 +139,7 @@ class Scope(nn.Module):
         self.__dict__["run"] = None  # set by who builds it: what a call of the scope runs (not a submodule)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.__dict__["run"](*args, **kwargs)
+        return self.__dict__["run"](self, *args, **kwargs)
 
 
 def _place(root: nn.Module, path: str, module: nn.Module) -> None:

@@ -67,7 +67,7 @@ class Head:
     def _scope(self, norms: dict[str, nn.Module], head: nn.Module, kept: int | None) -> Scope:
         scope = Scope({**norms, self.path: head})
 
-        def run(hidden: torch.Tensor) -> torch.Tensor:  # each module looked up at each call: a policy may swap it
+        def run(scope: Scope, hidden: torch.Tensor) -> torch.Tensor:  # looked up at each call: a policy may swap it
             for p in self.after:
                 hidden = scope.get_submodule(p)(hidden)
             return scope.get_submodule(self.path)(hidden).float()[..., :kept]

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from autoprec.measuring.objective import Measurement, Objective
-from autoprec.profile.result import LayerProfile, Profile, Sensitivity
+from autoprec.profile.result import LayerProfile, Profile, Sensitivity, device_name
 from autoprec.runtime.apply import apply_policy, remove_policy
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
@@ -22,6 +22,7 @@ from autoprec.stream.blocks import Calibration, block_scope, run_block
 from autoprec.stream.checkpoint import Checkpoint, Scope
 from autoprec.stream.head import Head
 from autoprec.stream.profiling import StreamedFigures
+from autoprec.stream.timing import LayerTiming
 from autoprec.version import __version__
 
 __all__ = ["PredictedFidelity", "Verified", "streamed_profile", "verify_streamed"]
@@ -32,28 +33,40 @@ def _sensitivity(noise: float) -> Sensitivity:
     return Sensitivity(sqnr_db=sqnr, metric_drop=None, nonfinite=not math.isfinite(noise), estimated=True)
 
 
-def streamed_profile(figures: StreamedFigures, checkpoint: Checkpoint, low: Sequence[Precision], target: str,
-                     fingerprint: str, seconds: dict[str, float], batches: int) -> Profile:
-    """The profile the search reads: the streamed sensitivities, latency from the cost model for ``target``."""
-    from autoprec.profile.costmodel import estimated_latency, get_target
-
+def streamed_profile(figures: StreamedFigures, checkpoint: Checkpoint, low: Sequence[Precision], target: str | None,
+                     fingerprint: str, seconds: dict[str, float], batches: int,
+                     timing: LayerTiming | None = None) -> Profile:
+    """The profile the search reads: the streamed sensitivities, latency from the cost model for ``target``, or
+    (``target`` None) each layer's as ``timing`` timed it here (``figures.latency``)."""
     table = figures.table
-    fp8_layers = [n for n, c in figures.candidates.items() if any(Precision(p).swaps_linear for p in c)]
-    latency = estimated_latency(target, table, [p.value for p in low], fp8_layers)
-    caps = get_target(target).capabilities()
+    if figures.latency is None:
+        from autoprec.profile.costmodel import estimated_latency, get_target
+
+        fp8_layers = [n for n, c in figures.candidates.items() if any(Precision(p).swaps_linear for p in c)]
+        latency = estimated_latency(target, table, [p.value for p in low], fp8_layers)
+        caps, device, timed = get_target(target).capabilities(), f"estimated for {target}", {}
+    else:
+        latency, caps, device = figures.latency, timing.capabilities, device_name(timing.device)
+        timed = {"prediction_error_pct": latency.prediction_error_pct, "latency_ratio": latency.ratio,
+                 "end_to_end_check": latency.end_to_end_comparison, "not_runnable": latency.not_runnable,
+                 "autocast_untuned": latency.autocast_untuned, "not_profiled": figures.verdict["not_profiled"],
+                 "not_faster": figures.not_faster}
     layers = [LayerProfile(name=layer.name, kind=layer.kind, type=layer.type, flops=int(layer.flops),
                            latency_ms=dict(latency.latency_ms[layer.name]), cast_ms=dict(latency.cast_ms[layer.name]),
                            sensitivity={p: _sensitivity(v) for p, v in figures.noise.get(layer.name, {}).items()})
               for layer in table]
+    how = {"latency": "streamed: each block's layers timed here while the block was loaded (the output head on one "
+                      "chunk of its vocabulary, scaled to the whole)",
+           **({"speed_probe": figures.verdict["looked"]} if figures.verdict.get("looked") else {})} if timed else {}
     return Profile(
-        fingerprint=fingerprint, device=f"estimated for {target}", torch=torch.__version__,
+        fingerprint=fingerprint, device=device, torch=torch.__version__,
         precisions=[p.value for p in low], capabilities={p.value: caps[p].value for p in Precision},
         capture_method=f"{table.method} (block 0, streamed)", layers=layers, end_to_end_ms=latency.end_to_end_ms,
-        remainder_ms=latency.remainder_ms, prediction_error_pct={},
+        remainder_ms=latency.remainder_ms, **{"prediction_error_pct": {}, **timed},
         metric={"kind": "fidelity", "fp32": math.inf, "higher_is_better": True, "batches": batches},
         cost={"evaluations": 0, "seconds": seconds, "autoprec": __version__,
               "sensitivity": "streamed: each layer on its block's output, carried to the logits by vector-Jacobian "
-                             "products"},
+                             "products", **how},
         model_type=type(checkpoint.model).__name__, fp32_by_model=list(table.fp32_by_model),
         fusion_groups={group.name: list(group.layers) for group in table.fusion_groups})
 

@@ -1,5 +1,6 @@
 """The streamed profile: each layer's sensitivity measured where it lives and carried to the logits, one block
-loaded at a time; latency from the cost model (``--target``).
+loaded at a time; latency from the cost model (``--target``), or each block's layers timed here while it is loaded
+(:mod:`.timing`).
 
 1. Forward, blocks in order: each block's output on the search batches in fp32 (the reference), carried to the
    next block (:class:`~.blocks.Activations`). Block 0's layers are captured (:func:`autoprec.capture.capture`
@@ -12,8 +13,8 @@ loaded at a time; latency from the cost model (``--target``).
    ``(u . d)^2`` over the cotangents ``u`` at the block's output (``E[(v . J d)^2] = ||J d||^2``), the worst over
    batches. Then the cotangents are carried back through the block (one backward of all of them at once).
 
-Each block's figures, and the cotangents below it, are saved as they finish, so an interrupted tune resumes at
-the block where it stopped.
+Each block's figures (its layers' times among them), and the cotangents below it, are saved as they finish, so an
+interrupted tune resumes at the block where it stopped.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import torch.nn as nn
 from autoprec.capture.fusion import FusionGroup
 from autoprec.capture.layers import Layer, LayerTable, capture
 from autoprec.profile.estimate import PROBES
+from autoprec.profile.latency import LatencyResult
+from autoprec.profile.sensitivity import sensitivity_work
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
 from autoprec.stream.blocks import (
@@ -38,11 +41,13 @@ from autoprec.stream.blocks import (
     Calibration,
     block_scope,
     lowered,
+    on_inputs,
     resident_gib,
     run_block,
 )
 from autoprec.stream.checkpoint import Checkpoint, Scope
 from autoprec.stream.head import Head
+from autoprec.stream.timing import LayerTiming, NothingFaster, joined
 
 __all__ = ["PROBES", "StreamedFigures", "stream_profile"]
 
@@ -58,6 +63,11 @@ class StreamedFigures:
     glue: dict[str, dict[str, float]] = field(default_factory=dict)  # block or head path -> precision -> noise
     blocks: list[dict[str, Any]] = field(default_factory=list)  # per block: seconds and GiB, in order
     candidates: dict[str, list[str]] = field(default_factory=dict)
+    # timed here (no --target): every layer's latency, the parts' joined (.timing.joined); the layers decided not
+    # faster (precision -> layers) and the probe's verdict, left out of the sensitivity
+    latency: LatencyResult | None = None
+    not_faster: dict[str, list[str]] = field(default_factory=dict)
+    verdict: dict[str, Any] = field(default_factory=dict)
 
 
 def _noise(delta: torch.Tensor, cotangents: torch.Tensor) -> float:
@@ -92,15 +102,18 @@ def _carried_back(module: nn.Module, hidden: torch.Tensor, inputs: tuple, cotang
     return grad.reshape(cotangents.shape).detach()
 
 
-def _items(table: LayerTable, candidates: dict[str, list[str]], path: str) -> list[tuple[str, str]]:
-    return [(layer.name, p) for layer in table if layer.name.startswith(path + ".") or layer.name == path
-            for p in candidates.get(layer.name, [])]
+def _items(table: LayerTable, candidates: dict[str, list[str]], path: str,
+           skip: dict[str, list[str]] | None = None) -> list[tuple[str, str]]:
+    """The block's (layer, precision) items, but those ``skip`` names (precision -> layers)."""
+    return sensitivity_work({layer.name: candidates.get(layer.name, []) for layer in table
+                             if layer.name.startswith(path + ".") or layer.name == path}, skip)
 
 
 def _measure(scope: Scope, table: LayerTable, candidates: dict[str, list[str]], path: str, glue_precisions: list[str],
-             hidden: list, refs: list, inputs: list, cotangents: list) -> tuple[dict, dict]:
+             hidden: list, refs: list, inputs: list, cotangents: list, skip: dict[str, list[str]] | None = None
+             ) -> tuple[dict, dict]:
     """Each of the block's (layer, precision) items' noise at the logits, and its glue's, the worst over batches."""
-    items = _items(table, candidates, path)
+    items = _items(table, candidates, path, skip)
     noise: dict[str, dict[str, float]] = {}
     glue: dict[str, Any] = {"path": path}
     for b, (h, ref) in enumerate(zip(hidden, refs)):
@@ -177,9 +190,7 @@ class _State:
             self.data["head"] = figures
         else:
             self.data["blocks"][key] = figures
-        tmp = self.file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data))
-        tmp.replace(self.file)  # whole or not at all: an interrupt leaves the last complete figures
+        self._write()
         for old in self.folder.glob("cotangents-*.pt"):
             if old.name != f"cotangents-{index}.pt":
                 old.unlink()
@@ -187,42 +198,92 @@ class _State:
     def cotangents(self, index: int) -> list[torch.Tensor]:
         return torch.load(self.folder / f"cotangents-{index}.pt", weights_only=True)
 
+    def keep(self, key: str, value: Any) -> None:
+        """A figure of the whole run (the probe's verdict), saved before any block's."""
+        self.data[key] = value
+        self._write()
+
+    def _write(self) -> None:
+        tmp = self.file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data))
+        tmp.replace(self.file)  # whole or not at all: an interrupt leaves the last complete figures
+
+
+def _own(table: LayerTable, candidates: dict[str, list[str]], first: str, path: str
+         ) -> tuple[LayerTable, dict[str, list[str]]]:
+    """Block 0's layers (``first``: its path and a dot) and their candidates under block ``path``'s own names."""
+    own = LayerTable([_renamed(layer, first, path + ".") for layer in table], table.method, table.model_type)
+    return own, {n.replace(first, path + ".", 1): c for n, c in candidates.items()}
+
+
+def _fp8_layers(candidates: dict[str, list[str]]) -> list[str]:
+    """The layers a precision that swaps the linear (fp8, mxfp8, nvfp4) may take."""
+    return [n for n, c in candidates.items() if any(Precision(p).swaps_linear for p in c)]
+
 
 def _forward(checkpoint: Checkpoint, calibration: Calibration, acts: Activations, upto: int, low: list[Precision],
-             log: Callable[[str], None]) -> tuple[LayerTable, dict[str, list[str]], list[dict]]:
+             log: Callable[[str], None], timing: LayerTiming | None = None, state: _State | None = None
+             ) -> tuple[LayerTable, dict[str, list[str]], list[dict]]:
     """Blocks 0 to ``upto - 1`` in fp32 on the search batches: each one's output stored as the next one's input;
-    block 0's layers captured. Returns block 0's table, its layers' candidates, and each block's figures."""
+    block 0's layers captured. With ``timing``, block 0 probed (unless ``state`` holds the verdict) and each block's
+    layers timed while it is loaded. Returns block 0's table, its layers' candidates, and each block's figures."""
     acts.put("0", calibration.hidden)
     figures, table, candidates = [], None, {}
+    first = f"{checkpoint.blocks_path}.0."
     for i in range(max(upto, 1)):
         start = time.perf_counter()
+        path = f"{checkpoint.blocks_path}.{i}"
         scope = block_scope(checkpoint, i)
         hidden = acts.get(str(i))
         if i == 0:
             args, kwargs = calibration.inputs[0][0]
             table = _capture(scope, {"hidden_states": hidden[0], **kwargs} if not args else (hidden[0], *args))
             candidates = _candidates(scope, table, low)
+            if timing is not None and timing.verdict is None:
+                state.keep("probe", timing.probe(on_inputs(scope, path, calibration.inputs[0][0]), table, hidden[0],
+                                                 path))
+            if timing is not None and timing.verdict["nothing"]:
+                checkpoint.free(path)
+                raise NothingFaster(timing.verdict["nothing"])
         if i < upto:
             with torch.no_grad():
                 acts.put(str(i + 1), [run_block(scope, h, calibration.inputs[b][i]) for b, h in enumerate(hidden)])
         figures.append({"forward_s": time.perf_counter() - start, "forward_gib": resident_gib()})
-        checkpoint.free(f"{checkpoint.blocks_path}.{i}")
-        log(f"  block {i}: reference forward {figures[-1]['forward_s']:.1f} s, {figures[-1]['forward_gib']:.2f} GiB "
-            "resident")
+        timed = ""
+        if timing is not None and i < upto:
+            own, options = _own(table, candidates, first, path)
+            figures[-1]["latency"] = timing.time(on_inputs(scope, path, calibration.inputs[0][i]),
+                                                 [layer.name for layer in own], _fp8_layers(options), hidden[0])
+            figures[-1]["timing_s"] = figures[-1]["latency"]["seconds"]
+            timed = f", its layers timed {figures[-1]['timing_s']:.1f} s"
+        checkpoint.free(path)
+        log(f"  block {i}: reference forward {figures[-1]['forward_s']:.1f} s{timed}, "
+            f"{figures[-1]['forward_gib']:.2f} GiB resident")
     return table, candidates, figures
 
 
 def _head(checkpoint: Checkpoint, calibration: Calibration, hidden: list[torch.Tensor], low: list[Precision],
-          probes: int) -> tuple[LayerTable, dict, list[torch.Tensor]]:
+          probes: int, timing: LayerTiming | None = None) -> tuple[LayerTable, dict, list[torch.Tensor]]:
     """The output head: its layers, their candidates and noise (their own change of the logits), its glue's, and
-    the cotangents at its input; the vocabulary a chunk of rows at a time (:class:`~.head.Head`)."""
+    the cotangents at its input; the vocabulary a chunk of rows at a time (:class:`~.head.Head`). With ``timing``,
+    its layers timed on the first chunk, scaled to the whole vocabulary (:mod:`.timing`)."""
     head = Head(checkpoint)
     skeleton, batch = head.skeleton(hidden[0])
     table = _capture(skeleton, batch)
     candidates = _candidates(skeleton, table, low)
-    runs: dict[Any, Policy] = {(name, p): Policy.from_assignment({name: p})
-                               for name, options in candidates.items() for p in options}
-    runs.update({("", p): _glue_policy(table, "", p) for p in [q.value for q in low if not q.swaps_linear]})
+    figures: dict[str, Any] = {}
+    glue_precisions = [q.value for q in low if not q.swaps_linear]
+    items = sensitivity_work(candidates)
+    if timing is not None:
+        chunk = next(head.chunks())
+        rows = chunk.get_submodule(head.path).out_features if head.whole is None else 0
+        figures["latency"] = timing.time(chunk, [layer.name for layer in table], _fp8_layers(candidates), hidden[0],
+                                         scale=head.vocab / rows if rows else 1.0)
+        del chunk
+        items = sensitivity_work(candidates, timing.skip(list(candidates), figures["latency"]["not_faster"]))
+        glue_precisions = [p for p in glue_precisions if p not in timing.verdict["not_profiled"]]
+    runs: dict[Any, Policy] = {(name, p): Policy.from_assignment({name: p}) for name, p in items}
+    runs.update({("", p): _glue_policy(table, "", p) for p in glue_precisions})
     noise: dict[str, dict[str, float]] = {}
     glue: dict[str, Any] = {"path": ""}
     carried = []
@@ -243,12 +304,12 @@ def _head(checkpoint: Checkpoint, calibration: Calibration, hidden: list[torch.T
         draws = (torch.randn(shape, generator=generator) * keep / scale.sqrt().float() for _ in range(probes))
         carried.append(head.carried_back(h, draws))
     head.free()
-    return table, {"noise": noise, "glue": glue, "candidates": candidates}, carried
+    return table, {"noise": noise, "glue": glue, "candidates": candidates, **figures}, carried
 
 
 def _backward(checkpoint: Checkpoint, calibration: Calibration, acts: Activations, table: LayerTable,
               candidates: dict[str, list[str]], state: _State, start: int, glue_precisions: list[str],
-              log: Callable[[str], None], block_figures: list[dict]) -> None:
+              log: Callable[[str], None], block_figures: list[dict], timing: LayerTiming | None = None) -> None:
     """Blocks ``start - 1`` down to 0: each one's items measured and the cotangents carried below it, saved."""
     cotangents = state.cotangents(start)
     first = f"{checkpoint.blocks_path}.0."
@@ -258,9 +319,10 @@ def _backward(checkpoint: Checkpoint, calibration: Calibration, acts: Activation
         scope = block_scope(checkpoint, i)
         hidden, refs = acts.get(str(i)), acts.get(str(i + 1))
         inputs = [calibration.inputs[b][i] for b in range(len(hidden))]
-        own = LayerTable([_renamed(layer, first, path + ".") for layer in table], table.method, table.model_type)
-        options = {n.replace(first, path + ".", 1): c for n, c in candidates.items()}
-        noise, glue = _measure(scope, own, options, path, glue_precisions, hidden, refs, inputs, cotangents)
+        own, options = _own(table, candidates, first, path)
+        timed = block_figures[i].get("latency") if i < len(block_figures) else None
+        skip = timing.skip(list(options), timed["not_faster"]) if timing is not None and timed else None
+        noise, glue = _measure(scope, own, options, path, glue_precisions, hidden, refs, inputs, cotangents, skip)
         cotangents = [_carried_back(scope, h, inputs[b], cotangents[b]) for b, h in enumerate(hidden)]
         checkpoint.free(path)
         figures = {"noise": noise, "glue": glue, "profile_s": time.perf_counter() - begin,
@@ -271,37 +333,56 @@ def _backward(checkpoint: Checkpoint, calibration: Calibration, acts: Activation
 
 
 def stream_profile(checkpoint: Checkpoint, calibration: Calibration, low: list[Precision], folder: Path,
-                   fingerprint: str, log: Callable[[str], None], in_memory: int, probes: int = PROBES
-                   ) -> StreamedFigures:
+                   fingerprint: str, log: Callable[[str], None], in_memory: int, probes: int = PROBES,
+                   timing: LayerTiming | None = None) -> StreamedFigures:
     """The streamed profile (see the module's docstring) of ``checkpoint`` on the search batches
     (``calibration``), its state in ``folder`` (resumed where it matches ``fingerprint``); activations up to
-    ``in_memory`` bytes are held in memory, the rest spilled to ``folder``."""
+    ``in_memory`` bytes are held in memory, the rest spilled to ``folder``. ``timing``: each block's layers timed
+    here while it is loaded (:mod:`.timing`; None: latency comes from the cost model). Raises
+    :class:`~.timing.NothingFaster` where the probe finds no precision that can be faster than fp32 here."""
     state = _State(folder, fingerprint)
     blocks = len(checkpoint.blocks)
     start = state.lowest_done(blocks)
     if start < blocks:
         log(f"resuming the streamed profile: blocks {start} to {blocks - 1} are done (saved in {folder})")
+    if timing is not None and "probe" in state.data:  # a resumed tune keeps the verdict its blocks were measured by
+        timing.verdict = state.data["probe"]
     acts = Activations(folder / "activations", in_memory)
-    table, candidates, block_figures = _forward(checkpoint, calibration, acts, start, low, log)
+    table, candidates, block_figures = _forward(checkpoint, calibration, acts, start, low, log, timing, state)
     glue_precisions = [p.value for p in low if not p.swaps_linear]
+    if timing is not None:
+        glue_precisions = [p for p in glue_precisions if p not in timing.verdict["not_profiled"]]
     if start == blocks and not ("head" in state.data and (folder / f"cotangents-{blocks}.pt").is_file()):
         begin = time.perf_counter()
-        head_table, head, cotangents = _head(checkpoint, calibration, acts.get(str(blocks)), low, probes)
+        head_table, head, cotangents = _head(checkpoint, calibration, acts.get(str(blocks)), low, probes, timing)
         head["table"], head["seconds"] = head_table.to_dict(), time.perf_counter() - begin
         state.save("head", head, blocks, cotangents)
-        log(f"  output head: {head['seconds']:.1f} s, {resident_gib():.2f} GiB resident")
+        timed = f" (its layers timed {head['latency']['seconds']:.1f} s)" if "latency" in head else ""
+        log(f"  output head: {head['seconds']:.1f} s{timed}, {resident_gib():.2f} GiB resident")
     head = state.data["head"]
-    _backward(checkpoint, calibration, acts, table, candidates, state, start, glue_precisions, log, block_figures)
+    _backward(checkpoint, calibration, acts, table, candidates, state, start, glue_precisions, log, block_figures,
+              timing)
     whole = _whole_table(table, LayerTable.from_dict(head["table"]), checkpoint)
     figures = StreamedFigures(whole, glue={"": {k: v for k, v in head["glue"].items() if k != "path"}})
     prefix = f"{checkpoint.blocks_path}.0."
+    timed: dict[str, dict] = {}
     for i in range(blocks):
         saved = state.data["blocks"][str(i)]
         figures.noise.update(saved["noise"])
         figures.glue[saved["glue"]["path"]] = {k: v for k, v in saved["glue"].items() if k != "path"}
-        figures.blocks.append({k: v for k, v in saved.items() if k not in ("noise", "glue")})
+        figures.blocks.append({k: v for k, v in saved.items() if k not in ("noise", "glue", "latency")})
         figures.candidates.update({n.replace(prefix, f"{checkpoint.blocks_path}.{i}.", 1): c
                                    for n, c in candidates.items()})
+        if "latency" in saved:
+            timed[saved["glue"]["path"]] = saved["latency"]
     figures.noise.update(head["noise"])
     figures.candidates.update(head["candidates"])
+    if timing is not None:
+        timed["head"] = head["latency"]
+        figures.latency = joined({path: LatencyResult(**part["result"]) for path, part in timed.items()},
+                                 [layer.name for layer in whole])
+        for part in timed.values():
+            for p, names in part["not_faster"].items():
+                figures.not_faster.setdefault(p, []).extend(names)
+        figures.verdict = dict(timing.verdict)
     return figures

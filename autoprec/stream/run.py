@@ -32,6 +32,8 @@ IN_MEMORY_FACTOR = 1.5
 ACTIVATIONS_IN_MEMORY = GiB  # calibration activations held in memory; past this they are spilled to disk
 LIBRARIES = GiB // 2  # torch, transformers and optuna, imported (the smallest tune's peak in benchmarks/scale.py)
 MODES = ("auto", "always", "never")
+NO_PLAN = ("no layer has a candidate precision this machine runs natively that was timed faster than fp32 here "
+           "(tune with --target NAME to plan for a GPU)")
 
 
 class StreamInterrupted(KeyboardInterrupt):
@@ -120,10 +122,10 @@ def check_settings(config: Any, ranks: Any, for_: str, inference: str) -> None:
     if ranks.world_size > 1:
         raise StreamError("a streamed tune runs in one process (torchrun ranks sharing the blocks is not built yet); "
                           "fix: run autoprec tune without torchrun")
-    if config.target is None:
-        raise StreamError("a streamed tune plans for a GPU by its cost model (timing each block's layers here is not "
-                          "built yet); fix: add --target NAME (e.g. --target h100), or --stream never to tune in "
-                          "memory")
+    if config.target is None and torch.device(config.device).type != "cpu":
+        raise StreamError(f"a streamed tune runs each block on the CPU and times its layers there (--device "
+                          f"{config.device} is not built for it); fix: --device cpu, or --target NAME to plan for a "
+                          "GPU by its cost model")
     if config.budget is not None:
         raise StreamError("a streamed tune bounds the logits' fidelity (--min-sqnr): evaluate() needs the whole "
                           "model in memory; fix: give --min-sqnr DB instead of --budget, or --stream never")
@@ -138,11 +140,13 @@ class StreamedResult:
 
     policy: Policy
     verified: dict[str, float]  # plan -> logits SQNR on the held-out batches (dB, worst batch)
-    predicted_ms: dict[str, float]  # plan -> estimated ms on the target
+    predicted_ms: dict[str, float]  # plan -> estimated ms on the target, or predicted from the layers timed here
     chosen: str
     blocks: list[dict]  # per block: seconds and GiB
     seconds: dict[str, float]
     out: Path
+    timed_on: str | None = None  # where the layers were timed (None: estimated for the target)
+    note: str = ""  # why the answer is fp32 without a search (nothing can be faster here)
 
 
 def streamed_tune(model_py: str | Path, mode: Mode, config: Any, log: Callable[[str], None],
@@ -152,13 +156,19 @@ def streamed_tune(model_py: str | Path, mode: Mode, config: Any, log: Callable[[
     from autoprec.profile.frame import low_precisions
     from autoprec.stream.blocks import first_inputs
     from autoprec.stream.profiling import PROBES, stream_profile
+    from autoprec.stream.timing import LayerTiming, NothingFaster
 
     model_py = Path(model_py).resolve()
+    low = low_precisions(config.precisions)
+    timing = None
+    if config.target is None:  # timed here, as in memory: said first, with how busy the machine is
+        profiled = config.for_profile()
+        timing = LayerTiming(torch.device(config.device), low, profiled.repeats, profiled.profile_all)
+        log(timing.said())
     search_batches, holdout = split_holdout(_batches(model_py))
     if getattr(import_model_py(model_py), "evaluate", None) is not None:
         log("evaluate() in model.py needs the whole model: a streamed tune bounds the logits' SQNR against fp32 "
             "instead (--min-sqnr)")
-    low = low_precisions(config.precisions)
     out = Path(config.out)
     seconds: dict[str, float] = {}
     with claim_out_dir(out):
@@ -166,29 +176,62 @@ def streamed_tune(model_py: str | Path, mode: Mode, config: Any, log: Callable[[
         checkpoint = open_checkpoint(mode.folder)
         searched, held = first_inputs(checkpoint, search_batches), first_inputs(checkpoint, holdout)
         settings = {"precisions": [p.value for p in low], "target": config.target, "probes": PROBES}
+        if timing is not None:  # figures timed on another machine, or probed otherwise, are not resumed
+            settings.update(timed_on=_timed_on(timing), profile_all=timing.profile_all, repeats=timing.repeats)
         fingerprint = _fingerprint(checkpoint, search_batches, settings)
         log(f"profiling {len(checkpoint.blocks)} blocks on {searched.tokens} tokens ({len(search_batches)} batches; "
             f"{held.tokens} held out to verify)")
         try:
-            figures = stream_profile(checkpoint, searched, low, out / "stream", fingerprint, log, in_memory)
+            figures = stream_profile(checkpoint, searched, low, out / "stream", fingerprint, log, in_memory,
+                                     timing=timing)
         except KeyboardInterrupt as stop:
             raise StreamInterrupted("SIGTERM" if isinstance(stop, Terminated) else "SIGINT") from None
+        except NothingFaster as nothing:
+            seconds["profile"] = time.perf_counter() - start
+            return _fp32_answer(checkpoint, nothing.line, timing, fingerprint, seconds, out, log)
         seconds["profile"] = time.perf_counter() - start
         return _search_and_verify(checkpoint, figures, held, low, config, fingerprint, seconds, len(search_batches),
-                                  log)
+                                  log, timing)
+
+
+def _timed_on(timing: Any) -> str:
+    from autoprec.profile.result import device_name
+
+    return device_name(timing.device)
+
+
+def _fp32_answer(checkpoint: Checkpoint, line: str, timing: Any, fingerprint: str, seconds: dict, out: Path,
+                 log: Callable[[str], None]) -> StreamedResult:
+    """The outcome where block 0's probe found nothing that can be faster than fp32 here: fp32, without profiling
+    the other blocks or searching, as an in-memory tune ends (``line`` says why)."""
+    log(line)
+    policy = Policy()
+    policy.model = {"fingerprint": fingerprint, "type": type(checkpoint.model).__name__,
+                    "checkpoint": str(checkpoint.folder)}
+    policy.result = {"speedup": 1.0, "metric": None, "no_gain": line, "mode": "streamed"}
+    policy.tuned_on = {"device": _timed_on(timing), "torch": torch.__version__}
+    result = StreamedResult(policy, {}, {}, "fp32", [], seconds, out, _timed_on(timing), line)
+    result.policy.save(out / "policy.json")
+    (out / "streamed.json").write_text(dumps({"chosen": "fp32", "no_gain": line, "probe": timing.verdict,
+                                              "seconds": seconds}))
+    (out / "report.md").write_text(f"# Streamed tune of {type(checkpoint.model).__name__}\n\nThe policy is fp32: "
+                                   f"{line}\n")
+    return result
 
 
 def _search_and_verify(checkpoint: Checkpoint, figures: Any, held: Any, low: list, config: Any, fingerprint: str,
-                       seconds: dict, batches: int, log: Callable[[str], None]) -> StreamedResult:
+                       seconds: dict, batches: int, log: Callable[[str], None], timing: Any = None
+                       ) -> StreamedResult:
     from autoprec.context import RunContext
     from autoprec.measuring.budget import DEFAULT_MIN_SQNR, Budget
     from autoprec.profile.costmodel import policy_ms
+    from autoprec.profile.latency import SPEED_MARGIN
     from autoprec.search.space import SearchSpace, choose_preset
     from autoprec.search.study import open_storage, run_search
-    from autoprec.stream.plan import PredictedFidelity, plan_choices, streamed_profile, verify_streamed
+    from autoprec.stream.plan import PredictedFidelity, Verified, plan_choices, streamed_profile, verify_streamed
 
     out = Path(config.out)
-    profile = streamed_profile(figures, checkpoint, low, config.target, fingerprint, seconds, batches)
+    profile = streamed_profile(figures, checkpoint, low, config.target, fingerprint, seconds, batches, timing)
     profile.save(out / "profile.json")
     start = time.perf_counter()
     floor = config.min_sqnr if config.min_sqnr is not None else DEFAULT_MIN_SQNR
@@ -202,25 +245,35 @@ def _search_and_verify(checkpoint: Checkpoint, figures: Any, held: Any, low: lis
     seconds["search"] = time.perf_counter() - start
     plans = {c.label: c.policy() for c in plan_choices(result.trials)}
     served = [p for p in low if not p.swaps_linear]
+    if timing is not None:  # timed here: never a precision this machine only emulates (never a speed-up), nor one
+        served = [p for p in served if p.value in profile.remainder_ms  # the probe left out (not timed)
+                  and profile.capabilities[p.value] != "emulated"]
     if served:  # the model as published, every layer in its dtype: the baseline a plan must beat
         plans[f"blanket {served[0].value}"] = Policy(default=served[0])
     start = time.perf_counter()
-    verified = verify_streamed(checkpoint, held, plans, log)
+    verified = verify_streamed(checkpoint, held, plans, log) if plans else Verified()
+    if not plans:
+        log(f"no plan to verify: {NO_PLAN}")
     seconds["verify"] = time.perf_counter() - start
     ms = {key: policy_ms(profile, policy) for key, policy in {"fp32": Policy(), **plans}.items()}
     passing = [k for k in plans if verified.sqnr_db[k] >= floor]
+    if timing is not None:  # predicted from times measured here: a plan must beat fp32 by more than their noise
+        passing = [k for k in passing if ms[k] < (1 - SPEED_MARGIN) * ms["fp32"]]
     chosen = min(passing, key=lambda k: (ms[k], k not in [c for c in plans if c.startswith("trial")]),
                  default="fp32")
     policy = plans.get(chosen, Policy())
     policy.model = {"fingerprint": fingerprint, "layers": len(profile.layers), "type": profile.model_type,
                     "checkpoint": str(checkpoint.folder), **({"fusion_groups": profile.fusion_groups}
                                                              if profile.fusion_groups else {})}
-    policy.result = {"speedup": round(ms["fp32"] / ms[chosen], 4), "estimated_for": config.target,
+    where = {"estimated_for": config.target} if timing is None else {
+        "predicted_from": f"each layer timed on {profile.device}, added (not timed end to end)"}
+    policy.result = {"speedup": round(ms["fp32"] / ms[chosen], 4), **where,
                      "metric": None if chosen == "fp32" else round(verified.sqnr_db[chosen], 3),
                      "metric_kind": "logits SQNR dB against fp32 (held-out batches, streamed)",
                      "budget": str(budget), "mode": "streamed"}
-    policy.tuned_on = {"device": f"estimated for {config.target}", "torch": torch.__version__}
-    streamed = StreamedResult(policy, verified.sqnr_db, ms, chosen, figures.blocks, seconds, out)
+    policy.tuned_on = {"device": profile.device, "torch": torch.__version__}
+    streamed = StreamedResult(policy, verified.sqnr_db, ms, chosen, figures.blocks, seconds, out,
+                              None if timing is None else profile.device)
     _write(streamed, budget, profile)
     return streamed
 
@@ -231,31 +284,43 @@ def _write(result: StreamedResult, budget: Any, profile: Any) -> None:
 
     out = result.out
     result.policy.save(out / "policy.json")
+    timed = result.timed_on is not None
+    ms = "predicted_ms" if timed else "estimated_ms"
     (out / "streamed.json").write_text(dumps({
-        "chosen": result.chosen, "verified_sqnr_db": result.verified, "estimated_ms": result.predicted_ms,
+        "chosen": result.chosen, "verified_sqnr_db": result.verified, ms: result.predicted_ms,
         "blocks": result.blocks, "seconds": result.seconds, "budget": str(budget)}))
     rows = [[k, f"{result.predicted_ms[k]:.3f}", f"{result.predicted_ms['fp32'] / result.predicted_ms[k]:.2f}x",
              "reference" if k == "fp32" else f"{result.verified[k]:.2f}", "chosen" if k == result.chosen else ""]
             for k in ["fp32", *result.verified]]
-    per_block = [[i, f"{b.get('forward_s', 0):.1f}", f"{b.get('profile_s', 0):.1f}",
-                  f"{max(b.get('forward_gib', 0), b.get('profile_gib', 0)):.2f}"] for i, b in enumerate(result.blocks)]
+    per_block = [[i, f"{b.get('forward_s', 0):.1f}", *([f"{b.get('timing_s', 0):.1f}"] if timed else []),
+                  f"{b.get('profile_s', 0):.1f}", f"{max(b.get('forward_gib', 0), b.get('profile_gib', 0)):.2f}"]
+                 for i, b in enumerate(result.blocks)]
+    latency = (f"Each layer timed on {profile.device} while its block was loaded, by the in-memory profile's paired "
+               "rounds (the output head on one chunk of its vocabulary, scaled to the whole); a plan's ms is its "
+               "layers' times added, *predicted*, not timed end to end" if timed
+               else f"Planned for {profile.device} (latency from the cost model, *estimated*)")
     (out / "report.md").write_text(
         f"# Streamed tune of {profile.model_type}\n\n"
-        f"Planned for {profile.device} (latency from the cost model, *estimated*), one decoder block at a time. "
+        f"{latency}, one decoder block at a time. "
         f"Reference: fp32 computed from the published weights. Budget: {budget} on the logits, measured on the "
         f"held-out batches by a streamed forward.\n\n"
-        + markdown_table(["plan", "estimated ms", "speed-up", "logits SQNR dB", ""], rows) + "\n\n## Per block\n\n"
-        + markdown_table(["block", "reference forward s", "sensitivity s", "resident GiB"], per_block) + "\n")
+        + markdown_table(["plan", ms.replace("_", " "), "speed-up", "logits SQNR dB", ""], rows)
+        + "\n\n## Per block\n\n"
+        + markdown_table(["block", "reference forward s", *(["layers timed s"] if timed else []), "sensitivity s",
+                          "resident GiB"], per_block) + "\n")
 
 
 def print_streamed(result: StreamedResult) -> int:
     """What a finished streamed tune prints."""
+    how = "estimated" if result.timed_on is None else "predicted"
     for key, sqnr in result.verified.items():
         mark = "  <- chosen" if key == result.chosen else ""
-        print(f"{key:>28}: estimated {result.predicted_ms[key]:.3f} ms "
+        print(f"{key:>28}: {how} {result.predicted_ms[key]:.3f} ms "
               f"({result.predicted_ms['fp32'] / result.predicted_ms[key]:.2f}x fp32), logits {sqnr:.2f} dB{mark}")
-    if result.chosen == "fp32":
-        print("no plan kept the logits above the floor on the held-out batches: fp32")
+    if result.chosen == "fp32" and not result.note:  # a note (nothing can be faster here) was said as it was found
+        faster = " and was predicted faster than fp32" if result.timed_on is not None else ""
+        print(f"no plan kept the logits above the floor on the held-out batches{faster}: fp32" if result.verified
+              else f"{NO_PLAN}: fp32")
     print(result.policy)
     names = ("policy.json", "report.md", "profile.json", "streamed.json", "study.db")
     print(f"outputs: {result.out}/ ({', '.join(n for n in names if (result.out / n).exists())})")

@@ -155,12 +155,17 @@ def test_bad_checkpoint_folders_get_one_line_with_the_fix(tmp_path: Path, checkp
         open_checkpoint(vision)
 
 
-def test_a_streamed_tune_without_a_target_is_one_line(tmp_path: Path, checkpoint: Path, capsys) -> None:
-    status = main(["tune", str(_model_py(tmp_path, checkpoint)), "--stream", "always", "--out", str(tmp_path / "o")])
-    err = capsys.readouterr().err
-    assert status == 1
-    assert err.splitlines()[-1].startswith("autoprec tune: error: a streamed tune plans for a GPU by its cost model")
-    assert "fix: add --target NAME" in err
+def test_a_streamed_tune_timed_on_a_gpu_is_one_line() -> None:
+    """Without --target a streamed tune times its layers on the CPU that runs its blocks (test_streamed_timing.py):
+    --device cuda is refused before anything is loaded, naming both fixes."""
+    from autoprec.config import TuneConfig
+    from autoprec.distributed.ranks import ONE_PROCESS
+    from autoprec.stream.run import StreamError, check_settings
+
+    with pytest.raises(StreamError, match=r"times its layers there \(--device cuda is not built for it\); fix: "
+                                          r"--device cpu, or --target NAME"):
+        check_settings(TuneConfig(device="cuda"), ONE_PROCESS, "inference", "inference")
+    check_settings(TuneConfig(device="cuda", target="h100"), ONE_PROCESS, "inference", "inference")
 
 
 def test_streamed_sensitivity_agrees_with_exact_evaluation(tmp_path: Path, checkpoint: Path) -> None:
