@@ -18,7 +18,7 @@ The result holds, for the folder:
   vLLM builds, without loading a weight: fused layers (the model class's ``packed_modules_mapping``) and MoE
   experts folded as vLLM folds them; per layer the scheme class it would build, or the error it raises; and
   ``kv_cache``, the ``kv_cache_scheme`` as it reads it, whether its KV cache method accepts it, and why this
-  platform's attention cannot run it (then the folder is not loaded either);
+  platform's attention cannot run it (then the engine does not run the folder: ``kv_loaded`` says what it loads);
 - unless it cannot run here (``not_run``: why): ``layers``, the scheme each layer of the loaded engine actually
   holds (its ``quant_method``'s or ``scheme``'s class), read inside the engine with ``LLM.apply_model``;
   ``architecture``, the model class vLLM resolved; ``logprobs``, per prompt the logprob vLLM gives each actual
