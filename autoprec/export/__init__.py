@@ -5,9 +5,9 @@ The steps, one module each: the export plan (what each layer is served as; what 
 in one line) in :mod:`.plan`; the FP8 and NVFP4 arithmetic, the calibration of NVFP4 inputs and the served model
 emulated in :mod:`.quantize`; the checkpoint, written shard by shard, in :mod:`.checkpoint`; vLLM's rules for
 which scheme each layer it builds runs (autoprec's own model of them) in :mod:`.vllm`; a real vLLM judging a folder
-(``export --check``: the scheme of every layer it builds, its logprobs against the in-process plan), in
-:mod:`.judge`, which runs :mod:`.vllm_side` in vLLM's own Python; reading a tune's folder and model.py, and
-describing an export, in :mod:`.run`.
+(``export --check``: the scheme of every layer it builds, its KV cache and scales (:mod:`.judge_kv`), its logprobs
+against the in-process plan), in :mod:`.judge`, which runs :mod:`.vllm_side` in vLLM's own Python; reading a
+tune's folder and model.py, and describing an export, in :mod:`.run`.
 """
 
 from autoprec.export.checkpoint import EXPORT_FILE, export_checkpoint, quantization_config

@@ -8,7 +8,9 @@ A real vLLM, in a fresh process of the Python that has it (:func:`find_vllm_pyth
 - its logprobs of each actual next token on model.py's held-out batches, held to the in-process plan's
   (:func:`~autoprec.export.quantize.served_model`) within a bound derived from bf16 rounding as measured in the
   same run: a plain bf16 export of the same model, vLLM against the in-process bf16 model, times
-  :data:`FP8_FLIP_MARGIN`; the plan's own distance from fp32 is printed beside it.
+  :data:`FP8_FLIP_MARGIN`; the plan's own distance from fp32 is printed beside it;
+- its ``kv_cache_scheme``, and per attention layer the KV cache dtype and the ``k_scale`` and ``v_scale`` it loaded,
+  held to the plan's (:mod:`.judge_kv`), also where the platform cannot allocate the cache (loaded up to it).
 
 Where the platform cannot run a scheme (per-tensor FP8 and NVFP4 on vLLM's CPU build) it says so and still checks
 vLLM's config parsing and scheme mapping for every layer. The folder records the sha256 of the policy it was
@@ -31,6 +33,7 @@ import torch
 
 from autoprec.errors import UserError
 from autoprec.export.checkpoint import EXPORT_FILE, checkpoint_layout, export_checkpoint
+from autoprec.export.judge_kv import folder_kv_scales, kv_problems, loaded_kv_problems
 from autoprec.export.kvcache import is_attention
 from autoprec.export.plan import SCHEMES, ExportPlan, plan_export
 from autoprec.export.quantize import calibrate_inputs, served_model
@@ -83,6 +86,8 @@ class Verdict:
     layers: dict[str, str] = field(default_factory=dict)  # each layer vLLM built -> the scheme it runs
     scored: bool = False  # vLLM loaded the folder and its logprobs were compared (not on a platform that cannot)
     figures: dict[str, float] = field(default_factory=dict)  # the logprob comparison's numbers
+    # each attention layer of the plan -> what vLLM loaded for it: its layer, cache dtype, k_scale and v_scale
+    kv_scales: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -123,8 +128,8 @@ def judge_export(folder: str | Path, model_py: str | Path, policy: str | Path | 
     plan = _plan_held_to(folder, summary, policy, model)
     if plan.nvfp4_layers:
         plan.input_amax = calibrate_inputs(model, plan, batches)  # as the export calibrated them
-    if plan.kv_cache and not plan.kv_scales:  # as the export calibrated them (or the policy's kv_amax)
-        plan.kv_scales = calibrate_kv(model, batches)[0]
+    if any(n not in plan.kv_scales for n in plan.kv_cache):  # as the export calibrated them (or the policy's kv_amax)
+        plan.kv_scales = {**calibrate_kv(model, batches)[0], **plan.kv_scales}
     prompts = _prompts(holdout)
     with tempfile.TemporaryDirectory(prefix="autoprec-judge-") as tmp:
         reference = None
@@ -266,6 +271,8 @@ def _folder_plan(folder: Path, summary: dict[str, Any], model: torch.nn.Module) 
         plan.kv_skip = list((summary.get("kv_cache") or {}).get("skip_layers", []))
         plan.kv_cache = {n: fmt for n, m in modules.items() if is_attention(m)
                          and getattr(m, "layer_idx", None) not in plan.kv_skip}
+        plan.kv_scales = {n: s for n, s in folder_kv_scales(folder).items()  # the policy's kv_amax, or calibrated
+                          if n in modules}
     return plan
 
 
@@ -296,16 +303,25 @@ def _verdict(result: dict[str, Any], folder: Path, plan: ExportPlan, model: torc
     entry = result["folder"]
     planned = planned_layers(model, plan)
     head = f"vLLM {result['vllm']} ({result['platform']})"
+    scheme = []  # the KV cache scheme's problems: where there are any, its layers' cache is not held to the plan
     if "mapping_error" in entry:
         verdict.problems.append(f"{folder}: vLLM cannot parse its quantization_config: {entry['mapping_error']}")
     else:
         verdict.problems += _scheme_problems(entry["mapping"]["layers"], planned)
-        verdict.problems += kv_problems(entry["mapping"].get("kv_cache"), plan, verdict.lines)
+        scheme = kv_problems(entry["mapping"].get("kv_cache"), plan, verdict.lines)
+        verdict.problems += scheme
+    if "kv_load_error" in entry:
+        verdict.problems.append(f"{folder}: vLLM cannot load it (its weights and KV scales, up to the KV cache it "
+                                f"cannot allocate here): {entry['kv_load_error']}")
+    if not scheme:
+        kv, verdict.kv_scales = loaded_kv_problems(entry.get("kv_loaded"), plan, model, verdict.lines)
+        verdict.problems += kv
     if "not_run" in entry:
         mapped = entry.get("mapping", {}).get("layers", {})
         verdict.layers = {name: info["scheme"] for name, info in mapped.items()}
         verdict.lines.append(f"{head}: {entry['not_run']}: checked its config parsing and scheme mapping for "
-                             f"{len(mapped)} layers, not its logprobs")
+                             f"{len(mapped)} layers" + (", and the KV cache it loads" if verdict.kv_scales else "")
+                             + ", not its logprobs")
         return verdict
     if "load_error" in entry:
         verdict.problems.append(f"{folder}: vLLM cannot load it: {entry['load_error']}")
@@ -325,23 +341,6 @@ def _verdict(result: dict[str, Any], folder: Path, plan: ExportPlan, model: torc
     verdict.scored = True
     verdict.figures["vllm_seconds"] = result["seconds"]
     return verdict
-
-
-def kv_problems(found: dict[str, Any] | None, plan: ExportPlan, lines: list[str]) -> list[str]:
-    """vLLM's reading of the folder's ``kv_cache_scheme`` held to the plan's KV cache; a line says what it read."""
-    wanted = KV_FORMATS[next(iter(plan.kv_cache.values()))].strategy if plan.kv_cache else None
-    if found is None:
-        return [] if wanted is None else [f"kv_cache_scheme: the plan has FP8 strategy {wanted}, and vLLM's config "
-                                          "reads none"]
-    scheme = found["scheme"]
-    lines.append(f"vLLM's config reads kv_cache_scheme {scheme['type']} {scheme['num_bits']}-bit, strategy "
-                 f"{scheme['strategy']}" + (f", skip layers {plan.kv_skip} (--kv-cache-dtype-skip-layers)"
-                                            if plan.kv_skip else ""))
-    if found.get("error"):
-        return [f"kv_cache_scheme: vLLM's KV cache method refuses it: {found['error']}"]
-    if scheme["strategy"] != wanted:
-        return [f"kv_cache_scheme: the plan has {wanted}, vLLM's config reads {scheme['strategy']}"]
-    return []
 
 
 def planned_layers(model: torch.nn.Module, plan: ExportPlan) -> dict[str, str]:

@@ -18,11 +18,15 @@ The result holds, for the folder:
   vLLM builds, without loading a weight: fused layers (the model class's ``packed_modules_mapping``) and MoE
   experts folded as vLLM folds them; per layer the scheme class it would build, or the error it raises; and
   ``kv_cache``, the ``kv_cache_scheme`` as it reads it, whether its KV cache method accepts it, and why this
-  platform's attention cannot run it (then the folder is not loaded either);
+  platform's attention cannot run it (then the engine does not run the folder: ``kv_loaded`` says what it loads);
 - unless it cannot run here (``not_run``: why): ``layers``, the scheme each layer of the loaded engine actually
   holds (its ``quant_method``'s or ``scheme``'s class), read inside the engine with ``LLM.apply_model``;
   ``architecture``, the model class vLLM resolved; ``logprobs``, per prompt the logprob vLLM gives each actual
   next token (``prompt_logprobs``, ``max_tokens=1``: prompts scored, one token generated);
+- ``kv_loaded``: each attention layer vLLM built, its KV cache dtype and the ``k_scale`` and ``v_scale`` it loaded
+  (``_k_scale``, ``_v_scale``, after its KV cache method processed them), from the engine, or where only the KV
+  cache keeps the folder from running here, from vLLM's own executor loading it as the engine does and stopping
+  before the cache (``kv_load_error``: why it could not);
 
 and for the reference (a plain bf16 export of the same model), loaded after the folder, its logprobs likewise.
 
@@ -239,19 +243,52 @@ def engine_layers(model) -> dict:
     return out
 
 
+def attention_scales(model) -> dict:
+    """Each attention layer the engine built: its KV cache dtype ("auto": the model's) and the k/v scales it holds."""
+    import torch
+
+    return {name: {"cache": str(module.kv_cache_dtype), "k_scale": module._k_scale.float().flatten().tolist(),
+                   "v_scale": module._v_scale.float().flatten().tolist()}
+            for name, module in model.named_modules()
+            if hasattr(module, "kv_cache_dtype") and isinstance(getattr(module, "_k_scale", None), torch.Tensor)}
+
+
+def engine_options(folder: Path, prompts: list[list[int]], kv_skip: list[int] | None, dtype: str = "auto") -> dict:
+    """The engine's arguments for ``folder``: ``dtype`` (the checkpoint's own, or the one to serve it in), its KV
+    cache in the model's dtype on the layers ``kv_skip`` names."""
+    skip = {"kv_cache_dtype_skip_layers": [str(i) for i in kv_skip]} if kv_skip else {}
+    return dict(model=str(folder), dtype=dtype, skip_tokenizer_init=True, enforce_eager=True,
+                max_model_len=model_len(folder, prompts), seed=0, **skip)
+
+
+def loaded_kv(folder: Path, kv_skip: list[int] | None) -> dict:
+    """What the engine loads of ``folder``'s KV cache (:func:`attention_scales`) where this platform cannot
+    allocate the cache: vLLM's own executor builds the worker and loads the model as the engine does (its
+    weights, the scales' remapping onto each attention layer, its KV cache method's processing), then stops, before
+    the KV cache the engine would allocate next."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.executor import Executor
+
+    config = EngineArgs(**engine_options(folder, [], kv_skip)).create_engine_config()
+    executor = Executor.get_class(config)(config)
+    try:
+        return executor.collective_rpc("apply_model", args=(attention_scales,))[0]
+    finally:
+        executor.shutdown()
+        gc.collect()
+
+
 def score(folder: Path, prompts: list[list[int]], kv_skip: list[int] | None = None, full: str | None = None,
           dtype: str = "auto") -> dict:
-    """Load ``folder`` in vLLM (``dtype``: the checkpoint's own, or the one to serve it in; its KV cache in the
-    model's dtype on the layers ``kv_skip`` names), read its layers, score ``prompts``; ``full``: a .npy file for the
-    whole next-token distribution at every scored position (the prompts' positions one after another, float32
-    (tokens, vocab))."""
+    """Load ``folder`` in vLLM (:func:`engine_options`), read its layers, score ``prompts``; ``full``: a .npy file
+    for the whole next-token distribution at every scored position (the prompts' positions one after another,
+    float32 (tokens, vocab))."""
     from vllm import LLM, SamplingParams
 
-    skip = {"kv_cache_dtype_skip_layers": [str(i) for i in kv_skip]} if kv_skip else {}
-    llm = LLM(model=str(folder), dtype=dtype, skip_tokenizer_init=True, enforce_eager=True,
-              max_model_len=model_len(folder, prompts), seed=0, **skip, **({"max_logprobs": -1} if full else {}))
+    llm = LLM(**engine_options(folder, prompts, kv_skip, dtype), **({"max_logprobs": -1} if full else {}))
     try:
-        model_info = llm.apply_model(lambda model: (type(model).__name__, engine_layers(model)))[0]
+        model_info = llm.apply_model(lambda model: (type(model).__name__, engine_layers(model),
+                                                    attention_scales(model)))[0]
         params = SamplingParams(max_tokens=1, prompt_logprobs=-1 if full else 0, temperature=0.0)
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
         logprobs = []
@@ -260,7 +297,8 @@ def score(folder: Path, prompts: list[list[int]], kv_skip: list[int] | None = No
             logprobs.append([float(row[t][ids[t]].logprob) for t in range(1, len(ids))])
         if full:
             save_full(full, prompts, outputs)
-        return {"architecture": model_info[0], "layers": model_info[1], "logprobs": logprobs}
+        return {"architecture": model_info[0], "layers": model_info[1], "kv_loaded": model_info[2],
+                "logprobs": logprobs}
     finally:
         del llm
         gc.collect()
@@ -303,6 +341,12 @@ def main(request_path: str, result_path: str) -> int:
     experts = {name for name, g in groups.items() for t in g.get("targets", []) if ".experts" in t}
     cannot += [why for name, why in request.get("cannot_run_experts", {}).get(platform, {}).items() if name in experts]
     kv_problem = (entry.get("mapping") or {}).get("kv_cache", {}).get("cannot_run")
+    if kv_problem and not cannot:  # its weights run here: loaded as the engine loads them, up to the KV cache
+        try:
+            entry["kv_loaded"] = loaded_kv(folder, request.get("kv_skip_layers"))
+        except Exception as e:  # noqa: BLE001 - vLLM's refusal to load the folder is the finding
+            traceback.print_exc()
+            entry["kv_load_error"] = one_line(e)
     cannot += [kv_problem] if kv_problem else []
     if cannot:
         entry["not_run"] = cannot[0]

@@ -21,7 +21,8 @@ named by :func:`unwrapped_lines` and keeps its cache in the model's dtype.
 
 A policy's ``kv_cache`` formats with their calibration (``kv_amax``, which the tune writes) are what ``apply_policy``
 installs (:class:`InstalledKV`: this module's :func:`kv_quantized`, held until ``remove_policy``), so the model
-applied runs its cache as the tune measured it.
+applied runs its cache as the tune measured it; a model fine-tuned with it applied trains through the same emulation,
+the gradient straight through it (:func:`fake_quantize_kv`).
 """
 
 from __future__ import annotations
@@ -171,12 +172,41 @@ def kv_amax(x: torch.Tensor) -> torch.Tensor:
     return x.detach().abs().float().amax(dim=(0, 2, 3))
 
 
+# E4M3's largest value is 448 and the one below it 416: a value up to half that step past 448 rounds to it, as it
+# would in a format with one more value; past that the cast saturates (clips)
+_E4M3_ROUNDED_MAX = E4M3_MAX + 16
+
+
+class _StaticE4M3(torch.autograd.Function):
+    """E4M3 at a static scale forward; backward, the gradient straight through where ``x`` rounds to an E4M3 value and
+    zero where it is clipped (more than half a step past 448 x the scale: the clamp's own gradient). Autograd through
+    the casts would hand the gradient through E4M3 too, unscaled: most of it underflowed to zero (a fine-tune's k/v
+    projections got none)."""
+
+    @staticmethod
+    def forward(ctx, x, s):  # type: ignore[override]
+        scaled = x.float() / s
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(scaled.abs() <= _E4M3_ROUNDED_MAX)
+        return (scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).float() * s).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (rounded,) = ctx.saved_tensors
+        return grad * rounded, None
+
+
 def fake_quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x`` (batch, heads, tokens, head_dim) through E4M3 at ``scale`` (one, or one per head), in ``x``'s dtype:
-    what the cache holds, dequantized as attention reads it (vLLM divides by the scale, saturates and casts)."""
-    s = scale.to(x.device).float().reshape(1, -1, 1, 1)
-    q = (x.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return (q.float() * s).to(x.dtype)
+    what the cache holds, dequantized as attention reads it (vLLM divides by the scale, saturates and casts).
+
+    In training (a fine-tune of a model with the policy applied) the gradient passes straight through, as the
+    other fake quantizations' gradients pass their forward's rounding (:mod:`autoprec.runtime.fp8_linear`,
+    :mod:`autoprec.runtime.mx`), and is zero where ``x`` is clipped at the static scale (a value calibrated on the
+    batches themselves, its scale rounded to bf16, may sit just past 448 x the scale: rounded, not clipped, it keeps its
+    gradient); it is not quantized itself: no training recipe runs attention's backward on an FP8 cache, which only
+    serving holds."""
+    return _StaticE4M3.apply(x, scale.to(x.device).float().reshape(1, -1, 1, 1))
 
 
 def is_mla(module: nn.Module) -> bool:

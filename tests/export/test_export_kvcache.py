@@ -5,12 +5,13 @@ config parsing (issue 45, part 1). vLLM 0.32 reads one scheme per checkpoint (st
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from test_vllm_judge import MODEL_PY  # a small Llama vLLM's CPU build builds (head_dim 32)
-from vllm_engine import VLLM, needs_vllm
+from vllm_engine import needs_vllm
 
 from autoprec.export.judge import judge_export
 from autoprec.export.plan import ExportRefused, plan_export
@@ -30,6 +31,13 @@ def export(tmp_path: Path, policy: Policy, name: str) -> tuple[Path, Path, Path]
     out = tmp_path / name
     export_model_py(model_py, TunedRun(Policy.load(policy_path), None, policy_path), out)
     return out, model_py, policy_path
+
+
+def model_py_namespace() -> dict:
+    """MODEL_PY's functions, run as model.py runs."""
+    namespace: dict = {}
+    exec(compile(MODEL_PY, "model.py", "exec"), namespace)
+    return namespace
 
 
 def tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -124,13 +132,13 @@ def test_one_scheme_per_checkpoint_a_mix_is_refused_in_one_line():
 @pytest.mark.vllm
 @needs_vllm
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-head"])
-def test_vllm_reads_the_kv_cache_scheme_and_says_what_its_cpu_build_cannot_run(tmp_path, fmt):
+def test_vllm_reads_the_kv_cache_scheme_and_says_what_its_cpu_build_cannot_run(tmp_path, fmt, vllm_python):
     """vLLM's config parsing reads the scheme back and its KV cache method accepts it; its CPU attention serves an
     FP8 cache only on AVX-512 or AMX, and never with per-head scales: the check says which, and maps the layers."""
     policy = Policy(default="bf16", layers={"model.layers.0.mlp.down_proj": "fp8-rowwise"},
                     kv_cache=dict.fromkeys(LAYERS, fmt))
     out, model_py, policy_path = export(tmp_path, policy, fmt)
-    verdict = judge_export(out, model_py, policy=policy_path, vllm_python=VLLM)
+    verdict = judge_export(out, model_py, policy=policy_path, vllm_python=vllm_python)
     assert verdict.ok, verdict.problems
     strategy = KV_FORMATS[fmt].strategy
     read = next(line for line in verdict.lines if "kv_cache_scheme" in line)
@@ -144,13 +152,124 @@ def test_vllm_reads_the_kv_cache_scheme_and_says_what_its_cpu_build_cannot_run(t
 
 @pytest.mark.vllm
 @needs_vllm
-def test_a_folder_whose_kv_cache_scheme_is_not_the_plans_fails_the_check(tmp_path):
+def test_a_folder_whose_kv_cache_scheme_is_not_the_plans_fails_the_check(tmp_path, vllm_python):
     """The case that should lose: the plan's per-head scheme edited to per tensor in config.json (the policy, and
-    so its hash, unchanged): vLLM's reading of the config is held to the plan."""
+    so its hash, unchanged): vLLM's reading of the config is held to the plan, and vLLM cannot load the per-head
+    scales into the one scale per tensor the edited scheme makes it build."""
     out, model_py, policy_path = export(tmp_path, Policy(default="bf16", kv_cache=dict.fromkeys(LAYERS, "fp8-head")),
                                         "head")
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"]["kv_cache_scheme"]["strategy"] = "tensor"
     (out / "config.json").write_text(json.dumps(config))
-    verdict = judge_export(out, model_py, policy=policy_path, vllm_python=VLLM)
-    assert verdict.problems == ["kv_cache_scheme: the plan has attn_head, vLLM's config reads tensor"]
+    verdict = judge_export(out, model_py, policy=policy_path, vllm_python=vllm_python)
+    assert verdict.problems[0] == "kv_cache_scheme: the plan has attn_head, vLLM's config reads tensor"
+    assert len(verdict.problems) == 2 and re.fullmatch(
+        rf"{re.escape(str(out))}: vLLM cannot load it \(.*\): AssertionError: Attempted to load weight "
+        r"\(torch.Size\(\[2, 1, 1\]\)\) into parameter \(torch.Size\(\[1\]\)\)", verdict.problems[1])
+
+
+def test_each_attention_layer_vllm_loaded_is_held_to_the_plan_one_line_each():
+    """What the side script reports of vLLM's attention layers (kv_loaded), held to a plan of layer 1 in fp8 and
+    layer 0 kept in bf16 (the skip list): as planned, one line says so; otherwise one line per layer, naming it."""
+    from autoprec.export.judge_kv import loaded_kv_problems
+
+    model_py = model_py_namespace()
+    model = model_py["get_model"]()
+    scales = calibrate_kv(model, model_py["get_batches"]()[:1])[0]
+    plan = plan_export(model, Policy(default="bf16", kv_cache={LAYERS[1]: "fp8"}, kv_amax=scales))
+    k, v = (t.tolist() for t in scales[LAYERS[1]].scales(KV_FORMATS["fp8"]))
+    good = {f"{LAYERS[0]}.attn": {"cache": "auto", "k_scale": [1.0], "v_scale": [1.0]},
+            f"{LAYERS[1]}.attn": {"cache": "fp8", "k_scale": k, "v_scale": v}}
+    lines: list[str] = []
+    assert loaded_kv_problems(good, plan, model, lines)[0] == []
+    assert lines == ["vLLM loaded the KV cache of 1 attention layer in fp8 at the plan's k_scale and v_scale, "
+                     "1 attention layer in the model's dtype"]
+    bad = {f"{LAYERS[0]}.attn": dict(good[f"{LAYERS[0]}.attn"], cache="fp8"),
+           f"{LAYERS[1]}.attn": dict(good[f"{LAYERS[1]}.attn"], v_scale=[2 * v[0]])}
+    assert loaded_kv_problems(bad, plan, model, [])[0] == [
+        f"{LAYERS[1]}: vLLM loaded v_scale [{2 * v[0]:.6g}] ({LAYERS[1]}.attn), the plan's is [{v[0]:.6g}]",
+        f"{LAYERS[0]}: the plan keeps its KV cache in the model's dtype (--kv-cache-dtype-skip-layers 0), and "
+        f"vLLM's {LAYERS[0]}.attn holds it in fp8"]
+    unquantized = {f"{LAYERS[1]}.attn": dict(good[f"{LAYERS[1]}.attn"], cache="auto")}
+    assert loaded_kv_problems(unquantized, plan, model, [])[0] == [
+        f"{LAYERS[1]}: the plan holds its KV cache in fp8, and vLLM's {LAYERS[1]}.attn holds it in auto",
+        f"{LAYERS[0]}: vLLM built no attention layer under it to hold its KV cache"]
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory) -> tuple[Path, Policy]:
+    """model.py and the policy a served-mix tune writes for a KV-bound mix (``plan_served``, the tune's planner, on
+    model.py's batches but the held-out last: its FP8 KV cache and the calibration it measured it at, kv_amax)."""
+    from autoprec.search.served_mix import ServedMix, plan_served
+
+    model_py = tmp_path_factory.mktemp("tuned") / "model.py"
+    model_py.write_text(MODEL_PY)
+    module = model_py_namespace()
+    plan = plan_served(module["get_model"](), module["get_batches"]()[:-1], 20.0, "h100", ServedMix(4096, 256, 32),
+                       kv_strategies=("fp8",))
+    assert plan.policy.kv_cache and set(plan.policy.kv_amax) == set(LAYERS)
+    return model_py, plan.policy
+
+
+def judged(tmp_path: Path, model_py: Path, policy: Policy, name: str, vllm_python: Path, edit=None):
+    """``policy`` exported and checked by vLLM (``edit``: what changes the folder's tensors in between)."""
+    policy_path = policy.save(tmp_path / f"{name}.json")
+    out = tmp_path / name
+    export_model_py(model_py, TunedRun(Policy.load(policy_path), None, policy_path), out)
+    if edit is not None:
+        written = tensors(out)
+        edit(written)
+        safetensors.save_file(written, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return judge_export(out, model_py, policy=policy_path, vllm_python=vllm_python), out
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_loads_the_kv_cache_at_the_scales_of_the_tunes_kv_amax(tuned, tmp_path, vllm_python):
+    """A served-mix tune's policy (both layers' caches in FP8, its kv_amax) exported and checked: vLLM's config reads
+    the scheme, and each attention layer vLLM builds holds an FP8 cache at the k_scale and v_scale the policy's
+    kv_amax gives (|max| / 448 in bf16, as apply_policy runs them). Where this CPU cannot allocate an FP8
+    cache (AVX2 only: no AVX-512 or AMX), vLLM's executor loads the folder as its engine does, up to the cache, and
+    the check says, in one line, that the logprobs were not compared. Checked without the policy, the plan is the
+    folder's, its scales too: the same."""
+    model_py, policy = tuned
+    verdict, out = judged(tmp_path, model_py, policy, "tuned", vllm_python)
+    assert verdict.ok, verdict.problems
+    assert any("kv_cache_scheme float 8-bit, strategy tensor" in line for line in verdict.lines)
+    assert set(verdict.kv_scales) == set(policy.kv_cache) == set(LAYERS)
+    for layer in LAYERS:
+        loaded = verdict.kv_scales[layer]
+        assert loaded["layer"] == f"{layer}.attn"
+        k, v = policy.kv_amax[layer].scales(KV_FORMATS["fp8"])
+        assert loaded["cache"] == "fp8" and (loaded["k_scale"], loaded["v_scale"]) == (k.tolist(), v.tolist())
+    cannot = [line for line in verdict.lines if "not its logprobs" in line]
+    if verdict.scored:  # a CPU with AVX-512 or AMX, or a GPU: its logprobs held to the plan's
+        assert not cannot and "mean" in verdict.figures
+    else:
+        assert len(cannot) == 1 and "FP8 KV cache on CPU requires x86 with AVX-512 or AMX" in cannot[0]
+        assert "and the KV cache it loads, not its logprobs" in cannot[0]
+    alone = judge_export(out, model_py, vllm_python=vllm_python)  # not recalibrated on all of model.py's batches
+    assert alone.ok, alone.problems
+    assert alone.kv_scales == verdict.kv_scales
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_folder_whose_k_scale_was_edited_after_the_export_fails_naming_the_layer(tuned, tmp_path, vllm_python):
+    """The case that should lose: the tune's calibration with layer 1's cache per KV head and layer 0's in bf16 (vLLM's
+    skip list), its folder's k_scale of layer 1's second head doubled after the export (the policy, and so its hash,
+    unchanged): vLLM loads the edited scale, and the check names the layer, the scale it loaded and the plan's; layer
+    0's cache, skipped, is bf16."""
+    model_py, policy = tuned
+    per_head = Policy(default=policy.default, engine=policy.engine, layers=dict(policy.layers),
+                      kv_cache={LAYERS[1]: "fp8-head"}, kv_amax=dict(policy.kv_amax))
+
+    def double_one_head(written: dict[str, torch.Tensor]) -> None:
+        written[f"{LAYERS[1]}.k_scale"][1] *= 2
+
+    verdict, _ = judged(tmp_path, model_py, per_head, "edited", vllm_python, double_one_head)
+    k, _ = policy.kv_amax[LAYERS[1]].scales(KV_FORMATS["fp8-head"])
+    edited = [k[0].item(), 2 * k[1].item()]
+    assert verdict.kv_scales[LAYERS[1]]["k_scale"] == edited and verdict.kv_scales[LAYERS[0]]["cache"] == "auto"
+    assert verdict.problems == [f"{LAYERS[1]}: vLLM loaded k_scale [{edited[0]:.6g}, {edited[1]:.6g}] "
+                                f"({LAYERS[1]}.attn), the plan's is [{k[0].item():.6g}, {k[1].item():.6g}]"]

@@ -31,7 +31,7 @@ __all__ = ["start"]
 
 # What the scripts import from vLLM (vllm_side.py's imports, the MoE test's), imported once by the server.
 WARM = ("torch", "safetensors", "vllm", "vllm.entrypoints.llm", "vllm.platforms", "vllm.config",
-        "vllm.inputs", "vllm.model_executor.models",
+        "vllm.inputs", "vllm.model_executor.models", "vllm.engine.arg_utils", "vllm.v1.executor",
         "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
         "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",
         "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe")
