@@ -30,7 +30,7 @@ from autoprec.outputs.outdir import claim_out_dir
 from autoprec.outputs.results import TuneResult
 from autoprec.outputs.tuned import tune_outputs
 from autoprec.profile.reuse import NothingToTune, load_or_profile
-from autoprec.runtime.as_served import ServedAs
+from autoprec.runtime.as_served import served_as
 from autoprec.search.stage import search_workload, study_storage, unsearched
 from autoprec.verify.stage import autocast_for, fp32_answer, verify_search
 from autoprec.workloads import Workload
@@ -123,7 +123,7 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
             free_memory(device)
             seconds["capture"] = profile.cost["seconds"].get("capture", 0.0)
             seconds["profile"] = time.perf_counter() - start - seconds["capture"]
-            _measure_as_served(workload, objective, stages.serving, profile.fusion_groups)
+            _measure_as_served(workload, objective, stages.serving, stages.profile.precisions, profile.fusion_groups)
             # the answer is fp32: say why, skip the rest (an engine serves no fp32: its tune goes on)
             if profile.nothing_pays_off and stages.verify.estimated_for is None and stages.serving is None:
                 phase = "outputs"
@@ -168,14 +168,15 @@ def _checked(workload: Workload, config: TuneConfig, ranks: Ranks, log: Callable
     return workload, ranks
 
 
-def _measure_as_served(workload: Workload, objective: Any, serving: tuple | None,
+def _measure_as_served(workload: Workload, objective: Any, serving: tuple | None, precisions: Sequence[str],
                        fusion_groups: Mapping[str, Sequence[str]]) -> None:
     """A tune for a serving engine (``tune --engine vllm``, ``serving``: the engine and the dtype it serves in; the
     profile's fusion groups): from here on the search's objective and the verification measure every policy as the
-    engine serves it (:mod:`autoprec.runtime.as_served`)."""
+    engine serves it (:mod:`autoprec.runtime.as_served`), NVFP4 inputs with the static scales calibrated on the
+    search batches, as the profile measured them (the chosen policy carries them: ``input_amax``)."""
     if serving is None:
         return
     engine, dtype = serving
-    served = ServedAs(engine, dtype, fusion_groups)
+    served = served_as(workload.model, workload.batches, engine, dtype, precisions, fusion_groups)
     objective.served = served
     workload.served = served

@@ -36,12 +36,13 @@ from autoprec.export.checkpoint import EXPORT_FILE, checkpoint_layout, export_ch
 from autoprec.export.judge_kv import folder_kv_scales, kv_problems, loaded_kv_problems
 from autoprec.export.kvcache import is_attention
 from autoprec.export.plan import SCHEMES, ExportPlan, plan_export
-from autoprec.export.quantize import calibrate_inputs, served_model
+from autoprec.export.quantize import served_model
 from autoprec.export.run import policy_sha256, read_run
 from autoprec.inputs.userspec import import_model_py
 from autoprec.runtime.kvcache import KV_FORMATS, calibrate_kv, kv_quantized
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
+from autoprec.runtime.served_nvfp4 import amax_of_global_scale
 
 __all__ = ["FP8_FLIP_MARGIN", "INSTALL_VLLM", "JudgeRefused", "Verdict", "find_vllm_python", "judge_export",
            "vllm_scores"]
@@ -126,8 +127,9 @@ def judge_export(folder: str | Path, model_py: str | Path, policy: str | Path | 
         return _judge_mapping(folder, summary, policy, python, *streamed)
     model, batches, holdout = _model_and_batches(module, path)
     plan = _plan_held_to(folder, summary, policy, model)
-    if plan.nvfp4_layers:
-        plan.input_amax = calibrate_inputs(model, plan, batches)  # as the export calibrated them
+    unscaled = [n for n in plan.nvfp4_layers if n not in plan.input_amax]  # the policy's own (input_amax) stand
+    if unscaled:  # as the export calibrated them: its input_global_scale, read back
+        plan.input_amax.update(written_input_amax(folder, unscaled))
     if any(n not in plan.kv_scales for n in plan.kv_cache):  # as the export calibrated them (or the policy's kv_amax)
         plan.kv_scales = {**calibrate_kv(model, batches)[0], **plan.kv_scales}
     prompts = _prompts(holdout)
@@ -146,6 +148,20 @@ def _plan_held_to(folder: Path, summary: dict[str, Any], policy: Path | None, mo
     if policy is None:
         return _folder_plan(folder, summary, model)
     return plan_export(model, Policy.load(policy), keep_fp32=bool(summary.get("source", {}).get("keep_fp32")))
+
+
+def written_input_amax(folder: Path, layers: list[str]) -> dict[str, float]:
+    """nvfp4 layer -> the largest |input| whose global scale is the ``input_global_scale`` the folder holds for it
+    (the export's calibration, read back exactly)."""
+    from safetensors import safe_open
+
+    wanted = {f"{name}.input_global_scale": name for name in layers}
+    out: dict[str, float] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as tensors:
+            for key in wanted.keys() & set(tensors.keys()):
+                out[wanted[key]] = amax_of_global_scale(tensors.get_tensor(key))
+    return out
 
 
 def _too_large(module: Any, path: Path, stream: str) -> tuple[Any, str] | None:

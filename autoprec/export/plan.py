@@ -34,6 +34,7 @@ from autoprec.runtime.apply import effective_precisions
 from autoprec.runtime.experts import experts_problem, fused_experts
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
+from autoprec.runtime.served_nvfp4 import NVFP4_GROUP
 
 __all__ = ["SCHEMES", "DTYPES", "ExportPlan", "ExportRefused", "Scheme", "fused_experts", "plan_export"]
 
@@ -76,7 +77,6 @@ SCHEMES: dict[Precision, Scheme] = {
                             "NVFP4, weights and inputs in groups of 16 with E4M3 scales and a global scale",
                             format="nvfp4-pack-quantized"),
 }
-NVFP4_GROUP = 16  # compressed-tensors' NVFP4 groups run along the input dimension, which they must divide
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _UNQUANTIZED = (Precision.FP32, Precision.BF16, Precision.FP16)
 _SHOWN = 6  # layers named in one line before "and N more"
@@ -91,7 +91,8 @@ class ExportPlan:
     ignore: list[str]  # every linear (experts module, MoE router) served unquantized, lm_head included
     dtype: str  # "bf16", "fp16" or "fp32": every tensor that is not a quantized weight or its scale
     notes: list[str] = field(default_factory=list)  # one line each: what is served otherwise than measured
-    # nvfp4 layer -> the largest |input| seen on the calibration batches (its input_global_scale: 448 * 6 / amax)
+    # nvfp4 layer -> the largest |input| seen on the calibration batches (its input_global_scale: 448 * 6 / amax):
+    # the tune's, where the policy holds them (input_amax), else calibrated by the export
     input_amax: dict[str, float] = field(default_factory=dict)
     # the KV cache (autoprec.export.kvcache): attention layer -> fp8 or fp8-head, the layer indices kept in the
     # model's dtype (vLLM's --kv-cache-dtype-skip-layers), and every attention layer's calibrated |max| of K and V
@@ -123,6 +124,8 @@ def plan_export(model: nn.Module, policy: Policy, keep_fp32: bool = False,
     plan.kv_cache, plan.kv_skip, notes = kv_export_plan(model, policy.kv_cache, ExportRefused)
     if plan.kv_cache:  # the scales the tune measured with, where the policy holds them: served as tuned
         plan.kv_scales = dict(policy.kv_amax)
+    # and the nvfp4 inputs' (a policy holds them for all its nvfp4 layers or for none: Policy checks)
+    plan.input_amax = {n: policy.input_amax[n] for n in plan.nvfp4_layers if n in policy.input_amax}
     plan.notes += notes
     return plan
 

@@ -12,12 +12,13 @@ GEMM to the largest scale of its parts on loading (``tests/export/test_export.py
 compressed-tensors' own).
 
 NVFP4 (``nvfp4-pack-quantized``) is the runtime's arithmetic (:mod:`autoprec.runtime.mx`, compressed-tensors' bit
-for bit): each weight as E2M1 codes packed two to a byte (``weight_packed``, the even column in the low nibble),
-its E4M3 group scales (``weight_scale``) and its fp32 ``weight_global_scale``; the input's ``input_global_scale``
-is calibrated (the largest |input| over the calibration batches, as compressed-tensors' ``static_minmax``
-observer), its group scales computed at every forward. vLLM runs the parts of a fused GEMM (q/k/v, gate/up, an
-expert's gate/up) with one global scale, so they share one (from their largest weight), as llm-compressor writes
-them.
+for bit; :mod:`autoprec.runtime.served_nvfp4`, which a ``tune --engine vllm`` measures with): each weight as E2M1
+codes packed two to a byte (``weight_packed``, the even column in the low nibble), its E4M3 group scales
+(``weight_scale``) and its fp32 ``weight_global_scale``; the input's ``input_global_scale`` is static, ``448 * 6 /
+amax`` with ``amax`` the largest |input| over calibration batches (compressed-tensors' ``static_minmax`` observer):
+the tune's own where the policy holds them (``input_amax``), else calibrated here; its group scales are computed at
+every forward. vLLM runs the parts of a fused GEMM (q/k/v, gate/up, an expert's gate/up) with one global scale, so
+they share one (from their largest weight), as llm-compressor writes them.
 
 MoE experts in fp8-rowwise (:class:`ServedExperts`) are what vLLM's ``CompressedTensorsW8A8Fp8MoE`` computes: each
 expert projection's weight with a scale per output channel (each expert's own), each input with a dynamic scale per
@@ -39,12 +40,12 @@ from torch import nn
 
 from autoprec.export.plan import SCHEMES, ExportPlan, Scheme, fused_experts
 from autoprec.export.vllm import engine_layers
-from autoprec.inputs.batches import call_model
 from autoprec.runtime import as_served
 from autoprec.runtime.as_served import cast_stored, expert_gemm_groups, fake_quantize_input, fp8_served_values
 from autoprec.runtime.experts import FP8Experts
 from autoprec.runtime.mx import nvfp4_dequantize, nvfp4_fake_quantize, nvfp4_global_scale, nvfp4_quantize
 from autoprec.runtime.precision import Precision
+from autoprec.runtime.served_nvfp4 import calibrate_input_amax, shared_global_scale
 
 __all__ = ["ServedExperts", "ServedLinear", "calibrate_inputs", "fake_quantize_input", "fused_parts", "nvfp4_weight",
            "pack_e2m1", "quantize_weight", "served_model", "shared_global_scales", "weight_scale"]
@@ -94,35 +95,15 @@ def shared_global_scales(model: nn.Module, plan: ExportPlan) -> dict[str, torch.
     GEMM, from the largest |weight| of them all (vLLM runs the fused GEMM with one global scale)."""
     out: dict[str, torch.Tensor] = {}
     for parts in fused_parts(plan.nvfp4_layers):
-        amax = max(model.get_submodule(p).weight.detach().abs().amax().float() for p in parts)
-        out.update(dict.fromkeys(parts, nvfp4_global_scale(amax)))
+        out.update(dict.fromkeys(parts, shared_global_scale(model.get_submodule(p).weight for p in parts)))
     return out
 
 
-@torch.no_grad()
 def calibrate_inputs(model: nn.Module, plan: ExportPlan, batches: list) -> dict[str, float]:
     """nvfp4 layer -> the largest |input| it sees over ``batches`` (the model in fp32, as loaded): what
     compressed-tensors' static_minmax observer keeps for the input_global_scale. Parts of a fused GEMM read one
     input, so they get one value (the largest of theirs)."""
-    names = plan.nvfp4_layers
-    amax = dict.fromkeys(names, 0.0)
-
-    def observe(name: str):
-        def hook(_module, args):
-            amax[name] = max(amax[name], float(args[0].detach().abs().amax()))
-        return hook
-
-    handles = [model.get_submodule(n).register_forward_pre_hook(observe(n)) for n in names]
-    try:
-        for batch in batches:
-            call_model(model, batch)
-    finally:
-        for handle in handles:
-            handle.remove()
-    for parts in fused_parts(names):
-        shared = max(amax[p] for p in parts)
-        amax.update(dict.fromkeys(parts, shared))
-    return amax
+    return calibrate_input_amax(model, plan.nvfp4_layers, batches, fused_parts(plan.nvfp4_layers))
 
 
 class ServedLinear(nn.Module):
@@ -136,7 +117,8 @@ class ServedLinear(nn.Module):
         self.in_features, self.out_features, self.scheme = linear.in_features, linear.out_features, scheme
         if scheme.nvfp4:
             values = nvfp4_weight(linear.weight, global_scale)[3]
-            self.register_buffer("input_global_scale", nvfp4_global_scale(torch.tensor(input_amax)))
+            self.register_buffer("input_global_scale",
+                                 nvfp4_global_scale(torch.tensor(input_amax, dtype=torch.float32)))
         elif values is None:  # FP8 alone; a fused GEMM's parts come with theirs (requantized together)
             values = fp8_served_values([linear.weight], scheme.per_channel, dtype)[0]
         self.register_buffer("weight", values)  # the exact values the FP8 or FP4 GEMM multiplies

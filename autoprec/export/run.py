@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -69,7 +70,7 @@ def export_model_py(model_py: str | Path, run: TunedRun, out: str | Path, keep_f
     plan = plan_export(model, run.policy, keep_fp32=keep_fp32, profile=run.profile)
     if checkpoint is None:
         read = None
-        _calibrate(module, path, model, plan)
+        _calibrate(module, path, model, plan, run.policy)
     else:
         read = streamed_reader(checkpoint, plan, state_tensors(model))
     tokenizer, found = find_tokenizer(module, path, model)
@@ -79,22 +80,28 @@ def export_model_py(model_py: str | Path, run: TunedRun, out: str | Path, keep_f
     return export_checkpoint(model, plan, out, tokenizer=tokenizer, source=source, shard_bytes=shard_bytes, read=read)
 
 
-def _calibrate(module: Any, path: Path, model: Any, plan: Any) -> None:
-    """The static scales engines read, calibrated on model.py's batches as the tune measured them: NVFP4's input
-    global scales, the KV cache's scales (where the policy does not hold the tune's own, ``kv_amax``)."""
+def _calibrate(module: Any, path: Path, model: Any, plan: Any, policy: Policy) -> None:
+    """The static scales engines read, calibrated on model.py's batches where the policy does not hold the tune's
+    own: NVFP4's input global scales (``input_amax``; a plan tuned for an engine without them is said in one line),
+    the KV cache's scales (``kv_amax``)."""
     from autoprec.inputs.userspec import call_user, find_function
 
     kv = plan.kv_cache and not plan.kv_scales  # a policy with its KV calibration (kv_amax) brings its own
-    if not plan.nvfp4_layers and not kv:
+    nvfp4 = [n for n in plan.nvfp4_layers if n not in plan.input_amax]  # a policy with input_amax brings its own
+    if nvfp4 and policy.engine is not None:
+        warnings.warn(f"the policy holds no calibrated input scales ('input_amax') for its {len(nvfp4)} nvfp4 "
+                      "layer(s), so the export calibrates them on model.py's batches, which the tune did not measure "
+                      f"with; to serve what was measured, re-tune with --engine {policy.engine}", stacklevel=3)
+    if not nvfp4 and not kv:
         return
     get_batches = find_function(module, path, "get_batches", "get_batches() -> list", required=False)
     if get_batches is None:
-        what = (f"{plan.nvfp4_layers[0]!r} is nvfp4, whose input_global_scale is" if plan.nvfp4_layers else
+        what = (f"{nvfp4[0]!r} is nvfp4, whose input_global_scale is" if nvfp4 else
                 f"the plan's KV cache is {next(iter(plan.kv_cache.values()))}, whose scales are")
         raise ExportRefused(f"{what} calibrated on the model's batches, and model.py has no get_batches(); fix: "
                             f"define get_batches() in {path.name}")
     batches = call_user(path, "get_batches", get_batches)
-    if plan.nvfp4_layers:
+    if nvfp4:
         plan.input_amax = calibrate_inputs(model, plan, batches)
     if kv:
         plan.kv_scales = calibrate_kv(model, batches)[0]

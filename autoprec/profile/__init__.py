@@ -34,7 +34,7 @@ from autoprec.profile.latency import (
 from autoprec.profile.probe import probe_precisions, probe_verdict
 from autoprec.profile.result import LayerProfile, Profile, ProfileError, Sensitivity, device_name, fingerprint
 from autoprec.profile.sensitivity import measure_sensitivity, sensitivity_work
-from autoprec.runtime.as_served import ServedAs, output_heads
+from autoprec.runtime.as_served import ServedAs, nvfp4_candidates, output_heads, served_as
 from autoprec.runtime.engines import SERVED_QUANTIZED, served_dtype
 from autoprec.runtime.experts import moe_routers
 from autoprec.runtime.precision import DEFAULT_PRECISIONS, Precision, device_capabilities
@@ -90,7 +90,7 @@ def profile_layers(workload: Any, table: LayerTable, config: ProfileConfig, cont
     # A layer only held-out batches run cannot be measured on the search batches: no candidates.
     searched = {layer.name for layer in table if not layer.batches or min(layer.batches) < len(batches)}
     candidates = layer_candidates(model, table, low, searched)
-    served = _served(model, table, config, candidates)
+    served = _served(model, table, config, candidates, batches)
     # The linears that fp8, mxfp8 and nvfp4 rules swap (every nn.Linear takes all three).
     fp8_layers = [n for n in names if any(Precision(p).swaps_linear for p in candidates[n])]
     seconds: dict[str, float] = {"capture": table.seconds}
@@ -126,18 +126,23 @@ def profile_layers(workload: Any, table: LayerTable, config: ProfileConfig, cont
                     not_profiled=timing.not_profiled, not_faster=timing.not_faster, nothing_pays_off=timing.nothing)
 
 
-def _served(model: nn.Module, table: LayerTable, config: ProfileConfig, candidates: dict[str, list[str]]
-            ) -> ServedAs | None:
-    """For a serving engine (``config.engine``): how a policy is measured (as the engine serves it), with the
-    output head, the embeddings and a MoE block's linear routers taken out of ``candidates``' quantized formats
-    (engines never quantize them)."""
+def _served(model: nn.Module, table: LayerTable, config: ProfileConfig, candidates: dict[str, list[str]],
+            batches: Sequence[Any]) -> ServedAs | None:
+    """For a serving engine (``config.engine``): how a policy is measured (as the engine serves it, NVFP4 inputs
+    with their static scales calibrated on ``batches``), with the output head, the embeddings and a MoE block's
+    linear routers taken out of ``candidates``' quantized formats (engines never quantize them), and nvfp4 out of
+    those of a linear the engine cannot serve in it (input features not in whole groups of 16)."""
     if config.engine is None:
         return None
     for head in output_heads(model) + moe_routers(model):  # a MoE router too: engines serve it unquantized
         if head in candidates:
             candidates[head] = [p for p in candidates[head] if Precision(p) not in SERVED_QUANTIZED]
+    nvfp4 = set(nvfp4_candidates(model))
+    for name, formats in candidates.items():
+        if name not in nvfp4:
+            candidates[name] = [p for p in formats if p != Precision.NVFP4.value]
     groups = {group.name: list(group.layers) for group in table.fusion_groups}
-    return ServedAs(config.engine, served_dtype(config.precisions), groups)
+    return served_as(model, batches, config.engine, served_dtype(config.precisions), config.precisions, groups)
 
 
 def _served_work(work: list, served: ServedAs | None) -> tuple[list, dict[str, tuple[str, str]]]:

@@ -13,6 +13,10 @@ As vLLM serves a compressed-tensors checkpoint (:mod:`autoprec.runtime.engines`)
   dtype. A per-tensor weight in a fused GEMM (q/k/v, gate/up, one expert's gate/up) is requantized to the largest
   scale of its parts, as vLLM's ``requantize_with_max_scale`` does on loading (each part dequantized in fp16,
   quantized again with that scale);
+- an NVFP4 linear runs as vLLM's ``CompressedTensorsW4A4Fp4`` runs it (:mod:`autoprec.runtime.served_nvfp4`): its
+  weight in E2M1 groups of 16 (one global scale for the parts of a fused GEMM), its input quantized with the static
+  global scale of the layer's calibrated largest |input| (the policy's ``input_amax``, which :class:`ServedAs`
+  brings to every plan a tune measures) and dynamic group scales;
 - a MoE layer's experts in fp8-rowwise run as vLLM's ``CompressedTensorsW8A8Fp8MoE`` runs them
   (:mod:`autoprec.runtime.experts`, their weight scales stored in the served dtype);
 - the output head and the embeddings are never quantized.
@@ -40,11 +44,12 @@ from autoprec.runtime.experts import EXPERTS_PRECISION, FP8Experts, experts_prob
 from autoprec.runtime.fp8 import E4M3, E4M3_MAX, fp8_dequantize_rows, fp8_per_token
 from autoprec.runtime.policy import Policy, PolicyError
 from autoprec.runtime.precision import Precision
+from autoprec.runtime.served_nvfp4 import EngineNVFP4Linear, calibrate_input_amax, nvfp4_problem, nvfp4_served_values
 
 __all__ = ["EXPERT", "W13", "EngineFP8Linear", "Served", "ServedAs", "cast_stored", "expert_gemm_groups",
-           "fake_quantize_input", "fp8_served_values", "fused_gemms", "install_served", "output_heads",
-           "quantize_weight", "remove_served", "requantize_with_max_scale", "served_experts", "served_policy",
-           "weight_scale"]
+           "fake_quantize_input", "fp8_served_values", "fused_gemms", "install_served", "nvfp4_candidates",
+           "output_heads", "quantize_weight", "remove_served", "requantize_with_max_scale", "served_as",
+           "served_experts", "served_policy", "weight_scale"]
 
 
 # ---- the arithmetic ---------------------------------------------------------------------------------------
@@ -174,34 +179,58 @@ def output_heads(model: nn.Module) -> list[str]:
 
 
 def served_policy(model: nn.Module, policy: Policy, engine: str, dtype: Precision,
-                  fusion_groups: Mapping[str, Sequence[str]] | None = None) -> Policy:
-    """``policy`` as ``engine`` serves it on ``model``: each exact ``nn.Linear`` the policy puts in fp8 or
-    fp8-rowwise keeps it (the output head and embeddings excepted), and so does each MoE layer's experts module in
+                  fusion_groups: Mapping[str, Sequence[str]] | None = None,
+                  input_amax: Mapping[str, float] | None = None) -> Policy:
+    """``policy`` as ``engine`` serves it on ``model``: each exact ``nn.Linear`` the policy puts in fp8, fp8-rowwise
+    or nvfp4 keeps it (the output head and embeddings excepted), and so does each MoE layer's experts module in
     fp8-rowwise (vLLM's CompressedTensorsW8A8Fp8MoE); everything else runs in ``dtype``; one exact rule per
-    quantized layer, the engine and the fusion groups recorded; the KV cache decisions and their calibration kept as
-    they are."""
+    quantized layer, the engine and the fusion groups recorded, and each nvfp4 layer's calibrated largest |input|
+    (``input_amax``, else the policy's own); the KV cache decisions and their calibration kept as they are."""
     heads = set(output_heads(model))
     precisions = policy.effective_precisions(model)
     layers = {name: precisions[name].value for name, module in model.named_modules()
               if (own_class(module) is nn.Linear and precisions[name] in SERVED_QUANTIZED and name not in heads)
               or (precisions[name] is EXPERTS_PRECISION and served_experts(module))}
+    amax = policy.input_amax if input_amax is None else input_amax
     groups = {"fusion_groups": {k: list(v) for k, v in fusion_groups.items()}} if fusion_groups else {}
     return Policy(layers=layers, default=dtype, engine=engine, model={**policy.model, **groups}, fp8=policy.fp8,
                   kv_cache=dict(policy.kv_cache), kv_amax=dict(policy.kv_amax), tuned_on=policy.tuned_on,
-                  result=policy.result)
+                  result=policy.result, input_amax={n: amax[n] for n, p in layers.items()
+                                                    if p == Precision.NVFP4.value and n in amax})
 
 
 @dataclass(frozen=True)
 class ServedAs:
     """A candidate policy turned into what the engine serves (:func:`served_policy`), for the measurements of a tune
-    for that engine."""
+    for that engine; ``input_amax``: each NVFP4 candidate's calibrated largest |input| (:func:`served_as`)."""
 
     engine: str
     dtype: Precision
     fusion_groups: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    input_amax: Mapping[str, float] = field(default_factory=dict)
 
     def __call__(self, model: nn.Module, policy: Policy) -> Policy:
-        return served_policy(model, policy, self.engine, self.dtype, self.fusion_groups)
+        return served_policy(model, policy, self.engine, self.dtype, self.fusion_groups, self.input_amax)
+
+
+def nvfp4_candidates(model: nn.Module) -> list[str]:
+    """The linears an engine can serve in NVFP4: each exact ``nn.Linear`` but the output head and embeddings, its
+    input features whole groups of 16."""
+    heads = set(output_heads(model))
+    return [name for name, module in model.named_modules()
+            if own_class(module) is nn.Linear and name not in heads and nvfp4_problem(module) is None]
+
+
+def served_as(model: nn.Module, batches: Sequence[Any], engine: str, dtype: Precision,
+              precisions: Iterable[str | Precision], fusion_groups: Mapping[str, Sequence[str]]) -> ServedAs:
+    """How a tune for ``engine`` over ``precisions`` measures each policy: as the engine serves it in ``dtype``,
+    and, where nvfp4 is a candidate, every NVFP4 candidate's input scaled statically by its largest |input| on
+    ``batches`` (the search batches, ``model`` in fp32: the scales the plan is measured with, which its policy
+    carries to the export)."""
+    amax: dict[str, float] = {}
+    if Precision.NVFP4 in {Precision.parse(p) for p in precisions}:
+        amax = calibrate_input_amax(model, nvfp4_candidates(model), batches, fused_gemms(fusion_groups))
+    return ServedAs(engine, dtype, fusion_groups, amax)
 
 
 # ---- installing it -----------------------------------------------------------------------------------------
@@ -222,16 +251,23 @@ def install_served(model: nn.Module, policy: Policy, precisions: Mapping[str, Pr
     heads = [n for n in output_heads(model) if precisions[n] in SERVED_QUANTIZED]
     if heads:
         raise PolicyError(f"layer {heads[0]!r} is the output head or embeddings, which {policy.engine} never "
-                          f"quantizes; fix: leave it out of the policy's fp8 rules (tune --engine {policy.engine})")
-    fp8 = [(n, m, precisions[n]) for n, m in model.named_modules()
-           if own_class(m) is nn.Linear and precisions[n] in SERVED_QUANTIZED]
+                          f"quantizes; fix: leave it out of the policy's fp8 and nvfp4 rules (tune --engine "
+                          f"{policy.engine})")
+    quantized = [(n, m, precisions[n]) for n, m in model.named_modules()
+                 if own_class(m) is nn.Linear and precisions[n] in SERVED_QUANTIZED]
     experts = [(n, m) for n, m in model.named_modules() if precisions[n] is EXPERTS_PRECISION and is_fused_experts(m)]
     for name, module in experts:
         if experts_problem(module) is not None:
             raise PolicyError(f"layer {name!r}: {experts_problem(module)}; fix: give it {policy.default} in the policy")
+    for name, module, precision in quantized:
+        if precision is Precision.NVFP4 and nvfp4_problem(module) is not None:
+            raise PolicyError(f"layer {name!r} is nvfp4, and {policy.engine} cannot serve it so: "
+                              f"{nvfp4_problem(module)}; fix: give it {policy.default} or fp8-rowwise in the policy")
     state = Served()
-    values = _fp8_values(model, fp8, policy.model.get("fusion_groups") or {}, dtype)
-    swaps = [(name, EngineFP8Linear(module, values[name], precision, dtype)) for name, module, precision in fp8]
+    values = _served_values(model, quantized, policy.model.get("fusion_groups") or {}, dtype)
+    swaps = [(name, EngineNVFP4Linear(module, values[name], policy.input_amax.get(name), dtype)
+              if precision is Precision.NVFP4 else EngineFP8Linear(module, values[name], precision, dtype))
+             for name, module, precision in quantized]
     swaps += [(name, FP8Experts(module, scale_dtype=dtype)) for name, module in experts]
     for name, swap in swaps:  # from the fp32 weights, before anything is cast
         parent_name, _, attr = name.rpartition(".")
@@ -244,19 +280,22 @@ def install_served(model: nn.Module, policy: Policy, precisions: Mapping[str, Pr
     return state
 
 
-def _fp8_values(model: nn.Module, fp8: list[tuple[str, nn.Module, Precision]],
-                groups: Mapping[str, Sequence[str]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Each FP8 linear's served values; the per-tensor ones of one engine GEMM requantized together."""
-    tensorwise = {n for n, _, p in fp8 if p is Precision.FP8}
+def _served_values(model: nn.Module, quantized: list[tuple[str, nn.Module, Precision]],
+                   groups: Mapping[str, Sequence[str]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Each FP8 or NVFP4 linear's served values; the per-tensor FP8 ones of one engine GEMM requantized together,
+    the NVFP4 ones of one engine GEMM quantized with one global scale."""
     values: dict[str, torch.Tensor] = {}
     for gemm in fused_gemms(groups):
-        parts = [n for n in gemm if n in tensorwise]
-        if len(parts) > 1:
-            weights = [model.get_submodule(n).weight for n in parts]
-            values.update(zip(parts, fp8_served_values(weights, per_channel=False, dtype=dtype)))
-    for name, module, precision in fp8:
-        if name not in values:
-            values[name] = fp8_served_values([module.weight], precision is Precision.FP8_ROWWISE, dtype)[0]
+        for precision, served in ((Precision.FP8, lambda w: fp8_served_values(w, per_channel=False, dtype=dtype)),
+                                  (Precision.NVFP4, nvfp4_served_values)):
+            parts = [n for n, _, p in quantized if p is precision and n in gemm]
+            if len(parts) > 1:
+                values.update(zip(parts, served([model.get_submodule(n).weight for n in parts])))
+    for name, module, precision in quantized:
+        if name in values:
+            continue
+        values[name] = (nvfp4_served_values([module.weight])[0] if precision is Precision.NVFP4 else
+                        fp8_served_values([module.weight], precision is Precision.FP8_ROWWISE, dtype)[0])
     return values
 
 
@@ -272,7 +311,7 @@ def _cast_stored(model: nn.Module, dtype: torch.dtype, state: Served) -> None:
     for :func:`remove_served`; a tensor two modules share stays shared); the served FP8 linears' own stay."""
     copies: dict[int, Any] = {}
     for module in model.modules():
-        if isinstance(module, (EngineFP8Linear, FP8Experts)):
+        if isinstance(module, (EngineFP8Linear, EngineNVFP4Linear, FP8Experts)):
             continue
         buffers = {k for k in module._buffers if k not in module._non_persistent_buffers_set}
         for store, names in ((module._parameters, list(module._parameters)), (module._buffers, buffers)):

@@ -9,7 +9,9 @@ folder. It runs every tensor that is not a quantized weight in one dtype, bf16 o
 the norms too, never fp32), the output head (``ParallelLMHead``) and the embeddings unquantized, and FP8 linears
 with a dynamic input scale per token (fp8 and fp8-rowwise alike); the per-tensor weight scales of the parts of a
 fused GEMM (q/k/v, gate/up, an expert's gate/up) are requantized to the largest of them; a MoE layer's experts
-module in fp8-rowwise runs its FP8 MoE (:mod:`autoprec.runtime.experts`). A policy for it is held to
+module in fp8-rowwise runs its FP8 MoE (:mod:`autoprec.runtime.experts`); NVFP4 linears (compressed-tensors'
+W4A4 NVFP4) quantize their input with the static global scale calibrated for the checkpoint and dynamic group scales
+(:mod:`autoprec.runtime.served_nvfp4`). A policy for it is held to
 that: its default is the served dtype, and a layer is either that dtype or quantized. How a plan is run as the
 engine serves it, in this process, is :mod:`autoprec.runtime.as_served`.
 """
@@ -27,10 +29,12 @@ IN_PROCESS = "in-process"
 VLLM = "vllm"
 ENGINES = {IN_PROCESS: "apply_policy in this process (torch, torchao): any precision on any layer",
            VLLM: "vLLM or SGLang serving a compressed-tensors export: one dtype (bf16 or fp16) for every "
-                 "unquantized tensor, the output head and embeddings unquantized, FP8 inputs scaled per token"}
+                 "unquantized tensor, the output head and embeddings unquantized, FP8 inputs scaled per token, "
+                 "NVFP4 inputs by a calibrated global scale"}
 SERVED_DTYPES = (Precision.BF16, Precision.FP16)
-# what the in-process emulation of the engine covers; NVFP4's calibrated static input scale is not emulated yet
-SERVED_QUANTIZED = (Precision.FP8, Precision.FP8_ROWWISE)
+# what the in-process emulation of the engine covers (NVFP4 with its calibrated static input scale: policy.json's
+# input_amax)
+SERVED_QUANTIZED = (Precision.FP8, Precision.FP8_ROWWISE, Precision.NVFP4)
 SERVED_DEFAULT = ("bf16", "fp8-rowwise")  # a tune's precisions for an engine unless asked otherwise: FP8_DYNAMIC
 
 

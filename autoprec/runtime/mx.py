@@ -12,8 +12,9 @@
   ``E2M1(clamp(x / (s / g), -6, 6))`` (round to nearest, ties to even), and their values ``q * (s / g)``.
   Weights take their own tensor's global scale; inputs, which compressed-tensors calibrates (a static global scale
   from the largest input seen over calibration data, the per-group scales dynamic), take the global scale of the
-  input at hand here, each forward (no calibration data while tuning); ``autoprec export`` calibrates the
-  checkpoint's ``input_global_scale`` on the model's batches (docs/formats.md).
+  input at hand here, each forward (an in-process tune has no calibration data); ``autoprec export`` calibrates the
+  checkpoint's ``input_global_scale`` on the model's batches (docs/formats.md). A tune for vLLM calibrates its own
+  and runs NVFP4 as vLLM serves it: :mod:`autoprec.runtime.served_nvfp4`.
 
 MXFP8 is quantized exactly as ``torchao.prototype.mx_formats`` does (``to_mx``), NVFP4 exactly as
 compressed-tensors' ``quantize``/``dequantize`` do (the tests compare bit for bit); both are dequantized back to

@@ -13,6 +13,10 @@ An optional ``"kv_cache": {"model.layers.0.self_attn": "fp8-head", ...}`` gives 
 Its static scales come from ``"kv_amax": {"model.layers.0.self_attn": {"key_amax": [...], "value_amax": [...]}}``:
 each attention layer's |max| of keys and of values per KV head on the tune's calibration batches (the scale is
 amax / 448, stored in bf16), with which ``apply_policy`` runs the cache as the tune measured it.
+A policy for an engine with nvfp4 layers holds their static input scales as ``"input_amax": {"model.layers.0.mlp.
+down_proj": 12.5, ...}``: each layer's largest |input| on the tune's calibration batches (fp32, written exactly; the
+checkpoint's ``input_global_scale`` is 448 * 6 / amax), with which ``apply_policy`` runs them and ``autoprec export``
+writes them (:mod:`autoprec.runtime.served_nvfp4`).
 
 Precedence, for one module: an exact module path wins; otherwise the first ``re:`` pattern,
 in file order, that matches the whole path. A module with no rule inherits the precision of
@@ -42,8 +46,8 @@ __all__ = ["SCHEMA", "VERSION", "Policy", "PolicyError"]
 SCHEMA = "autoprec.policy"
 VERSION = 1
 PATTERN_PREFIX = "re:"
-_KEYS = {"schema", "version", "default", "layers", "fp8", "engine", "kv_cache", "kv_amax", "model", "tuned_on",
-         "result"}
+_KEYS = {"schema", "version", "default", "layers", "fp8", "engine", "kv_cache", "kv_amax", "input_amax", "model",
+         "tuned_on", "result"}
 _FP8_KEYS = {"recipe", "amax_history"}
 _INFO_KEYS = ("model", "tuned_on", "result")  # what the policy was tuned on and achieved: free-form objects
 MAX_FILE_BYTES = 16 * 2**20  # a policy names each layer once: even 100k layers fit in a few MiB
@@ -68,6 +72,7 @@ class Policy:
     engine: str | None = None  # the serving engine it was tuned for (None: in-process); see autoprec.runtime.engines
     kv_cache: dict[str, str] = field(default_factory=dict)  # attention layer -> KV format (autoprec.runtime.kvcache)
     kv_amax: dict[str, KVScales] = field(default_factory=dict)  # attention layer -> its calibrated |max| of K, V
+    input_amax: dict[str, float] = field(default_factory=dict)  # nvfp4 linear -> its calibrated largest |input|
 
     def __post_init__(self) -> None:
         # Every problem is collected, then all are named in one message: fixing a file should
@@ -86,6 +91,7 @@ class Policy:
         problems += policy_problems(self.engine, self.default, self.layers)
         self.kv_cache = check_kv_formats(self.kv_cache, problems)
         self.kv_amax = check_kv_amax(self.kv_amax, self.kv_cache, problems)
+        self.input_amax = _input_amax(self.input_amax, self.engine, self.layers, problems)
         for key in _INFO_KEYS:
             if not isinstance(getattr(self, key), Mapping):
                 problems.append(f"{key!r} must be an object, got {type(getattr(self, key)).__name__}")
@@ -174,6 +180,8 @@ class Policy:
             out["kv_cache"] = dict(self.kv_cache)
         if self.kv_amax:
             out["kv_amax"] = {name: scales.to_dict() for name, scales in self.kv_amax.items()}
+        if self.input_amax:  # fp32 numbers as Python floats: JSON writes them exactly
+            out["input_amax"] = dict(self.input_amax)
         for key in _INFO_KEYS:
             block = getattr(self, key)
             if block:
@@ -228,6 +236,8 @@ class Policy:
         if self.kv_cache:
             lines.append("KV cache: " + ", ".join(f"{n} {f}" for n, f in self.kv_cache.items())
                          + (" (calibrated: kv_amax)" if self.kv_amax else ""))
+        if self.input_amax:
+            lines.append(f"nvfp4 inputs: static scales of {len(self.input_amax)} layer(s) (calibrated: input_amax)")
         if self.needs_grad_scaler:
             lines.append("training: fp16 layers present, use a GradScaler (policy.grad_scaler())")
         return "\n".join(lines)
@@ -252,7 +262,7 @@ def _from_dict(cls: type[Policy], data: Any, source: str, problems: list[str]) -
     try:
         policy = cls(layers=data.get("layers", {}), default=data.get("default", "fp32"), fp8=data.get("fp8", {}),
                      engine=data.get("engine"), kv_cache=data.get("kv_cache", {}),
-                     kv_amax=data.get("kv_amax", {}),
+                     kv_amax=data.get("kv_amax", {}), input_amax=data.get("input_amax", {}),
                      **{key: data.get(key, {}) for key in _INFO_KEYS})
     except PolicyError as e:
         problems.append(str(e))
@@ -341,6 +351,36 @@ def _rules(layers: Any, problems: list[str]) -> tuple[dict[str, Precision], list
         if precision is not None:
             rules[name] = precision
     return rules, patterns
+
+
+def _input_amax(amax: Any, engine: str | None, layers: Mapping[str, Precision], problems: list[str]
+                ) -> dict[str, float]:
+    """A policy's ``input_amax`` (nvfp4 linear -> its calibrated largest |input|), checked: each a finite number
+    >= 0, for a policy with an engine (in process an NVFP4 input takes its own scale), and, where it is given at all
+    (a file written before it existed has none), one for every layer the policy names in nvfp4; each problem is
+    added to ``problems``."""
+    if not isinstance(amax, Mapping):
+        problems.append(f"'input_amax' must map nvfp4 layer names to their calibrated largest |input|, got "
+                        f"{type(amax).__name__}")
+        return {}
+    out: dict[str, float] = {}
+    for name, value in amax.items():
+        if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not 0 <= value < float("inf"):
+            problems.append(f"'input_amax': layer {name!r} has {value!r}; give its largest |input|, a finite number "
+                            ">= 0")
+            continue
+        out[name] = float(value)
+    if out and engine is None:
+        problems.append("'input_amax' holds the static NVFP4 input scales a serving engine reads, and this policy "
+                        "records no engine (in process an NVFP4 input is scaled by its own |max|); fix: remove "
+                        "'input_amax', or give the policy its 'engine'")
+    uncalibrated = [n for n, p in layers.items() if p is Precision.NVFP4 and not n.startswith(PATTERN_PREFIX)
+                    and n not in out]
+    if out and uncalibrated:
+        problems.append(f"'input_amax' has no calibration for {uncalibrated[0]!r}, which the policy puts in nvfp4: "
+                        "tune again (it calibrates every nvfp4 candidate), or give that layer the served dtype")
+    return out
 
 
 def _fp8(fp8: Any, problems: list[str]) -> FP8Recipe:

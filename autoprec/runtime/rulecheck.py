@@ -25,6 +25,7 @@ from autoprec.runtime.kvcache import KV_FORMATS
 from autoprec.runtime.mx import BlockScaledLinear
 from autoprec.runtime.policy import Policy, PolicyError
 from autoprec.runtime.precision import Precision
+from autoprec.runtime.served_nvfp4 import nvfp4_problem
 
 __all__ = ["AUTOCAST_LOWERED", "check_linear_formats", "check_master_weights", "check_model", "check_names",
            "check_rules_reach", "check_shared", "computes_without_autocast_types", "half_precision_parameters",
@@ -142,12 +143,23 @@ def structure_fingerprint(model: nn.Module) -> str:
 def check_model(model: nn.Module, policy: Policy) -> None:
     """Warn when the policy records another model type or structure than ``model`` has, or puts a KV cache in FP8
     without its calibration (``kv_amax``: a file written before the tune wrote it), which apply_policy cannot
-    emulate: it runs that cache in the model's dtype."""
+    emulate: it runs that cache in the model's dtype; or, for an engine, puts linears in nvfp4 without their
+    calibrated input scales (``input_amax``): apply_policy then scales each input by its own |max|."""
     uncalibrated = [n for n, f in policy.kv_cache.items() if KV_FORMATS[f].quantized and n not in policy.kv_amax]
     if uncalibrated:
         _warn_once(policy, f"this policy puts the KV cache of {len(uncalibrated)} attention layer(s) in FP8 without "
                            "their calibrated scales ('kv_amax', written by tunes since), so apply_policy runs it in "
                            "the model's dtype; fix: tune again (`autoprec export` calibrates its own)")
+    if policy.engine is not None and Precision.NVFP4 in policy.precisions_used():
+        precisions = policy.effective_precisions(model)
+        unscaled = [n for n, m in model.named_modules() if precisions[n] is Precision.NVFP4
+                    and own_class(m) is nn.Linear and n not in policy.input_amax
+                    and nvfp4_problem(m) is None]  # one the engine cannot serve so is refused, not warned of
+        if unscaled:
+            _warn_once(policy, f"this policy puts {len(unscaled)} linear(s) in nvfp4 for {policy.engine} without "
+                               "their calibrated input scales ('input_amax', written by tunes since), so apply_policy "
+                               f"scales each input by its own |max|, where {policy.engine} reads a static scale; fix: "
+                               "tune again (`autoprec export` calibrates its own)")
     recorded_type, recorded_structure = policy.model.get("type"), policy.model.get("structure")
     differs = []
     if recorded_type is not None and recorded_type != own_class(model).__name__:

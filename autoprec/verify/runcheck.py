@@ -31,6 +31,7 @@ from autoprec.runtime.experts import EXPERTS_PRECISION, FP8Experts, FP8ExpertsFo
 from autoprec.runtime.fp8_linear import FP8Linear, FP8RowwiseLinear, FP8ServedLinear
 from autoprec.runtime.mx import BlockScaledLinear
 from autoprec.runtime.policy import Policy, PolicyError
+from autoprec.runtime.served_nvfp4 import EngineNVFP4Linear
 from autoprec.runtime.sharded import FSDP_CASTS_FIX, fsdp_casts
 
 __all__ = ["check_policy_runs", "policy_runs_note"]
@@ -79,7 +80,8 @@ def _swapped_format(module: nn.Module) -> str | None:
     """The format a module swapped in by a rule computes in (fp8, fp8-rowwise, mxfp8, nvfp4), or None."""
     if isinstance(module, FP8Linear):
         return "fp8"
-    if isinstance(module, (BlockScaledLinear, FP8RowwiseLinear, FP8ServedLinear, EngineFP8Linear, FP8Experts)):
+    if isinstance(module, (BlockScaledLinear, FP8RowwiseLinear, FP8ServedLinear, EngineFP8Linear, EngineNVFP4Linear,
+                           FP8Experts)):
         return module.precision
     forward = module.__dict__.get("forward")  # MoE experts in FP8 in process: their forward, inside their region
     if isinstance(getattr(forward, "inner_forward", forward), FP8ExpertsForward):

@@ -74,3 +74,47 @@ def test_keep_fp32_of_a_vllm_plan_is_refused_and_writes_nothing(tmp_path):
     run = autoprec("export", str(tmp_path / "p.json"), "--model", str(tmp_path / "model.py"), "--out", str(out))
     assert run.returncode == 0, run.stderr
     assert "note:" not in run.stdout and "2 quantized layers" in run.stdout
+
+
+def test_engine_vllm_tunes_nvfp4_end_to_end_planned_for_an_h100(cli_models, tmp_path):
+    """`tune --engine vllm --target h100 --precisions bf16,nvfp4` on a tiny Llama: it runs to its outputs, every
+    linear but the output head profiled in nvfp4 as vLLM serves it (inputs at their calibrated static scales), and
+    an H100, which has no FP4 tensor cores, plans bf16 (NVFP4 is emulated there: never a speed-up)."""
+    import json
+
+    out = tmp_path / "run"
+    run = autoprec("tune", str(cli_models / "tiny_llama.py"), "--engine", "vllm", "--target", "h100", "--precisions",
+                   "bf16,nvfp4", "--trials", "3", "--out", str(out))
+    assert run.returncode == 0, run.stderr
+    policy = Policy.load(out / "policy.json")
+    assert policy.engine == "vllm" and policy.default.value == "bf16" and policy.input_amax == {}
+    layers = json.loads((out / "profile.json").read_text())["layers"]
+    linears = [layer for layer in layers if layer["type"] == "Linear"]
+    assert len(linears) == 15 and all(("nvfp4" in layer["sensitivity"]) == (layer["name"] != "lm_head")
+                                      for layer in linears)
+    assert "nvfp4" not in policy.precisions_used()
+
+
+NARROW_MODEL_PY = '''import torch
+
+
+def get_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+
+
+def get_batches():
+    return [torch.randn(32, 24, generator=torch.Generator().manual_seed(seed)) for seed in range(4)]
+'''
+
+
+def test_nvfp4_on_a_linear_whose_inputs_are_not_groups_of_16_is_one_line(tmp_path):
+    """A policy for vLLM forcing nvfp4 on a linear of 24 input features (no tune plans it): one line, no traceback."""
+    (tmp_path / "model.py").write_text(NARROW_MODEL_PY)
+    Policy(layers={"0": "nvfp4"}, default="bf16", engine="vllm").save(tmp_path / "p.json")
+    run = autoprec("bench", str(tmp_path / "model.py"), "--policy", str(tmp_path / "p.json"), "--repeats", "1",
+                   "--max-seconds", "1")
+    assert run.returncode != 0
+    assert _one_line(run) == ("autoprec bench: error: layer '0' is nvfp4, and vllm cannot serve it so: it has 24 input "
+                              "features, and compressed-tensors' NVFP4 needs groups of 16 along the input (a multiple "
+                              "of 16); fix: give it bf16 or fp8-rowwise in the policy")

@@ -202,6 +202,41 @@ def test_schemes_the_cpu_build_cannot_run_are_said_and_still_mapped_layer_for_la
 
 @pytest.mark.vllm
 @needs_vllm
+def test_a_plan_tuned_for_vllm_in_nvfp4_is_mapped_layer_for_layer(tmp_path, vllm_python):
+    """A policy as `tune --engine vllm --precisions bf16,nvfp4` writes it (exact rules, its fusion groups, each nvfp4
+    layer's calibrated input_amax): vLLM maps layer 0's fused q/k/v and gate/up, its o_proj and down_proj, and layer
+    1's down_proj to CompressedTensorsW4A4Fp4, the rest unquantized; where the platform cannot run NVFP4 (vLLM's CPU
+    build) the check says so. Checked with the policy, and from the folder alone (its input_global_scale read
+    back)."""
+    from autoprec.runtime.as_served import served_as
+    from autoprec.runtime.precision import Precision
+
+    namespace: dict = {}
+    exec(MODEL_PY, namespace)
+    model, batches = namespace["get_model"](), namespace["get_batches"]()
+    groups = {**{f"{i}.qkv": [f"model.layers.{i}.self_attn.{p}_proj" for p in "qkv"] for i in range(2)},
+              **{f"{i}.gate_up": [f"model.layers.{i}.mlp.{p}_proj" for p in ("gate", "up")] for i in range(2)}}
+    served = served_as(model, batches[:3], "vllm", Precision.BF16, ("bf16", "nvfp4"), groups)
+    policy = served(model, Policy(layers={r"re:model\.layers\.0\..*_proj": "nvfp4",
+                                          "model.layers.1.mlp.down_proj": "nvfp4"}, default="bf16"))
+    assert len(policy.input_amax) == 8
+    out, model_py, policy_path = export(tmp_path, policy, "nvfp4")
+    fp4 = "CompressedTensorsW4A4Fp4"
+    expected = {**{f"model.layers.0.{n}": fp4 for n in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                                                         "mlp.down_proj")},
+                "model.layers.1.mlp.down_proj": fp4, "model.layers.1.self_attn.qkv_proj": PLAIN,
+                "model.layers.1.mlp.gate_up_proj": PLAIN}
+    for given in (policy_path, None):
+        verdict = judge_export(out, model_py, policy=given, vllm_python=vllm_python)
+        assert verdict.ok, verdict.problems
+        if not verdict.scored:
+            assert "cannot run NVFP4" in verdict.lines[0] and "checked its config parsing" in verdict.lines[0]
+        for layer, scheme in expected.items():
+            assert verdict.layers[layer] in ((scheme, "unquantized") if scheme == PLAIN else (scheme,)), layer
+
+
+@pytest.mark.vllm
+@needs_vllm
 def test_vllm_scores_any_folder_with_its_whole_next_token_distribution(tmp_path):
     """What benchmarks/serving.py scores peers' checkpoints with: vLLM's log-probability of every token at every
     scored position. Each position's distribution sums to one, holds the actual token's logprob as the check reads

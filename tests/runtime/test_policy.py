@@ -148,7 +148,7 @@ BAD_FILES = [  # (id, file text, what the message must say)
     ("version zero", changed(version=0), r"'version' must be 1 or more, got 0"),
     ("no version", without("version"), r"'version' must be a whole number, got None"),
     ("unknown top-level key", changed(layer={"fc": "bf16"}),
-     r"unknown key 'layer' \(allowed: default, engine, fp8, kv_amax, kv_cache, layers, model"),
+     r"unknown key 'layer' \(allowed: default, engine, fp8, input_amax, kv_amax, kv_cache, layers, model"),
     ("unknown fp8 key", changed(fp8={"margin": 0}),
      r"unknown key in 'fp8': 'margin' \(allowed: amax_history, recipe\)"),
     ("fp8 not an object", changed(fp8=16), r"'fp8' must be an object with recipe and amax_history, got int"),
