@@ -5,6 +5,10 @@ of work (:meth:`Ranks.share`), everyone's results (:meth:`Ranks.gather`), and th
 result that must be the same everywhere (:meth:`Ranks.from_first`). :data:`ONE_PROCESS` answers them for
 a plain ``python -m autoprec`` run, so the stages read the same either way.
 
+Work that the first rank does alone while the others wait (a streamed tune's reference pass, which every rank's
+share then reads) is :meth:`Ranks.on_first`: the waiting ranks hear from it after each step, so no wait is longer
+than one step, and they get its result.
+
 Ranks that hold one sharded model (FSDP2: a collective inside every forward) cannot split the forwards between
 them: every rank runs every forward, in the same order. :meth:`Ranks.together` is the ``Ranks`` for that (each
 rank's share of any work is all of it), and :meth:`Ranks.led` runs a search on the first rank while the others

@@ -257,3 +257,31 @@ def test_a_rank_that_cannot_read_the_run_folder_is_one_line(tmp_path):
                                               r"--out on a folder every rank reads"):
         _shared(ckpt, tmp_path / "run", LayerTiming(torch.device("cpu"), low_precisions(["bf16"]), profile_all=True),
                 rank1_folder=tmp_path / "elsewhere")
+
+
+def test_where_nothing_can_be_faster_every_rank_ends_with_fp32_after_the_probe(tmp_path, monkeypatch):
+    """Rank 0's probe of block 0 rules out every precision: its reference pass ends there, and every rank raises
+    the same NothingFaster (the tune's answer is fp32), no rank measuring a block."""
+    import autoprec.stream.timing as timing_module
+    from autoprec.profile.probe import PrecisionProbe
+    from autoprec.stream.timing import NothingFaster
+
+    slower = "bf16 measured 3.0x slower than fp32 on this CPU for the largest layer"
+    monkeypatch.setattr(timing_module, "probe_precisions", lambda *a, **k: {
+        "bf16": PrecisionProbe("bf16", slower, "model.layers.0.mlp.gate_proj", [3.0, 2.9, 3.1], short=slower)})
+    ckpt = open_checkpoint(_llama(tmp_path / "ckpt", layers=2))
+    calibration = first_inputs(ckpt, [{"input_ids": torch.randint(0, 256, (2, 8))} for _ in range(2)])
+    low, said = low_precisions(["bf16"]), []
+
+    def profile(ranks):
+        return shared_profile(ckpt, calibration, low, tmp_path / "run", "fp", said.append, ranks, probes=4,
+                              timing=LayerTiming(torch.device("cpu"), low))
+
+    def rank1(reference):
+        with pytest.raises(NothingFaster, match=slower):
+            profile(_Rank(1, reference=reference))
+
+    with pytest.raises(NothingFaster, match=slower):
+        profile(_Rank(0, rank1))
+    assert not any("sensitivity" in line or "block 1" in line for line in said)
+    assert not list((tmp_path / "run").glob("block-*.json"))
