@@ -198,7 +198,7 @@ def streamed_tune(model_py: str | Path, mode: Mode, config: Any, log: Callable[[
             seconds["profile"] = time.perf_counter() - start
             return _fp32_answer(checkpoint, nothing.line, timing, fingerprint, seconds, out, log) \
                 if ranks.writes else None
-        if figures is None:  # another rank's share is measured: the first searches and verifies alone
+        if figures is None:  # not the first rank: its share is measured, the first searches and verifies alone
             return None
         seconds["profile"] = time.perf_counter() - start
         return _search_and_verify(checkpoint, figures, held, low, config, fingerprint, seconds, len(search_batches),
