@@ -154,8 +154,8 @@ def _tuned(args: argparse.Namespace, ranks: Any, log: Any, out: Path) -> tuple[A
     if mode is not None and mode.streamed:  # a checkpoint folder a block at a time (autoprec/stream/)
         from autoprec.stream.run import check_settings, print_streamed, streamed_tune
 
-        check_settings(config, ranks, args.for_, DEFAULT_WORKLOAD)
-        return streamed_tune(args.model_py, mode, config, log), print_streamed
+        check_settings(config, args.for_, DEFAULT_WORKLOAD)
+        return streamed_tune(args.model_py, mode, config, log, ranks=ranks), print_streamed
     workload, spec = for_.from_command(args, ranks)
     if spec.published is not None:
         log(f"get_model() returned the model in {str(spec.published).removeprefix('torch.')} (as published): the "

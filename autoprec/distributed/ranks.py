@@ -5,6 +5,10 @@ of work (:meth:`Ranks.share`), everyone's results (:meth:`Ranks.gather`), and th
 result that must be the same everywhere (:meth:`Ranks.from_first`). :data:`ONE_PROCESS` answers them for
 a plain ``python -m autoprec`` run, so the stages read the same either way.
 
+Work that the first rank does alone while the others wait (a streamed tune's reference pass, which every rank's
+share then reads) is :meth:`Ranks.on_first`: the waiting ranks hear from it after each step, so no wait is longer
+than one step, and they get its result.
+
 Ranks that hold one sharded model (FSDP2: a collective inside every forward) cannot split the forwards between
 them: every rank runs every forward, in the same order. :meth:`Ranks.together` is the ``Ranks`` for that (each
 rank's share of any work is all of it), and :meth:`Ranks.led` runs a search on the first rank while the others
@@ -48,6 +52,7 @@ T = TypeVar("T")
 _FAILED = "autoprec/failed"  # store key: "S|rank R: <error>", set by the first rank S that says a failure
 _INTERRUPTED = "autoprec/interrupted"  # store key: "SIGINT" or "SIGTERM", set by the first rank a signal stopped
 _POLL_S = 0.05
+_WORKING, _DONE = "working", "done"  # what the first rank says to the others in Ranks.on_first
 # The job's own collectives (DDP's all-reduce, FSDP's all-gathers) happen inside one step, with every rank in
 # step: ten minutes without an answer is a hang. Gathers of results wait for the slowest rank's share instead.
 STEP_TIMEOUT_S = 600.0
@@ -144,6 +149,13 @@ class Ranks:
         """``run(objective)`` on the first rank; the others run each of its measurements with it (see :meth:`led`)."""
         return run(objective)
 
+    def on_first(self, run: Callable[[Callable[[], None]], T]) -> T:
+        """``run(step)`` on the first rank alone while the others wait for it; its result on every rank. ``run``
+        calls ``step()`` after each part of its work (a block): each is an exchange with the waiting ranks, so a
+        wait lasts one part, not the whole run (``AUTOPREC_DIST_TIMEOUT`` bounds one wait), and a failure or a
+        signal of any rank reaches the others there."""
+        return run(lambda: None)
+
 
 ONE_PROCESS = Ranks()
 
@@ -165,6 +177,9 @@ class _Together(Ranks):
 
     def led(self, run: Callable[[Objective, Ranks], T], objective: Objective) -> T:
         return self.ranks.lockstep(lambda leading: run(leading, ONE_PROCESS), objective)
+
+    def on_first(self, run: Callable[[Callable[[], None]], T]) -> T:
+        return self.ranks.on_first(run)
 
 
 class _Leading:
@@ -313,6 +328,15 @@ class _TorchrunRanks(Ranks):
                 request = self.from_first(None)
             result = None
         return self.from_first(result)
+
+    def on_first(self, run: Callable[[Callable[[], None]], T]) -> T:
+        if self.writes:
+            result = run(lambda: self.from_first(_WORKING))
+            return self.from_first((_DONE, result))[1]
+        said = self.from_first(None)
+        while said == _WORKING:
+            said = self.from_first(None)
+        return said[1]
 
     def gather(self, result: Any) -> list:
         import torch

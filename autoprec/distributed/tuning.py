@@ -25,7 +25,7 @@ from torch import nn
 
 from autoprec.common.wrapped import gathers_freed_at_once, sharded
 from autoprec.distributed.ranks import RankFailed, Ranks, from_torchrun
-from autoprec.errors import USER_ERRORS, is_users
+from autoprec.errors import USER_ERRORS, Terminated, is_users
 from autoprec.runtime.agree import digest
 from autoprec.runtime.sharded import FSDP_CASTS_FIX, fsdp_casts
 
@@ -155,6 +155,10 @@ def on_every_rank(run: Callable[[Ranks, Callable[[str], None]], int], device: st
         status = run(ranks, log)
         if ranks.left:  # a signal stopped it, maybe inside a collective: another would not match the others'
             return ranks.leave(status)
+        try:  # no rank leaves while another still needs it; a failure of one still working (the first rank of a
+            ranks.barrier()  # streamed tune searches alone) is said once, by that rank, and ends this one too
+        except KeyboardInterrupt as stop:  # a signal stopped the one still working: this one stops as it did
+            return ranks.leave(143 if isinstance(stop, Terminated) else 130)
     except KeyboardInterrupt:
         raise
     except BaseException as error:  # noqa: BLE001 - every error of a rank is the job's, said in one line
@@ -172,7 +176,6 @@ def on_every_rank(run: Callable[[Ranks, Callable[[str], None]], int], device: st
         return ranks.leave(1)
     import torch.distributed as dist
 
-    ranks.barrier()  # no rank leaves while another still needs it
     dist.destroy_process_group()
     return status
 

@@ -19,7 +19,6 @@ interrupted tune resumes at the block where it stopped.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -47,9 +46,11 @@ from autoprec.stream.blocks import (
 )
 from autoprec.stream.checkpoint import Checkpoint, Scope
 from autoprec.stream.head import Head
+from autoprec.stream.saved import Saved
 from autoprec.stream.timing import LayerTiming, NothingFaster, joined
 
-__all__ = ["PROBES", "StreamedFigures", "stream_profile"]
+__all__ = ["PROBES", "StreamedFigures", "assembled", "carried_back", "glue_precisions_of", "measure_block",
+           "profile_head", "reference_forward", "stream_profile", "time_block"]
 
 
 @dataclass
@@ -168,47 +169,6 @@ def _glue_policy(table: LayerTable, path: str, precision: str) -> Policy:
     return Policy.from_assignment({name: "fp32" for name in inside}, default=precision)
 
 
-class _State:
-    """The figures saved as each block finishes (``figures.json``), and the cotangents below the lowest block
-    done, in the run folder's ``stream/``; a run of another checkpoint, batches or precisions starts again."""
-
-    def __init__(self, folder: Path, fingerprint: str) -> None:
-        self.folder, self.file = folder, folder / "figures.json"
-        folder.mkdir(parents=True, exist_ok=True)
-        data = json.loads(self.file.read_text()) if self.file.is_file() else {}
-        self.data = data if data.get("fingerprint") == fingerprint else {"fingerprint": fingerprint, "blocks": {}}
-
-    def lowest_done(self, blocks: int) -> int:
-        """The lowest block whose figures and the cotangents at its input are saved (``blocks``: none yet)."""
-        done = [int(i) for i in self.data["blocks"]]
-        low = min(done) if done else blocks
-        return low if (self.folder / f"cotangents-{low}.pt").is_file() else blocks
-
-    def save(self, key: str, figures: dict, index: int, cotangents: list[torch.Tensor]) -> None:
-        torch.save(cotangents, self.folder / f"cotangents-{index}.pt")
-        if key == "head":
-            self.data["head"] = figures
-        else:
-            self.data["blocks"][key] = figures
-        self._write()
-        for old in self.folder.glob("cotangents-*.pt"):
-            if old.name != f"cotangents-{index}.pt":
-                old.unlink()
-
-    def cotangents(self, index: int) -> list[torch.Tensor]:
-        return torch.load(self.folder / f"cotangents-{index}.pt", weights_only=True)
-
-    def keep(self, key: str, value: Any) -> None:
-        """A figure of the whole run (the probe's verdict), saved before any block's."""
-        self.data[key] = value
-        self._write()
-
-    def _write(self) -> None:
-        tmp = self.file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data))
-        tmp.replace(self.file)  # whole or not at all: an interrupt leaves the last complete figures
-
-
 def _own(table: LayerTable, candidates: dict[str, list[str]], first: str, path: str
          ) -> tuple[LayerTable, dict[str, list[str]]]:
     """Block 0's layers (``first``: its path and a dot) and their candidates under block ``path``'s own names."""
@@ -221,15 +181,16 @@ def _fp8_layers(candidates: dict[str, list[str]]) -> list[str]:
     return [n for n, c in candidates.items() if any(Precision(p).swaps_linear for p in c)]
 
 
-def _forward(checkpoint: Checkpoint, calibration: Calibration, acts: Activations, upto: int, low: list[Precision],
-             log: Callable[[str], None], timing: LayerTiming | None = None, state: _State | None = None
-             ) -> tuple[LayerTable, dict[str, list[str]], list[dict]]:
+def reference_forward(checkpoint: Checkpoint, calibration: Calibration, acts: Activations, upto: int,
+                      low: list[Precision], log: Callable[[str], None], timing: LayerTiming | None = None,
+                      state: Saved | None = None, time_blocks: bool = True
+                      ) -> tuple[LayerTable, dict[str, list[str]], list[dict]]:
     """Blocks 0 to ``upto - 1`` in fp32 on the search batches: each one's output stored as the next one's input;
-    block 0's layers captured. With ``timing``, block 0 probed (unless ``state`` holds the verdict) and each block's
-    layers timed while it is loaded. Returns block 0's table, its layers' candidates, and each block's figures."""
+    block 0's layers captured. With ``timing``, block 0 probed (unless ``state`` holds the verdict) and, with
+    ``time_blocks``, each block's layers timed while it is loaded. Returns block 0's table, its layers' candidates,
+    and each block's figures."""
     acts.put("0", calibration.hidden)
     figures, table, candidates = [], None, {}
-    first = f"{checkpoint.blocks_path}.0."
     for i in range(max(upto, 1)):
         start = time.perf_counter()
         path = f"{checkpoint.blocks_path}.{i}"
@@ -250,10 +211,8 @@ def _forward(checkpoint: Checkpoint, calibration: Calibration, acts: Activations
                 acts.put(str(i + 1), [run_block(scope, h, calibration.inputs[b][i]) for b, h in enumerate(hidden)])
         figures.append({"forward_s": time.perf_counter() - start, "forward_gib": resident_gib()})
         timed = ""
-        if timing is not None and i < upto:
-            own, options = _own(table, candidates, first, path)
-            figures[-1]["latency"] = timing.time(on_inputs(scope, path, calibration.inputs[0][i]),
-                                                 [layer.name for layer in own], _fp8_layers(options), hidden[0])
+        if timing is not None and time_blocks and i < upto:
+            figures[-1]["latency"] = time_block(scope, checkpoint, calibration, hidden, table, candidates, i, timing)
             figures[-1]["timing_s"] = figures[-1]["latency"]["seconds"]
             timed = f", its layers timed {figures[-1]['timing_s']:.1f} s"
         checkpoint.free(path)
@@ -307,29 +266,76 @@ def _head(checkpoint: Checkpoint, calibration: Calibration, hidden: list[torch.T
     return table, {"noise": noise, "glue": glue, "candidates": candidates, **figures}, carried
 
 
+def carried_back(scope: Scope, calibration: Calibration, hidden: list[torch.Tensor], index: int,
+                 cotangents: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The cotangents at block ``index``'s input (``scope``), from those at its output: one backward per batch."""
+    return [_carried_back(scope, h, calibration.inputs[b][index], cotangents[b]) for b, h in enumerate(hidden)]
+
+
+def measure_block(scope: Scope, checkpoint: Checkpoint, calibration: Calibration, acts: Activations,
+                  table: LayerTable, candidates: dict[str, list[str]], index: int, glue_precisions: list[str],
+                  cotangents: list[torch.Tensor], timing: LayerTiming | None = None, timed: dict | None = None
+                  ) -> tuple[dict, dict]:
+    """Block ``index`` (loaded: ``scope``): each of its items' noise at the logits and its glue's, from its input
+    and output activations and the cotangents at its output; with ``timing``, but the items its layers' times
+    (``timed``) decided not faster."""
+    path = f"{checkpoint.blocks_path}.{index}"
+    hidden, refs = acts.get(str(index)), acts.get(str(index + 1))
+    inputs = [calibration.inputs[b][index] for b in range(len(hidden))]
+    own, options = _own(table, candidates, f"{checkpoint.blocks_path}.0.", path)
+    skip = timing.skip(list(options), timed["not_faster"]) if timing is not None and timed else None
+    return _measure(scope, own, options, path, glue_precisions, hidden, refs, inputs, cotangents, skip)
+
+
+def time_block(scope: Scope, checkpoint: Checkpoint, calibration: Calibration, hidden: list[torch.Tensor],
+               table: LayerTable, candidates: dict[str, list[str]], index: int, timing: LayerTiming) -> dict:
+    """Block ``index``'s layers (loaded: ``scope``) timed on its inputs of the first search batch (:mod:`.timing`)."""
+    path = f"{checkpoint.blocks_path}.{index}"
+    own, options = _own(table, candidates, f"{checkpoint.blocks_path}.0.", path)
+    return timing.time(on_inputs(scope, path, calibration.inputs[0][index]), [layer.name for layer in own],
+                       _fp8_layers(options), hidden[0])
+
+
 def _backward(checkpoint: Checkpoint, calibration: Calibration, acts: Activations, table: LayerTable,
-              candidates: dict[str, list[str]], state: _State, start: int, glue_precisions: list[str],
+              candidates: dict[str, list[str]], state: Saved, start: int, glue_precisions: list[str],
               log: Callable[[str], None], block_figures: list[dict], timing: LayerTiming | None = None) -> None:
     """Blocks ``start - 1`` down to 0: each one's items measured and the cotangents carried below it, saved."""
-    cotangents = state.cotangents(start)
-    first = f"{checkpoint.blocks_path}.0."
+    cotangents = state.cotangents(start) if start else []
     for i in reversed(range(start)):
         begin = time.perf_counter()
         path = f"{checkpoint.blocks_path}.{i}"
         scope = block_scope(checkpoint, i)
-        hidden, refs = acts.get(str(i)), acts.get(str(i + 1))
-        inputs = [calibration.inputs[b][i] for b in range(len(hidden))]
-        own, options = _own(table, candidates, first, path)
         timed = block_figures[i].get("latency") if i < len(block_figures) else None
-        skip = timing.skip(list(options), timed["not_faster"]) if timing is not None and timed else None
-        noise, glue = _measure(scope, own, options, path, glue_precisions, hidden, refs, inputs, cotangents, skip)
-        cotangents = [_carried_back(scope, h, inputs[b], cotangents[b]) for b, h in enumerate(hidden)]
+        noise, glue = measure_block(scope, checkpoint, calibration, acts, table, candidates, i, glue_precisions,
+                                    cotangents, timing, timed)
+        cotangents = carried_back(scope, calibration, acts.get(str(i)), i, cotangents)
         checkpoint.free(path)
         figures = {"noise": noise, "glue": glue, "profile_s": time.perf_counter() - begin,
                    "profile_gib": resident_gib(), **(block_figures[i] if i < len(block_figures) else {})}
         state.save(str(i), figures, i, cotangents)
         log(f"  block {i}: sensitivity of {len(noise)} layers {figures['profile_s']:.1f} s, "
             f"{figures['profile_gib']:.2f} GiB resident")
+
+
+def glue_precisions_of(low: list[Precision], timing: LayerTiming | None) -> list[str]:
+    """The precisions each block's glue is measured in: the low ones that do not swap the linear (bf16, fp16), but
+    those the probe left out."""
+    glue = [p.value for p in low if not p.swaps_linear]
+    return glue if timing is None else [p for p in glue if p not in timing.verdict["not_profiled"]]
+
+
+def profile_head(checkpoint: Checkpoint, calibration: Calibration, acts: Activations, low: list[Precision],
+                 probes: int, timing: LayerTiming | None, state: Saved, log: Callable[[str], None],
+                 keep: bool = False) -> None:
+    """The output head's figures and the cotangents at its input, saved (``keep``: the cotangents saved before
+    are kept)."""
+    blocks = len(checkpoint.blocks)
+    begin = time.perf_counter()
+    head_table, head, cotangents = _head(checkpoint, calibration, acts.get(str(blocks)), low, probes, timing)
+    head["table"], head["seconds"] = head_table.to_dict(), time.perf_counter() - begin
+    state.save("head", head, blocks, cotangents, keep)
+    timed = f" (its layers timed {head['latency']['seconds']:.1f} s)" if "latency" in head else ""
+    log(f"  output head: {head['seconds']:.1f} s{timed}, {resident_gib():.2f} GiB resident")
 
 
 def stream_profile(checkpoint: Checkpoint, calibration: Calibration, low: list[Precision], folder: Path,
@@ -340,7 +346,7 @@ def stream_profile(checkpoint: Checkpoint, calibration: Calibration, low: list[P
     ``in_memory`` bytes are held in memory, the rest spilled to ``folder``. ``timing``: each block's layers timed
     here while it is loaded (:mod:`.timing`; None: latency comes from the cost model). Raises
     :class:`~.timing.NothingFaster` where the probe finds no precision that can be faster than fp32 here."""
-    state = _State(folder, fingerprint)
+    state = Saved(folder, fingerprint)
     blocks = len(checkpoint.blocks)
     start = state.lowest_done(blocks)
     if start < blocks:
@@ -348,20 +354,20 @@ def stream_profile(checkpoint: Checkpoint, calibration: Calibration, low: list[P
     if timing is not None and "probe" in state.data:  # a resumed tune keeps the verdict its blocks were measured by
         timing.verdict = state.data["probe"]
     acts = Activations(folder / "activations", in_memory)
-    table, candidates, block_figures = _forward(checkpoint, calibration, acts, start, low, log, timing, state)
-    glue_precisions = [p.value for p in low if not p.swaps_linear]
-    if timing is not None:
-        glue_precisions = [p for p in glue_precisions if p not in timing.verdict["not_profiled"]]
-    if start == blocks and not ("head" in state.data and (folder / f"cotangents-{blocks}.pt").is_file()):
-        begin = time.perf_counter()
-        head_table, head, cotangents = _head(checkpoint, calibration, acts.get(str(blocks)), low, probes, timing)
-        head["table"], head["seconds"] = head_table.to_dict(), time.perf_counter() - begin
-        state.save("head", head, blocks, cotangents)
-        timed = f" (its layers timed {head['latency']['seconds']:.1f} s)" if "latency" in head else ""
-        log(f"  output head: {head['seconds']:.1f} s{timed}, {resident_gib():.2f} GiB resident")
-    head = state.data["head"]
-    _backward(checkpoint, calibration, acts, table, candidates, state, start, glue_precisions, log, block_figures,
-              timing)
+    table, candidates, block_figures = reference_forward(checkpoint, calibration, acts, start, low, log, timing,
+                                                         state)
+    if start == blocks and not ("head" in state.data and state.has_cotangents(blocks)):
+        profile_head(checkpoint, calibration, acts, low, probes, timing, state, log)
+    _backward(checkpoint, calibration, acts, table, candidates, state, start, glue_precisions_of(low, timing), log,
+              block_figures, timing)
+    return assembled(checkpoint, state, table, candidates, timing)
+
+
+def assembled(checkpoint: Checkpoint, state: Saved, table: LayerTable, candidates: dict[str, list[str]],
+              timing: LayerTiming | None) -> StreamedFigures:
+    """The whole profile from what ``state`` holds (the output head and every block saved): block 0's ``table``
+    and ``candidates`` under every block's path, each block's figures in order, the head's."""
+    blocks, head = len(checkpoint.blocks), state.data["head"]
     whole = _whole_table(table, LayerTable.from_dict(head["table"]), checkpoint)
     figures = StreamedFigures(whole, glue={"": {k: v for k, v in head["glue"].items() if k != "path"}})
     prefix = f"{checkpoint.blocks_path}.0."

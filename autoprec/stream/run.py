@@ -7,6 +7,7 @@ model.py without one keeps today's path and says nothing new.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -18,6 +19,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from autoprec.common.jsonsafe import dumps
+from autoprec.distributed.ranks import ONE_PROCESS, Ranks
 from autoprec.errors import Terminated, UserError
 from autoprec.inputs.userspec import UserCodeError, call_user, find_function, import_model_py, split_holdout
 from autoprec.runtime.policy import Policy
@@ -117,11 +119,8 @@ def _fingerprint(checkpoint: Checkpoint, batches: list, settings: dict) -> str:
     return h.hexdigest()[:16]
 
 
-def check_settings(config: Any, ranks: Any, for_: str, inference: str) -> None:
+def check_settings(config: Any, for_: str, inference: str) -> None:
     """What a streamed tune cannot honour, said before any work."""
-    if ranks.world_size > 1:
-        raise StreamError("a streamed tune runs in one process (torchrun ranks sharing the blocks is not built yet); "
-                          "fix: run autoprec tune without torchrun")
     if config.target is None and torch.device(config.device).type != "cpu":
         raise StreamError(f"a streamed tune runs each block on the CPU and times its layers there (--device "
                           f"{config.device} is not built for it); fix: --device cpu, or --target NAME to plan for a "
@@ -150,16 +149,22 @@ class StreamedResult:
 
 
 def streamed_tune(model_py: str | Path, mode: Mode, config: Any, log: Callable[[str], None],
-                  in_memory: int = ACTIVATIONS_IN_MEMORY) -> StreamedResult:
-    """Profile, search and verify ``mode``'s checkpoint a block at a time, writing into ``config.out``."""
+                  in_memory: int = ACTIVATIONS_IN_MEMORY, ranks: Ranks = ONE_PROCESS) -> StreamedResult | None:
+    """Profile, search and verify ``mode``'s checkpoint a block at a time, writing into ``config.out``. The ranks of
+    a torchrun job share the blocks (:mod:`.shared`): the first rank writes the outputs and returns the result,
+    the others None once their share is measured."""
     from autoprec.outputs.outdir import claim_out_dir
     from autoprec.profile.frame import low_precisions
     from autoprec.stream.blocks import first_inputs
     from autoprec.stream.profiling import PROBES, stream_profile
+    from autoprec.stream.shared import shared_profile, sharing
     from autoprec.stream.timing import LayerTiming, NothingFaster
 
     model_py = Path(model_py).resolve()
     low = low_precisions(config.precisions)
+    out = Path(config.out)
+    if ranks.several:
+        log(sharing(ranks, mode.checkpoint.block_bytes()[0], out / "stream"))
     timing = None
     if config.target is None:  # timed here, as in memory: said first, with how busy the machine is
         profiled = config.for_profile()
@@ -169,9 +174,8 @@ def streamed_tune(model_py: str | Path, mode: Mode, config: Any, log: Callable[[
     if getattr(import_model_py(model_py), "evaluate", None) is not None:
         log("evaluate() in model.py needs the whole model: a streamed tune bounds the logits' SQNR against fp32 "
             "instead (--min-sqnr)")
-    out = Path(config.out)
     seconds: dict[str, float] = {}
-    with claim_out_dir(out):
+    with claim_out_dir(out) if ranks.writes else contextlib.nullcontext():  # one rank holds the folder
         start = time.perf_counter()
         checkpoint = open_checkpoint(mode.folder)
         searched, held = first_inputs(checkpoint, search_batches), first_inputs(checkpoint, holdout)
@@ -182,13 +186,20 @@ def streamed_tune(model_py: str | Path, mode: Mode, config: Any, log: Callable[[
         log(f"profiling {len(checkpoint.blocks)} blocks on {searched.tokens} tokens ({len(search_batches)} batches; "
             f"{held.tokens} held out to verify)")
         try:
-            figures = stream_profile(checkpoint, searched, low, out / "stream", fingerprint, log, in_memory,
-                                     timing=timing)
+            if ranks.several:
+                figures = shared_profile(checkpoint, searched, low, out / "stream", fingerprint, log, ranks,
+                                         timing=timing)
+            else:
+                figures = stream_profile(checkpoint, searched, low, out / "stream", fingerprint, log, in_memory,
+                                         timing=timing)
         except KeyboardInterrupt as stop:
             raise StreamInterrupted("SIGTERM" if isinstance(stop, Terminated) else "SIGINT") from None
         except NothingFaster as nothing:
             seconds["profile"] = time.perf_counter() - start
-            return _fp32_answer(checkpoint, nothing.line, timing, fingerprint, seconds, out, log)
+            return _fp32_answer(checkpoint, nothing.line, timing, fingerprint, seconds, out, log) \
+                if ranks.writes else None
+        if figures is None:  # not the first rank: its share is measured, the first searches and verifies alone
+            return None
         seconds["profile"] = time.perf_counter() - start
         return _search_and_verify(checkpoint, figures, held, low, config, fingerprint, seconds, len(search_batches),
                                   log, timing)

@@ -24,6 +24,8 @@ from typing import TypeVar
 import pytest
 import torch
 
+from autoprec.distributed.ranks import RankFailed
+
 MODEL = Path(__file__).parent / "torchrun_models" / "model.py"
 ARGS = ["tune", "model.py", "--target", "h100", "--trials", "8"]
 TIMEOUT = 240  # a hang fails the test instead of the suite
@@ -246,6 +248,33 @@ def test_a_rank_torchrun_stopped_says_why_whatever_the_interrupted_code_raised(m
     assert tuning.on_every_rank(cut_short, "cpu") == 1
     assert capsys.readouterr().err.splitlines() == [
         "autoprec tune: error: rank 1: its process ended without saying why (killed, or out of memory?)"]
+
+
+@pytest.mark.parametrize("at_the_end, status", [
+    (RankFailed("rank 0: KeyError: '1'"), 1),  # rank 0 failed: it says so, once
+    (KeyboardInterrupt(), 130),  # rank 0 was interrupted: it says what was kept
+])
+def test_a_rank_done_with_its_work_ends_as_the_one_still_working_does(monkeypatch, capsys, at_the_end, status):
+    """Rank 1 has done its part (a streamed tune's blocks) and waits at the job's last barrier while rank 0 searches
+    alone; rank 0 fails or is interrupted there: rank 1 ends with it, its status that of the job, saying nothing (and
+    no traceback: the barrier was outside what turns an error into the job's one line)."""
+    from autoprec.distributed import Ranks, tuning
+
+    class Waiting(Ranks):
+        rank, world_size, said = 1, 2, None
+
+        def barrier(self):
+            raise at_the_end
+
+        def fail(self, error):  # rank 0 said it first, as the rendezvous store would answer
+            return str(error)
+
+        def leave(self, code):
+            return code
+
+    monkeypatch.setattr(tuning, "from_torchrun", lambda _device: Waiting())
+    assert tuning.on_every_rank(lambda _ranks, _log: 0, "cpu") == status
+    assert capsys.readouterr().err == ""
 
 
 class _OneOfTwo:

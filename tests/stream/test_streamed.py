@@ -159,13 +159,12 @@ def test_a_streamed_tune_timed_on_a_gpu_is_one_line() -> None:
     """Without --target a streamed tune times its layers on the CPU that runs its blocks (test_streamed_timing.py):
     --device cuda is refused before anything is loaded, naming both fixes."""
     from autoprec.config import TuneConfig
-    from autoprec.distributed.ranks import ONE_PROCESS
     from autoprec.stream.run import StreamError, check_settings
 
     with pytest.raises(StreamError, match=r"times its layers there \(--device cuda is not built for it\); fix: "
                                           r"--device cpu, or --target NAME"):
-        check_settings(TuneConfig(device="cuda"), ONE_PROCESS, "inference", "inference")
-    check_settings(TuneConfig(device="cuda", target="h100"), ONE_PROCESS, "inference", "inference")
+        check_settings(TuneConfig(device="cuda"), "inference", "inference")
+    check_settings(TuneConfig(device="cuda", target="h100"), "inference", "inference")
 
 
 def test_streamed_sensitivity_agrees_with_exact_evaluation(tmp_path: Path, checkpoint: Path) -> None:
