@@ -166,6 +166,9 @@ def _decision(v: Verification, budget: Any) -> str:
         why = _why_fp32(v, autocast)
         return f"**The policy stays fp32.** {why[0].upper()}{why[1:]} (budget: {budget})."
     speed = _speed(v)
+    if v.tuned_is_autocast and v.none_searched_within:
+        return (f"**The policy is {autocast} itself**: {speed}, {metric}, within the budget ({budget}) on the "
+                "held-out batches; no policy the search tried met it on the search batches.")
     if v.tuned_is_autocast:
         return (f"**The policy is {autocast} itself**: {speed}, {metric}, within the budget "
                 f"({budget}); no per-layer policy measured faster.")

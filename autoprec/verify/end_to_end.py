@@ -112,6 +112,9 @@ class Verification:
     timed_on: str  # what each sample timed: one forward on a batch ("input_ids 8x64"), or "16 training steps"
     fidelity: bool = False  # no user metric: the metric is the output SQNR (dB) against fp32
     tuned_is_autocast: bool = False  # the chosen policy computes exactly what blanket autocast does
+    # no policy the search tried met the budget on the search batches (blanket autocast, a baseline the ladder always
+    # carries, was verified on the held-out batches alone): what a policy that is blanket autocast says it rests on
+    none_searched_within: bool = False
     estimated_for: str | None = None  # latencies from the cost model for this GPU, not measured
     notes: list[str] = field(default_factory=list)
     prediction_error_pct: dict[str, float] = field(default_factory=dict)  # label -> (predicted - measured) / measured
@@ -226,6 +229,7 @@ def verify_candidates(workload: Workload, shortlist: Shortlist, config: VerifyCo
                         autocast_precision=autocast.value, predicted_ms=chosen.predicted_ms if chosen else None,
                         timed_on=run.timed_on, fidelity=held.reference.uses_fidelity,
                         tuned_is_autocast=tuned == "autocast", estimated_for=config.estimated_for, notes=run.notes,
+                        none_searched_within=not _searched_within(shortlist),
                         prediction_error_pct=errors,
                         training=None if held.training is None else held.training.with_tuned(tuned),
                         metric_kind=workload.metric_kind(held.reference), compiled_samples=run.compiled_samples,
@@ -362,10 +366,20 @@ class _Ladder:
                          f"{latency['fp32']:.3g} ms{f'; {ratio.words()}: not decided faster' if ratio else ''}): "
                          "the policy stays fp32")
             return None, "fp32"
-        if label[best.label] == "autocast":
+        if label[best.label] == "autocast" and not _searched_within(self.shortlist):
+            notes.append(f"the tuned policy is blanket autocast ({self.shortlist.autocast.value}) itself: no policy "
+                         "the search tried met the budget on the search batches (blanket autocast included, where "
+                         "it was tried); blanket autocast is within it on the held-out batches")
+        elif label[best.label] == "autocast":
             notes.append(f"the tuned policy is blanket autocast ({self.shortlist.autocast.value}) itself: within the "
                          "budget, and no per-layer policy measured faster")
         return best, label[best.label]
+
+
+def _searched_within(shortlist: Shortlist) -> bool:
+    """Whether some policy the search tried met the budget on the search batches (the ladder's trials: blanket
+    autocast, added as a baseline, has no trial number)."""
+    return any(c.number >= 0 for c in shortlist.candidates)
 
 
 def _time_compiled(workload: Workload, timed: Mapping[str, Policy | Precision | None], device: torch.device,
