@@ -3,11 +3,15 @@ dashboard tests: each test controls what is fast by writing the profile; every m
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Mapping
+
+import pytest
 import torch
 import torch.nn as nn
 from models import Cancel, seeded
 
-from autoprec.profile import LayerProfile, Profile, Sensitivity
+from autoprec.profile import LayerProfile, Profile, Sensitivity, costmodel
 
 
 def make_profile(layers: dict[str, dict], kind: str = "linear") -> Profile:
@@ -71,3 +75,13 @@ class RaisesInBf16(nn.Module):
 
     def forward(self, x):
         return self.fragile(self.ok(x))
+
+
+@contextlib.contextmanager
+def made_up_speeds(speed: Mapping[str, float]) -> Iterator[None]:
+    """The cost model's layer times made up: ``speed[precision]`` ms per GFLOP of each layer, for the GPU a test
+    names (so which layers a plan lowers follows from their sizes alone)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(costmodel, "layer_ms", lambda target, layer, precision, mode="inference":
+                      layer.flops * speed[precision] * 1e-9)
+        yield

@@ -22,6 +22,7 @@ from autoprec.runtime.precision import Precision
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "export"))
 from export_models import tiny_llama, tiny_moe, token_batch  # noqa: E402
+from profiles import made_up_speeds  # noqa: E402
 
 pytest.importorskip("transformers")
 
@@ -31,9 +32,7 @@ VOCAB = 512  # lm_head the largest layer, as in an LLM: the first an FP8 plan wo
 
 @pytest.fixture(scope="module")
 def fake_gpu():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(costmodel, "layer_ms", lambda target, layer, precision, mode="inference":
-                      layer.flops * SPEED[precision] * 1e-9)
+    with made_up_speeds(SPEED):
         yield
 
 

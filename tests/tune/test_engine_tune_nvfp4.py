@@ -21,12 +21,12 @@ from autoprec.common.sqnr import sqnr_db
 from autoprec.export import calibrate_inputs, export_model_py, plan_export, read_run, served_model
 from autoprec.export.judge import written_input_amax
 from autoprec.inputs.batches import call_model, fidelity_outputs
-from autoprec.profile import costmodel
 from autoprec.runtime.mx import nvfp4_global_scale
 from autoprec.runtime.precision import Precision
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "export"))
 from export_models import tiny_llama, token_batch  # noqa: E402
+from profiles import made_up_speeds  # noqa: E402
 
 pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
@@ -51,9 +51,7 @@ def get_batches():
 
 @pytest.fixture(scope="module")
 def fake_blackwell():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(costmodel, "layer_ms", lambda target, layer, precision, mode="inference":
-                      layer.flops * SPEED[precision] * 1e-9)
+    with made_up_speeds(SPEED):
         yield
 
 

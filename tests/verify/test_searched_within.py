@@ -24,8 +24,8 @@ def test_only_the_blanket_baseline_in_the_ladder_is_no_search_within_the_budget(
 
 
 def verification(none_within: bool) -> Verification:
-    return Verification(chosen=candidate(-1), policy=Policy(default="bf16"), samples={"fp32": [10.0, 11.0], "autocast": [6.0, 7.0],
-                                                                    "tuned": [6.0, 7.0]},
+    samples = {"fp32": [10.0, 11.0], "autocast": [6.0, 7.0], "tuned": [6.0, 7.0]}
+    return Verification(chosen=candidate(-1), policy=Policy(default="bf16"), samples=samples,
                         metric={"fp32": 0.0, "autocast": 53.1, "tuned": 53.1}, sqnr_db={"autocast": 53.1},
                         within_budget={"autocast": True, "tuned": True}, autocast_precision="bf16",
                         predicted_ms=1.0, timed_on="one forward", fidelity=True, tuned_is_autocast=True,
