@@ -132,13 +132,14 @@ def test_under_an_engine_a_moe_layer_is_three_decisions_and_its_router_is_never_
     from autoprec.runtime.precision import Precision
 
     model = tiny_moe(kind, hidden=64, experts=4)
+    batches = [torch.randint(0, 256, (2, 16))]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        table = capture(model, [torch.randint(0, 256, (2, 16))])
+        table = capture(model, batches)
     low = [Precision.BF16, Precision.FP8_ROWWISE]
     in_process = layer_candidates(model, table, low)
     served = layer_candidates(model, table, low)
-    _served(model, table, ProfileConfig(precisions=("bf16", "fp8-rowwise"), engine="vllm"), served)
+    _served(model, table, ProfileConfig(precisions=("bf16", "fp8-rowwise"), engine="vllm"), served, batches)
     block = next(iter(fused_experts(model))).rpartition(".")[0]
     assert served[f"{block}.experts"] == ["bf16", "fp8-rowwise"]
     routers = moe_routers(model)
