@@ -47,9 +47,10 @@ The plans (weights as autoprec's plan has them in every row, so only the cache d
 
 Each is scored alike: the same fp32 model with the plan applied by ``apply_policy`` (vLLM's bf16 for what is not
 FP8, the KV cache emulated at the plan's calibrated |max|: autoprec's, or ModelOpt's), on held-out batches no plan
-saw (``HELD_OUT`` x 8 documents of 128 tokens), against fp32: the logits' SQNR (all held-out tokens together, and
-the worst batch's) and KL(fp32 || plan) per token. KV bytes, decode tokens/s and prefill ms are the serving estimate
-of each plan under the mix (``serving_estimate``, H100 and B200), the same for every row.
+saw (``HELD_OUT``: 4 batches of 8 documents of 128 tokens), against fp32: the logits' SQNR (all held-out tokens
+together, and the worst batch's) and KL(fp32 || plan) per token. KV bytes, decode tokens/s and prefill ms are the
+serving estimate of each plan under the mix (``serving_estimate``, H100 and B200), the same for every row. Plans and
+ModelOpt calibrate on ``CALIBRATION`` (3 batches of 4 documents).
 
 Who wins, at each autoprec plan's floor (:func:`at_floor`): a plan whose worst held-out batch meets the floor beats
 one that breaks it, whatever their times; where both meet it the faster wins (estimated times equal within 1%; accuracy
@@ -82,7 +83,8 @@ from autoprec.search.served_mix import ServedMix  # noqa: E402
 MIX = ServedMix(2048, 128, 32)  # what is served: 32 sequences at once, 2048 prompt tokens each, 128 new
 FLOORS = (53.0, 30.0)  # dB: a strict floor, where the plan leaves a layer's cache in bf16, and a common one
 MODELOPT_BITS = 12.0  # the budget its config is solved at: some linears take FP8 there, so its KV entry is given
-CALIBRATION, HELD_OUT = 3, 4  # batches of 8 x 128: the tune's search batches, then ones after the tune's held-out
+CALIBRATION, HELD_OUT = (3, 4), (4, 8)  # batches x documents of 128 tokens: the first documents (a tune's search
+# batches, at half their size: the plans' measurements are most of the run), then ones after the tune's held-out batch
 
 __all__ = ["at_floor", "floor_status", "halves_spread", "verdicts"]
 
@@ -147,8 +149,8 @@ def _model_and_batches() -> tuple[Any, list, list, Any]:
     def feed(batch: dict) -> dict:  # positions counted from each row's first real token (left padding)
         return {**batch, "position_ids": tiny.positions(batch)}
 
-    calibration = [feed(b) for b in tiny.get_batches(CALIBRATION)]
-    held_out = [feed(b) for b in tiny.get_batches(HELD_OUT, start=tiny.N_BATCHES)]
+    calibration = [feed(b) for b in tiny.get_batches(*CALIBRATION)]
+    held_out = [feed(b) for b in tiny.get_batches(*HELD_OUT, start=tiny.N_BATCHES)]
     return tiny, calibration, held_out, tiny.get_model()
 
 
@@ -304,7 +306,7 @@ def _describe(model: Any) -> str:
     return (f"tiny_llm Llama {c.num_hidden_layers} x {c.hidden_size} ({c.num_attention_heads} heads over "
             f"{c.num_key_value_heads} KV heads, vocab {c.vocab_size}, "
             f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, trained here); calibration "
-            f"{CALIBRATION} x 8 x 128 tokens, held out {HELD_OUT} x 8 x 128")
+            f"{CALIBRATION[0]} x {CALIBRATION[1]} x 128 tokens, held out {HELD_OUT[0]} x {HELD_OUT[1]} x 128")
 
 
 def _versions() -> dict:
@@ -319,8 +321,8 @@ def table(result: dict) -> str:
              "|---|---|---|---|---|---|"]
     for r in result["rows"]:
         formats = sorted({f for f in r["kv_cache"].values() if f != "auto"})
-        said = "; ".join(f"{f}: layers " + ", ".join(n.split(".")[-2] for n, g in r["kv_cache"].items() if g == f)
-                         for f in formats) or "none"
+        said = "; ".join(f"{f}: layers " + ", ".join(sorted(n.split(".")[-2] for n, g in r["kv_cache"].items()
+                                                           if g == f)) for f in formats) or "none"
         e = r["estimated"]
         lines.append(f"| {r['plan']} | {said} | {e['kv cache bytes'] / 2**20:,.0f} | {e['h100 decode tokens/s']:,.0f} "
                      f"| {r['sqnr_db']:.1f} ({r['worst_batch_db']:.1f}) | {r['kl_per_token']:.3g} |")
