@@ -328,12 +328,12 @@ def table(result: dict) -> str:
                      f"| {r['sqnr_db']:.1f} ({r['worst_batch_db']:.1f}) | {r['kl_per_token']:.3g} |")
     s = result["spread"]
     lines += ["", f"Ties: times within {TOLERANCE:.0%}, KL within {s['kl']:.1%} and the floor within {s['db']:.2f} dB "
-              f"(the same plan scored on the two halves of the held-out batches; widest: {s['kl_from']}, "
-              f"{s['db_from']})."]
+              f"(the same plan scored on the two halves of the held-out batches, the widest: {s['kl_from']} in KL, "
+              f"{s['db_from']} in SQNR)."]
     for c in result["comparisons"]:
         lines.append(f"- {c['plan']}: " + "; ".join(
-            f"vs {p['peer']}: **{p['verdict']}** by {p['by']} ({p['status'][1]} the floor; KL x{p['kl_ratio']:.2f}, "
-            f"decode x{1 / next(r for k, r in p['time_ratio'].items() if k.startswith('decode h100')):.2f})"
+            f"vs {p['peer']}: **{p['verdict']}** by {p['by']} (it {p['status'][1]} the floor; KL x{p['kl_ratio']:.2f}, "
+            f"decode tokens/s x{1 / next(r for k, r in p['time_ratio'].items() if k.startswith('decode h100')):.2f})"
             for p in c["pairs"]))
     return "\n".join(lines)
 
