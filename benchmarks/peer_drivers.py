@@ -13,6 +13,7 @@ import json
 import math
 import signal
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -65,15 +66,55 @@ def modelopt_search(work: Workload, bits: float, config: str, dtype: torch.dtype
     in ``dtype`` within ``bits`` effective bits, calibrated and scored on its calibration batches: its quantized
     model. With ``checkpoint``, its own search-state file: written by the first call, and a later call restores the
     scores from it and only solves for its budget (ModelOpt's way to ask one scoring for several budgets)."""
+    return modelopt_auto_quantize(work, bits, [config], dtype, checkpoint)[0]
+
+
+def modelopt_auto_quantize(work: Workload, bits: float, formats: list, dtype: torch.dtype = torch.bfloat16,
+                           checkpoint: Path | None = None) -> tuple[torch.nn.Module, dict]:
+    """:func:`modelopt_search` over ``formats`` (its names or config dicts): (its quantized model, its search
+    state, which ``mtq.get_auto_quantize_config`` solves again for any budget without scoring again)."""
     import modelopt.torch.quantization as mtq
 
     data = [dict(work.feed(b), labels=b["input_ids"].masked_fill(~b["attention_mask"].bool(), -100))
             for b in work.calibration]
     model = work.get_model().to(dtype)  # bf16: the layers it leaves unquantized serve in bf16, as the others'
-    return mtq.auto_quantize(model, constraints={"effective_bits": bits}, quantization_formats=[config],
+    return mtq.auto_quantize(model, constraints={"effective_bits": bits}, quantization_formats=formats,
                              data_loader=data, forward_step=lambda m, b: m(**b), loss_func=lambda out, b: out.loss,
                              num_calib_steps=len(data), num_score_steps=len(data), verbose=False,
-                             checkpoint=None if checkpoint is None else str(checkpoint))[0]
+                             checkpoint=None if checkpoint is None else str(checkpoint))
+
+
+def modelopt_kv_entries(state: dict, bits: float) -> list[dict]:
+    """The KV cache entries (``*[kv]_bmm_quantizer`` patterns) of the config ModelOpt's search gives at ``bits``
+    (``mtq.get_auto_quantize_config``, solved again from ``state``): what its plan does with the cache."""
+    import modelopt.torch.quantization as mtq
+
+    with warnings.catch_warnings():  # its note that the config's calibration is "max": the one asked for here
+        warnings.simplefilter("ignore")
+        config = mtq.get_auto_quantize_config(state, {"effective_bits": bits})
+    return [e for e in config["quant_cfg"] if "bmm_quantizer" in e["quantizer_name"]]
+
+
+def modelopt_kv_calibrated(model: torch.nn.Module, entries: list[dict], batches: list,
+                           feed: Callable[[dict], dict]) -> torch.nn.Module:
+    """``model`` (changed in place) with only ModelOpt's KV cache ``entries`` enabled, calibrated by its own max
+    calibration on ``batches``: every attention module's k_bmm and v_bmm quantizers fake-quantize in its forward."""
+    import modelopt.torch.quantization as mtq
+
+    config = {"quant_cfg": [{"quantizer_name": "*", "enable": False}, *entries], "algorithm": "max"}
+    with torch.no_grad():
+        return mtq.quantize(model, config, forward_loop=lambda m: [m(**feed(b)) for b in batches])
+
+
+def modelopt_kv_amax(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each attention module's calibrated |max| of keys and of values as ModelOpt holds them (its k_bmm and v_bmm
+    quantizers' amax: one per tensor in FP8_KV_CFG), for the modules whose KV quantizers are enabled."""
+    def amax(quantizer) -> torch.Tensor:
+        return quantizer.amax.detach().float().reshape(-1)
+
+    return {n: (amax(m.k_bmm_quantizer), amax(m.v_bmm_quantizer)) for n, m in model.named_modules()
+            if getattr(getattr(m, "k_bmm_quantizer", None), "is_enabled", False)
+            and getattr(getattr(m, "v_bmm_quantizer", None), "is_enabled", False)}
 
 
 def modelopt_quantized(model: torch.nn.Module) -> set[str]:

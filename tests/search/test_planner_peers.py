@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from benchmark_modules import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[2]
 NAMES = {"layers.0.qkv": ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
                           "model.layers.0.self_attn.v_proj"],
          "layers.0.o": ["model.layers.0.self_attn.o_proj"],
@@ -18,11 +14,7 @@ NAMES = {"layers.0.qkv": ["model.layers.0.self_attn.q_proj", "model.layers.0.sel
 
 @pytest.fixture(scope="module")
 def peers():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("planner_peers", ROOT / "benchmarks" / "planner_peers.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("planner_peers")
 
 
 def test_a_unit_is_fp8_only_when_every_linear_of_it_is(peers):
