@@ -123,7 +123,9 @@ def at_floor(ours: dict, peer: dict, floor_db: float, spread: dict) -> dict:
     """``ours`` against ``peer`` for a user who needs ``floor_db``: a plan that meets the floor beats one that
     breaks it, whatever their times; where both meet it, the faster wins (accuracy above the floor buys nothing),
     and at equal times (within 1%) the lower KL beyond ``spread["kl"]``, else it is a tie. Where either lands within
-    ``spread["db"]`` of the floor, or both break it, every respect counts: serving_goal's ``compare``."""
+    ``spread["db"]`` of the floor, or both break it, every respect counts: serving_goal's ``compare``.
+    Not ``compare`` itself: a user holding one floor ranks it first, then speed (compare weighs every respect alike,
+    for fronts tuned to no common floor); its KL spread is across held-out halves (one scorer), not across pipelines."""
     pair = compare(ours, peer, spread["kl"])
     status = (floor_status(ours, floor_db, spread["db"]), floor_status(peer, floor_db, spread["db"]))
     times = _times(pair)

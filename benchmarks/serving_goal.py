@@ -69,7 +69,9 @@ def pipeline_spread(rows: Sequence[dict]) -> dict:
 def compare(ours: dict, peer: dict, spread: float, tolerance: float = TOLERANCE) -> dict:
     """One pair, all its times together and the error: ``verdict`` is "win", "loss", "tie" or "trade-off" (see the
     module's docstring), with the ratios it came from (ours over the peer's). Times equal on every target (a
-    decode step both GPUs price alike) are one time, said once."""
+    decode step both GPUs price alike) are one time, said once.
+    Not kv_peers.py's ``at_floor`` (built on this): no floor first, every respect alike, as a front spans many
+    accuracies; the KL spread is across pipelines scoring one plan, at_floor's across halves of the held-out batches."""
     times: dict[str, float] = {}
     for phase in PHASES:
         for target in TARGETS:
