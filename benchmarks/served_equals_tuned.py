@@ -11,8 +11,9 @@ Its model.py's batches are held-out text, unpadded: 16 batches of 2 rows of 64 t
 1. ``autoprec tune model.py --target h100 --precisions bf16,fp8-rowwise --min-sqnr X [--engine vllm]``;
 2. ``autoprec export RUN --model model.py --out FOLDER``;
 3. the check (``autoprec export --check-only FOLDER RUN --model model.py``: judge_export, with every held-out row
-   scored) in a real vLLM; and, in one more vLLM process, the full next-token distribution vLLM gives at every
-   held-out position of each folder and of a plain bf16 export, and the scheme of each layer vLLM built.
+   scored) in a real vLLM; and, by autoprec.export.judge.vllm_scores (a vLLM process per folder), the full
+   next-token distribution vLLM gives at every held-out position of each folder and of a plain bf16 export, and the
+   scheme of each layer vLLM built.
 
 Per plan: the layers whose planned precision (the tune's policy) differs from what vLLM runs; the plan's distance
 from fp32 (logits SQNR, the tune's metric; KL per token; SQNR of the log-probabilities) as the tune reported it,
@@ -78,37 +79,6 @@ def get_batches():
 def get_tokenizer():
     return tiny.tokenizer()
 '''
-# run by the Python that has vLLM: each folder's layers (vllm_side.engine_layers) and its full next-token
-# log-probabilities at every prompt position (prompt_logprobs=-1), saved as one .npy per folder
-VLLM_FULL = r'''
-import gc, importlib.util, json, sys, time
-import numpy as np
-request = json.load(open(sys.argv[1]))
-spec = importlib.util.spec_from_file_location("vllm_side", request["side"])
-side = importlib.util.module_from_spec(spec); spec.loader.exec_module(side)
-from vllm import LLM, SamplingParams
-out = {}
-for name, folder in request["folders"].items():
-    start = time.perf_counter()
-    llm = LLM(model=folder, dtype="auto", skip_tokenizer_init=True, enforce_eager=True, max_model_len=256,
-              seed=0, max_logprobs=-1)
-    layers = llm.apply_model(lambda model: side.engine_layers(model))[0]
-    params = SamplingParams(max_tokens=1, prompt_logprobs=-1, temperature=0.0)
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in request["prompts"]], params, use_tqdm=False)
-    vocab = request["vocab"]
-    full = np.full((len(outputs), len(request["prompts"][0]) - 1, vocab), np.nan, dtype=np.float32)
-    for i, (ids, o) in enumerate(zip(request["prompts"], outputs)):
-        for t in range(1, len(ids)):
-            for token, lp in o.prompt_logprobs[t].items():
-                full[i, t - 1, token] = lp.logprob
-    del outputs
-    np.save(f"{request['out']}/{name}.npy", full)
-    out[name] = {"layers": layers, "seconds": round(time.perf_counter() - start, 1)}
-    del llm; gc.collect()
-json.dump(out, open(f"{request['out']}/layers.json", "w"))
-'''
-
-
 def write_model_py(work: Path, settings: dict) -> Path:
     path = work / "model.py"
     path.write_text(MODEL_PY.format(folder=str(TINY), settings=settings, seq=SEQ, rows=ROWS, batches=BATCHES))
@@ -245,28 +215,25 @@ def check(step: dict, model_py: Path, vllm_python: str) -> dict:
             "check_figures": verdict.figures}
 
 
-def vllm_full(folders: dict[str, Path], ids: torch.Tensor, vocab: int, vllm_python: str, work: Path) -> dict:
-    """vLLM's layers and full next-token log-probabilities (a tensor per folder) at every held-out position."""
-    import numpy as np
+def vllm_full(folders: dict[str, Path], ids: torch.Tensor, vocab: int, vllm_python: str) -> dict:
+    """vLLM's layers and full next-token log-probabilities (a (rows, positions, vocab) tensor per folder) at every
+    held-out position: autoprec.export.judge.vllm_scores, a vLLM process per folder; ``process_seconds``: all of
+    them together."""
+    from autoprec.export.judge import vllm_scores
 
-    from autoprec.export.judge import SIDE_SCRIPT
-
-    out = work / "vllm-full"
-    out.mkdir(exist_ok=True)
-    (out / "request.json").write_text(json.dumps({
-        "side": str(SIDE_SCRIPT), "folders": {k: str(v) for k, v in folders.items()}, "out": str(out),
-        "prompts": ids.tolist(), "vocab": vocab}))
-    (out / "full.py").write_text(VLLM_FULL)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1")
-    start = time.perf_counter()
-    run = subprocess.run([vllm_python, str(out / "full.py"), str(out / "request.json")], env=env, cwd=out,
-                         capture_output=True, text=True, check=False)
-    if run.returncode:
-        raise SystemExit(f"vLLM (full logprobs) failed:\n{run.stderr[-3000:]}")
-    layers = json.loads((out / "layers.json").read_text())
-    return {name: {**layers[name], "logprobs": torch.from_numpy(np.load(out / f"{name}.npy")),
-                   "process_seconds": time.perf_counter() - start} for name in folders}
+    rows, positions = ids.shape[0], ids.shape[1] - 1
+    start, out = time.perf_counter(), {}
+    for name, folder in folders.items():
+        entry = vllm_scores(folder, ids.tolist(), vllm_python, full=True)
+        if "full" not in entry:
+            raise SystemExit(f"vLLM (full logprobs) did not score {name}: "
+                             f"{entry.get('load_error') or entry.get('not_run')}")
+        full = entry["full"]  # (scored tokens, the largest token id given + 1): NaN past it, as where vLLM gave none
+        full = torch.nn.functional.pad(full, (0, vocab - full.shape[-1]), value=math.nan)
+        out[name] = {"layers": entry["layers"], "seconds": entry["seconds"],
+                     "logprobs": full.reshape(rows, positions, vocab)}
+    seconds = time.perf_counter() - start
+    return {name: {**entry, "process_seconds": seconds} for name, entry in out.items()}
 
 
 def served_by_vllm(layers: dict, dtype: str) -> dict[str, str]:
@@ -368,7 +335,7 @@ def main() -> int:
                              default=str), flush=True)
         export_checkpoint(model, plan_export(model, Policy(default="bf16")), work / "plain-bf16")
         full = vllm_full({"plain-bf16": work / "plain-bf16", **{e: s["folder"] for e, s in steps.items()}}, ids,
-                         int(fp32[1].shape[-1]), vllm_python, work)
+                         int(fp32[1].shape[-1]), vllm_python)
         result["vllm_full_seconds"] = full["vllm"]["process_seconds"]
         plain = bf16_rounding(model, ids, fp32, full)
         result["plans"] = [compare(e, s, model, ids, fp32, full, plain) for e, s in steps.items()]
