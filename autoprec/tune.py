@@ -119,6 +119,8 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
             phase, start = "profile", time.perf_counter()
             objective = workload.objective(device)  # fp32 on every search batch
             budget.check(objective.metric_fp32, objective.uses_fidelity)
+            if stages.serving is not None:
+                workload.served = None  # the profile's, where this tune profiles (not where it reuses profile.json)
             profile = load_or_profile(workload, stages.profile, context)
             free_memory(device)
             seconds["capture"] = profile.cost["seconds"].get("capture", 0.0)
@@ -173,10 +175,13 @@ def _measure_as_served(workload: Workload, objective: Any, serving: tuple | None
     """A tune for a serving engine (``tune --engine vllm``, ``serving``: the engine and the dtype it serves in; the
     profile's fusion groups): from here on the search's objective and the verification measure every policy as the
     engine serves it (:mod:`autoprec.runtime.as_served`), NVFP4 inputs with the static scales calibrated on the
-    search batches, as the profile measured them (the chosen policy carries them: ``input_amax``)."""
+    search batches, as the profile measured them (the chosen policy carries them: ``input_amax``): the profile's own
+    where this tune profiled (``workload.served``), calibrated here only where it reused a profile."""
     if serving is None:
         return
     engine, dtype = serving
-    served = served_as(workload.model, workload.batches, engine, dtype, precisions, fusion_groups)
+    served = workload.served
+    if served is None:
+        served = served_as(workload.model, workload.batches, engine, dtype, precisions, fusion_groups)
     objective.served = served
     workload.served = served

@@ -123,7 +123,9 @@ class Workload:
     cli_help = ""  # what ``tune --for NAME`` tunes for, in --help
     cli_options: Mapping[str, str] = {}  # its own options' dests -> what each is, said where another --for is asked
     notebook_settings: frozenset[str] = frozenset()  # tune(model, batches, ...)'s settings beside TuneConfig's
-    served: Any = None  # set by the tune for an engine: how a policy runs as it serves it (runtime.as_served.ServedAs)
+    # set by the profile (or the tune, where it reused a profile) for an engine: how a policy runs as it serves it
+    # (runtime.as_served.ServedAs), its NVFP4 input scales calibrated once
+    served: Any = None
 
     model: nn.Module
     batches: list  # the search batches (the hooks' defaults read them)

@@ -21,6 +21,7 @@ from autoprec.common.sqnr import sqnr_db
 from autoprec.export import calibrate_inputs, export_model_py, plan_export, read_run, served_model
 from autoprec.export.judge import written_input_amax
 from autoprec.inputs.batches import call_model, fidelity_outputs
+from autoprec.runtime import as_served
 from autoprec.runtime.mx import nvfp4_global_scale
 from autoprec.runtime.precision import Precision
 
@@ -56,12 +57,27 @@ def fake_blackwell():
 
 
 @pytest.fixture(scope="module")
-def tuned(fake_blackwell, tmp_path_factory):
+def calibrations() -> list[int]:
+    """The calibrations of NVFP4 inputs the tune below ran: the batches each ran on."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def tuned(fake_blackwell, calibrations, tmp_path_factory):
     """(the tune's result, its batches, its output folder)."""
+    calibrate = as_served.calibrate_input_amax
+
+    def counted(model, names, batches, gemms=()):
+        batches = list(batches)
+        calibrations.append(len(batches))
+        return calibrate(model, names, batches, gemms)
+
     batches = [token_batch(seed, vocab=VOCAB) for seed in range(BATCHES)]
     out = tmp_path_factory.mktemp("tune")
-    result = autoprec.tune(tiny_llama(vocab=VOCAB), batches, min_sqnr=15, precisions="bf16,nvfp4", target="b200",
-                           engine="vllm", trials=8, out=out, progress=False, log=lambda _line: None)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(as_served, "calibrate_input_amax", counted)
+        result = autoprec.tune(tiny_llama(vocab=VOCAB), batches, min_sqnr=15, precisions="bf16,nvfp4",
+                               target="b200", engine="vllm", trials=8, out=out, progress=False, log=lambda _line: None)
     return result, batches, out
 
 
@@ -90,6 +106,12 @@ def test_the_policy_carries_the_input_scales_the_tune_measured_with(tuned):
     plan.input_amax = calibrate_inputs(model, plan, batches)
     assert plan.input_amax != policy.input_amax
     assert held_out_sqnr(model, served_model(model, plan), batches) != served
+
+
+def test_the_search_batches_are_calibrated_once_for_the_profile_and_the_search_alike(tuned, calibrations):
+    """The profile measures each NVFP4 candidate with the input scales the search, the verification and the policy
+    then use: one calibration, on the 4 search batches (the scales themselves: the test above)."""
+    assert calibrations == [4]
 
 
 def test_the_export_writes_the_tunes_input_global_scales(tuned, tmp_path):
