@@ -36,21 +36,27 @@ def fake_gpu():
         yield
 
 
-def _tune(engine: str, precisions: str):
+def storage(tmp_path_factory) -> str:
+    """A study of its own in a temporary folder: a tune without ``out`` keeps it in ./study.db otherwise."""
+    return f"sqlite:///{tmp_path_factory.mktemp('study') / 'study.db'}"
+
+
+def _tune(engine: str, precisions: str, tmp_path_factory):
     batches = [token_batch(seed, vocab=VOCAB) for seed in range(6)]
     tuned = autoprec.tune(tiny_llama(vocab=VOCAB), batches, min_sqnr=15, precisions=precisions, target="h100",
-                          engine=engine, trials=8, progress=False, log=lambda _line: None)
+                          engine=engine, trials=8, storage=storage(tmp_path_factory), progress=False,
+                          log=lambda _line: None)
     return tuned, batches
 
 
 @pytest.fixture(scope="module")
-def in_process(fake_gpu):
-    return _tune("in-process", "bf16,fp8")
+def in_process(fake_gpu, tmp_path_factory):
+    return _tune("in-process", "bf16,fp8", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def for_vllm(fake_gpu):
-    return _tune("vllm", "bf16,fp8")
+def for_vllm(fake_gpu, tmp_path_factory):
+    return _tune("vllm", "bf16,fp8", tmp_path_factory)
 
 
 def test_in_process_the_plan_puts_the_output_head_in_fp8(in_process):
@@ -99,10 +105,11 @@ def test_the_verdict_is_the_served_models_sqnr(for_vllm):
 
 # ---- a MoE model: its experts are a candidate for FP8, measured as vLLM serves them --------------------------------
 @pytest.fixture(scope="module")
-def moe_for_vllm(fake_gpu):
+def moe_for_vllm(fake_gpu, tmp_path_factory):
     batches = [token_batch(seed, vocab=VOCAB) for seed in range(6)]
     tuned = autoprec.tune(tiny_moe("mixtral", vocab=VOCAB), batches, min_sqnr=15, precisions="bf16,fp8-rowwise",
-                          target="h100", engine="vllm", trials=8, progress=False, log=lambda _line: None)
+                          target="h100", engine="vllm", trials=8, storage=storage(tmp_path_factory), progress=False,
+                          log=lambda _line: None)
     return tuned, batches
 
 
