@@ -232,8 +232,9 @@ def test_the_head_a_chunk_of_the_vocabulary_at_a_time_gives_the_whole_heads_figu
         for p, value in chunked.noise[name].items():
             assert value == pytest.approx(whole.noise[name][p], rel=1e-4), (name, p)
     assert chunked.glue[""]["bf16"] == pytest.approx(whole.glue[""]["bf16"], rel=1e-4)
-    for mine, theirs in zip(below, whole_below):
-        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
+    for mine, theirs in zip(below, whole_below):  # fp32 sums over the vocabulary in another order: its rounding,
+        scale = float(theirs.abs().max())  # relative to the cotangent's scale (the CPU's kernel sets the order)
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5 * scale)  # 6.7e-6 of 11.3 seen
     model = AutoModelForCausalLM.from_pretrained(checkpoint).float().eval()
     real = mask.bool()
     with torch.no_grad():
