@@ -427,9 +427,8 @@ def policy_ms(profile, policy) -> float:
 
     default = policy.default.value
     assignment = {}
-    for layer in profile.layers:
-        rule = policy.rule_for(layer.name)
-        precision = rule.value if rule is not None else default
+    for layer in profile.layers:  # a rule for a block (a streamed plan's `model.layers.0`) holds for its layers
+        precision = policy.precision_of(layer.name).value
         assignment[layer.name] = precision if precision in layer.latency_ms else default
     latency = {layer.name: layer.latency_ms for layer in profile.layers}
     casts = {layer.name: layer.cast_ms for layer in profile.layers}

@@ -142,6 +142,16 @@ class Policy:
                 return precision
         return None
 
+    def precision_of(self, name: str) -> Precision:
+        """The precision module ``name`` runs in: the innermost rule naming it or a module it sits in, else the
+        default (what :meth:`effective_precisions` gives it, without the model)."""
+        parts = name.split(".") if name else []
+        for end in range(len(parts), -1, -1):
+            rule = self.rule_for(".".join(parts[:end]))
+            if rule is not None:
+                return rule
+        return self.default
+
     def effective_precisions(self, model: torch.nn.Module) -> dict[str, Precision]:
         """The precision every module of ``model`` runs in under this policy (innermost rule wins)."""
         result: dict[str, Precision] = {}
