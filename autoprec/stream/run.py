@@ -22,6 +22,7 @@ from autoprec.common.jsonsafe import dumps
 from autoprec.distributed.ranks import ONE_PROCESS, Ranks
 from autoprec.errors import Terminated, UserError
 from autoprec.inputs.userspec import UserCodeError, call_user, find_function, import_model_py, split_holdout
+from autoprec.runtime.engines import IN_PROCESS
 from autoprec.runtime.policy import Policy
 from autoprec.stream.checkpoint import Checkpoint, GiB, available_bytes, named_checkpoint, open_checkpoint
 
@@ -125,6 +126,12 @@ def check_settings(config: Any, for_: str, inference: str) -> None:
         raise StreamError(f"a streamed tune runs each block on the CPU and times its layers there (--device "
                           f"{config.device} is not built for it); fix: --device cpu, or --target NAME to plan for a "
                           "GPU by its cost model")
+    if getattr(config, "engine", None) not in (None, IN_PROCESS):
+        raise StreamError(f"a streamed tune plans for apply_policy in-process and does not measure what --engine "
+                          f"{config.engine} serves (the output head unquantized, one dtype for the residual stream); "
+                          f"fix: --stream never on a machine that holds the model (it tunes --engine "
+                          f"{config.engine}), or leave out --engine (export then says what {config.engine} serves "
+                          "otherwise)")
     if config.budget is not None:
         raise StreamError("a streamed tune bounds the logits' fidelity (--min-sqnr): evaluate() needs the whole "
                           "model in memory; fix: give --min-sqnr DB instead of --budget, or --stream never")

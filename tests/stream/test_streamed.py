@@ -167,6 +167,24 @@ def test_a_streamed_tune_timed_on_a_gpu_is_one_line() -> None:
     check_settings(TuneConfig(device="cuda", target="h100"), "inference", "inference")
 
 
+def test_a_streamed_tune_for_an_engine_is_refused_in_one_line(tmp_path: Path, checkpoint: Path, capsys) -> None:
+    """The streamed profile measures in-process figures (the output head among the FP8 candidates, fp32 blocks):
+    --engine vllm with --stream always is refused after the mode lines, before anything is profiled, naming
+    --stream never and leaving out --engine; nothing is written."""
+    model_py = _model_py(tmp_path, checkpoint)
+    out = tmp_path / "run"
+    status = main(["tune", str(model_py), "--engine", "vllm", "--target", "h100", "--stream", "always",
+                   "--out", str(out)])
+    err = capsys.readouterr().err
+    assert status == 1, err
+    assert "mode: streamed" in err and "profiling" not in err
+    error = [line for line in err.splitlines() if "error:" in line]
+    assert len(error) == 1 and "Traceback" not in err
+    assert "does not measure what --engine vllm serves" in error[0]
+    assert "fix: --stream never on a machine that holds the model" in error[0] and "leave out --engine" in error[0]
+    assert not out.exists()
+
+
 def test_streamed_sensitivity_agrees_with_exact_evaluation(tmp_path: Path, checkpoint: Path) -> None:
     """Each layer measured on its block's output and carried to the logits by 24 vector-Jacobian products is within
     3 dB of the whole model run with that layer alone lowered (the in-memory tune's exact evaluation); and the
