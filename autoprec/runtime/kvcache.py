@@ -28,6 +28,7 @@ the gradient straight through it (:func:`fake_quantize_kv`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import sys
 import warnings
 import weakref
@@ -42,10 +43,40 @@ from autoprec.runtime.fp8 import E4M3, E4M3_MAX
 
 __all__ = ["KV_FORMATS", "InstalledKV", "KVFormat", "KVScales", "SCALE_DTYPE", "calibrate_kv", "check_kv_amax",
            "check_kv_formats", "fake_quantize_kv", "intercept_kv", "is_mla", "kv_amax", "kv_layers", "kv_quantized",
-           "kv_scale_dtype",
+           "kv_scale_dtype", "kv_weights_digest", "stale_kv_line",
            "unwrapped_lines"]
 
 SCALE_DTYPE = torch.bfloat16  # the served dtype the checkpoint stores KV scales in (as llm-compressor does)
+
+
+def kv_weights_digest(model: nn.Module, layers: Iterable[str]) -> str:
+    """A digest of the weights the KV calibration of ``layers`` was measured on: every parameter of those attention
+    modules (their k/v projections among them), upcast to fp32 (the same for the model loaded as published), named.
+    A tune records it beside ``kv_amax`` (policy.json's ``model.kv_weights``); weights changed since (a fine-tune)
+    give another digest."""
+    h = hashlib.sha256()
+    for name in sorted(layers):
+        for leaf, param in sorted(model.get_submodule(name).named_parameters()):
+            h.update(f"{name}.{leaf}{tuple(param.shape)}".encode())
+            h.update(param.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def stale_kv_line(model: nn.Module, policy: Any) -> str | None:
+    """One line where ``policy``'s KV calibration (``kv_amax``) was measured on other weights than ``model``'s (the
+    digest it recorded, ``model.kv_weights``, differs: the model was fine-tuned since), naming the fix; None where
+    they agree, or where the policy records no digest (a file written before tunes recorded it)."""
+    recorded = policy.model.get("kv_weights") if isinstance(policy.model, Mapping) else None
+    if not policy.kv_amax or not isinstance(recorded, str):
+        return None
+    try:
+        if kv_weights_digest(model, policy.kv_amax) == recorded:
+            return None
+    except AttributeError:  # a layer the model lacks: said where the policy is checked against the model
+        return None
+    return ("the policy's KV cache scales (kv_amax) were calibrated on other weights than this model's attention "
+            "layers (fine-tuned since?), so its k_scale and v_scale are stale; fix: tune again on this model, or "
+            "delete kv_amax from policy.json to have the export calibrate them on model.py's get_batches()")
 
 
 def kv_scale_dtype(precisions: Iterable[Any]) -> torch.dtype:
