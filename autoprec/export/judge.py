@@ -472,7 +472,7 @@ def _compare_logprobs(verdict: Verdict, entry: dict[str, Any], reference: dict[s
         return
     fp32 = _logprobs(model, prompts)
     served_plan = served_model(model, plan)
-    with kv_quantized(served_plan, plan.kv_cache, plan.kv_scales):  # the KV cache as the folder scales it
+    with kv_quantized(served_plan, plan.kv_cache, plan.kv_scales, plan.torch_dtype):  # as the folder scales it
         served = _logprobs(served_plan, prompts)
     plain = _logprobs(served_model(model, ExportPlan({}, [], plan.dtype)), prompts)
     mean, worst = _gap(entry["logprobs"], served)

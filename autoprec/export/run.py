@@ -14,7 +14,7 @@ from autoprec.export.checkpoint import EXPORT_FILE, SHARD_BYTES, export_checkpoi
 from autoprec.export.plan import ExportRefused, plan_export
 from autoprec.export.quantize import calibrate_inputs
 from autoprec.export.streamed import checkpoint_to_stream, streamed_reader
-from autoprec.runtime.kvcache import calibrate_kv
+from autoprec.runtime.kvcache import calibrate_kv, stale_kv_line
 from autoprec.runtime.policy import Policy
 
 __all__ = ["TunedRun", "describe_export", "export_model_py", "is_export", "policy_sha256", "read_run"]
@@ -70,6 +70,9 @@ def export_model_py(model_py: str | Path, run: TunedRun, out: str | Path, keep_f
     plan = plan_export(model, run.policy, keep_fp32=keep_fp32, profile=run.profile)
     if checkpoint is None:
         read = None
+        stale = stale_kv_line(model, run.policy) if plan.kv_cache else None  # the weights moved since the tune
+        if stale:
+            warnings.warn(stale, stacklevel=2)
         _calibrate(module, path, model, plan, run.policy)
     else:
         read = streamed_reader(checkpoint, plan, state_tensors(model))

@@ -28,10 +28,11 @@ the gradient straight through it (:func:`fake_quantize_kv`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,9 +43,47 @@ from autoprec.runtime.fp8 import E4M3, E4M3_MAX
 
 __all__ = ["KV_FORMATS", "InstalledKV", "KVFormat", "KVScales", "SCALE_DTYPE", "calibrate_kv", "check_kv_amax",
            "check_kv_formats", "fake_quantize_kv", "intercept_kv", "is_mla", "kv_amax", "kv_layers", "kv_quantized",
+           "kv_scale_dtype", "kv_weights_digest", "stale_kv_line",
            "unwrapped_lines"]
 
 SCALE_DTYPE = torch.bfloat16  # the served dtype the checkpoint stores KV scales in (as llm-compressor does)
+
+
+def kv_weights_digest(model: nn.Module, layers: Iterable[str]) -> str:
+    """A digest of the weights the KV calibration of ``layers`` was measured on: every parameter of those attention
+    modules (their k/v projections among them), upcast to fp32 (the same for the model loaded as published), named.
+    A tune records it beside ``kv_amax`` (policy.json's ``model.kv_weights``); weights changed since (a fine-tune)
+    give another digest."""
+    h = hashlib.sha256()
+    for name in sorted(layers):
+        for leaf, param in sorted(model.get_submodule(name).named_parameters()):
+            h.update(f"{name}.{leaf}{tuple(param.shape)}".encode())
+            h.update(param.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def stale_kv_line(model: nn.Module, policy: Any) -> str | None:
+    """One line where ``policy``'s KV calibration (``kv_amax``) was measured on other weights than ``model``'s (the
+    digest it recorded, ``model.kv_weights``, differs: the model was fine-tuned since), naming the fix; None where
+    they agree, or where the policy records no digest (a file written before tunes recorded it)."""
+    recorded = policy.model.get("kv_weights") if isinstance(policy.model, Mapping) else None
+    if not policy.kv_amax or not isinstance(recorded, str):
+        return None
+    try:
+        if kv_weights_digest(model, policy.kv_amax) == recorded:
+            return None
+    except AttributeError:  # a layer the model lacks: said where the policy is checked against the model
+        return None
+    return ("the policy's KV cache scales (kv_amax) were calibrated on other weights than this model's attention "
+            "layers (fine-tuned since?), so its k_scale and v_scale are stale; fix: tune again on this model, or "
+            "delete kv_amax from policy.json to have the export calibrate them on model.py's get_batches()")
+
+
+def kv_scale_dtype(precisions: Iterable[Any]) -> torch.dtype:
+    """The dtype a plan over ``precisions`` is served in, which its KV scales are stored in (and vLLM reads back
+    into fp32 exactly): fp16 where the plan's only half precision is fp16, else bf16 (``autoprec export``'s rule)."""
+    halves = {str(getattr(p, "value", p)) for p in precisions} & {"bf16", "fp16"}
+    return torch.float16 if halves == {"fp16"} else SCALE_DTYPE
 KVHook = Callable[[str, nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -324,15 +363,16 @@ def intercept_kv(model: nn.Module, hook: KVHook) -> Iterator[set[str]]:
 
 
 @contextlib.contextmanager
-def kv_quantized(model: nn.Module, formats: Mapping[str, str], scales: Mapping[str, KVScales]
-                 ) -> Iterator[set[str]]:
+def kv_quantized(model: nn.Module, formats: Mapping[str, str], scales: Mapping[str, KVScales],
+                 dtype: torch.dtype = SCALE_DTYPE) -> Iterator[set[str]]:
     """Within the block, each layer ``formats`` puts in FP8 (``fp8``, ``fp8-head``) reads its keys and values
-    through E4M3 at its calibrated ``scales``; the rest run as they are. Yields the names seen (see
-    :func:`intercept_kv`). A layer in FP8 without scales is a ValueError naming it."""
+    through E4M3 at its calibrated ``scales``, each rounded to ``dtype`` as the checkpoint stores it (the served
+    dtype: :func:`kv_scale_dtype`); the rest run as they are. Yields the names seen (see :func:`intercept_kv`). A
+    layer in FP8 without scales is a ValueError naming it."""
     missing = [n for n, f in formats.items() if KV_FORMATS[f].quantized and n not in scales]
     if missing:
         raise ValueError(f"KV cache layer {missing[0]!r} is {formats[missing[0]]} but has no calibrated scales")
-    chosen = {n: (KV_FORMATS[f], scales[n].scales(KV_FORMATS[f])) for n, f in formats.items()
+    chosen = {n: (KV_FORMATS[f], scales[n].scales(KV_FORMATS[f], dtype)) for n, f in formats.items()
               if KV_FORMATS[f].quantized}
 
     def hook(name: str, module: nn.Module, key: torch.Tensor, value: torch.Tensor
@@ -357,10 +397,11 @@ class InstalledKV:
     ``apply_policy`` runs. After the model's first forward, an FP8 layer the emulation did not reach is named in
     one warning (:func:`unwrapped_lines`): its cache ran in the model's dtype."""
 
-    def __init__(self, model: nn.Module, formats: Mapping[str, str], amax: Mapping[str, KVScales]):
+    def __init__(self, model: nn.Module, formats: Mapping[str, str], amax: Mapping[str, KVScales],
+                 dtype: torch.dtype = SCALE_DTYPE):
         self._fp8 = {n: model.get_submodule(n) for n, f in formats.items() if KV_FORMATS[f].quantized}
         self._blocks = contextlib.ExitStack()
-        self.seen = self._blocks.enter_context(kv_quantized(model, formats, amax))
+        self.seen = self._blocks.enter_context(kv_quantized(model, formats, amax, dtype))
         self._first: Any = model.register_forward_hook(self._after_first_forward)
 
     def _after_first_forward(self, *_: Any) -> None:

@@ -34,7 +34,7 @@ from autoprec.runtime.apply import apply_policy, remove_policy
 from autoprec.runtime.as_served import output_heads
 from autoprec.runtime.engines import VLLM
 from autoprec.runtime.experts import fused_experts, moe_routers
-from autoprec.runtime.kvcache import KV_FORMATS, calibrate_kv, kv_quantized
+from autoprec.runtime.kvcache import KV_FORMATS, calibrate_kv, kv_quantized, kv_weights_digest
 from autoprec.runtime.policy import Policy
 
 __all__ = ["Candidate", "ServedMix", "ServedPlan", "held_out_sqnr", "plan_mixes", "plan_served"]
@@ -182,7 +182,9 @@ def plan_mixes(model: nn.Module, batches: Sequence[Any], floor_db: float, target
         assert best is not None
         best.parts = _parts(model, best, target, mix)
         if best.policy.kv_cache:  # the scales it was measured with, for apply_policy and the export to run it so
-            best.policy = dataclasses.replace(best.policy, kv_amax=dict(measure.scales))
+            best.policy = dataclasses.replace(best.policy, kv_amax=dict(measure.scales), model={  # and on which
+                **best.policy.model, "kv_weights": kv_weights_digest(model, measure.scales)})  # weights: the export
+            # warns where the model's differ (fine-tuned since)
         plans.append(best)
     return plans
 

@@ -22,11 +22,12 @@ from autoprec.common.jsonsafe import dumps
 from autoprec.distributed.ranks import ONE_PROCESS, Ranks
 from autoprec.errors import Terminated, UserError
 from autoprec.inputs.userspec import UserCodeError, call_user, find_function, import_model_py, split_holdout
+from autoprec.runtime.engines import IN_PROCESS
 from autoprec.runtime.policy import Policy
 from autoprec.stream.checkpoint import Checkpoint, GiB, available_bytes, named_checkpoint, open_checkpoint
 
 __all__ = ["ACTIVATIONS_IN_MEMORY", "IN_MEMORY_FACTOR", "Mode", "StreamError", "StreamInterrupted", "StreamedResult",
-           "check_settings", "choose_mode", "print_streamed", "streamed_bytes", "streamed_tune"]
+           "check_settings", "choose_streamed", "choose_mode", "print_streamed", "streamed_bytes", "streamed_tune"]
 
 # A tune in memory peaks at about this times the model's fp32 weights (benchmarks/scale.py holds it to 1.5x the
 # model and one batch): what the mode is chosen by.
@@ -125,6 +126,12 @@ def check_settings(config: Any, for_: str, inference: str) -> None:
         raise StreamError(f"a streamed tune runs each block on the CPU and times its layers there (--device "
                           f"{config.device} is not built for it); fix: --device cpu, or --target NAME to plan for a "
                           "GPU by its cost model")
+    if getattr(config, "engine", None) not in (None, IN_PROCESS):
+        raise StreamError(f"a streamed tune plans for apply_policy in-process and does not measure what --engine "
+                          f"{config.engine} serves (the output head unquantized, one dtype for the residual stream); "
+                          f"fix: --stream never on a machine that holds the model (it tunes --engine "
+                          f"{config.engine}), or leave out --engine (export then says what {config.engine} serves "
+                          "otherwise)")
     if config.budget is not None:
         raise StreamError("a streamed tune bounds the logits' fidelity (--min-sqnr): evaluate() needs the whole "
                           "model in memory; fix: give --min-sqnr DB instead of --budget, or --stream never")
@@ -146,6 +153,7 @@ class StreamedResult:
     out: Path
     timed_on: str | None = None  # where the layers were timed (None: estimated for the target)
     note: str = ""  # why the answer is fp32 without a search (nothing can be faster here)
+    notes: list[str] = field(default_factory=list)  # what the choice says: why fp32, or that the plan is blanket
 
 
 def streamed_tune(model_py: str | Path, mode: Mode, config: Any, log: Callable[[str], None],
@@ -267,11 +275,8 @@ def _search_and_verify(checkpoint: Checkpoint, figures: Any, held: Any, low: lis
         log(f"no plan to verify: {NO_PLAN}")
     seconds["verify"] = time.perf_counter() - start
     ms = {key: policy_ms(profile, policy) for key, policy in {"fp32": Policy(), **plans}.items()}
-    passing = [k for k in plans if verified.sqnr_db[k] >= floor]
-    if timing is not None:  # predicted from times measured here: a plan must beat fp32 by more than their noise
-        passing = [k for k in passing if ms[k] < (1 - SPEED_MARGIN) * ms["fp32"]]
-    chosen = min(passing, key=lambda k: (ms[k], k not in [c for c in plans if c.startswith("trial")]),
-                 default="fp32")
+    chosen, notes = choose_streamed(plans, verified.sqnr_db, ms, floor, checkpoint.model, result.prefer_fp32,
+                                    None if timing is None else SPEED_MARGIN, config.target)
     policy = plans.get(chosen, Policy())
     policy.model = {"fingerprint": fingerprint, "layers": len(profile.layers), "type": profile.model_type,
                     "checkpoint": str(checkpoint.folder), **({"fusion_groups": profile.fusion_groups}
@@ -283,10 +288,49 @@ def _search_and_verify(checkpoint: Checkpoint, figures: Any, held: Any, low: lis
                      "metric_kind": "logits SQNR dB against fp32 (held-out batches, streamed)",
                      "budget": str(budget), "mode": "streamed"}
     policy.tuned_on = {"device": profile.device, "torch": torch.__version__}
+    if chosen == "fp32" and notes:
+        policy.result["no_gain"] = notes[-1]
     streamed = StreamedResult(policy, verified.sqnr_db, ms, chosen, figures.blocks, seconds, out,
-                              None if timing is None else profile.device)
+                              None if timing is None else profile.device, notes=notes)
     _write(streamed, budget, profile)
     return streamed
+
+
+def choose_streamed(plans: dict[str, Policy], sqnr_db: dict[str, float], ms: dict[str, float], floor: float,
+                    model: Any, prefer_fp32: Any = (), margin: float | None = None, target: str | None = None
+                    ) -> tuple[str, list[str]]:
+    """The plan kept, by the in-memory verification's rule (``autoprec.verify.end_to_end``), and what to say of it.
+
+    Of the plans that lower something and keep the logits above ``floor``, the fastest (``ms``, fp32's among them),
+    or, of those within the tie tolerance of it, the one lowering fewest of the ``prefer_fp32`` layers, then with the
+    fewest rules (blanket bf16 before a plan that times the same); kept only where faster than fp32: estimated for
+    ``target``, strictly faster; predicted from times measured here (``margin``), a plan must beat fp32 by more than
+    their noise, checked before the choice. Else "fp32", a note saying why."""
+    from autoprec.measuring.compare import TIE_TOLERANCE
+    from autoprec.runtime.precision import Precision
+    from autoprec.verify.end_to_end import fastest_simplest, is_fp32
+
+    lowered = [k for k in plans if sqnr_db[k] >= floor and not is_fp32(plans[k])]  # a plan that is fp32 is fp32
+    if margin is not None:
+        lowered = [k for k in lowered if ms[k] < (1 - margin) * ms["fp32"]]
+    if not lowered:
+        faster = " and was predicted faster than fp32" if margin is not None else ""
+        return "fp32", [f"no plan kept the logits above the floor on the held-out batches{faster}: the policy stays "
+                        "fp32"] if plans else []
+
+    def rules(key: str) -> tuple[int, int]:
+        effective = plans[key].effective_precisions(model)
+        return (sum(effective.get(n, plans[key].default) is not Precision.FP32 for n in prefer_fp32),
+                len(plans[key].layers))
+
+    best = fastest_simplest(lowered, ms.__getitem__, rules, lambda a, b: ms[a] > ms[b] * (1 + TIE_TOLERANCE))
+    if not ms[best] < ms["fp32"]:
+        return "fp32", [f"no plan within the floor was estimated faster than fp32 for {target} (the best, {best}, "
+                        f"{ms[best]:.3g} ms against fp32's {ms['fp32']:.3g} ms): the policy stays fp32"]
+    if best.startswith("blanket"):
+        return best, [f"the tuned policy is {best} itself: within the floor, and no per-layer plan "
+                      f"{'predicted' if margin is not None else 'estimated'} faster"]
+    return best, []
 
 
 def _write(result: StreamedResult, budget: Any, profile: Any) -> None:
@@ -299,7 +343,7 @@ def _write(result: StreamedResult, budget: Any, profile: Any) -> None:
     ms = "predicted_ms" if timed else "estimated_ms"
     (out / "streamed.json").write_text(dumps({
         "chosen": result.chosen, "verified_sqnr_db": result.verified, ms: result.predicted_ms,
-        "blocks": result.blocks, "seconds": result.seconds, "budget": str(budget)}))
+        "blocks": result.blocks, "seconds": result.seconds, "budget": str(budget), "notes": result.notes}))
     rows = [[k, f"{result.predicted_ms[k]:.3f}", f"{result.predicted_ms['fp32'] / result.predicted_ms[k]:.2f}x",
              "reference" if k == "fp32" else f"{result.verified[k]:.2f}", "chosen" if k == result.chosen else ""]
             for k in ["fp32", *result.verified]]
@@ -316,6 +360,7 @@ def _write(result: StreamedResult, budget: Any, profile: Any) -> None:
         f"Reference: fp32 computed from the published weights. Budget: {budget} on the logits, measured on the "
         f"held-out batches by a streamed forward.\n\n"
         + markdown_table(["plan", ms.replace("_", " "), "speed-up", "logits SQNR dB", ""], rows)
+        + "".join(f"\n\nNote: {note}" for note in result.notes)
         + "\n\n## Per block\n\n"
         + markdown_table(["block", "reference forward s", *(["layers timed s"] if timed else []), "sensitivity s",
                           "resident GiB"], per_block) + "\n")
@@ -324,14 +369,16 @@ def _write(result: StreamedResult, budget: Any, profile: Any) -> None:
 def print_streamed(result: StreamedResult) -> int:
     """What a finished streamed tune prints."""
     how = "estimated" if result.timed_on is None else "predicted"
+    if result.chosen == "fp32" and result.verified:
+        print(f"{'fp32':>28}: {how} {result.predicted_ms['fp32']:.3f} ms, the reference  <- chosen")
     for key, sqnr in result.verified.items():
         mark = "  <- chosen" if key == result.chosen else ""
         print(f"{key:>28}: {how} {result.predicted_ms[key]:.3f} ms "
               f"({result.predicted_ms['fp32'] / result.predicted_ms[key]:.2f}x fp32), logits {sqnr:.2f} dB{mark}")
-    if result.chosen == "fp32" and not result.note:  # a note (nothing can be faster here) was said as it was found
-        faster = " and was predicted faster than fp32" if result.timed_on is not None else ""
-        print(f"no plan kept the logits above the floor on the held-out batches{faster}: fp32" if result.verified
-              else f"{NO_PLAN}: fp32")
+    for note in result.notes:  # why the policy is fp32, or that it is blanket: as the in-memory tune says it
+        print(f"  note: {note}")
+    if result.chosen == "fp32" and not result.note and not result.notes:  # a note (nothing can be faster here) was
+        print(f"{NO_PLAN}: fp32")  # said as it was found
     print(result.policy)
     names = ("policy.json", "report.md", "profile.json", "streamed.json", "study.db")
     print(f"outputs: {result.out}/ ({', '.join(n for n in names if (result.out / n).exists())})")

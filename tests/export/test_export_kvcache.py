@@ -273,3 +273,36 @@ def test_a_folder_whose_k_scale_was_edited_after_the_export_fails_naming_the_lay
     assert verdict.kv_scales[LAYERS[1]]["k_scale"] == edited and verdict.kv_scales[LAYERS[0]]["cache"] == "auto"
     assert verdict.problems == [f"{LAYERS[1]}: vLLM loaded k_scale [{edited[0]:.6g}, {edited[1]:.6g}] "
                                 f"({LAYERS[1]}.attn), the plan's is [{k[0].item():.6g}, {k[1].item():.6g}]"]
+
+
+def test_an_export_after_a_fine_tune_warns_that_the_kv_scales_are_stale(tuned, tmp_path):
+    """A served-mix tune records a digest of the attention weights its KV calibration was measured on
+    (``model.kv_weights``): exported on those weights, nothing is said; on weights moved since (one step of a
+    fine-tune on a k_proj), one warning names the stale scales and both fixes; a policy written before tunes recorded
+    it exports as before."""
+    import warnings
+
+    from autoprec.runtime.kvcache import kv_weights_digest, stale_kv_line
+
+    model, tuned = model_py_namespace()["get_model"](), tuned[1]
+    amax = tuned.kv_amax
+    assert tuned.model["kv_weights"] == kv_weights_digest(model, amax)
+    assert stale_kv_line(model, tuned) is None
+    with torch.no_grad():  # a fine-tune's step on one k/v projection
+        model.get_submodule(f"{LAYERS[1]}.k_proj").weight.mul_(1.01)
+    assert "calibrated on other weights" in stale_kv_line(model, tuned)
+
+    old = Policy(default="bf16", kv_cache=tuned.kv_cache, kv_amax=amax)
+    for name, policy in (("tuned", tuned), ("old", old)):
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            export(tmp_path, policy, name)
+        assert not [w for w in said if "kv_amax" in str(w.message)], name
+    moved = Policy(default="bf16", kv_cache=tuned.kv_cache, kv_amax=amax, model={"kv_weights": "0" * 16})
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        out, _, _ = export(tmp_path, moved, "moved")
+    lines = [str(w.message) for w in said if "kv_amax" in str(w.message)]
+    assert len(lines) == 1 and "\n" not in lines[0]
+    assert "k_scale and v_scale are stale; fix: tune again on this model, or delete kv_amax" in lines[0]
+    assert (out / "model.safetensors").exists()  # still written: a warning, not a refusal

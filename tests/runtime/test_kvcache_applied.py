@@ -232,3 +232,39 @@ def test_a_latent_attentions_cache_applied_is_the_profiles_and_comes_off():
     assert "expand_kv" not in model.get_submodule(layer).__dict__
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, plain)
+
+
+@pytest.mark.parametrize("dtype, other", [("fp16", torch.bfloat16), ("bf16", torch.float16)])
+def test_the_emulated_kv_scales_are_the_exported_ones_bit_for_bit(profiled, monkeypatch, dtype, other):
+    """A plan served in fp16 stores its k_scale and v_scale in fp16 (vLLM reads them into fp32 exactly), one served
+    in bf16 in bf16: apply_policy's emulation scales the cache with those very numbers, not with the calibration
+    rounded to another dtype (which differ here, so the check can tell)."""
+    import autoprec.runtime.kvcache as kvcache
+    from autoprec.export.kvcache import kv_scale_tensors
+    from autoprec.export.plan import plan_export
+
+    model = profiled[0]
+    amax = calibrate_kv(model, BATCHES)[0]
+    policy = Policy(default=dtype, kv_cache={LAYER0: "fp8", LAYER1: "fp8"}, kv_amax=amax)
+    plan = plan_export(model, policy)
+    exported = kv_scale_tensors(model, plan.kv_cache, plan.kv_scales, plan.torch_dtype)
+    used: dict[int, torch.Tensor] = {}
+    quantize = kvcache.fake_quantize_kv
+
+    def recording(x, scale):
+        used[len(used)] = scale.clone()
+        return quantize(x, scale)
+
+    monkeypatch.setattr(kvcache, "fake_quantize_kv", recording)
+    apply_policy(model, policy)
+    try:
+        logits(model, BATCHES[:1])
+    finally:
+        remove_policy(model)
+    k0, v0, k1, v1 = (used[i] for i in range(4))  # layer 0's keys and values, then layer 1's
+    for name, (k, v) in ((LAYER0, (k0, v0)), (LAYER1, (k1, v1))):
+        written_k, written_v = exported[f"{name}.k_scale"], exported[f"{name}.v_scale"]
+        assert written_k.dtype == plan.torch_dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+        assert torch.equal(k.reshape(-1), written_k.float().reshape(-1)), name  # bit for bit
+        assert torch.equal(v.reshape(-1), written_v.float().reshape(-1)), name
+        assert not torch.equal(k.reshape(-1), amax[name].scales(kvcache.KV_FORMATS["fp8"], other)[0].reshape(-1))

@@ -100,6 +100,52 @@ def test_streamed_and_in_memory_tunes_give_the_same_plan(tmp_path: Path, checkpo
     assert set(streamed.values()) == {everywhere}
 
 
+def test_under_target_a_plan_no_faster_than_fp32_is_not_chosen(tmp_path: Path, checkpoint: Path, capsys) -> None:
+    """At a floor no low precision clears (100 dB) the only plan within it is the search's all-fp32 seed, estimated
+    exactly as fast as fp32: the policy is fp32 itself, not that trial, and the output says why, as the in-memory
+    tune does (a plan that is fp32 is no candidate; a candidate must be estimated faster than fp32)."""
+    out = tmp_path / "run"
+    status = main(["tune", str(_model_py(tmp_path, checkpoint)), "--target", "h100", "--precisions", PRECISIONS,
+                   "--min-sqnr", "100", "--trials", "12", "--stream", "always", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert status == 0
+    streamed = json.loads((out / "streamed.json").read_text())
+    assert streamed["estimated_ms"]["trial #0"] == streamed["estimated_ms"]["fp32"]  # the all-fp32 seed was verified
+    assert streamed["chosen"] == "fp32"
+    assert "fp32: estimated" in printed and "the reference  <- chosen" in printed
+    assert "note: no plan kept the logits above the floor on the held-out batches: the policy stays fp32" in printed
+    assert Policy.load(out / "policy.json").result["speedup"] == 1.0
+
+
+def test_the_streamed_choice_compares_with_fp32_and_blanket_as_in_memory() -> None:
+    """The rule verification applies in memory under --target, on made-up estimates: a plan within the floor but
+    estimated slower than fp32 (or as fast) is not kept, and the note names the best and both times; a per-layer
+    plan within the tie tolerance (3%) of blanket bf16 loses to it (fewer rules), and the note says the policy is
+    blanket; a plan clearly faster is kept; a plan under the floor never is."""
+    from autoprec.stream.run import choose_streamed
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    mixed = Policy.from_assignment({"0": "fp8-rowwise", "1": "bf16"})
+    blanket = Policy(default="bf16")
+    sqnr = {"trial #3": 40.0, "blanket bf16": 45.0, "trial #9": 20.0}
+    plans = {"trial #3": mixed, "blanket bf16": blanket, "trial #9": Policy.from_assignment({"0": "fp8-rowwise"})}
+
+    chosen, notes = choose_streamed(plans, sqnr, {"fp32": 1.0, "trial #3": 1.2, "blanket bf16": 1.1,
+                                                  "trial #9": 0.5}, 30.0, model, target="h100")
+    assert chosen == "fp32"
+    assert notes == ["no plan within the floor was estimated faster than fp32 for h100 (the best, blanket bf16, "
+                     "1.1 ms against fp32's 1 ms): the policy stays fp32"]
+    assert choose_streamed(plans, sqnr, {"fp32": 1.0, "trial #3": 1.0, "blanket bf16": 1.0, "trial #9": 0.5}, 30.0,
+                           model, target="h100")[0] == "fp32"
+    chosen, notes = choose_streamed(plans, sqnr, {"fp32": 1.0, "trial #3": 0.80, "blanket bf16": 0.81,
+                                                  "trial #9": 0.5}, 30.0, model, target="h100")
+    assert chosen == "blanket bf16"
+    assert notes == ["the tuned policy is blanket bf16 itself: within the floor, and no per-layer plan estimated "
+                     "faster"]
+    assert choose_streamed(plans, sqnr, {"fp32": 1.0, "trial #3": 0.70, "blanket bf16": 0.81, "trial #9": 0.5},
+                           30.0, model, target="h100") == ("trial #3", [])
+
+
 def _figures(checkpoint: Path, folder: Path, log, in_memory: int = 2**30):
     ckpt = open_checkpoint(checkpoint)
     g = torch.Generator().manual_seed(0)
@@ -165,6 +211,24 @@ def test_a_streamed_tune_timed_on_a_gpu_is_one_line() -> None:
                                           r"--device cpu, or --target NAME"):
         check_settings(TuneConfig(device="cuda"), "inference", "inference")
     check_settings(TuneConfig(device="cuda", target="h100"), "inference", "inference")
+
+
+def test_a_streamed_tune_for_an_engine_is_refused_in_one_line(tmp_path: Path, checkpoint: Path, capsys) -> None:
+    """The streamed profile measures in-process figures (the output head among the FP8 candidates, fp32 blocks):
+    --engine vllm with --stream always is refused after the mode lines, before anything is profiled, naming
+    --stream never and leaving out --engine; nothing is written."""
+    model_py = _model_py(tmp_path, checkpoint)
+    out = tmp_path / "run"
+    status = main(["tune", str(model_py), "--engine", "vllm", "--target", "h100", "--stream", "always",
+                   "--out", str(out)])
+    err = capsys.readouterr().err
+    assert status == 1, err
+    assert "mode: streamed" in err and "profiling" not in err
+    error = [line for line in err.splitlines() if "error:" in line]
+    assert len(error) == 1 and "Traceback" not in err
+    assert "does not measure what --engine vllm serves" in error[0]
+    assert "fix: --stream never on a machine that holds the model" in error[0] and "leave out --engine" in error[0]
+    assert not out.exists()
 
 
 def test_streamed_sensitivity_agrees_with_exact_evaluation(tmp_path: Path, checkpoint: Path) -> None:
