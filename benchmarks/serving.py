@@ -88,7 +88,7 @@ from peer_drivers import (  # noqa: E402  (benchmarks/peer_drivers.py: the peers
     quark_tokens,
     served_policy,
 )
-from provenance import measured_on, stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
+from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 from serving_goal import goal, goal_lines  # noqa: E402
 
 from autoprec.export import export_checkpoint, plan_export  # noqa: E402
@@ -356,6 +356,8 @@ def modelopt_row(bits: float, ctx: dict, folder: Path, of: str = "") -> dict:
            "note": "ModelOpt's own model scored in process; its export_hf_checkpoint scored as vLLM serves it where "
                    "vLLM runs it" + (f"; splits what vLLM fuses ({', '.join(split)}: FP8 and bf16 parts in one GEMM)"
                                      if split else "")}
+    if not getattr(model.config, "architectures", None):  # its export iterates them; None for a model built from a
+        model.config.architectures = [type(model).__name__]  # config (from_pretrained sets them): as the hub's would
     try:
         export_hf_checkpoint(model, export_dir=str(folder))
     except Exception as e:  # noqa: BLE001 - its export's failure on this model is a result
@@ -590,11 +592,12 @@ def main() -> None:
 def kept(ctx: dict, folder: Path, measure: Callable[[], Any]) -> Any:
     """What ``measure`` gives (a row, or a list of rows) for the checkpoint in ``folder``, kept beside it in
     ``rows/NAME.json`` as soon as it is measured: a run that stops midway (a peer's search that runs for an hour, a
-    signal) goes on from there when started again with the same ``--out``. A row kept by another commit, or with
-    other settings, is measured again."""
+    signal) goes on from there when started again with the same ``--out``. A row kept by another version of the
+    library (autoprec/), or with other settings, is measured again; after a change to this harness, delete the rows
+    it changes."""
     path = folder.parent / "rows" / f"{folder.name}.json"
-    stamp = {"commit": measured_on()["commit"], "settings": ctx["settings"]}
-    if path.is_file():
+    stamp = {"autoprec": library_tree(), "settings": ctx["settings"]}
+    if stamp["autoprec"] is not None and path.is_file():
         saved = json.loads(path.read_text())
         if saved.get("stamp") == stamp:
             print(f"{folder.name}: kept from an earlier run ({path})")
@@ -605,6 +608,14 @@ def kept(ctx: dict, folder: Path, measure: Callable[[], Any]) -> Any:
     partial.write_text(json.dumps({"stamp": stamp, "rows": rows}, indent=1))
     partial.replace(path)
     return rows
+
+
+def library_tree() -> str | None:
+    """The git tree of autoprec/ checked out now, or None where it has uncommitted changes (nothing kept then)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
+
+    return None if git("status", "--porcelain", "--", "autoprec") else git("rev-parse", "HEAD:autoprec") or None
 
 
 def run_rows(ctx: dict, out: Path, trials: int, peers: set[str]) -> list[dict]:

@@ -13,7 +13,8 @@ def serving():
     return load_benchmark("serving")
 
 
-def test_a_row_is_measured_once_then_kept(serving, tmp_path):
+def test_a_row_is_measured_once_then_kept(serving, tmp_path, monkeypatch):
+    monkeypatch.setattr(serving, "library_tree", lambda: "tree-a")
     calls = []
     ctx = {"settings": {"shape": "tiny", "trials": 12}}
 
@@ -28,7 +29,8 @@ def test_a_row_is_measured_once_then_kept(serving, tmp_path):
     assert not list((tmp_path / "rows").glob("*.part"))
 
 
-def test_other_settings_or_another_commit_measure_again(serving, tmp_path, monkeypatch):
+def test_other_settings_or_another_library_measure_again(serving, tmp_path, monkeypatch):
+    monkeypatch.setattr(serving, "library_tree", lambda: "tree-a")
     calls = []
 
     def measure():
@@ -37,7 +39,15 @@ def test_other_settings_or_another_commit_measure_again(serving, tmp_path, monke
 
     serving.kept({"settings": {"trials": 12}}, tmp_path / "quark", measure)
     assert serving.kept({"settings": {"trials": 6}}, tmp_path / "quark", measure)["sqnr_db"] == 2.0
-    monkeypatch.setattr(serving, "measured_on", lambda: {"commit": "another", "date": "", "dirty": False})
+    monkeypatch.setattr(serving, "library_tree", lambda: "tree-b")
     assert serving.kept({"settings": {"trials": 6}}, tmp_path / "quark", measure)["sqnr_db"] == 3.0
     assert serving.kept({"settings": {"trials": 6}}, tmp_path / "quark", measure)["sqnr_db"] == 3.0
-    assert len(calls) == 3
+    monkeypatch.setattr(serving, "library_tree", lambda: None)  # autoprec/ edited: nothing is kept
+    assert serving.kept({"settings": {"trials": 6}}, tmp_path / "quark", measure)["sqnr_db"] == 4.0
+    assert serving.kept({"settings": {"trials": 6}}, tmp_path / "quark", measure)["sqnr_db"] == 5.0
+    assert len(calls) == 5
+
+
+def test_the_library_tree_is_autoprecs(serving):
+    tree = serving.library_tree()
+    assert tree is None or len(tree) == 40
