@@ -35,6 +35,9 @@ reload's scores, and its row says why. Plans:
   16 bits and keeps the lowest that passes) on this CPU, exported in Quark's format;
   its roofline-guided MixPrecisionQuantizer needs vLLM on a GPU and is said so.
 
+Each row is kept in ``--out`` (``rows/``) as soon as it is measured, so a run stopped midway goes on where it
+stopped when the same command is run again on the same commit (the served shape takes over an hour on 2 cores).
+
 Columns: the scores, the *estimated* serving time on an H100 and a B200 of the plan each checkpoint holds
 (autoprec.profile.serving_estimate.serving_estimate, SERVE below: decode tokens per second with the weights and the KV
 cache priced by the bytes they move, prefill ms by its FLOPs), the checkpoint's weight bytes, and the time to tune
@@ -54,7 +57,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -351,6 +356,8 @@ def modelopt_row(bits: float, ctx: dict, folder: Path, of: str = "") -> dict:
            "note": "ModelOpt's own model scored in process; its export_hf_checkpoint scored as vLLM serves it where "
                    "vLLM runs it" + (f"; splits what vLLM fuses ({', '.join(split)}: FP8 and bf16 parts in one GEMM)"
                                      if split else "")}
+    if not getattr(model.config, "architectures", None):  # its export iterates them; None for a model built from a
+        model.config.architectures = [type(model).__name__]  # config (from_pretrained sets them): as the hub's would
     try:
         export_hf_checkpoint(model, export_dir=str(folder))
     except Exception as e:  # noqa: BLE001 - its export's failure on this model is a result
@@ -522,7 +529,8 @@ def reference_rows(ctx: dict, out: Path) -> list[dict]:
     for name, policy in (("bf16 everywhere", Policy(default="bf16")),
                          ("FP8_DYNAMIC but lm_head, by autoprec export", Policy(default="fp8-rowwise"))):
         folder = out / name.split()[0].lower()
-        rows.append(exported_row(name, folder, autoprec_export(work, policy, folder), ctx))
+        rows.append(kept(ctx, folder, lambda name=name, policy=policy, folder=folder: exported_row(
+            name, folder, autoprec_export(work, policy, folder), ctx)))
     return rows
 
 
@@ -565,6 +573,8 @@ def main() -> None:
     vllm = None if args.no_vllm else find_vllm_python(args.vllm_python)
     ctx = {"work": work, "peer_limit_s": args.peer_limit, "precision": fp8_name(),
            "vllm": vllm if vllm is not None and vllm.is_file() else None}
+    ctx["settings"] = {"shape": args.shape, "trials": args.trials, "peer_limit_s": args.peer_limit,
+                       "peers": sorted(args.peers.split(",")), "vllm": str(ctx["vllm"])}  # what a kept row must match
     print(f"scoring as vLLM serves: {ctx['vllm'] or 'no (no Python with vLLM; every row in process)'}")
     rows = run_rows(ctx, out, args.trials, set(args.peers.split(",")))
     check = goal(rows, args.spread)
@@ -579,35 +589,71 @@ def main() -> None:
     print(f"wrote {json_path} ({result['wall_seconds']:.0f} s)")
 
 
+def kept(ctx: dict, folder: Path, measure: Callable[[], Any]) -> Any:
+    """What ``measure`` gives (a row, or a list of rows) for the checkpoint in ``folder``, kept beside it in
+    ``rows/NAME.json`` as soon as it is measured: a run that stops midway (a peer's search that runs for an hour, a
+    signal) goes on from there when started again with the same ``--out``. A row kept by another version of the
+    library (autoprec/), or with other settings, is measured again; after a change to this harness, delete the rows
+    it changes."""
+    path = folder.parent / "rows" / f"{folder.name}.json"
+    stamp = {"autoprec": library_tree(), "settings": ctx["settings"]}
+    if stamp["autoprec"] is not None and path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("stamp") == stamp:
+            print(f"{folder.name}: kept from an earlier run ({path})")
+            return saved["rows"]
+    rows = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".part")
+    partial.write_text(json.dumps({"stamp": stamp, "rows": rows}, indent=1))
+    partial.replace(path)
+    return rows
+
+
+def library_tree() -> str | None:
+    """The git tree of autoprec/ checked out now, or None where it has uncommitted changes (nothing kept then)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
+
+    return None if git("status", "--porcelain", "--", "autoprec") else git("rev-parse", "HEAD:autoprec") or None
+
+
 def run_rows(ctx: dict, out: Path, trials: int, peers: set[str]) -> list[dict]:
-    """Every row: the references, autoprec's tunes, and the peers named in ``peers``."""
+    """Every row: the references, autoprec's tunes, and the peers named in ``peers``; each kept as it is measured
+    (:func:`kept`)."""
     work: Workload = ctx["work"]
     rows = reference_rows(ctx, out)
     # tuned for the engine every row is served by (lm_head and the embeddings unquantized, FP8 inputs per token)
     flags = ["--precisions", f"bf16,{ctx['precision']}", "--target", "h100", "--engine", "vllm", "--trials",
              str(trials)]
-    rows += tuned_row(out / "tuned", flags, ctx)
+    rows += kept(ctx, out / "tuned", lambda: tuned_row(out / "tuned", flags, ctx))
     if "llmcompressor" in peers:
-        peer = llmcompressor_row(out / "llmcompressor", ctx)
+        peer = kept(ctx, out / "llmcompressor", lambda: llmcompressor_row(out / "llmcompressor", ctx))
         rows.append(peer)
         if work.perplexity is None and "skipped" not in peer:  # fidelity: a second tune, at the peer's accuracy
             floor = math.floor(peer["sqnr_db"] * 10) / 10
-            rows += tuned_row(out / "tuned-at-peer", [*flags, "--min-sqnr", f"{floor}"], ctx)
+            at_peer = [*flags, "--min-sqnr", f"{floor}"]
+            rows += kept(ctx, out / "tuned-at-peer", lambda: tuned_row(out / "tuned-at-peer", at_peer, ctx))
     fp8 = set(ctx["names"]) - {"lm_head"}
     if "modelopt" in peers:
-        rows.append(modelopt_row(effective_bits(work.skeleton, fp8), ctx, out / "modelopt-all", "FP8_DYNAMIC's"))
+        bits = effective_bits(work.skeleton, fp8)
+        rows.append(kept(ctx, out / "modelopt-all",
+                         lambda: modelopt_row(bits, ctx, out / "modelopt-all", "FP8_DYNAMIC's")))
         # equal time, asked of a peer's search: ModelOpt at the effective bits of each of autoprec's mixed plans
         for i, tuned in enumerate(r for r in rows if r.get("tuned") and "skipped" not in r and r["fp8_layers"]):
             floor = tuned["plan"].partition("--min-sqnr")[2].strip()
-            rows.append(modelopt_row(tuned["effective_bits"], ctx, out / f"modelopt-{i}",
-                                     f"autoprec's plan's, {f'--min-sqnr {floor}' if floor else 'default floor'}"))
+            of = f"autoprec's plan's, {f'--min-sqnr {floor}' if floor else 'default floor'}"
+            rows.append(kept(ctx, out / f"modelopt-{i}",
+                             lambda i=i, tuned=tuned, of=of: modelopt_row(tuned["effective_bits"], ctx,
+                                                                           out / f"modelopt-{i}", of)))
     if "autoround" in peers:  # at the bits of each of autoprec's mixed plans, else midway from all-FP8 to bf16
         budgets = [(r["effective_bits"], "autoprec's plan's") for r in rows
                    if r.get("tuned") and "skipped" not in r and r["fp8_layers"]]
         for i, (bits, of) in enumerate(budgets or [((effective_bits(work.skeleton, fp8) + 16) / 2, "midway")]):
-            rows.append(autoround_row(out / f"autoround-{i}", bits, ctx, of))
+            rows.append(kept(ctx, out / f"autoround-{i}",
+                             lambda i=i, bits=bits, of=of: autoround_row(out / f"autoround-{i}", bits, ctx, of)))
     if "quark" in peers:
-        rows.append(quark_row(out / "quark", ctx))
+        rows.append(kept(ctx, out / "quark", lambda: quark_row(out / "quark", ctx)))
         rows.append(quark_roofline_row())
     return rows + scorer_twins(rows)
 

@@ -85,11 +85,13 @@ def test_a_clearly_better_plan_holds(rule):
 
 
 def test_the_spread_is_the_same_plan_through_several_pipelines(rule):
-    """The served-shape JSON holds FP8_DYNAMIC-but-lm_head through autoprec's export, llm-compressor and ModelOpt:
-    2.328e-2, 2.333e-2 and 2.264e-2 KL, 3.0% apart. A tuned row with the same layer count is not one of them."""
+    """The served-shape JSON holds FP8_DYNAMIC-but-lm_head through autoprec's export and llm-compressor's served by
+    vLLM, ModelOpt's (its search at those bits, twice) served by vLLM, and autoprec's reloaded by transformers:
+    2.3287e-2 the most, 2.3066e-2 the least KL, 0.96% apart. A tuned row with the same layer count is not one of
+    them."""
     measured = rule.pipeline_spread(rows_of("serving-served.json"))
-    assert measured["spread"] == pytest.approx((2.3326e-2 - 2.2639e-2) / 2.2639e-2, rel=1e-3)
-    assert len(measured["plans"]) == 3 and not any(p.startswith("autoprec tune") for p in measured["plans"])
+    assert measured["spread"] == pytest.approx((2.32867e-2 - 2.30659e-2) / 2.30659e-2, rel=1e-3)
+    assert len(measured["plans"]) == 5 and not any(p.startswith("autoprec tune") for p in measured["plans"])
     assert rule.pipeline_spread([{"plan": "alone", "fp8_layers": 3, "effective_bits": 9.0,
                                   "kl_per_token": 1.0}])["spread"] is None
 
