@@ -12,8 +12,13 @@ in a fresh process: its wall time, its peak resident memory (the child's ru_maxr
 line the tune says (sampled every 0.25 s: each stage's line comes at its end), and each block's seconds and
 resident memory as the tune saved them (streamed.json); a checkpoint already in ``--keep``'s folder is reused.
 From the measured per-block figures it projects the whole 8B (32 blocks) and a 70B (80 blocks of hidden 8192, MLP
-28672, GQA 64/8) on this machine, each block scaled by its parameters (projections, labelled so). A projection
-onto one and eight H100s is not written yet.
+28672, GQA 64/8) on this machine, each block scaled by its parameters (projections, labelled so).
+
+``--project FILE`` reruns nothing: from a results file of this benchmark it projects the 8B and the 70B onto one and
+eight H100s (``--target``), the run's work (its block forwards and backwards, counted from the code's constants)
+priced by the cost model, each block read from disk at ``--disk-gbs`` and copied to the GPU at ``--h2d-gbs``, the
+eight ranks sharing the blocks as ``autoprec/stream/shared.py`` does (:func:`gpu_projection`); beside it what
+llm-compressor and ModelOpt publish (``PEERS``). A projection, labelled so in its file.
 
 ``--export-only`` skips the tune and measures ``autoprec export --stream always`` of the checkpoint instead (wall
 time and the child's peak resident memory, read by GNU time), with a plan that puts every decoder-block linear in
@@ -266,6 +271,174 @@ def project(measured: dict) -> dict:
     return out
 
 
+# ---- a projection onto GPUs (issue 44 item 4): the measured run's work priced by the cost model ----------------
+DISK_GBS = 2.0  # --project's default disk read bandwidth, GB/s: one NVMe SSD reading sequentially
+H2D_GBS = 25.0  # --project's default host-to-device bandwidth, GB/s: PCIe Gen5 x16 (64 GB/s) from pageable memory
+LINEARS = 7  # q, k, v, o, gate, up, down: a Llama block's linears (capture finds 8 layers: these and its attention)
+PROJECTION_NOTE = (
+    "a projection, not a run: the streamed tune runs each block on the CPU today (`--device cuda` is refused); this "
+    "prices the work the measured run did (its forwards and backwards, counted from the code's constants: they are "
+    "not recorded in the results file) at the cost model's roofline for the target (autoprec/profile/costmodel.py: "
+    "datasheet peak and bandwidth times its fitted efficiencies), plus each block's weights read from disk and "
+    "copied to the GPU as published (bf16) at the bandwidths named, and upcast there; loading, computing and freeing "
+    "a block follow one another as the code does (no overlap); the search's seconds are the measured run's (it runs "
+    "on the CPU on predicted figures)")
+
+
+def work_counts(result: dict) -> dict:
+    """What the measured run did per block, from the code's constants and the run's settings (the results file
+    records seconds, not counts): per profiled batch, 1 reference forward, the sensitivity's lowered forwards
+    (each linear in each precision, the attention and the glue in each that does not swap the linear: 7 x 2 + 1 + 1
+    for bf16 and FP8 rowwise; a block's noise table has 8 layers), and one forward and backward carrying the
+    ``PROBES`` cotangents back (all at once); per held-out batch, the fp32 reference and each verified plan."""
+    from autoprec.profile.estimate import PROBES
+
+    precisions = ["bf16", "fp8-rowwise"]  # the run's --precisions (run() above)
+    keep = [p for p in precisions if p != "fp8-rowwise"]  # those that do not swap the linear
+    batches = result["tokens"]["batches"]
+    return {"tokens": result["tokens"]["per_batch"], "profiled": batches - 1, "held_out": 1, "probes": PROBES,
+            "lowered": LINEARS * len(precisions) + 2 * len(keep), "plans": len(result["measured"]["verified_sqnr_db"]),
+            "search_s": result["measured"]["seconds"]["search"]}
+
+
+def _block_forward_s(target, shape: dict, tokens: int, precision: str = "fp32", lowered: str | None = None,
+                     lowered_as: str = "fp32") -> float:
+    """One decoder block's forward on ``tokens`` tokens, every linear in ``precision`` but the one named
+    ``lowered`` (a key of the shapes below) in ``lowered_as``, its weight lowered for the run; the attention's
+    two batched GEMMs and the glue's elementwise passes (norms, residual adds, rotary, SiLU) beside."""
+    from autoprec.profile.costmodel import elementwise_ms, gemm_ms, linear_ms
+
+    h, i, heads, kv = shape["hidden_size"], shape["intermediate_size"], shape["num_attention_heads"], \
+        shape["num_key_value_heads"]
+    d = h // heads
+    shapes = {"q": (h, h), "k": (h, kv * d), "v": (h, kv * d), "o": (h, h), "gate": (h, i), "up": (h, i),
+              "down": (i, h)}
+    ms = 0.0
+    for name, (k, n) in shapes.items():
+        p = lowered_as if name == lowered else precision
+        ms += linear_ms(target, tokens, k, n, p, weight_bytes=4, weight_cached=p == "fp32")
+        if name == lowered and p == "bf16":
+            ms += elementwise_ms(target, 4 * k * n, 2 * k * n)  # the weight cast for the run
+    attention = "fp32" if precision == "fp32" and lowered != "attention" else "bf16"
+    ms += 2 * gemm_ms(target, tokens, d, tokens, attention, batch=heads)
+    ms += elementwise_ms(target, 4 * (12 * tokens * h + 3 * tokens * i), 4 * (6 * tokens * h + tokens * i))
+    return ms / 1e3
+
+
+def block_seconds(shape: dict, counts: dict, target: str = "h100", disk_gbs: float = DISK_GBS,
+                  h2d_gbs: float = H2D_GBS) -> dict:
+    """Each step of one block's work on one GPU, in seconds: loading it (read from disk, copied, upcast), the
+    reference forward of every profiled batch, its sensitivity's lowered forwards, the cotangents carried back,
+    and its verification."""
+    from autoprec.profile.costmodel import elementwise_ms
+
+    params, t = block_params(shape), counts["tokens"]
+    fp32 = _block_forward_s(target, shape, t)
+    lowered = [("bf16", name) for name in ("q", "k", "v", "o", "gate", "up", "down")] + \
+        [("fp8-rowwise", name) for name in ("q", "k", "v", "o", "gate", "up", "down")]
+    runs = [_block_forward_s(target, shape, t, lowered=name, lowered_as=p) for p, name in lowered]
+    runs += [_block_forward_s(target, shape, t, lowered="attention", lowered_as="bf16"), fp32]  # attention, glue
+    runs = runs[:counts["lowered"]] + [fp32] * max(0, counts["lowered"] - len(runs))
+    carried = _block_forward_s(target, shape, counts["probes"] * t)
+    return {"read_s": 2 * params / (disk_gbs * 1e9), "copy_s": 2 * params / (h2d_gbs * 1e9),
+            "upcast_s": elementwise_ms(target, 2 * params, 4 * params) / 1e3,
+            "reference_s": counts["profiled"] * fp32, "sensitivity_s": counts["profiled"] * sum(runs),
+            "carry_s": counts["profiled"] * 2 * carried,  # forward, then the input gradient (one GEMM per linear)
+            # what rank 0 writes for the other ranks and each reads back: the block's input and output activations and
+            # the cotangents at its output, per profiled batch, fp32
+            "spill_s": 4 * shape["hidden_size"] * t * counts["profiled"] * (2 + counts["probes"]) / (disk_gbs * 1e9),
+            "verify_s": counts["held_out"] * (fp32 + counts["plans"] * _block_forward_s(target, shape, t, "bf16"))}
+
+
+def head_seconds(shape: dict, counts: dict, target: str = "h100", disk_gbs: float = DISK_GBS,
+                 h2d_gbs: float = H2D_GBS) -> dict:
+    """The output head (and the embeddings, read once): loading it, its profile (fp32 logits, the lm_head in bf16
+    and FP8 rowwise and its glue, the cotangents carried back as one GEMM), and its part of verification."""
+    from autoprec.profile.costmodel import elementwise_ms, linear_ms
+
+    h, v, t = shape["hidden_size"], shape["vocab_size"], counts["tokens"]
+    load = 2 * h * v / (disk_gbs * 1e9) + 2 * h * v / (h2d_gbs * 1e9) + elementwise_ms(target, 2 * h * v,
+                                                                                          4 * h * v) / 1e3
+    logits = linear_ms(target, t, h, v, "fp32") / 1e3
+    candidates = (linear_ms(target, t, h, v, "bf16", weight_bytes=4) + elementwise_ms(target, 4 * h * v, 2 * h * v)
+                  + linear_ms(target, t, h, v, "fp8-rowwise", weight_bytes=4, weight_cached=False)) / 1e3 + logits
+    carried = linear_ms(target, counts["probes"] * t, v, h, "fp32") / 1e3
+    return {"embeddings_read_s": 2 * h * v / (disk_gbs * 1e9), "load_s": load,
+            "profile_s": counts["profiled"] * (logits + candidates + carried),
+            "verify_s": counts["held_out"] * (1 + counts["plans"]) * logits}
+
+
+def share(blocks: int, rank: int, ranks: int) -> list[int]:
+    """Rank ``rank``'s blocks, as the torchrun ranks share them (``Ranks.share``: every N-th from its rank)."""
+    from types import SimpleNamespace
+
+    from autoprec.distributed.ranks import Ranks
+
+    return Ranks.share(SimpleNamespace(rank=rank, world_size=ranks), list(range(blocks)))
+
+
+def gpu_projection(shape: dict, counts: dict, ranks: int, target: str = "h100", disk_gbs: float = DISK_GBS,
+                   h2d_gbs: float = H2D_GBS) -> dict:
+    """The streamed tune of ``shape`` (its ``layers`` blocks) projected onto ``ranks`` GPUs, in seconds per stage.
+
+    One GPU: the profile (every block's reference forward, the head, every block's sensitivity and carry), the
+    search, the verification (every block and the head once more). ``ranks`` > 1, as ``stream/shared.py`` splits
+    it: rank 0 alone runs the reference pass (every block forward, the head, the cotangents carried back through
+    every block but the first, each block loaded again); then each rank measures its blocks (every N-th from its
+    rank; the disk shared by the ranks reading at once), the slowest rank setting the time; then rank 0 searches
+    and verifies alone."""
+    layers = shape["layers"]
+    b, head = block_seconds(shape, counts, target, disk_gbs, h2d_gbs), head_seconds(shape, counts, target,
+                                                                                   disk_gbs, h2d_gbs)
+    load = b["read_s"] + b["copy_s"] + b["upcast_s"]
+    verify = layers * (load + b["verify_s"]) + head["load_s"] + head["verify_s"]
+    first = head["embeddings_read_s"] + head["load_s"] + head["profile_s"]
+    if ranks == 1:
+        profile = first + layers * (2 * load + b["reference_s"] + b["sensitivity_s"] + b["carry_s"])
+        stages = {"profile_s": profile}
+    else:
+        reference = first + layers * (load + b["reference_s"] + b["spill_s"]) + (layers - 1) * (load + b["carry_s"])
+        # every rank reads its blocks and their spilled tensors at once, each at a 1/ranks share of the disk
+        shared_load = (b["read_s"] + b["spill_s"]) * ranks + b["copy_s"] + b["upcast_s"]
+        measured = max(len(share(layers, r, ranks)) * (shared_load + b["sensitivity_s"]) for r in range(ranks))
+        stages = {"reference_pass_rank0_s": reference, "measured_slowest_rank_s": measured,
+                  "profile_s": reference + measured}
+    stages.update(search_s=counts["search_s"], verify_s=verify)
+    stages["total_s"] = stages["profile_s"] + stages["search_s"] + stages["verify_s"]
+    return {k: round(v, 2) for k, v in stages.items()}
+
+
+def project_gpus(path: Path, target: str = "h100", disk_gbs: float = DISK_GBS, h2d_gbs: float = H2D_GBS) -> dict:
+    """The projection of the 8B and the 70B onto one and eight GPUs from the results file at ``path``."""
+    result = json.loads(path.read_text())
+    counts = work_counts(result)
+    out: dict = {"source": str(path), "source_measured_on": result.get("measured_on"), "projection": True,
+                 "note": PROJECTION_NOTE, "assumptions": {"target": target, "disk_gbs": disk_gbs, "h2d_gbs": h2d_gbs,
+                                                         "work_counts": counts}}
+    for name, shape in (("8B", LLAMA_8B), ("70B", LLAMA_70B)):
+        out[name] = {f"{n}_gpu": gpu_projection(shape, counts, n, target, disk_gbs, h2d_gbs) for n in (1, 8)}
+        out[name]["per_block"] = {k: round(v, 4) for k, v in block_seconds(shape, counts, target, disk_gbs,
+                                                                           h2d_gbs).items()}
+    out["peers"] = PEERS
+    return out
+
+
+PEERS = {
+    "llm-compressor": {
+        "published": "typical runtimes on one A100 for Meta-Llama-3-8B-Instruct: RTN weights only ~1 min, RTN weights "
+                     "and activations ~20 min, GPTQ ~30 min, AWQ ~30 min; a 70B is quantized on one GPU by sequential "
+                     "onloading, with no time published",
+        "urls": ["https://docs.vllm.ai/projects/llm-compressor/en/0.11.0/guides/runtime/",
+                 "https://docs.vllm.ai/projects/llm-compressor/en/0.11.0/examples/big_models_with_sequential_onloading/"],
+        "compares": "quantizing with one scheme everywhere (no per-layer search); an A100, not an H100"},
+    "ModelOpt": {
+        "published": "no time published for auto_quantize (its per-layer search) at 8B or 70B: none found in its docs, "
+                     "issues or announcements searched",
+        "urls": [],
+        "compares": "not compared"},
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=2, help="decoder blocks (32: the whole 8B; default 2)")
@@ -274,8 +447,19 @@ def main() -> None:
                         "checkpoint already in it (ckpt/config.json) is reused, not rewritten")
     parser.add_argument("--export-only", action="store_true",
                         help="measure `autoprec export --stream always` of the checkpoint instead of the tune")
+    parser.add_argument("--project", type=Path, metavar="RESULTS", help="run nothing: project the 8B and 70B onto "
+                        "one and eight GPUs from this results file (a projection, not a measurement)")
+    parser.add_argument("--target", default="h100", help="the GPU --project prices the work on (default h100)")
+    parser.add_argument("--disk-gbs", type=float, default=DISK_GBS, help="--project: disk read bandwidth, GB/s "
+                        f"(default {DISK_GBS}: one NVMe SSD reading sequentially)")
+    parser.add_argument("--h2d-gbs", type=float, default=H2D_GBS, help="--project: host-to-device copy bandwidth, "
+                        f"GB/s (default {H2D_GBS}: PCIe Gen5 x16 from pageable memory)")
     args = parser.parse_args()
-    if args.export_only:
+    if args.project:
+        result = {"command": f"python benchmarks/stream_8b.py --project {args.project} --target {args.target} "
+                             f"--disk-gbs {args.disk_gbs:g} --h2d-gbs {args.h2d_gbs:g}",
+                  "projected_onto_gpus": project_gpus(args.project, args.target, args.disk_gbs, args.h2d_gbs)}
+    elif args.export_only:
         measured = in_work(args, export_run)
         result = {"command": f"python benchmarks/stream_8b.py --layers {args.layers} --export-only",
                   "shape": LLAMA_8B, "measured": measured, "goals": {"peak_rss_gb": 6.0}}

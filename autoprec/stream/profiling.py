@@ -23,7 +23,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -245,25 +245,33 @@ def _head(checkpoint: Checkpoint, calibration: Calibration, hidden: list[torch.T
     runs.update({("", p): _glue_policy(table, "", p) for p in glue_precisions})
     noise: dict[str, dict[str, float]] = {}
     glue: dict[str, Any] = {"path": ""}
-    carried = []
+    # every batch in one pass over the vocabulary, each compared as if alone (its own lowering of each candidate)
+    signal, powers = head.compare((None, hidden), {key: (policy, hidden) for key, policy in runs.items()},
+                                  calibration.real[:len(hidden)], alone=True)
+    draws = []
     for b, h in enumerate(hidden):
-        real = calibration.real[b]
-        signal, powers = head.compare((None, [h]), {key: (policy, [h]) for key, policy in runs.items()}, [real])
-        scale = torch.tensor(signal[0], dtype=torch.float64).clamp(min=1e-300)
+        scale = torch.tensor(signal[b], dtype=torch.float64).clamp(min=1e-300)
         for (name, p), power in powers.items():
-            value = power[0] / float(scale)
+            value = power[b] / float(scale)
             if name:
                 noise.setdefault(name, {})[p] = max(noise.get(name, {}).get(p, 0.0), value)
             else:
                 glue[p] = max(glue.get(p, 0.0), value)
-        generator = torch.Generator().manual_seed(b)
-        shape = (*h.shape[:-1], head.vocab)
-        keep = (torch.ones(shape[:-1], dtype=torch.bool) if real is None else real).unsqueeze(-1)
-        # one at a time: a vocabulary's logits, times every probe, would not fit
-        draws = (torch.randn(shape, generator=generator) * keep / scale.sqrt().float() for _ in range(probes))
-        carried.append(head.carried_back(h, draws))
+        draws.append(_draws(b, (*h.shape[:-1], head.vocab), calibration.real[b], scale, probes))
+    carried = head.carried_back(hidden, draws)
     head.free()
     return table, {"noise": noise, "glue": glue, "candidates": candidates, **figures}, carried
+
+
+def _draws(seed: int, shape: tuple[int, ...], real: torch.Tensor | None, scale: torch.Tensor, probes: int
+           ) -> Iterator[torch.Tensor]:
+    """``probes`` random cotangents of the logits ``v / ||y||`` (standard normal ``v`` from ``seed``, real tokens
+    only), each drawn when asked for: a vocabulary's logits, times every probe, would not fit
+    (:meth:`~.head.Head.carried_back` holds as many as fit)."""
+    generator = torch.Generator().manual_seed(seed)
+    keep = (torch.ones(shape[:-1], dtype=torch.bool) if real is None else real).unsqueeze(-1)
+    for _ in range(probes):
+        yield torch.randn(shape, generator=generator) * keep / scale.sqrt().float()
 
 
 def carried_back(scope: Scope, calibration: Calibration, hidden: list[torch.Tensor], index: int,
