@@ -39,7 +39,7 @@ from autoprec.export.plan import SCHEMES, ExportPlan, plan_export
 from autoprec.export.quantize import served_model
 from autoprec.export.run import policy_sha256, read_run
 from autoprec.inputs.userspec import import_model_py
-from autoprec.runtime.kvcache import KV_FORMATS, calibrate_kv, kv_quantized
+from autoprec.runtime.kvcache import KV_FORMATS, calibrate_kv, kv_quantized, kv_rounding
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
 from autoprec.runtime.served_nvfp4 import amax_of_global_scale
@@ -353,7 +353,8 @@ def _verdict(result: dict[str, Any], folder: Path, plan: ExportPlan, model: torc
     verdict.lines.append(f"{head} loaded {folder} as {entry['architecture']}: {len(layers)} layers; "
                          + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
     routed = any("MoE" in info["method"] for info in layers.values())
-    _compare_logprobs(verdict, entry, result["reference"] or entry, plan, model, prompts, routed)
+    _compare_logprobs(verdict, entry, result["reference"] or entry, plan, model, prompts, routed,
+                      kv_rounding(result["platform"]))
     verdict.scored = True
     verdict.figures["vllm_seconds"] = result["seconds"]
     return verdict
@@ -460,20 +461,22 @@ def _gap(a: list, b: list[torch.Tensor]) -> tuple[float, float]:
 
 
 def _compare_logprobs(verdict: Verdict, entry: dict[str, Any], reference: dict[str, Any], plan: ExportPlan,
-                      model: torch.nn.Module, prompts: list[list[int]], routed: bool) -> None:
+                      model: torch.nn.Module, prompts: list[list[int]], routed: bool, rounding: str = "nearest"
+                      ) -> None:
     """vLLM's logprobs against the in-process plan's, within bf16 rounding x the margin: the mean |Δ| always, the
     largest too where no MoE layer routes tokens (a router's top-k is discrete: a rounding difference that sends
     one token to another expert moves that token by far more than rounding, so the largest |Δ| of a MoE is a
     statistic of reroutes; a small Mixtral with FP8 attention measured 4.48e-2 where bf16 rounding x11.3 is
-    4.29e-2, its mean 0.39 of its bound)."""
+    4.29e-2, its mean 0.39 of its bound). The plan's FP8 KV cache rounds as this vLLM's does (``rounding``,
+    :func:`~autoprec.runtime.kvcache.kv_rounding`: toward zero on its CPU build)."""
     if "logprobs" not in reference:
         verdict.problems.append(f"the plain bf16 export of the same model (the bound's reference) did not load in "
                                 f"vLLM: {reference.get('load_error')}")
         return
     fp32 = _logprobs(model, prompts)
     served_plan = served_model(model, plan)
-    with kv_quantized(served_plan, plan.kv_cache, plan.kv_scales):  # the KV cache as the folder scales it
-        served = _logprobs(served_plan, prompts)
+    with kv_quantized(served_plan, plan.kv_cache, plan.kv_scales, rounding):  # the KV cache as the folder (and
+        served = _logprobs(served_plan, prompts)                                # this vLLM) scale and round it
     plain = _logprobs(served_model(model, ExportPlan({}, [], plan.dtype)), prompts)
     mean, worst = _gap(entry["logprobs"], served)
     ref_mean, ref_max = _gap(reference["logprobs"], plain)
@@ -484,7 +487,8 @@ def _compare_logprobs(verdict: Verdict, entry: dict[str, Any], reference: dict[s
                            plan_mean=plan_mean, plan_max=plan_max, tokens=tokens)
     verdict.lines += [
         f"logprob of each actual next token, {tokens} tokens of {len(prompts)} held-out prompts (|Δ| mean, max):",
-        f"  vLLM vs the in-process plan:          {mean:.2e}, {worst:.2e}",
+        f"  vLLM vs the in-process plan:          {mean:.2e}, {worst:.2e}"
+        + (f" (its FP8 KV cache rounded {rounding}, as this vLLM rounds it)" if plan.kv_cache else ""),
         f"  bf16 rounding (a plain bf16 export, vLLM vs in-process): {ref_mean:.2e}, {ref_max:.2e}; "
         f"bound x{margin:.1f}: {margin * ref_mean:.2e}, "
         + ("(the largest not bound: a MoE reroutes tokens)" if routed else f"{margin * ref_max:.2e}"),
