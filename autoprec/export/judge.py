@@ -39,7 +39,7 @@ from autoprec.export.plan import SCHEMES, ExportPlan, plan_export
 from autoprec.export.quantize import served_model
 from autoprec.export.run import policy_sha256, read_run
 from autoprec.inputs.userspec import import_model_py
-from autoprec.runtime.kvcache import KV_FORMATS, calibrate_kv, kv_quantized
+from autoprec.runtime.kvcache import KV_FORMATS, calibrate_kv, kv_quantized, kv_rounding
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
 from autoprec.runtime.served_nvfp4 import amax_of_global_scale
@@ -135,7 +135,8 @@ def judge_export(folder: str | Path, model_py: str | Path, policy: str | Path | 
     prompts = _prompts(holdout)
     with tempfile.TemporaryDirectory(prefix="autoprec-judge-") as tmp:
         reference = None
-        if plan.quantized:  # bf16 rounding as this vLLM and this torch differ on it: the same model, plain
+        if plan.quantized or _fp8_kv(plan):  # bf16 rounding as this vLLM and this torch differ on it: the same
+            # model, plain (for a plan that quantizes only the KV cache too: the folder itself is no plain model)
             reference = Path(tmp) / "plain-bf16"
             export_checkpoint(model, plan_export(model, Policy(default="bf16")), reference)
         result = _run_side(python, folder, reference, prompts, Path(tmp), {"kv_skip_layers": plan.kv_skip or []})
@@ -353,7 +354,8 @@ def _verdict(result: dict[str, Any], folder: Path, plan: ExportPlan, model: torc
     verdict.lines.append(f"{head} loaded {folder} as {entry['architecture']}: {len(layers)} layers; "
                          + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
     routed = any("MoE" in info["method"] for info in layers.values())
-    _compare_logprobs(verdict, entry, result["reference"] or entry, plan, model, prompts, routed)
+    _compare_logprobs(verdict, entry, result["reference"] or entry, plan, model, prompts, routed,
+                      kv_rounding(result["platform"]))
     verdict.scored = True
     verdict.figures["vllm_seconds"] = result["seconds"]
     return verdict
@@ -459,32 +461,40 @@ def _gap(a: list, b: list[torch.Tensor]) -> tuple[float, float]:
     return float(diff.mean()), float(diff.max())
 
 
+def _fp8_kv(plan: ExportPlan) -> bool:
+    """Whether the plan puts some layer's KV cache in FP8."""
+    return any(KV_FORMATS[f].quantized for f in plan.kv_cache.values())
+
+
 def _compare_logprobs(verdict: Verdict, entry: dict[str, Any], reference: dict[str, Any], plan: ExportPlan,
-                      model: torch.nn.Module, prompts: list[list[int]], routed: bool) -> None:
+                      model: torch.nn.Module, prompts: list[list[int]], routed: bool, rounding: str = "nearest"
+                      ) -> None:
     """vLLM's logprobs against the in-process plan's, within bf16 rounding x the margin: the mean |Δ| always, the
     largest too where no MoE layer routes tokens (a router's top-k is discrete: a rounding difference that sends
     one token to another expert moves that token by far more than rounding, so the largest |Δ| of a MoE is a
     statistic of reroutes; a small Mixtral with FP8 attention measured 4.48e-2 where bf16 rounding x11.3 is
-    4.29e-2, its mean 0.39 of its bound)."""
+    4.29e-2, its mean 0.39 of its bound). The plan's FP8 KV cache rounds as this vLLM's does (``rounding``,
+    :func:`~autoprec.runtime.kvcache.kv_rounding`: toward zero on its CPU build)."""
     if "logprobs" not in reference:
         verdict.problems.append(f"the plain bf16 export of the same model (the bound's reference) did not load in "
                                 f"vLLM: {reference.get('load_error')}")
         return
     fp32 = _logprobs(model, prompts)
     served_plan = served_model(model, plan)
-    with kv_quantized(served_plan, plan.kv_cache, plan.kv_scales, plan.torch_dtype):  # as the folder scales it
-        served = _logprobs(served_plan, prompts)
+    with kv_quantized(served_plan, plan.kv_cache, plan.kv_scales, plan.torch_dtype, rounding):  # the KV cache as
+        served = _logprobs(served_plan, prompts)  # the folder scales it and this vLLM rounds it
     plain = _logprobs(served_model(model, ExportPlan({}, [], plan.dtype)), prompts)
     mean, worst = _gap(entry["logprobs"], served)
     ref_mean, ref_max = _gap(reference["logprobs"], plain)
-    margin = FP8_FLIP_MARGIN if plan.quantized else 1.0
+    margin = FP8_FLIP_MARGIN if plan.quantized or _fp8_kv(plan) else 1.0  # an FP8 cache's casts flip alike
     plan_mean, plan_max = _gap([t.tolist() for t in served], fp32)
     tokens = sum(len(p) - 1 for p in prompts)
     verdict.figures.update(mean=mean, max=worst, bf16_mean=ref_mean, bf16_max=ref_max, margin=margin,
                            plan_mean=plan_mean, plan_max=plan_max, tokens=tokens)
     verdict.lines += [
         f"logprob of each actual next token, {tokens} tokens of {len(prompts)} held-out prompts (|Δ| mean, max):",
-        f"  vLLM vs the in-process plan:          {mean:.2e}, {worst:.2e}",
+        f"  vLLM vs the in-process plan:          {mean:.2e}, {worst:.2e}"
+        + (f" (its FP8 KV cache rounded {rounding}, as this vLLM rounds it)" if plan.kv_cache else ""),
         f"  bf16 rounding (a plain bf16 export, vLLM vs in-process): {ref_mean:.2e}, {ref_max:.2e}; "
         f"bound x{margin:.1f}: {margin * ref_mean:.2e}, "
         + ("(the largest not bound: a MoE reroutes tokens)" if routed else f"{margin * ref_max:.2e}"),

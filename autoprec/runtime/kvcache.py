@@ -41,10 +41,9 @@ from torch import nn
 
 from autoprec.runtime.fp8 import E4M3, E4M3_MAX
 
-__all__ = ["KV_FORMATS", "InstalledKV", "KVFormat", "KVScales", "SCALE_DTYPE", "calibrate_kv", "check_kv_amax",
-           "check_kv_formats", "fake_quantize_kv", "intercept_kv", "is_mla", "kv_amax", "kv_layers", "kv_quantized",
-           "kv_scale_dtype", "kv_weights_digest", "stale_kv_line",
-           "unwrapped_lines"]
+__all__ = ["KV_FORMATS", "KV_ROUNDINGS", "InstalledKV", "KVFormat", "KVScales", "SCALE_DTYPE", "calibrate_kv",
+           "check_kv_amax", "check_kv_formats", "fake_quantize_kv", "intercept_kv", "is_mla", "kv_amax", "kv_layers",
+           "kv_quantized", "kv_rounding", "kv_scale_dtype", "kv_weights_digest", "stale_kv_line", "unwrapped_lines"]
 
 SCALE_DTYPE = torch.bfloat16  # the served dtype the checkpoint stores KV scales in (as llm-compressor does)
 
@@ -214,6 +213,35 @@ def kv_amax(x: torch.Tensor) -> torch.Tensor:
 # E4M3's largest value is 448 and the one below it 416: a value up to half that step past 448 rounds to it, as it
 # would in a format with one more value; past that the cast saturates (clips)
 _E4M3_ROUNDED_MAX = E4M3_MAX + 16
+_E4M3_MIN_NORMAL = 2.0 ** -6  # below it E4M3 is subnormal: steps of 2^-9
+# E4M3 keeps 3 of fp32's 23 mantissa bits: the 20 it drops
+_FP32_DROPPED_BY_E4M3 = (1 << 20) - 1
+
+# How the cache's cast from the scaled value to E4M3 rounds, per engine build (vLLM 0.32):
+# - "nearest": vLLM on CUDA, ``__nv_cvt_float_to_fp8(a / scale, __NV_SATFINITE, __NV_E4M3)``
+#   (csrc/quantization/w8a8/fp8/nvidia/quant_utils.cuh): the value over the scale, rounded to nearest even, saturated
+#   at 448; torch's own cast after a clamp is the same.
+# - "toward-zero": vLLM's CPU build, ``float_to_fp8e4m3_scalar`` (csrc/cpu/cpu_attn_fp8.hpp, the VEC and AMX paths
+#   alike): the value times the reciprocal of the scale (fp32), clamped to 448, and its fp32 bits shifted down to
+#   E4M3's 3 mantissa bits: the 20 below them dropped, so every value rounds toward zero (subnormals too). Attention
+#   then reads the E4M3 values exactly and applies the scales in fp32. A cache that truncates sits on average half an
+#   E4M3 step closer to zero than one that rounds to nearest: on the export tests' tiny Llama, vLLM's CPU logprobs
+#   are 1.08e-2 (mean |delta|) from a cache rounded to nearest, 1.47e-3 from one rounded toward zero.
+KV_ROUNDINGS = {"nearest": "vLLM on CUDA: round to nearest even (the value divided by the scale)",
+                "toward-zero": "vLLM's CPU build: round toward zero (the value times the scale's reciprocal)"}
+
+
+def kv_rounding(device_type: str) -> str:
+    """The rounding of the FP8 KV cache that vLLM runs on ``device_type`` (vLLM's ``current_platform.device_type``):
+    ``toward-zero`` on its CPU build, ``nearest`` elsewhere (:data:`KV_ROUNDINGS`)."""
+    return "toward-zero" if device_type == "cpu" else "nearest"
+
+
+def _e4m3_toward_zero(scaled: torch.Tensor) -> torch.Tensor:
+    """fp32 ``scaled`` (already within +-448) as the E4M3 value vLLM's CPU build stores: rounded toward zero."""
+    normal = (scaled.view(torch.int32) & ~_FP32_DROPPED_BY_E4M3).view(torch.float32)
+    subnormal = torch.trunc(scaled * 2.0 ** 9) * 2.0 ** -9
+    return torch.where(scaled.abs() >= _E4M3_MIN_NORMAL, normal, subnormal)
 
 
 class _StaticE4M3(torch.autograd.Function):
@@ -223,21 +251,28 @@ class _StaticE4M3(torch.autograd.Function):
     projections got none)."""
 
     @staticmethod
-    def forward(ctx, x, s):  # type: ignore[override]
-        scaled = x.float() / s
+    def forward(ctx, x, s, toward_zero=False):  # type: ignore[override]
+        if toward_zero:
+            scaled = x.float() * s.reciprocal()
+            held = _e4m3_toward_zero(scaled.clamp(-E4M3_MAX, E4M3_MAX))
+        else:
+            scaled = x.float() / s
+            held = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).float()
         if ctx.needs_input_grad[0]:
-            ctx.save_for_backward(scaled.abs() <= _E4M3_ROUNDED_MAX)
-        return (scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).float() * s).to(x.dtype)
+            ctx.save_for_backward(scaled.abs() <= (E4M3_MAX if toward_zero else _E4M3_ROUNDED_MAX))
+        return (held * s).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         (rounded,) = ctx.saved_tensors
-        return grad * rounded, None
+        return grad * rounded, None, None
 
 
-def fake_quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def fake_quantize_kv(x: torch.Tensor, scale: torch.Tensor, rounding: str = "nearest") -> torch.Tensor:
     """``x`` (batch, heads, tokens, head_dim) through E4M3 at ``scale`` (one, or one per head), in ``x``'s dtype:
-    what the cache holds, dequantized as attention reads it (vLLM divides by the scale, saturates and casts).
+    what the cache holds, dequantized as attention reads it (vLLM divides by the scale, saturates and casts;
+    ``rounding``: how the cast rounds, :data:`KV_ROUNDINGS`: ``nearest`` as vLLM on CUDA, ``toward-zero`` as its
+    CPU build).
 
     In training (a fine-tune of a model with the policy applied) the gradient passes straight through, as the
     other fake quantizations' gradients pass their forward's rounding (:mod:`autoprec.runtime.fp8_linear`,
@@ -245,7 +280,9 @@ def fake_quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     batches themselves, its scale rounded to bf16, may sit just past 448 x the scale: rounded, not clipped, it keeps its
     gradient); it is not quantized itself: no training recipe runs attention's backward on an FP8 cache, which only
     serving holds."""
-    return _StaticE4M3.apply(x, scale.to(x.device).float().reshape(1, -1, 1, 1))
+    if rounding not in KV_ROUNDINGS:
+        raise ValueError(f"KV cache rounding {rounding!r}: the roundings are {', '.join(KV_ROUNDINGS)}")
+    return _StaticE4M3.apply(x, scale.to(x.device).float().reshape(1, -1, 1, 1), rounding == "toward-zero")
 
 
 def is_mla(module: nn.Module) -> bool:
@@ -364,11 +401,14 @@ def intercept_kv(model: nn.Module, hook: KVHook) -> Iterator[set[str]]:
 
 @contextlib.contextmanager
 def kv_quantized(model: nn.Module, formats: Mapping[str, str], scales: Mapping[str, KVScales],
-                 dtype: torch.dtype = SCALE_DTYPE) -> Iterator[set[str]]:
+                 dtype: torch.dtype = SCALE_DTYPE, rounding: str = "nearest") -> Iterator[set[str]]:
     """Within the block, each layer ``formats`` puts in FP8 (``fp8``, ``fp8-head``) reads its keys and values
     through E4M3 at its calibrated ``scales``, each rounded to ``dtype`` as the checkpoint stores it (the served
-    dtype: :func:`kv_scale_dtype`); the rest run as they are. Yields the names seen (see :func:`intercept_kv`). A
-    layer in FP8 without scales is a ValueError naming it."""
+    dtype: :func:`kv_scale_dtype`), the cast rounding as ``rounding`` says (:data:`KV_ROUNDINGS`: the default is
+    vLLM's on CUDA, the GPUs a plan is tuned for); the rest run as they are. Yields the names seen (see
+    :func:`intercept_kv`). A layer in FP8 without scales is a ValueError naming it."""
+    if rounding not in KV_ROUNDINGS:
+        raise ValueError(f"KV cache rounding {rounding!r}: the roundings are {', '.join(KV_ROUNDINGS)}")
     missing = [n for n, f in formats.items() if KV_FORMATS[f].quantized and n not in scales]
     if missing:
         raise ValueError(f"KV cache layer {missing[0]!r} is {formats[missing[0]]} but has no calibrated scales")
@@ -386,7 +426,7 @@ def kv_quantized(model: nn.Module, formats: Mapping[str, str], scales: Mapping[s
                              "this one")
         if is_mla(module):  # one cache entry, the latent beside its RoPE key: one scale (vLLM's k_scale)
             k_scale = v_scale = torch.maximum(k_scale.amax(), v_scale.amax()).reshape(1)
-        return fake_quantize_kv(key, k_scale), fake_quantize_kv(value, v_scale)
+        return fake_quantize_kv(key, k_scale, rounding), fake_quantize_kv(value, v_scale, rounding)
 
     with intercept_kv(model, hook) as seen:
         yield seen

@@ -163,8 +163,10 @@ def test_a_folder_whose_kv_cache_scheme_is_not_the_plans_fails_the_check(tmp_pat
     (out / "config.json").write_text(json.dumps(config))
     verdict = judge_export(out, model_py, policy=policy_path, vllm_python=vllm_python)
     assert verdict.problems[0] == "kv_cache_scheme: the plan has attn_head, vLLM's config reads tensor"
+    # "(its weights and KV scales, up to the KV cache it cannot allocate here)" where this CPU cannot allocate an
+    # FP8 cache (AVX2 only) and vLLM's executor loads the folder up to it; none where its engine loads it whole
     assert len(verdict.problems) == 2 and re.fullmatch(
-        rf"{re.escape(str(out))}: vLLM cannot load it \(.*\): AssertionError: Attempted to load weight "
+        rf"{re.escape(str(out))}: vLLM cannot load it( \(.*\))?: AssertionError: Attempted to load weight "
         r"\(torch.Size\(\[2, 1, 1\]\)\) into parameter \(torch.Size\(\[1\]\)\)", verdict.problems[1])
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from autoprec.profile.kvcache import OUTLIER_DB, measure_kv
-from autoprec.runtime.kvcache import KV_FORMATS, KVScales, fake_quantize_kv, intercept_kv, kv_quantized
+from autoprec.runtime.kvcache import KV_FORMATS, KVScales, fake_quantize_kv, intercept_kv, kv_quantized, kv_rounding
 from autoprec.runtime.policy import Policy, PolicyError
 
 pytest.importorskip("transformers")
@@ -54,6 +54,46 @@ def test_fp8_kv_is_compressed_tensors_own_arithmetic():
     per_head = fake_quantize_kv(x, heads)
     for h in range(3):
         assert torch.equal(per_head[:, h], fake_quantize(x[:, h], heads[h].reshape(1), torch.zeros(1), args))
+
+
+def _vllm_cpu_e4m3(v: float, inv_scale: float) -> float:
+    """vLLM's CPU build's ``float_to_fp8e4m3_scalar`` (csrc/cpu/cpu_attn_fp8.hpp), step by step in fp32 (struct, so
+    no flush of fp32 subnormals), its byte read back as E4M3."""
+    import struct
+
+    def f32(x: float) -> float:
+        return struct.unpack("<f", struct.pack("<f", x))[0]
+
+    v = min(448.0, max(-448.0, f32(f32(v) * f32(inv_scale))))
+    if v == 0.0:
+        return 0.0
+    bits = struct.unpack("<I", struct.pack("<f", f32(v * 2.0 ** -120)))[0]
+    byte = ((bits >> 24) & 0x80) | min((bits >> 20) & 0x7F, 0x7E)
+    return torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e4m3fn).item()
+
+
+def test_vllms_cpu_build_rounds_the_fp8_kv_cache_toward_zero():
+    """vLLM's CPU build stores a key or value as E4M3 by multiplying it by the scale's reciprocal, clamping to 448 and
+    dropping the fp32 mantissa bits below E4M3's three: it rounds toward zero, where vLLM on CUDA (and torch's cast)
+    rounds to nearest. The emulation's ``toward-zero`` is that arithmetic bit for bit (normals, subnormals, the
+    clamp, both signs); the device a vLLM reports picks it."""
+    scale = torch.tensor([0.002197265625])  # a bf16 scale, as a checkpoint stores it (the test model's k_scale)
+    inv = (1 / scale).item()
+    x = torch.cat([torch.randn(1, 1, 4, 64, generator=torch.Generator().manual_seed(0)) * 0.3,
+                   torch.logspace(-14, 0.2, 64, base=2).mul(0.002197265625 * 448).reshape(1, 1, 1, 64)
+                   * torch.tensor([1.0, -1.0]).repeat(32)], dim=2)
+    want = torch.tensor([_vllm_cpu_e4m3(v, inv) for v in x.flatten().tolist()]).reshape(x.shape) * scale
+    got = fake_quantize_kv(x, scale, "toward-zero")
+    assert torch.equal(got, want.to(x.dtype))
+    # by hand, at scale 1: toward zero on both sides, subnormals (steps of 2^-9) too, clamped at 448
+    hand = torch.tensor([1.1, -1.1, 447.0, 500.0, -500.0, 0.0037, 0.0019, -0.0037]).reshape(1, 1, 1, -1)
+    assert fake_quantize_kv(hand, torch.ones(1), "toward-zero").flatten().tolist() == \
+        [1.0, -1.0, 416.0, 448.0, -448.0, 2.0 ** -9, 0.0, -(2.0 ** -9)]
+    assert fake_quantize_kv(hand, torch.ones(1)).flatten().tolist() == \
+        [1.125, -1.125, 448.0, 448.0, -448.0, 2.0 ** -8, 2.0 ** -9, -(2.0 ** -8)]  # nearest: vLLM on CUDA
+    assert (kv_rounding("cpu"), kv_rounding("cuda")) == ("toward-zero", "nearest")
+    with pytest.raises(ValueError, match="KV cache rounding 'down': the roundings are nearest, toward-zero"):
+        fake_quantize_kv(hand, torch.ones(1), "down")
 
 
 def test_the_interception_is_transparent_and_restores_transformers_interface():
