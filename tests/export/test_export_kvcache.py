@@ -4,6 +4,7 @@ config parsing (issue 45, part 1). vLLM 0.32 reads one scheme per checkpoint (st
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -16,7 +17,7 @@ from vllm_engine import needs_vllm
 from autoprec.export.judge import judge_export
 from autoprec.export.plan import ExportRefused, plan_export
 from autoprec.export.run import TunedRun, export_model_py
-from autoprec.runtime.kvcache import KV_FORMATS, calibrate_kv
+from autoprec.runtime.kvcache import KV_FORMATS, calibrate_kv, kv_quantized
 from autoprec.runtime.policy import Policy
 
 pytest.importorskip("transformers")
@@ -308,3 +309,24 @@ def test_an_export_after_a_fine_tune_warns_that_the_kv_scales_are_stale(tuned, t
     assert len(lines) == 1 and "\n" not in lines[0]
     assert "k_scale and v_scale are stale; fix: tune again on this model, or delete kv_amax" in lines[0]
     assert (out / "model.safetensors").exists()  # still written: a warning, not a refusal
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_an_emulation_without_the_fp8_cache_or_rounding_to_nearest_is_past_the_bound(tuned, tmp_path, vllm_python,
+                                                                                      monkeypatch):
+    """The cases that should lose, where this vLLM runs an FP8 cache (AVX-512 or AMX): the in-process side run
+    without its FP8 cache, or rounding it to nearest where vLLM's CPU kernel truncates, is not the model vLLM
+    serves; the bound is the plain bf16 export's rounding (x the FP8 flip margin), not the FP8 cache's own effect."""
+    import autoprec.export.judge as judge
+
+    model_py, policy = tuned
+    verdict, _ = judged(tmp_path, model_py, policy, "tuned", vllm_python)
+    if not verdict.scored:
+        pytest.skip("this CPU cannot allocate vLLM's FP8 KV cache (AVX2 only): no logprobs to compare")
+    assert verdict.ok, verdict.problems
+    for name, plant in (("ignored", lambda *a, **k: contextlib.nullcontext(set())),
+                        ("nearest", lambda m, f, s, d, _r: kv_quantized(m, f, s, d, "nearest"))):
+        monkeypatch.setattr(judge, "kv_quantized", plant)
+        lost, _ = judged(tmp_path / name, model_py, policy, name, vllm_python)
+        assert not lost.ok and "vLLM serves another model than the plan" in lost.problems[0], (name, lost.lines)
