@@ -430,23 +430,26 @@ def estimated_latency(target: str | Target, table, precisions: Sequence[str], fp
 
 def _price_fused(target: Target, table, latency: dict[str, dict[str, float]], mode: str) -> None:
     """Each fusion group of ``table`` whose members are plain linears on one input (q/k/v, gate/up; not a MoE
-    layer's experts) priced as the one GEMM an engine runs: (M, K) x (K, the members' N summed), split over the
-    members by their N. A group whose members differ in M or K, or in the precisions priced, stays per linear."""
+    layer's experts) priced as the one GEMM an engine runs: :func:`layer_ms` of the members as one layer, (M, K) x
+    (K, the members' N summed), split over the members by their N. A group whose members differ in their input, or
+    in the precisions priced, stays per linear."""
+    import dataclasses
+
     by_name = {layer.name: layer for layer in table}
     for group in getattr(table, "fusion_groups", ()):
         members = [by_name.get(name) for name in group.layers]
         if len(members) < 2 or any(m is None or m.kind != "linear" or expert_gemms(m) is not None
-                                   or not m.input_shapes or not m.output_shapes for m in members):
+                                   or len(m.input_shapes) != 1 or len(m.output_shapes) != 1 for m in members):
             continue
-        shapes = {(_numel(m.input_shapes[0]), m.input_shapes[0][-1]) for m in members}
         options = [set(latency[m.name]) for m in members]
-        if len(shapes) != 1 or any(o != options[0] for o in options):
+        if len({tuple(m.input_shapes[0]) for m in members}) != 1 or any(o != options[0] for o in options):
             continue
-        (numel, k), = shapes
-        m_rows = max(1, numel // max(1, k))
         widths = [m.output_shapes[0][-1] for m in members]
+        one = dataclasses.replace(members[0], output_shapes=[[*members[0].output_shapes[0][:-1], sum(widths)]],
+                                  flops=sum(m.flops for m in members),
+                                  weight_bytes=sum(m.weight_bytes for m in members))
         for p in options[0]:
-            whole = _gemm_layer_ms(target, m_rows, k, sum(widths), p, mode)
+            whole = layer_ms(target, one, p, mode)
             for member, n in zip(members, widths):
                 latency[member.name][p] = whole * n / sum(widths)
 
