@@ -45,7 +45,7 @@ def prompts(n: int = 6) -> list:
 def _tune(for_: str):
     settings = {"new_tokens": 2} if for_ == "generation" else {}
     return autoprec.tune(served_width_layer(), prompts(4), for_=for_, engine="vllm", target="h100", min_sqnr=10,
-                         precisions="bf16,fp8-rowwise", trials=2, progress=False, log=lambda _line: None, **settings)
+                         precisions="bf16,fp8-rowwise", trials=4, progress=False, log=lambda _line: None, **settings)
 
 
 @pytest.fixture(scope="module")
