@@ -105,8 +105,8 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
     budget = workload.budget(config, getattr(workload, "evaluate", None) is not None)
     stages = config.stages(budget)  # the config may have been written on another machine: its device checked here
     if stages.serving is not None and not workload.serves_engines:  # still before any work: the config is asked once
-        raise ValueError(f"--engine {config.engine} plans what an engine serves, which tune --for inference measures; "
-                         f"tune --for {workload.name} runs in-process: leave out --engine")
+        raise ValueError(f"--engine {config.engine} plans what an engine serves, which tune --for inference and "
+                         f"--for generation measure; tune --for {workload.name} runs in-process: leave out --engine")
     device, out_dir = stages.device, config.out if ranks.writes else None  # one rank writes the outputs
     phase, seconds = "checking", {}
     try:

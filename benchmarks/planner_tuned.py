@@ -4,6 +4,14 @@
         --target h100 --min-sqnr DB --out RUN
     PYTHONPATH=. nice -n 5 python benchmarks/planner_tuned.py --run RUN [--run RUN2 ...] [--json FILE]
 
+A tune priced at decode (the prefill and the decode steps of a generation, each at its own shapes: --for generation,
+whose search batches are then prompts) is scored the same way:
+
+    autoprec tune benchmarks/models/structured_llama/model.py --for generation --engine vllm \
+        --precisions bf16,fp8-rowwise --target h100 --min-sqnr DB --out RUN
+    PYTHONPATH=. nice -n 5 python benchmarks/planner_tuned.py --run RUN --json \
+        benchmarks/results/planner_views-tuned-decode.json
+
 benchmarks/planner_views.py's "measured" column is autoprec's profile ranking taken as prefixes, each unit scored
 alone; this scores autoprec's *search*, which measures whole plans end to end. Its plans are read from each tune's
 own record: every trial of its study (``RUN/study.db``: each trial keeps its policy, its predicted time and its SQNR
@@ -21,8 +29,9 @@ planner_peers' rule: one is better only where its worst held-out batch is above 
 A peer used a little more than the share, the tune's plan at most the share, so each peer is also set against the
 tune's plan with at least the peer's share (the two bracket equal bits); every plan of the tune is also set against
 the measured ranking within the share that plan used. The shares are printed beside every verdict.
-The tune's objective is time (the cost model's H100 estimate of one forward of the search batch), not bits, so each
-plan's share of FP8's decode saving (planner_views' ``saved_ms``) is printed too.
+The tune's objective is time (the cost model's H100 estimate of one forward of the search batch, or with --for
+generation of a whole generation from it), not bits, so each plan's share of FP8's decode saving (planner_views'
+``saved_ms``) is printed too.
 """
 
 from __future__ import annotations
@@ -175,12 +184,14 @@ def timing(run: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def run_tune(floor: float, out: Path) -> Path:
-    """``autoprec tune`` on the structured model at ``floor`` dB into ``out``, timed: RUN/timing.json."""
+def run_tune(floor: float, out: Path, decode: bool = False) -> Path:
+    """``autoprec tune`` on the structured model at ``floor`` dB into ``out``, timed: RUN/timing.json. ``decode``:
+    priced as a generation (``--for generation``: the prefill and its decode steps), not one forward."""
     import subprocess
 
     command = [sys.executable, "-m", "autoprec", "tune", str(MODELS["structured"]), "--engine", "vllm",
-               "--precisions", "bf16,fp8-rowwise", "--target", "h100", "--min-sqnr", f"{floor:g}", "--out", str(out)]
+               "--precisions", "bf16,fp8-rowwise", "--target", "h100", "--min-sqnr", f"{floor:g}", "--out", str(out),
+               *(("--for", "generation") if decode else ())]
     load, started = [os.getloadavg()], time.perf_counter()
     subprocess.run(command, check=True)
     record = {"command": " ".join(command[1:]), "wall_seconds": time.perf_counter() - started,
@@ -193,11 +204,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", action="append", default=[], help="a finished tune's folder (repeatable)")
     parser.add_argument("--tune", action="append", type=float, default=[], metavar="DB",
-                        help="run the tune at this --min-sqnr first, into --runs/floorDB (repeatable)")
+                        help="run the tune at this --min-sqnr first, into --runs/floorDB (decodeDB with --decode; "
+                             "repeatable)")
     parser.add_argument("--runs", default="autoprec-runs/planner-tuned", help="where --tune's folders go")
-    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "planner_views-tuned.json"))
+    parser.add_argument("--decode", action="store_true",
+                        help="--tune prices a generation (--for generation: the prefill and its decode steps), "
+                             "not one forward of the search batch")
+    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "planner_views-tuned.json"),
+                        help="where the results go (default benchmarks/results/planner_views-tuned.json)")
     args = parser.parse_args()
-    runs = [Path(r) for r in args.run] + [run_tune(db, Path(args.runs) / f"floor{db:g}") for db in args.tune]
+    kind = "decode" if args.decode else "floor"
+    runs = [Path(r) for r in args.run] + [run_tune(db, Path(args.runs) / f"{kind}{db:g}", args.decode)
+                                          for db in args.tune]
     if not runs:
         raise SystemExit("give --run RUN (a finished tune's folder) or --tune DB (a floor to tune at)")
     started, load = time.perf_counter(), [os.getloadavg()]

@@ -179,7 +179,9 @@ def _latency(model: nn.Module, job: nn.Module, table: LayerTable, first: Any, lo
     if config.target is not None:  # planning for a GPU that is not here: the cost model's estimate
         from autoprec.profile.costmodel import estimated_latency, get_target
 
-        return _Timing(estimated_latency(config.target, table, [p.value for p in low], fp8_layers),
+        # for a serving engine each fusion group is priced as the one GEMM it runs
+        return _Timing(estimated_latency(config.target, table, [p.value for p in low], fp8_layers,
+                                         fused=config.engine is not None),
                        get_target(config.target).capabilities())
     device, ranks = context.device, context.ranks
     timing = _Timing(None, device_capabilities(device))

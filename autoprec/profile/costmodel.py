@@ -390,13 +390,18 @@ def _output_numel(layer) -> int:
 
 
 def estimated_latency(target: str | Target, table, precisions: Sequence[str], fp8_layers: Sequence[str],
-                      mode: str = "inference"):
+                      mode: str = "inference", fused: bool = False):
     """The per-layer latency, cast and remainder structure :func:`autoprec.profile.profile_model`
     measures, estimated for ``target`` from the captured shapes, so the search runs unchanged.
 
     Boundary casts: one pass over a low-precision layer's outputs to fp32. Remainder (the glue between
     layers: bias, activation, residual, norm): one read-and-write pass over each layer's outputs in
     the region's precision; FP8 is never a region default and keeps its output in the region's dtype.
+
+    ``fused`` (a tune for a serving engine, which runs each of the table's fusion groups as one GEMM: q/k/v,
+    gate/up): each group of linears on one input is priced as that one GEMM (its outputs side by side, one launch,
+    one quantization of the input), and each member is given the share of it that its outputs are, so the
+    members' sum, what the search adds up for the group's one decision, is the fused GEMM's time.
     """
     from autoprec.profile.latency import LatencyResult, predict_ms
 
@@ -414,11 +419,39 @@ def estimated_latency(target: str | Target, table, precisions: Sequence[str], fp
         out = _output_numel(layer)
         casts[layer.name] = {p: (0.0 if Precision(p).swaps_linear else elementwise_ms(target, out * BYTES[p], out * 4))
                              for p in options if p != "fp32"}
+    if fused:
+        _price_fused(target, table, latency, mode)
     regions = ["fp32", *(p for p in low if not Precision(p).swaps_linear)]
     remainder = {p: sum(elementwise_ms(target, _output_numel(layer) * BYTES[p], _output_numel(layer) * BYTES[p])
                         for layer in table) for p in regions}
     end_to_end = {p: predict_ms({n: p for n in names}, p, latency, casts, remainder) for p in regions}
     return LatencyResult(latency, casts, remainder, end_to_end, {}, {n: "fp32" for n in names})
+
+
+def _price_fused(target: Target, table, latency: dict[str, dict[str, float]], mode: str) -> None:
+    """Each fusion group of ``table`` whose members are plain linears on one input (q/k/v, gate/up; not a MoE
+    layer's experts) priced as the one GEMM an engine runs: :func:`layer_ms` of the members as one layer, (M, K) x
+    (K, the members' N summed), split over the members by their N. A group whose members differ in their input, or
+    in the precisions priced, stays per linear."""
+    import dataclasses
+
+    by_name = {layer.name: layer for layer in table}
+    for group in getattr(table, "fusion_groups", ()):
+        members = [by_name.get(name) for name in group.layers]
+        if len(members) < 2 or any(m is None or m.kind != "linear" or expert_gemms(m) is not None
+                                   or len(m.input_shapes) != 1 or len(m.output_shapes) != 1 for m in members):
+            continue
+        options = [set(latency[m.name]) for m in members]
+        if len({tuple(m.input_shapes[0]) for m in members}) != 1 or any(o != options[0] for o in options):
+            continue
+        widths = [m.output_shapes[0][-1] for m in members]
+        one = dataclasses.replace(members[0], output_shapes=[[*members[0].output_shapes[0][:-1], sum(widths)]],
+                                  flops=sum(m.flops for m in members),
+                                  weight_bytes=sum(m.weight_bytes for m in members))
+        for p in options[0]:
+            whole = layer_ms(target, one, p, mode)
+            for member, n in zip(members, widths):
+                latency[member.name][p] = whole * n / sum(widths)
 
 
 def policy_ms(profile, policy) -> float:

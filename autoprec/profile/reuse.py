@@ -33,6 +33,8 @@ def load_or_profile(workload: Workload, config: ProfileConfig, context: RunConte
     job = f", {ranks.world_size} ranks" if ranks.several and config.target is None else ""
     # sensitivities measured as an engine serves the model
     job += f", as {config.engine} serves it" if config.engine is not None else ""  # the profile holds for that only
+    # its estimate prices each fusion group as the one GEMM the engine runs (a profile priced per linear is not it)
+    job += ", each fusion group one GEMM" if config.engine is not None and config.target is not None else ""
     cached = None
     if path is not None and path.exists():
         try:

@@ -325,6 +325,9 @@ class GenerationWorkload(InferenceWorkload):
     tag = "generation"
     tunes_sharded = False
     predicts_latency = False  # the profile prices a generation from forwards; verification times whole ones
+    # --engine vllm: every forward (prefill, decode step) measured as the engine serves the plan; with --target the
+    # search's price is the prefill and the decode steps at their own shapes, each fusion group one GEMM
+    serves_engines = True
     cli_help = ("generation (the time of a whole greedy generation from the batches as prompts, prefill and "
                 "decode steps with the KV cache; needs a model with .generate() or generate(model, batch) in "
                 "model.py; --budget on evaluate() or by default on the prompts' perplexity, default 1%%)")
@@ -457,13 +460,15 @@ class GenerationWorkload(InferenceWorkload):
         profile = super().profile(table, config, context.with_ranks(ONE_PROCESS))
         profile.fingerprint = self.fingerprint()
         if self.generate is None and (not profile.nothing_pays_off or config.target is not None):
-            self._add_decode(profile, context.device, config.target)
+            self._add_decode(profile, context.device, config.target, fused=config.engine is not None)
         return profile
 
-    def _add_decode(self, profile: Any, device: torch.device, target: str | None = None) -> None:
+    def _add_decode(self, profile: Any, device: torch.device, target: str | None = None, fused: bool = False
+                    ) -> None:
         """Each layer's time in ``new_tokens - 1`` decode steps added to its prefill time: measured here, or with
         ``target`` estimated by the cost model at the decode step's own shapes (one token per row: the linears
-        read all their weights for a few rows, so weight bytes, not FLOPs, set their time)."""
+        read all their weights for a few rows, so weight bytes, not FLOPs, set their time). ``fused`` (a tune for
+        a serving engine): each fusion group priced as the one GEMM the engine runs, as the prefill's is."""
         batch = to_device(self.batches[0], device)
         ids, mask = prompt_tokens(batch)
         step = ({**batch, "input_ids": ids[:, -1:], "attention_mask": mask[:, -1:]} if isinstance(batch, dict)
@@ -480,7 +485,7 @@ class GenerationWorkload(InferenceWorkload):
             from autoprec.capture.layers import capture
             from autoprec.profile.costmodel import estimated_latency
 
-            decode = estimated_latency(target, capture(self.model, [step]), timed, fp8_layers)
+            decode = estimated_latency(target, capture(self.model, [step]), timed, fp8_layers, fused=fused)
         else:
             from autoprec.profile.latency import measure_latency
 
@@ -500,7 +505,8 @@ class GenerationWorkload(InferenceWorkload):
             profile.end_to_end_ms[k] += steps * decode.end_to_end_ms.get(k, 0.0)
         profile.prediction_error_pct = {}  # the prefill's check; a generation's is verification's to measure
         profile.timed = (f"generation: a prefill forward and {steps} decode steps (one-token forwards)"
-                         + (f", estimated for {target} by the cost model" if target is not None else ""))
+                         + (f", estimated for {target} by the cost model" if target is not None else "")
+                         + (", each fusion group as the one GEMM the engine runs" if fused and target else ""))
 
     def generation(self) -> Callable[[nn.Module, Any], Any]:
         """``(model, batch) -> output``: one generation as this workload runs it."""
