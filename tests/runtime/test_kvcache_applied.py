@@ -251,9 +251,9 @@ def test_the_emulated_kv_scales_are_the_exported_ones_bit_for_bit(profiled, monk
     used: dict[int, torch.Tensor] = {}
     quantize = kvcache.fake_quantize_kv
 
-    def recording(x, scale):
+    def recording(x, scale, *rounding):
         used[len(used)] = scale.clone()
-        return quantize(x, scale)
+        return quantize(x, scale, *rounding)
 
     monkeypatch.setattr(kvcache, "fake_quantize_kv", recording)
     apply_policy(model, policy)
