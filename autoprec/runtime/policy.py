@@ -12,7 +12,8 @@ An optional ``"kv_cache": {"model.layers.0.self_attn": "fp8-head", ...}`` gives 
 (:mod:`autoprec.runtime.kvcache`: ``auto``, ``fp8``, ``fp8-head``); a layer it does not name keeps the model's dtype.
 Its static scales come from ``"kv_amax": {"model.layers.0.self_attn": {"key_amax": [...], "value_amax": [...]}}``:
 each attention layer's |max| of keys and of values per KV head on the tune's calibration batches (the scale is
-amax / 448, stored in bf16), with which ``apply_policy`` runs the cache as the tune measured it.
+amax / 448, stored in the served dtype: fp16 for a plan served in fp16, else bf16), with which ``apply_policy``
+runs the cache as the tune measured it.
 A policy for an engine with nvfp4 layers holds their static input scales as ``"input_amax": {"model.layers.0.mlp.
 down_proj": 12.5, ...}``: each layer's largest |input| on the tune's calibration batches (fp32, written exactly; the
 checkpoint's ``input_global_scale`` is 448 * 6 / amax), with which ``apply_policy`` runs them and ``autoprec export``
