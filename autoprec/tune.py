@@ -119,8 +119,7 @@ def _run(workload: Workload, config: TuneConfig, log: Callable[[str], None], ran
             phase, start = "profile", time.perf_counter()
             objective = workload.objective(device)  # fp32 on every search batch
             budget.check(objective.metric_fp32, objective.uses_fidelity)
-            if stages.serving is not None:
-                workload.served = None  # the profile's, where this tune profiles (not where it reuses profile.json)
+            workload.served = None  # the profile's, where this tune profiles for an engine (never an earlier tune's)
             profile = load_or_profile(workload, stages.profile, context)
             free_memory(device)
             seconds["capture"] = profile.cost["seconds"].get("capture", 0.0)

@@ -141,3 +141,23 @@ def test_for_vllm_moe_experts_can_be_fp8_and_the_verdict_is_the_served_models(mo
     # the experts' FP8 error is in the verdict: small beside the attention's here (measured 28.13 dB without it,
     # 28.12 with it), and large alone (each experts layer's sensitivity above: about 42.6 dB against bf16's 45.5)
     assert unquantized != worst
+
+
+def test_a_workload_reused_after_a_tune_for_vllm_is_measured_in_process(fake_gpu, tmp_path_factory):
+    """A Workload passed to one tune for vLLM and then to an in-process tune: the second measures the model as it
+    runs in process, not through the engine's served form the first left on the workload."""
+    import importlib
+
+    workload_and_config = importlib.import_module("autoprec.tune")._workload_and_config
+    batches = [token_batch(seed, vocab=VOCAB) for seed in range(6)]
+    workload, config = workload_and_config(
+        tiny_llama(vocab=VOCAB), batches, None,
+        {"min_sqnr": 15, "precisions": "bf16,fp8", "target": "h100", "engine": "in-process", "trials": 4,
+         "storage": storage(tmp_path_factory), "progress": False})
+
+    def served(model, policy):
+        raise AssertionError("an in-process tune measured a policy as vLLM serves it")
+
+    workload.served = served  # what a tune for vLLM leaves on the workload
+    tuned = autoprec.tune(workload, config, log=lambda _line: None)
+    assert tuned.policy.engine is None and tuned.policy.rule_for("lm_head") is Precision.FP8
