@@ -14,7 +14,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
-__all__ = ["measured_on", "stamped", "stamped_dumps"]
+__all__ = ["library_tree", "measured_on", "stamped", "stamped_dumps"]
 
 
 def _git(*args: str) -> str:
@@ -33,6 +33,12 @@ def measured_on() -> dict[str, Any]:
     dirty = bool(_git("status", "--porcelain", "--", "autoprec", "benchmarks")) if commit else None
     return {"commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "dirty": dirty}
+
+
+def library_tree() -> str | None:
+    """The git tree of autoprec/ checked out now (what a kept measurement of the library holds for), or None where
+    autoprec/ has uncommitted changes or this is no git checkout."""
+    return None if _git("status", "--porcelain", "--", "autoprec") else _git("rev-parse", "HEAD:autoprec") or None
 
 
 def stamped(result: Any) -> Any:

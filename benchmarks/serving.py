@@ -88,7 +88,7 @@ from peer_drivers import (  # noqa: E402  (benchmarks/peer_drivers.py: the peers
     quark_tokens,
     served_policy,
 )
-from provenance import stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
+from provenance import library_tree, stamped_dumps  # noqa: E402  (benchmarks/provenance.py: the commit and date)
 from serving_goal import goal, goal_lines  # noqa: E402
 
 from autoprec.export import export_checkpoint, plan_export  # noqa: E402
@@ -608,14 +608,6 @@ def kept(ctx: dict, folder: Path, measure: Callable[[], Any]) -> Any:
     partial.write_text(json.dumps({"stamp": stamp, "rows": rows}, indent=1))
     partial.replace(path)
     return rows
-
-
-def library_tree() -> str | None:
-    """The git tree of autoprec/ checked out now, or None where it has uncommitted changes (nothing kept then)."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
-
-    return None if git("status", "--porcelain", "--", "autoprec") else git("rev-parse", "HEAD:autoprec") or None
 
 
 def run_rows(ctx: dict, out: Path, trials: int, peers: set[str]) -> list[dict]:
