@@ -237,6 +237,14 @@ def kv_rounding(device_type: str) -> str:
     return "toward-zero" if device_type == "cpu" else "nearest"
 
 
+def _toward_zero(rounding: str) -> bool:
+    """Whether ``rounding`` (:data:`KV_ROUNDINGS`) rounds toward zero; a ValueError naming the roundings if it is
+    none of them."""
+    if rounding not in KV_ROUNDINGS:
+        raise ValueError(f"KV cache rounding {rounding!r}: the roundings are {', '.join(KV_ROUNDINGS)}")
+    return rounding == "toward-zero"
+
+
 def _e4m3_toward_zero(scaled: torch.Tensor) -> torch.Tensor:
     """fp32 ``scaled`` (already within +-448) as the E4M3 value vLLM's CPU build stores: rounded toward zero."""
     normal = (scaled.view(torch.int32) & ~_FP32_DROPPED_BY_E4M3).view(torch.float32)
@@ -280,9 +288,7 @@ def fake_quantize_kv(x: torch.Tensor, scale: torch.Tensor, rounding: str = "near
     batches themselves, its scale rounded to bf16, may sit just past 448 x the scale: rounded, not clipped, it keeps its
     gradient); it is not quantized itself: no training recipe runs attention's backward on an FP8 cache, which only
     serving holds."""
-    if rounding not in KV_ROUNDINGS:
-        raise ValueError(f"KV cache rounding {rounding!r}: the roundings are {', '.join(KV_ROUNDINGS)}")
-    return _StaticE4M3.apply(x, scale.to(x.device).float().reshape(1, -1, 1, 1), rounding == "toward-zero")
+    return _StaticE4M3.apply(x, scale.to(x.device).float().reshape(1, -1, 1, 1), _toward_zero(rounding))
 
 
 def is_mla(module: nn.Module) -> bool:
@@ -407,8 +413,7 @@ def kv_quantized(model: nn.Module, formats: Mapping[str, str], scales: Mapping[s
     dtype: :func:`kv_scale_dtype`), the cast rounding as ``rounding`` says (:data:`KV_ROUNDINGS`: the default is
     vLLM's on CUDA, the GPUs a plan is tuned for); the rest run as they are. Yields the names seen (see
     :func:`intercept_kv`). A layer in FP8 without scales is a ValueError naming it."""
-    if rounding not in KV_ROUNDINGS:
-        raise ValueError(f"KV cache rounding {rounding!r}: the roundings are {', '.join(KV_ROUNDINGS)}")
+    _toward_zero(rounding)  # an unknown rounding said before any layer is hooked
     missing = [n for n, f in formats.items() if KV_FORMATS[f].quantized and n not in scales]
     if missing:
         raise ValueError(f"KV cache layer {missing[0]!r} is {formats[missing[0]]} but has no calibrated scales")
