@@ -35,8 +35,14 @@ IN_MEMORY_FACTOR = 1.5
 ACTIVATIONS_IN_MEMORY = GiB  # calibration activations held in memory; past this they are spilled to disk
 LIBRARIES = GiB // 2  # torch, transformers and optuna, imported (the smallest tune's peak in benchmarks/scale.py)
 MODES = ("auto", "always", "never")
-NO_PLAN = ("no layer has a candidate precision this machine runs natively that was timed faster than fp32 here "
-           "(tune with --target NAME to plan for a GPU)")
+
+
+def no_plan(target: str | None) -> str:
+    """Why a streamed tune has no plan: nothing timed faster here, or (``target``) nothing estimated faster there."""
+    if target is not None:
+        return f"no layer has a candidate precision estimated faster than fp32 for {target}"
+    return ("no layer has a candidate precision this machine runs natively that was timed faster than fp32 here "
+            "(tune with --target NAME to plan for a GPU)")
 
 
 class StreamInterrupted(KeyboardInterrupt):
@@ -272,7 +278,7 @@ def _search_and_verify(checkpoint: Checkpoint, figures: Any, held: Any, low: lis
     start = time.perf_counter()
     verified = verify_streamed(checkpoint, held, plans, log) if plans else Verified()
     if not plans:
-        log(f"no plan to verify: {NO_PLAN}")
+        log(f"no plan to verify: {no_plan(config.target)}")
     seconds["verify"] = time.perf_counter() - start
     ms = {key: policy_ms(profile, policy) for key, policy in {"fp32": Policy(), **plans}.items()}
     chosen, notes = choose_streamed(plans, verified.sqnr_db, ms, floor, checkpoint.model, result.prefer_fp32,
@@ -378,7 +384,7 @@ def print_streamed(result: StreamedResult) -> int:
     for note in result.notes:  # why the policy is fp32, or that it is blanket: as the in-memory tune says it
         print(f"  note: {note}")
     if result.chosen == "fp32" and not result.note and not result.notes:  # a note (nothing can be faster here) was
-        print(f"{NO_PLAN}: fp32")  # said as it was found
+        print(f"{no_plan(result.policy.result.get('estimated_for'))}: fp32")  # said as it was found
     print(result.policy)
     names = ("policy.json", "report.md", "profile.json", "streamed.json", "study.db")
     print(f"outputs: {result.out}/ ({', '.join(n for n in names if (result.out / n).exists())})")
