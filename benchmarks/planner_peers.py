@@ -1,7 +1,7 @@
 """The peers' own planners on the model where planners part ways, scored as benchmarks/planner_views.py scores.
 
     PYTHONPATH=. nice -n 5 /work/main/.venv-peers/bin/python benchmarks/planner_peers.py \
-        [--peers modelopt,autoround,quark] [--peer-limit 900]
+        [--peers modelopt,autoround,quark] [--peer-limit 900] [--held-out N]
 
 Run it where the peers are installed (nvidia-modelopt 0.47, auto-round 0.16, amd-quark 0.13: see
 benchmarks/serving.py). benchmarks/planner_views.py applies four *scoring rules* the way the peers score; this runs
@@ -16,15 +16,19 @@ parameters in FP8, asked of each peer as effective bits: 16 - 8 x share, FP8's 8
 
 Each peer's chosen linears are read back (ModelOpt's enabled weight quantizers, the compressed-tensors groups of
 AutoRound's checkpoint, Quark's assignment), mapped to planner_views' engine units, and put in FP8 *with planner_views'
-own emulation* (``fp8-rowwise``, whatever format the peer quantized in) on the same held-out batches: the logits' SQNR
-against fp32, worst and best batch. So only the choice differs between rows, not the quantizer. The four rules'
+own emulation* (``fp8-rowwise``, whatever format the peer quantized in) on the same held-out batches (4, or
+``--held-out N``): the logits' SQNR against fp32, worst and best batch, and each batch's in the batches' order. So only
+the choice differs between rows, not the quantizer. The four rules'
 plans at the same budgets (their orders from the scores in benchmarks/results/planner_views.json) are scored again
 in the same run beside them.
 
 A peer's budget is a ceiling on effective bits, so a floor on the share in FP8 (its plan uses at least about the
 share), where planner_views' rules take at most the share. So each peer's plan is also set against the measured
-rule's plan within the share the peer actually used, scored in the same run: one is better only where its worst
-held-out batch is above the other's best; overlapping intervals are a tie. Quark's rows carry its own score of each
+rule's plan within the share the peer actually used, scored in the same run, by two rules (:data:`VERDICT_RULES`):
+``verdict``, one is better only where its worst held-out batch is above the other's best, overlapping intervals a tie
+(the rule of the committed results); ``paired``, the per-batch differences' Hodges-Lehmann estimate with its 95%
+Wilcoxon signed-rank interval, one better only where the whole interval is on its side of 0 (it needs 6 batches or
+more to decide anything: ``--held-out``). Quark's rows carry its own score of each
 unit it chose beside that score's range over every unit: its reason for the plan. A peer that fails or does not
 finish gets its one-line error as its row.
 """
@@ -34,6 +38,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import shutil
 import sys
@@ -57,11 +62,30 @@ from peer_drivers import (  # noqa: E402
     quark_search,
     served_policy,
 )
-from planner_views import MODELS, RULES, SHARES, at_share, logits, plan_db, units_of  # noqa: E402
+from planner_views import (  # noqa: E402
+    MODELS,
+    RULES,
+    SHARES,
+    add_held_out,
+    at_share,
+    held_out_scores,
+    logits,
+    plan_db,
+    units_of,
+)
 from provenance import stamped_dumps  # noqa: E402
+
+from autoprec.measuring.compare import shift_interval  # noqa: E402
 
 PEERS = ("modelopt", "autoround", "quark")
 MODELOPT_CONFIG = "FP8_PER_CHANNEL_PER_TOKEN_CFG"
+CONFIDENCE = 0.95  # of the paired verdict's interval
+VERDICT_RULES = {
+    "verdict": "overlap: one plan better only where its worst held-out batch is above the other's best, else a tie "
+               "(the rule of the committed results)",
+    "paired": f"paired: each held-out batch's SQNR difference, their Hodges-Lehmann estimate with the "
+              f"{CONFIDENCE:.0%} Wilcoxon signed-rank interval (dB); one plan better only where the whole interval "
+              f"is on its side of 0, else a tie"}
 
 
 def budget_bits(share: float) -> float:
@@ -151,15 +175,15 @@ def bf16_model(work: Workload):
 
 def scored(row: dict, model, units: dict, names: dict, held_out: list, refs: list, marks: dict) -> dict:
     """``row``'s plan (its FP8 linears) in FP8 on the held-out batches: its share of the parameters, the units it
-    chose, those it split, the planted units it put in FP8 and those it kept out, and the SQNR interval."""
+    chose, those it split, the planted units it put in FP8 and those it kept out, and its SQNRs (the interval, each
+    batch's)."""
     fp8 = set(row["fp8_linears"])
     by_name = {n: lin for unit in units for n, lin in zip(names[unit], units[unit])}
     total = sum(lin.weight.numel() for lin in by_name.values())
     whole, split = engine_units(fp8, names)
     db = plan_db(model, [by_name[n] for n in sorted(fp8 & set(by_name))], held_out, refs)
     return {**row, "share": sum(by_name[n].weight.numel() for n in fp8 & set(by_name)) / total, "fp8": whole,
-            "split": split, "sqnr_db": [db[0], db[-1]], "median_db": db[len(db) // 2],
-            "outside_units": sorted(fp8 - set(by_name)),
+            "split": split, **held_out_scores(db, held_out), "outside_units": sorted(fp8 - set(by_name)),
             "planted_fp8": [u for u in marks if u in whole or u in split],
             "planted_kept": [u for u in marks if u not in whole and u not in split]}
 
@@ -187,16 +211,51 @@ def verdict(peer_db: list[float], measured_db: list[float]) -> str:
     return "tie"
 
 
+def paired_verdict(peer: dict, measured: dict, confidence: float = CONFIDENCE) -> dict:
+    """A peer's plan against the measured one, each scored on the same held-out batches (``batch_db``, in the order of
+    their keys ``held_out``): each batch's SQNR difference, peer minus measured, and their Hodges-Lehmann estimate with
+    the Wilcoxon signed-rank interval (:func:`autoprec.measuring.compare.shift_interval`). One is better only where the
+    whole interval is on its side of 0, else a tie; too few batches for an interval at ``confidence`` (fewer than 6
+    at 95%) give none (``interval_db`` null): a tie."""
+    counts = len(peer["batch_db"]), len(measured["batch_db"])
+    if counts[0] != counts[1]:
+        raise ValueError(f"paired verdict: the plans were scored on {counts[0]} and {counts[1]} held-out batches; "
+                         "fix: score both in one run, on the same --held-out")
+    if peer["held_out"] != measured["held_out"]:
+        raise ValueError("paired verdict: the plans were scored on different held-out batches; "
+                         "fix: score both in one run, on the same --held-out")
+    estimate, low, high = shift_interval([p - m for p, m in zip(peer["batch_db"], measured["batch_db"])], confidence)
+    decided = "peer better" if low > 0 else "measured better" if high < 0 else "tie"
+    return {"verdict": decided, "estimate_db": estimate, "batches": counts[0], "confidence": confidence,
+            "interval_db": [low, high] if math.isfinite(low) and math.isfinite(high) else None}
+
+
+def verdicts(peer: dict, measured: dict) -> dict:
+    """A peer's plan against the measured one by both rules (:data:`VERDICT_RULES`): ``verdict`` by the overlap of
+    their intervals, ``paired`` by :func:`paired_verdict`."""
+    return {"verdict": verdict(peer["sqnr_db"], measured["sqnr_db"]), "paired": paired_verdict(peer, measured)}
+
+
+def in_words(v: dict, difference: str) -> str:
+    """Both verdicts of a comparison (:func:`verdicts`, perhaps in a table's own words), each with its rule;
+    ``difference`` names what the paired estimate is (``"modelopt - measured"``)."""
+    p = v["paired"]
+    interval = (f"[{p['interval_db'][0]:+.2f}, {p['interval_db'][1]:+.2f}]" if p["interval_db"]
+                else f"no {p['confidence']:.0%} interval on so few")
+    return (f"{v['verdict']} (overlap); {p['verdict']} (paired: {difference} {p['estimate_db']:+.2f} dB {interval}, "
+            f"{p['batches']} batches)")
+
+
 def at_equal_share(row: dict, views: dict, names: dict, score) -> dict:
     """The measured rule's plan within the share of the parameters ``row``'s peer actually put in FP8 (its largest
     prefix within it: a peer's own budget accounting may overshoot planner_views' share), scored by ``score`` (a
-    row's plan to its scored row), and the verdict of ``row`` against it."""
+    row's plan to its scored row), and the verdicts of ``row`` against it (:func:`verdicts`)."""
     order = sorted(names, key=views["scores"]["measured"].get)
     k = at_share(views["curves"]["measured"], row["share"])["units"]
     measured = score({"peer": "rule: measured", "level": row["level"],
                       "fp8_linears": sorted(n for unit in order[:k] for n in names[unit])})
     return {"share": measured["share"], "fp8": measured["fp8"], "sqnr_db": measured["sqnr_db"],
-            "median_db": measured["median_db"], "verdict": verdict(row["sqnr_db"], measured["sqnr_db"])}
+            "median_db": measured["median_db"], **verdicts(row, measured)}
 
 
 def print_row(row: dict) -> None:
@@ -212,7 +271,7 @@ def print_row(row: dict) -> None:
     if "measured_at_equal_share" in row:
         same = row["measured_at_equal_share"]
         print(f"{'':42s} measured at its share: {same['sqnr_db'][0]:5.1f}-{same['sqnr_db'][1]:5.1f} dB "
-              f"({same['share']:.0%} used): {same['verdict']}", flush=True)
+              f"({same['share']:.0%} used): {in_words(same, row['peer'] + ' - measured')}", flush=True)
 
 
 def main() -> None:
@@ -220,6 +279,7 @@ def main() -> None:
     parser.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, of {', '.join(PEERS)}")
     parser.add_argument("--peer-limit", type=float, default=900, help="seconds one peer run may take (default 900)")
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "planner_views-peers.json"))
+    add_held_out(parser)
     args = parser.parse_args()
     unknown = set(args.peers.split(",")) - set(PEERS)
     if unknown:
@@ -233,7 +293,7 @@ def main() -> None:
     with torch.device("meta"):  # its shapes (the plant needs a forward pass: on the meta device, none)
         skeleton = LlamaForCausalLM(mod.config())
     work = Workload("structured", MODELS["structured"], mod.get_model, skeleton,
-                    mod.get_batches(4, start=mod.N_BATCHES), mod.get_batches(3), dict, None,
+                    mod.get_batches(args.held_out, start=mod.N_BATCHES), mod.get_batches(3), dict, None,
                     id_tokenizer(mod.SETTINGS["vocab"]), "structured_llama")
     out = Path(tempfile.gettempdir()) / "autoprec-planner-peers"
     shutil.rmtree(out, ignore_errors=True)  # ModelOpt's search state from an earlier run would be restored
@@ -257,7 +317,8 @@ def main() -> None:
         print_row(row)
     load.append(os.getloadavg())
     result = {"model": "structured", "planted": marks, "budget_knob": "effective bits = 16 - 8 x share",
-              "modelopt_config": MODELOPT_CONFIG, "rows": rows, "load_average": load,
+              "modelopt_config": MODELOPT_CONFIG, "held_out": args.held_out, "verdict_rules": VERDICT_RULES,
+              "rows": rows, "load_average": load,
               "wall_seconds": time.perf_counter() - started, "torch": torch.__version__}
     Path(args.json).write_text(stamped_dumps(result, indent=1) + "\n")
     print(f"wrote {args.json} ({result['wall_seconds']:.0f} s)")

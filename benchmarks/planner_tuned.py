@@ -2,7 +2,7 @@
 
     autoprec tune benchmarks/models/structured_llama/model.py --engine vllm --precisions bf16,fp8-rowwise \
         --target h100 --min-sqnr DB --out RUN
-    PYTHONPATH=. nice -n 5 python benchmarks/planner_tuned.py --run RUN [--run RUN2 ...] [--json FILE]
+    PYTHONPATH=. nice -n 5 python benchmarks/planner_tuned.py --run RUN [--run RUN2 ...] [--held-out N] [--json FILE]
 
 A tune priced at decode (the prefill and the decode steps of a generation, each at its own shapes: --for generation,
 whose search batches are then prompts) is scored the same way:
@@ -20,12 +20,16 @@ on the search batches) reduced to the Pareto front of predicted time against tha
 (``RUN/policy.json``). One tune so gives plans at several FP8 shares.
 
 Each plan is mapped to planner_views' engine units (its FP8 linears, read with the policy's own rules) and scored with
-planner_peers' :func:`scored`: planner_views' FP8 emulation, the same 4 held-out batches, the logits' SQNR against
-fp32 (worst and best batch); units the plan leaves out of FP8 stay fp32, as in every row of those tables. At each
+planner_peers' :func:`scored`: planner_views' FP8 emulation, the same 4 held-out batches (or ``--held-out N``: the
+model's batches after its own, the first 4 of them those), the logits' SQNR against fp32 (worst and best batch, and
+each batch's); units the plan leaves out of FP8 stay fp32, as in every row of those tables. At each
 budget of bits (SHARES) the tune's plan is its front's largest within the share (planner_views' ``at_share``), set
 against the measured ranking's plan within the share the tune's plan used, and against ModelOpt's and AutoRound's
 plans at that budget (their FP8 linears from benchmarks/results/planner_views-peers.json, rescored in this run) by
-planner_peers' rule: one is better only where its worst held-out batch is above the other's best; overlap is a tie.
+both of planner_peers' rules, each verdict printed and written with its rule: ``verdict``, one is better only where its
+worst held-out batch is above the other's best, overlap a tie (the rule of the committed results); ``paired``, the
+Hodges-Lehmann estimate of the per-batch differences (the tune's plan minus the other) with its 95% Wilcoxon
+signed-rank interval in dB, one better only where the whole interval is on its side of 0 (from 6 batches on).
 A peer used a little more than the share, the tune's plan at most the share, so each peer is also set against the
 tune's plan with at least the peer's share (the two bracket equal bits); every plan of the tune is also set against
 the measured ranking within the share that plan used. The shares are printed beside every verdict.
@@ -49,8 +53,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from planner_peers import at_equal_share, planted, scored, unit_names, verdict  # noqa: E402
-from planner_views import MODELS, SHARES, at_share, logits, saved_ms, units_of  # noqa: E402
+from planner_peers import VERDICT_RULES, at_equal_share, in_words, planted, scored, unit_names, verdicts  # noqa: E402
+from planner_views import MODELS, SHARES, add_held_out, at_share, logits, saved_ms, units_of  # noqa: E402
 from provenance import stamped_dumps  # noqa: E402
 
 PEERS = ("modelopt", "autoround")  # the peers that beat the measured ranking at 75%
@@ -95,6 +99,18 @@ def said(v: str, other: str) -> str:
     return {"peer better": "tune better", "measured better": f"{other} better"}.get(v, v)
 
 
+def reworded(v: dict, other: str) -> dict:
+    """planner_peers' two verdicts (:func:`planner_peers.verdicts`, the tune's plan in the peer's place, the paired
+    estimate the tune's minus ``other``'s) in this table's words."""
+    return {**v, "verdict": said(v["verdict"], other),
+            "paired": {**v["paired"], "verdict": said(v["paired"]["verdict"], other)}}
+
+
+def judged(plan: dict, other: dict, name: str) -> dict:
+    """The tune's ``plan`` against ``other`` (``name``'s) by both rules, in this table's words."""
+    return reworded(verdicts(plan, other), name)
+
+
 def decode_saving(fp8_units: list[str], saving: dict[str, float]) -> float:
     """The share of the decode time FP8 saves with every unit in FP8 that ``fp8_units`` save (planner_views'
     time budget: the cost model, one decode step of 8 sequences on an H100)."""
@@ -134,16 +150,14 @@ def compared(level: float, tuned: list[dict], peers: list[dict], against_measure
     plan = at_share(tuned, level)
     out = {"level": level, "tune": _brief(plan) if "fp8" in plan else None, "peers": []}
     if "fp8" in plan:
-        same = against_measured({**plan, "level": level})
-        out["measured_at_its_share"] = {**same, "verdict": said(same["verdict"], "measured")}
+        out["measured_at_its_share"] = reworded(against_measured({**plan, "level": level}), "measured")
     for peer in (p for p in peers if p["level"] == level):
         row = {**_brief(peer), "tune": None, "verdict": "no tuned plan within its share"}
         mine, above = at_share(tuned, peer["share"]), at_least(tuned, peer["share"])
         if "fp8" in mine:
-            row.update(tune=_brief(mine), verdict=said(verdict(mine["sqnr_db"], peer["sqnr_db"]), peer["peer"]))
+            row.update(tune=_brief(mine), **judged(mine, peer, peer["peer"]))
         if above is not None:  # the other side of equal bits: the tune's plan with as much in FP8 or more
-            row["tune_at_least_its_share"] = {**_brief(above), "verdict": said(verdict(above["sqnr_db"],
-                                                                                     peer["sqnr_db"]), peer["peer"])}
+            row["tune_at_least_its_share"] = {**_brief(above), **judged(above, peer, peer["peer"])}
         out["peers"].append(row)
     return out
 
@@ -169,13 +183,15 @@ def print_comparison(c: dict) -> None:
         m = c["measured_at_its_share"]
         print(f"at most {c['level']:.0%}: {c['tune']['peer']} {show(c['tune'])}, planted kept: "
               f"{', '.join(c['tune']['planted_kept']) or '-'}; measured ranking at its share {show(m)}: "
-              f"{m['verdict']}", flush=True)
+              f"{in_words(m, 'tune - measured')}", flush=True)
     for p in c["peers"]:
         mine = f"{p['tune']['peer']} {show(p['tune'])}" if p["tune"] else "-"
-        print(f"{'':16s}{p['peer']:10s} {show(p)} against {mine}: {p['verdict']}", flush=True)
+        said_here = in_words(p, f"tune - {p['peer']}") if "paired" in p else p["verdict"]
+        print(f"{'':16s}{p['peer']:10s} {show(p)} against {mine}: {said_here}", flush=True)
         if "tune_at_least_its_share" in p:
             above = p["tune_at_least_its_share"]
-            print(f"{'':27s}{show(p)} against {above['peer']} {show(above)}: {above['verdict']}", flush=True)
+            print(f"{'':27s}{show(p)} against {above['peer']} {show(above)}: "
+                  f"{in_words(above, 'tune - ' + p['peer'])}", flush=True)
 
 
 def timing(run: Path) -> dict:
@@ -212,6 +228,7 @@ def main() -> None:
                              "not one forward of the search batch")
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "planner_views-tuned.json"),
                         help="where the results go (default benchmarks/results/planner_views-tuned.json)")
+    add_held_out(parser)
     args = parser.parse_args()
     kind = "decode" if args.decode else "floor"
     runs = [Path(r) for r in args.run] + [run_tune(db, Path(args.runs) / f"{kind}{db:g}", args.decode)
@@ -230,7 +247,7 @@ def main() -> None:
     model = mod.get_model()
     units = units_of(model)
     names, marks, saving = unit_names(model, units), planted(mod), saved_ms(units)
-    held_out = mod.get_batches(4, start=mod.N_BATCHES)
+    held_out = mod.get_batches(args.held_out, start=mod.N_BATCHES)
     refs = logits(model, held_out)
     root = ROOT / "benchmarks" / "results"
     views, peers = (json.loads((root / f).read_text()) for f in ("planner_views.json", "planner_views-peers.json"))
@@ -251,10 +268,10 @@ def main() -> None:
     rivals = [score(r) for r in peer_rows(peers)]
     for row in tuned:  # every plan of the tune against the measured ranking within the share that plan used
         if row["fp8"]:
-            same = at_equal_share({**row, "level": None}, views, names, score)
-            row["measured_at_its_share"] = {**same, "verdict": said(same["verdict"], "measured")}
+            same = row["measured_at_its_share"] = reworded(at_equal_share({**row, "level": None}, views, names,
+                                                                          score), "measured")
             print(f"{row['peer']:40s} against the measured ranking at {same['share']:.0%}: "
-                  f"{same['sqnr_db'][0]:5.1f}-{same['sqnr_db'][1]:5.1f} dB: {row['measured_at_its_share']['verdict']}",
+                  f"{same['sqnr_db'][0]:5.1f}-{same['sqnr_db'][1]:5.1f} dB: {in_words(same, 'tune - measured')}",
                   flush=True)
     front = [r for r in tuned if not r.get("chosen") and r["fp8"]]  # a plan with nothing in FP8 meets no budget
     comparisons = [compared(level, front, rivals, lambda p: at_equal_share(p, views, names, score))
@@ -263,6 +280,7 @@ def main() -> None:
         print_comparison(c)
     load.append(os.getloadavg())
     result = {"model": "structured", "planted": marks, "tunes": {str(r): timing(r) for r in runs},
+              "held_out": args.held_out, "verdict_rules": VERDICT_RULES,
               "plans": tuned, "peers": rivals, "comparisons": comparisons, "load_average": load,
               "wall_seconds": time.perf_counter() - started, "torch": torch.__version__}
     Path(args.json).write_text(stamped_dumps(result, indent=1) + "\n")

@@ -1,6 +1,6 @@
 """Where planners part ways: the same FP8 budget spent by four rules of sensitivity, on a model where layers differ.
 
-    nice -n 5 python benchmarks/planner_views.py [--model structured|served] [--json FILE]
+    nice -n 5 python benchmarks/planner_views.py [--model structured|served] [--held-out N] [--json FILE]
 
 Each rule ranks the model's engine units (per decoder layer: the fused q/k/v GEMM, o_proj, the fused gate/up GEMM,
 down_proj; what vLLM runs as one GEMM takes one decision) by how much FP8 (``fp8-rowwise``: weights per output
@@ -15,7 +15,9 @@ channel, inputs per token, as vLLM's FP8_DYNAMIC) would hurt, the way one family
   the unit's output times the output's change, summed over tokens).
 
 Then each rule's order (least sensitive first) is put into FP8 one unit more at a time, and every such plan is
-scored on held-out batches it never saw: the logits' SQNR against fp32, worst and best batch (the interval). At a
+scored on held-out batches it never saw (4, or ``--held-out N``: the batches after the model's own): the logits' SQNR
+against fp32, worst and best batch (the interval), and each batch's in the batches' order (``batch_db``, for the paired
+verdict of benchmarks/planner_peers.py). At a
 budget of bits (a share of the decoder layers' linear parameters in FP8) each rule's plan is its longest prefix
 within the budget; at a budget of time (a share of the decode time FP8 saves on an H100 when every unit is FP8, by
 the cost model: 8 sequences a step) its shortest prefix that saves at least that much. What each plan uses is
@@ -30,6 +32,7 @@ about the same there, so the rules cannot part ways much).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import math
@@ -52,6 +55,7 @@ SHARES = (0.25, 0.5, 0.75)  # of the decoder layers' linear weights in FP8
 RULES = ("measured", "weight error, relative", "weight error, absolute", "loss-scored")
 TARGET = "h100"  # the time budget: the cost model's estimate for this GPU
 DECODE_TOKENS = 8  # ... of one decode step of 8 sequences (benchmarks/serving.py serves 8), where FP8 pays by bytes
+HELD_OUT = 4  # held-out batches every plan is scored on, after the model's own N_BATCHES: what benchmarks/results used
 
 
 def fp8_rowwise(x: torch.Tensor) -> torch.Tensor:
@@ -146,21 +150,49 @@ def loss_gradients(model: torch.nn.Module, units: dict, batches: list) -> dict:
 
 
 def plan_db(model: torch.nn.Module, linears: list[torch.nn.Linear], held_out: list, refs: list) -> list[float]:
-    """``linears`` in FP8, the logits' SQNR against fp32 on each held-out batch, lowest first."""
+    """``linears`` in FP8, the logits' SQNR against fp32 on each held-out batch, in the batches' order."""
     with Fp8(linears):
-        return sorted(sqnr(r, o) for r, o in zip(refs, logits(model, held_out)))
+        return [sqnr(r, o) for r, o in zip(refs, logits(model, held_out))]
+
+
+def batch_keys(batches: list) -> list[str]:
+    """A key per batch (the first 8 hex digits of its token ids' SHA-1): two plans' per-batch SQNRs are paired only
+    where they were scored on the same batches."""
+    return [hashlib.sha1(b["input_ids"].numpy().tobytes()).hexdigest()[:8] for b in batches]
+
+
+def held_out_scores(db: list[float], held_out: list) -> dict:
+    """A plan's SQNRs on the held-out batches (``db``, in the batches' order) as every table keeps them: the interval
+    (worst and best batch), the median, each batch's (``batch_db``) and the batches' keys (``held_out``)."""
+    ranked = sorted(db)
+    return {"sqnr_db": [ranked[0], ranked[-1]], "median_db": ranked[len(ranked) // 2], "batch_db": db,
+            "held_out": batch_keys(held_out)}
+
+
+def held_out_count(text: str) -> int:
+    """``--held-out``'s value: a number of batches, 1 or more."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of batches; fix: a whole number, 1 or more")
+    return int(text)
+
+
+def add_held_out(parser: argparse.ArgumentParser) -> None:
+    """The ``--held-out N`` option the planner benchmarks share."""
+    parser.add_argument("--held-out", type=held_out_count, default=HELD_OUT, metavar="N",
+                        help=f"score every plan on N held-out batches, the model's batches after its own (default "
+                             f"{HELD_OUT}, what benchmarks/results used); the paired verdict decides only from 6 on")
 
 
 def curve(model: torch.nn.Module, units: dict, order: list[str], held_out: list, refs: list) -> list[dict]:
     """Each prefix of ``order`` in FP8, scored on the held-out batches: its share of the linear parameters and the
-    logits' SQNR (worst and best batch, and the median)."""
+    logits' SQNR (worst and best batch, the median, and each batch's)."""
     total = sum(lin.weight.numel() for group in units.values() for lin in group)
     points = []
     for k in range(1, len(order) + 1):
         chosen = order[:k]
         db = plan_db(model, [lin for name in chosen for lin in units[name]], held_out, refs)
         share = sum(lin.weight.numel() for name in chosen for lin in units[name]) / total
-        points.append({"units": k, "share": share, "sqnr_db": [db[0], db[-1]], "median_db": db[len(db) // 2]})
+        points.append({"units": k, "share": share, **held_out_scores(db, held_out)})
     return points
 
 
@@ -224,6 +256,7 @@ def main() -> None:
     parser.add_argument("--table", action="store_true",
                         help="the budgets from the scores and curves already in --json (rewritten with them); "
                              "measure nothing")
+    add_held_out(parser)
     args = parser.parse_args()
     spec = importlib.util.spec_from_file_location(f"{args.model}_model", MODELS[args.model])
     mod = importlib.util.module_from_spec(spec)
@@ -237,7 +270,7 @@ def main() -> None:
             result, units = json.loads(path.read_text()), units_of(LlamaForCausalLM(mod.config()))
     else:
         model = mod.get_model()
-        calibration, held_out = mod.get_batches(3), mod.get_batches(4, start=mod.N_BATCHES)
+        calibration, held_out = mod.get_batches(3), mod.get_batches(args.held_out, start=mod.N_BATCHES)
         units = units_of(model)
         by_rule = scores(model, units, calibration, logits(model, calibration))
         refs = logits(model, held_out)

@@ -1,4 +1,5 @@
-"""benchmarks/planner_peers.py's reading of a peer's per-linear plan as engine units (the peers are not imported)."""
+"""benchmarks/planner_peers.py's reading of a peer's per-linear plan as engine units and its verdicts, by overlap and
+paired (the peers are not imported, no model is built)."""
 
 from __future__ import annotations
 
@@ -50,8 +51,72 @@ def test_the_measured_plan_set_against_a_peer_uses_at_most_the_peers_share(peers
     def score(row):
         seen.append(row["fp8_linears"])
         return {**row, "share": {1: 0.2, 2: 0.6}[len(row["fp8_linears"])], "fp8": row["fp8_linears"],
-                "sqnr_db": [30.0, 31.0], "median_db": 30.5}
+                **_plan([30.0, 31.0]), "median_db": 30.5}
 
-    same = peers.at_equal_share({"level": 0.5, "share": 0.59, "sqnr_db": [20.0, 21.0]}, views, names, score)
+    same = peers.at_equal_share({"level": 0.5, "share": 0.59, **_plan([20.0, 21.0])}, views, names, score)
     assert seen == [["a.0"]]  # 0.6 would exceed the peer's 0.59
     assert (same["share"], same["verdict"]) == (0.2, "measured better")
+    assert same["paired"]["verdict"] == "tie"  # two batches: no interval at 95%, so the paired rule decides nothing
+
+
+# 8 held-out batches whose SQNRs spread over 16 dB: the batches differ far more than the plans do
+WIDE = [20.0, 31.0, 24.5, 36.0, 22.0, 28.5, 33.0, 26.0]
+
+
+def _plan(db: list[float], keys: list[str] | None = None) -> dict:
+    """A scored plan as planner_peers.scored keeps it: the interval, each batch's SQNR and the batches' keys."""
+    return {"sqnr_db": [min(db), max(db)], "batch_db": list(db), "held_out": keys or [f"b{i}" for i in range(len(db))]}
+
+
+def test_the_paired_rule_decides_a_steady_edge_the_overlap_rule_calls_a_tie(peers):
+    peer, measured = _plan([x + 0.3 for x in WIDE]), _plan(WIDE)
+    assert peers.verdict(peer["sqnr_db"], measured["sqnr_db"]) == "tie"  # 20.3-36.3 overlaps 20.0-36.0
+    paired = peers.paired_verdict(peer, measured)
+    assert paired["verdict"] == "peer better"
+    assert paired["estimate_db"] == pytest.approx(0.3)
+    assert paired["interval_db"] == pytest.approx([0.3, 0.3]) and paired["batches"] == 8
+    both = peers.verdicts(peer, measured)
+    assert (both["verdict"], both["paired"]["verdict"]) == ("tie", "peer better")
+
+
+def test_the_paired_rule_decides_each_way(peers):
+    edges = [0.2, 0.4, 0.3, 0.25, 0.35, 0.3, 0.45, 0.15]  # uneven, all one way
+    better = peers.paired_verdict(_plan([x + e for x, e in zip(WIDE, edges)]), _plan(WIDE))
+    worse = peers.paired_verdict(_plan([x - e for x, e in zip(WIDE, edges)]), _plan(WIDE))
+    assert better["verdict"] == "peer better" and 0 < better["interval_db"][0] <= better["estimate_db"]
+    assert worse["verdict"] == "measured better" and worse["estimate_db"] <= worse["interval_db"][1] < 0
+
+
+def test_the_paired_rule_ties_where_the_batches_disagree(peers):
+    # batch by batch the peer is 10 dB above on some and 10 dB below on others, though as sets its SQNRs are the
+    # measured plan's 0.3 dB higher: only an unpaired (sorted) comparison would call that an edge
+    swapped = [WIDE[i ^ 1] + 0.3 for i in range(len(WIDE))]
+    paired = peers.paired_verdict(_plan(swapped), _plan(WIDE))
+    assert paired["verdict"] == "tie"
+    assert paired["interval_db"][0] < 0 < paired["interval_db"][1]
+
+
+def test_the_paired_rule_decides_nothing_on_the_four_committed_batches(peers):
+    paired = peers.paired_verdict(_plan([x + 0.3 for x in WIDE[:4]]), _plan(WIDE[:4]))
+    assert (paired["verdict"], paired["interval_db"]) == ("tie", None)  # 4 batches give no 95% interval
+    assert paired["estimate_db"] == pytest.approx(0.3)
+
+
+def test_plans_scored_on_other_batches_are_not_paired(peers):
+    with pytest.raises(ValueError, match="scored on 8 and 6 held-out batches") as fewer:
+        peers.paired_verdict(_plan(WIDE), _plan(WIDE[:6]))
+    other = [f"c{i}" for i in range(len(WIDE))]
+    with pytest.raises(ValueError, match="different held-out batches") as elsewhere:
+        peers.paired_verdict(_plan(WIDE), _plan(WIDE, other))
+    for refused in (fewer, elsewhere):
+        assert "\n" not in str(refused.value) and "fix: " in str(refused.value)
+
+
+def test_a_plans_held_out_scores_keep_the_batches_order(peers):
+    import torch
+
+    batches = [{"input_ids": torch.full((1, 4), i)} for i in range(3)]
+    kept = peers.held_out_scores([30.0, 20.0, 25.0], batches)
+    assert (kept["sqnr_db"], kept["median_db"], kept["batch_db"]) == ([20.0, 30.0], 25.0, [30.0, 20.0, 25.0])
+    assert len(set(kept["held_out"])) == 3  # one key per batch, each its own
+    assert peers.held_out_scores([1.0, 2.0, 3.0], batches)["held_out"] == kept["held_out"]  # the same batches

@@ -76,14 +76,20 @@ def test_the_front_keeps_plans_no_other_beats_on_time_and_accuracy(tuned):
     assert [r["within_floor"] for r in front] == [False, True, True]
 
 
-def test_the_verdict_names_who_is_better_and_ties_overlaps(tuned):
-    assert tuned.said(tuned.verdict([25.0, 25.5], [24.3, 24.8]), "modelopt") == "tune better"
-    assert tuned.said(tuned.verdict([23.3, 23.7], [24.8, 25.2]), "autoround") == "autoround better"  # tune loses
-    assert tuned.said(tuned.verdict([24.0, 24.9], [24.3, 24.8]), "modelopt") == "tie"
-
-
 def _row(name, share, db, fp8=("x",)):
-    return {"peer": name, "share": share, "sqnr_db": db, "median_db": db[0], "fp8": list(fp8), "planted_kept": []}
+    """A scored plan; ``db``: its SQNR on each held-out batch (two: its worst and best, where the paired rule decides
+    nothing)."""
+    return {"peer": name, "share": share, "sqnr_db": [min(db), max(db)], "median_db": db[0], "batch_db": list(db),
+            "held_out": [f"b{i}" for i in range(len(db))], "fp8": list(fp8), "planted_kept": []}
+
+
+def test_the_verdict_names_who_is_better_and_ties_overlaps(tuned):
+    def overlap(tune, peer, name):
+        return tuned.judged(_row("tune", 0.5, tune), _row(name, 0.5, peer), name)["verdict"]
+
+    assert overlap([25.0, 25.5], [24.3, 24.8], "modelopt") == "tune better"
+    assert overlap([23.3, 23.7], [24.8, 25.2], "autoround") == "autoround better"  # the tune loses
+    assert overlap([24.0, 24.9], [24.3, 24.8], "modelopt") == "tie"
 
 
 def test_each_peer_meets_the_tunes_plan_within_the_share_that_peer_used(tuned):
@@ -95,17 +101,39 @@ def test_each_peer_meets_the_tunes_plan_within_the_share_that_peer_used(tuned):
 
     def measured(plan):
         seen.append((plan["peer"], plan["level"]))
-        return {"share": 0.7, "fp8": [], "sqnr_db": [23.3, 23.7], "median_db": 23.5, "verdict": "measured better"}
+        return {"share": 0.7, "fp8": [], "sqnr_db": [23.3, 23.7], "median_db": 23.5, "verdict": "measured better",
+                "paired": {"verdict": "measured better", "estimate_db": -1.2, "interval_db": [-1.5, -0.9], "batches": 8,
+                           "confidence": 0.95}}
 
     c = tuned.compared(0.75, front, peers, measured)
     assert c["tune"]["peer"] == "t2" and seen == [("t2", 0.75)]  # at most 75%: t3's 78% is over it
     assert c["measured_at_its_share"]["verdict"] == "measured better"
+    assert c["measured_at_its_share"]["paired"]["verdict"] == "measured better"
     assert [(p["peer"], p["tune"]["peer"], p["verdict"]) for p in c["peers"]] == [
         ("modelopt", "t3", "tune better"),  # within ModelOpt's own 78%
         ("autoround", "t2", "autoround better")]
     # and against the tune's plan with at least the peer's share: 78% for both, where the tune loses to neither
     assert [(p["tune_at_least_its_share"]["peer"], p["tune_at_least_its_share"]["verdict"]) for p in c["peers"]] == [
         ("t3", "tune better"), ("t3", "tune better")]
+
+
+WIDE = [20.0, 31.0, 24.5, 36.0, 22.0, 28.5, 33.0, 26.0]  # 8 held-out batches, spread over 16 dB
+
+
+def test_every_comparison_carries_both_verdicts_in_the_tables_words(tuned):
+    front = [_row("t1", 0.70, [x + 0.3 for x in WIDE]), _row("t2", 0.80, [x - 0.3 for x in WIDE])]
+    peers = [{**_row("modelopt", 0.75, WIDE), "level": 0.75}]
+    c = tuned.compared(0.75, front, peers, lambda plan: {**tuned.verdicts(plan, _row("m", 0.7, WIDE)), "share": 0.7})
+    (p,) = c["peers"]
+    assert (p["tune"]["peer"], p["verdict"], p["paired"]["verdict"]) == ("t1", "tie", "tune better")
+    above = p["tune_at_least_its_share"]
+    assert (above["peer"], above["verdict"], above["paired"]["verdict"]) == ("t2", "tie", "modelopt better")
+    assert (c["measured_at_its_share"]["verdict"], c["measured_at_its_share"]["paired"]["verdict"]) == (
+        "tie", "tune better")
+    assert tuned.in_words(p, "tune - modelopt") == (
+        "tie (overlap); tune better (paired: tune - modelopt +0.30 dB [+0.30, +0.30], 8 batches)")
+    assert tuned.in_words(tuned.judged(_row("t", 0.7, [25.0, 26.0]), _row("m", 0.7, [24.0, 25.5]), "m"), "t - m") == (
+        "tie (overlap); tie (paired: t - m +0.75 dB no 95% interval on so few, 2 batches)")
 
 
 def test_the_plans_that_bracket_a_share(tuned):
