@@ -228,6 +228,10 @@ def main() -> None:
                              "not one forward of the search batch")
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "planner_views-tuned.json"),
                         help="where the results go (default benchmarks/results/planner_views-tuned.json)")
+    parser.add_argument("--plans", choices=("front", "chosen"), default="front",
+                        help="what stands for the tune beside the peers: its studies' fronts (default), or only each "
+                             "run's verified policy.json (the answer at each floor: tune at several floors for "
+                             "several shares)")
     add_held_out(parser)
     args = parser.parse_args()
     kind = "decode" if args.decode else "floor"
@@ -273,14 +277,15 @@ def main() -> None:
             print(f"{row['peer']:40s} against the measured ranking at {same['share']:.0%}: "
                   f"{same['sqnr_db'][0]:5.1f}-{same['sqnr_db'][1]:5.1f} dB: {in_words(same, 'tune - measured')}",
                   flush=True)
-    front = [r for r in tuned if not r.get("chosen") and r["fp8"]]  # a plan with nothing in FP8 meets no budget
+    front = [r for r in tuned if bool(r.get("chosen")) == (args.plans == "chosen")  # the front, or the answers
+             and r["fp8"]]  # a plan with nothing in FP8 meets no budget
     comparisons = [compared(level, front, rivals, lambda p: at_equal_share(p, views, names, score))
                    for level in SHARES]
     for c in comparisons:
         print_comparison(c)
     load.append(os.getloadavg())
     result = {"model": "structured", "planted": marks, "tunes": {str(r): timing(r) for r in runs},
-              "held_out": args.held_out, "verdict_rules": VERDICT_RULES,
+              "held_out": args.held_out, "verdict_rules": VERDICT_RULES, "tune_plans_compared": args.plans,
               "plans": tuned, "peers": rivals, "comparisons": comparisons, "load_average": load,
               "wall_seconds": time.perf_counter() - started, "torch": torch.__version__}
     Path(args.json).write_text(stamped_dumps(result, indent=1) + "\n")
