@@ -486,7 +486,7 @@ def _compare_logprobs(verdict: Verdict, entry: dict[str, Any], reference: dict[s
         return
     fp32 = _logprobs(model, prompts)
     served_plan = served_model(model, plan)
-    with kv_quantized(served_plan, plan.kv_cache, plan.kv_scales, plan.torch_dtype, rounding):  # the KV cache as
+    with kv_quantized(served_plan, plan.kv_cache, plan.kv_scales, plan.kv_scale_dtype, rounding):  # the KV cache as
         served = _logprobs(served_plan, prompts)  # the folder scales it and this vLLM rounds it
     plain = _logprobs(served_model(model, ExportPlan({}, [], plan.dtype)), prompts)
     mean, worst = _gap(entry["logprobs"], served)

@@ -32,6 +32,7 @@ from autoprec.errors import UserError
 from autoprec.export.kvcache import kv_export_plan
 from autoprec.runtime.apply import effective_precisions
 from autoprec.runtime.experts import experts_problem, fused_experts
+from autoprec.runtime.kvcache import kv_scale_dtype
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
 from autoprec.runtime.served_nvfp4 import NVFP4_GROUP
@@ -99,6 +100,13 @@ class ExportPlan:
     kv_cache: dict[str, str] = field(default_factory=dict)
     kv_skip: list[int] = field(default_factory=list)
     kv_scales: dict[str, Any] = field(default_factory=dict)
+    # the dtype the KV scales are written in (None: ``dtype``'s); under --keep-fp32 the plan's half precision, the
+    # scales apply_policy ran (vLLM reads each scale into the model's dtype: a bf16 one is read back exactly)
+    kv_dtype: torch.dtype | None = None
+
+    @property
+    def kv_scale_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.torch_dtype
 
     @property
     def nvfp4_layers(self) -> list[str]:
@@ -124,6 +132,8 @@ def plan_export(model: nn.Module, policy: Policy, keep_fp32: bool = False,
     plan.kv_cache, plan.kv_skip, notes = kv_export_plan(model, policy.kv_cache, ExportRefused)
     if plan.kv_cache:  # the scales the tune measured with, where the policy holds them: served as tuned
         plan.kv_scales = dict(policy.kv_amax)
+        if keep_fp32:  # rounded as without --keep-fp32: to the half precision the plan runs in
+            plan.kv_dtype = kv_scale_dtype(effective_precisions(model, policy).values())
     # and the nvfp4 inputs' (a policy holds them for all its nvfp4 layers or for none: Policy checks)
     plan.input_amax = {n: policy.input_amax[n] for n in plan.nvfp4_layers if n in policy.input_amax}
     plan.notes += notes

@@ -68,14 +68,13 @@ def export_model_py(model_py: str | Path, run: TunedRun, out: str | Path, keep_f
         log(f"export: streamed from {checkpoint.folder}, one tensor at a time, at most one "
             f"{shard_bytes / 2**30:.1f} GiB shard held ({why})")
     plan = plan_export(model, run.policy, keep_fp32=keep_fp32, profile=run.profile)
+    read = None if checkpoint is None else streamed_reader(checkpoint, plan, state_tensors(model))
+    # the weights moved since the tune; streamed, each attention weight read from its shard in turn
+    stale = stale_kv_line(model, run.policy, read) if plan.kv_cache else None
+    if stale:
+        warnings.warn(stale, stacklevel=2)
     if checkpoint is None:
-        read = None
-        stale = stale_kv_line(model, run.policy) if plan.kv_cache else None  # the weights moved since the tune
-        if stale:
-            warnings.warn(stale, stacklevel=2)
         _calibrate(module, path, model, plan, run.policy)
-    else:
-        read = streamed_reader(checkpoint, plan, state_tensors(model))
     tokenizer, found = find_tokenizer(module, path, model)
     # which plan the folder holds: `autoprec export --check` refuses it once the policy file says otherwise
     source = {"policy": str(run.path), "policy_sha256": policy_sha256(run.path), "model_py": str(path),

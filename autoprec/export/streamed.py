@@ -9,7 +9,8 @@ the model: what lets an 8B or 70B checkpoint be exported on the machine that tun
 
 What a streamed export cannot write, it refuses in one line: NVFP4's input scales and an FP8 KV cache's scales are
 calibrated on a forward of the whole model, and a MoE checkpoint whose experts transformers fuses on load stores
-tensors the model does not name one for one.
+tensors the model does not name one for one. A policy's KV calibration is held to the weights it was measured on
+(``model.kv_weights``) as the in-memory export holds it: the attention weights read from their shards one at a time.
 """
 
 from __future__ import annotations

@@ -346,7 +346,7 @@ def apply_policy(model: nn.Module, policy: Policy | str | Path, mode: str = "inf
     recorded for another model type or structure (``policy.model``) warns.
 
     A policy's KV cache formats (``kv_cache``) run as the tune measured them, at its calibrated scales (``kv_amax``;
-    a file without them warns once and runs the model's dtype): see :mod:`autoprec.runtime.kvcache`.
+    a file without them warns once and runs the model's dtype, stale ones warn once): :mod:`autoprec.runtime.kvcache`.
 
     ``kernels``: who computes FP8, MXFP8 and NVFP4 linears. ``"auto"``: torchao's modules where
     torchao is installed and the device has the tensor cores, autoprec's own elsewhere;

@@ -25,12 +25,12 @@ safetensors = pytest.importorskip("safetensors.torch")
 TESTS = Path(__file__).parent
 LAYERS = ("model.layers.0.self_attn", "model.layers.1.self_attn")
 
-def export(tmp_path: Path, policy: Policy, name: str) -> tuple[Path, Path, Path]:
+def export(tmp_path: Path, policy: Policy, name: str, keep_fp32: bool = False) -> tuple[Path, Path, Path]:
     model_py = tmp_path / "model.py"
     model_py.write_text(MODEL_PY)
     policy_path = policy.save(tmp_path / f"{name}.json")
     out = tmp_path / name
-    export_model_py(model_py, TunedRun(Policy.load(policy_path), None, policy_path), out)
+    export_model_py(model_py, TunedRun(Policy.load(policy_path), None, policy_path), out, keep_fp32=keep_fp32)
     return out, model_py, policy_path
 
 
@@ -101,6 +101,26 @@ def test_a_policy_with_its_kv_calibration_is_exported_at_the_tunes_scales(tmp_pa
             assert a["quantization_config"] == b["quantization_config"]
         else:
             assert a["kv_cache"] == b["kv_cache"] == {"scheme": "fp8-head", "layers": 1, "skip_layers": [0]}
+
+
+@pytest.mark.parametrize("default, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_keep_fp32_writes_the_kv_scales_as_the_export_without_it(tmp_path, default, dtype):
+    """--keep-fp32 writes the weights in fp32, and the KV cache's k_scale and v_scale as the export without it
+    writes them: in the plan's half precision (fp16 for an fp16 plan), the scales apply_policy runs and vLLM reads
+    into the model's dtype unchanged, not the calibration in fp32 (which differs here, so the check can tell)."""
+    namespace = model_py_namespace()
+    amax = calibrate_kv(namespace["get_model"](), namespace["get_batches"]()[:2])[0]
+    policy = Policy(default=default, kv_cache=dict.fromkeys(LAYERS, "fp8"), kv_amax=amax)
+    kept, _, _ = export(tmp_path, policy, "kept", keep_fp32=True)
+    served, _, _ = export(tmp_path, policy, "served")
+    assert json.loads((kept / "config.json").read_text())["dtype"] == "float32"
+    kept_tensors, served_tensors = tensors(kept), tensors(served)
+    assert kept_tensors["model.layers.0.mlp.down_proj.weight"].dtype == torch.float32
+    for layer in LAYERS:
+        for leaf, fp32 in zip(("k_scale", "v_scale"), amax[layer].scales(KV_FORMATS["fp8"], torch.float32)):
+            written = kept_tensors[f"{layer}.{leaf}"]
+            assert written.dtype == dtype and torch.equal(written, served_tensors[f"{layer}.{leaf}"])
+            assert not torch.equal(written.float(), fp32)
 
 
 def test_a_layer_kept_in_the_models_dtype_is_the_engines_skip_list(tmp_path):

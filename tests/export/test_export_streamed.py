@@ -125,6 +125,53 @@ def test_a_kv_plan_with_the_tunes_calibration_streams_byte_for_byte(tmp_path):
     assert json.loads(files["config.json"])["quantization_config"]["kv_cache_scheme"]["strategy"] == "attn_head"
 
 
+def test_a_streamed_export_holds_the_kv_calibration_to_the_weights_it_was_measured_on(tmp_path):
+    """The digest of the attention weights a tune's KV calibration was measured on (``model.kv_weights``), computed
+    on the skeleton with each weight read from its shard as the streamed export reads it (the skeleton left on
+    meta), is the loaded model's; a fine-tune's step on the last block's k_proj changes it, and the streamed export
+    of those weights then warns the in-memory export's one line (and still writes the folder)."""
+    import warnings
+
+    import transformers
+
+    from autoprec.export.checkpoint import state_tensors
+    from autoprec.export.plan import plan_export
+    from autoprec.export.streamed import streamed_reader
+    from autoprec.runtime.kvcache import calibrate_kv, kv_weights_digest, stale_kv_line
+    from autoprec.stream.checkpoint import open_checkpoint
+
+    def streamed_digest(folder: Path, policy: Policy) -> str:
+        checkpoint = open_checkpoint(folder)
+        skeleton = checkpoint.model
+        read = streamed_reader(checkpoint, plan_export(skeleton, policy), state_tensors(skeleton))
+        digest = kv_weights_digest(skeleton, policy.kv_amax, read)
+        assert all(p.device.type == "meta" for p in skeleton.parameters())
+        return digest
+
+    published = _publish(tmp_path / "published", "llama")
+    model = transformers.AutoModelForCausalLM.from_pretrained(published, local_files_only=True).float().eval()
+    scales = calibrate_kv(model, [{"input_ids": torch.randint(0, 256, (2, 12), generator=torch.Generator()
+                                                              .manual_seed(1))}])[0]
+    layers = sorted(scales)
+    policy = Policy(default="bf16", kv_cache=dict.fromkeys(layers, "fp8"), kv_amax=scales,
+                    model={"kv_weights": kv_weights_digest(model, layers)})
+    assert streamed_digest(published, policy) == policy.model["kv_weights"]
+    fine_tuned = tmp_path / "fine-tuned"
+    with torch.no_grad():  # a fine-tune's step on the last block's k_proj
+        model.get_submodule(f"{layers[-1]}.k_proj").weight.mul_(1.01)
+    model.to(torch.bfloat16).save_pretrained(fine_tuned, max_shard_size="40KB")
+    assert streamed_digest(fine_tuned, policy) == kv_weights_digest(model, layers) != policy.model["kv_weights"]
+
+    said: dict[str, list[str]] = {}
+    for name, folder in (("same", published), ("moved", fine_tuned)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _export(tmp_path / name, _model_py(tmp_path / name, folder), policy, "out", "always", shard_bytes=40_000)
+        said[name] = [str(w.message) for w in caught if "kv_amax" in str(w.message)]
+        assert (tmp_path / name / "out" / "config.json").is_file()  # a warning, not a refusal
+    assert said == {"same": [], "moved": [stale_kv_line(model, policy)]}
+
+
 def test_auto_loads_the_model_where_it_fits_and_without_a_folder_never_streams(tmp_path):
     checkpoint = _publish(tmp_path / "published", "llama")
     lines: list[str] = []

@@ -101,6 +101,39 @@ def test_a_file_without_the_calibration_warns_once_and_runs_the_models_dtype(pro
     assert interface() == before
 
 
+def test_scales_calibrated_on_other_weights_warn_the_exports_one_line_once(profiled):
+    """A policy whose KV calibration was measured on other attention weights than the model's (its digest,
+    ``model.kv_weights``, is not the model's: one step of a fine-tune on layer 1's k_proj) warns once, at the
+    caller's line, in the line ``autoprec export`` says; in-process and for an engine alike. On the weights it was
+    measured on, without a digest (a file written before tunes recorded it), or not held (on meta), nothing is said."""
+    from autoprec.runtime.kvcache import kv_weights_digest, stale_kv_line
+
+    model, profile, _ = profiled
+    recorded = {"kv_weights": kv_weights_digest(model, profile.scales)}
+    moved = tiny_llama(seed=0).eval()
+    with torch.no_grad():  # a fine-tune's step on one k/v projection
+        moved.get_submodule(f"{LAYER1}.k_proj").weight.mul_(1.01)
+    for engine in (None, "vllm"):
+        kv = dict(kv_cache={LAYER0: "fp8", LAYER1: "fp8"}, kv_amax=profile.scales, engine=engine)
+        for on, record in ((model, recorded), (moved, {})):
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                apply_policy(on, Policy(default="bf16", model=record, **kv))
+            remove_policy(on)
+            assert not [w for w in said if "kv_amax" in str(w.message)], engine
+        policy = Policy(default="bf16", model=recorded, **kv)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            apply_policy(moved, policy)
+            remove_policy(moved)
+            apply_policy(moved, policy)  # the same policy again: said once
+        remove_policy(moved)
+        stale = [w for w in said if "kv_amax" in str(w.message)]
+        assert [str(w.message) for w in stale] == [stale_kv_line(moved, policy)], engine
+        assert "\n" not in str(stale[0].message) and stale[0].filename == __file__
+    assert stale_kv_line(tiny_llama(seed=0).to("meta"), policy) is None  # weights not held here: not checked
+
+
 def test_policies_on_two_models_come_off_in_any_order_and_a_calibration_inside_sees_the_keys_unquantized(profiled):
     """A policy's KV cache stays installed across calls while others come and go: A on, B on, A off leaves B
     quantized as alone; a calibrate_kv inside B's sees what attention is handed before B's quantization (the
