@@ -116,15 +116,16 @@ def planted(mod) -> dict[str, str]:
     return out
 
 
-def peer_runs(peer: str, work: Workload, names: list[str], out: Path, ctx: dict) -> list[dict]:
-    """One peer's program at each budget of SHARES: per share, its FP8 linears and what it said, or its error."""
+def peer_runs(peer: str, work: Workload, names: list[str], out: Path, ctx: dict,
+              shares: tuple[float, ...] = SHARES) -> list[dict]:
+    """One peer's program at each budget of ``shares``: per share, its FP8 linears and what it said, or its error."""
     rows = []
     if peer == "quark":
         shape = (sum(len(b["input_ids"]) for b in work.calibration), work.calibration[0]["input_ids"].shape[1])
         profiled, seconds, failed = peer_attempt("quark", ctx, lambda: quark_profile(bf16_model(work), shape)[1:])
         if failed:
-            return [{"peer": peer, "level": s, "error": failed["skipped"]} for s in SHARES]
-    for share in SHARES:
+            return [{"peer": peer, "level": s, "error": failed["skipped"]} for s in shares]
+    for share in shares:
         bits = budget_bits(share)
         if peer == "modelopt":
             def run(bits=bits):  # in fp32: this CPU has no bf16 matmuls (ModelOpt's bf16 scoring ran > 4 min a batch)
@@ -146,7 +147,7 @@ def peer_runs(peer: str, work: Workload, names: list[str], out: Path, ctx: dict)
         done, seconds, failed = peer_attempt(peer, ctx, run)
         if failed:  # a peer that did not finish at one budget would not at the next: said once for each
             return rows + [{"peer": peer, "level": s, "knob": budget_bits(s), "error": failed["skipped"]}
-                           for s in SHARES if s >= share]
+                           for s in shares if s >= share]
         fp8, said = done
         rows.append({"peer": peer, "level": share, "knob": bits, "fp8_linears": sorted(fp8), "said": said,
                      "seconds": seconds})
@@ -188,11 +189,11 @@ def scored(row: dict, model, units: dict, names: dict, held_out: list, refs: lis
             "planted_kept": [u for u in marks if u not in whole and u not in split]}
 
 
-def rule_rows(views: dict, names: dict) -> list[dict]:
+def rule_rows(views: dict, names: dict, shares: tuple[float, ...] = SHARES) -> list[dict]:
     """The four rules' plans at each budget of bits, from planner_views' scores: the longest prefix of each rule's
     order within the share (planner_views.at_share on its curves), as linears."""
     rows = []
-    for share in SHARES:
+    for share in shares:
         for rule in RULES:
             order = sorted(names, key=views["scores"][rule].get)
             k = at_share(views["curves"][rule], share)["units"]
@@ -279,8 +280,14 @@ def main() -> None:
     parser.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, of {', '.join(PEERS)}")
     parser.add_argument("--peer-limit", type=float, default=900, help="seconds one peer run may take (default 900)")
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "planner_views-peers.json"))
+    parser.add_argument("--shares", type=lambda t: tuple(float(x) for x in t.split(",")), default=SHARES,
+                        help="the budgets, as shares of the decoder linears' parameters in FP8, comma-separated "
+                             f"(default {','.join(f'{s:g}' for s in SHARES)}; e.g. a tune's own shares, to set "
+                             "the peers beside its plans at equal bits)")
     add_held_out(parser)
     args = parser.parse_args()
+    if not all(0 < s < 1 for s in args.shares):
+        raise SystemExit(f"--shares: each a share between 0 and 1, got {args.shares}")
     unknown = set(args.peers.split(",")) - set(PEERS)
     if unknown:
         raise SystemExit(f"--peers: unknown {', '.join(sorted(unknown))}; choose from {', '.join(PEERS)}")
@@ -302,14 +309,15 @@ def main() -> None:
     model = mod.get_model()
     units = units_of(model)
     names, linears = unit_names(model, units), [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    runs = [r for peer in args.peers.split(",") for r in peer_runs(peer, work, linears, out, ctx)]
+    runs = [r for peer in args.peers.split(",") for r in peer_runs(peer, work, linears, out, ctx, args.shares)]
     load.append(os.getloadavg())
     held_out = work.batches
     refs = logits(model, held_out)
     marks = planted(mod)
     views = json.loads((ROOT / "benchmarks" / "results" / "planner_views.json").read_text())
     score = lambda r: scored(r, model, units, names, held_out, refs, marks)  # noqa: E731
-    rows = [r if "error" in r else score(r) for r in sorted(rule_rows(views, names) + runs, key=lambda r: r["level"])]
+    rows = [r if "error" in r else score(r)
+            for r in sorted(rule_rows(views, names, args.shares) + runs, key=lambda r: r["level"])]
     for row in rows:
         if "error" not in row and not row["peer"].startswith("rule: "):
             row["measured_at_equal_share"] = at_equal_share(row, views, names, score)
@@ -318,6 +326,7 @@ def main() -> None:
     load.append(os.getloadavg())
     result = {"model": "structured", "planted": marks, "budget_knob": "effective bits = 16 - 8 x share",
               "modelopt_config": MODELOPT_CONFIG, "held_out": args.held_out, "verdict_rules": VERDICT_RULES,
+              "shares": list(args.shares),
               "rows": rows, "load_average": load,
               "wall_seconds": time.perf_counter() - started, "torch": torch.__version__}
     Path(args.json).write_text(stamped_dumps(result, indent=1) + "\n")

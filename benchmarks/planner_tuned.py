@@ -111,6 +111,45 @@ def judged(plan: dict, other: dict, name: str) -> dict:
     return reworded(verdicts(plan, other), name)
 
 
+EQUAL = 0.005  # two shares this close (of the parameters, or of the decode saving) are equal
+NEAR = 0.08  # a peer's plan this close in share to a tune's plan is set beside it (side_by_side)
+
+
+def standing(tune_better: str, mine: float, theirs: float, other: str) -> str:
+    """What a paired verdict means once the shares in FP8 (of bits, or of time saved) are counted: a plan is ahead
+    only where it is better with at least as much in FP8; better with less is a trade-off, as the bytes pay for it."""
+    if tune_better == "tie":
+        return "tie at equal share" if abs(mine - theirs) <= EQUAL else "tie in SQNR, shares differ"
+    tune_ahead = tune_better == "tune better"
+    more = mine >= theirs - EQUAL if tune_ahead else theirs >= mine - EQUAL
+    if not more:
+        return "trade-off (the better plan has less in FP8)"
+    return "tune better with at least as much in FP8" if tune_ahead else f"{other} better with at least as much in FP8"
+
+
+def side_by_side(plans: list[dict], peers: list[dict]) -> list[dict]:
+    """Each of the tune's ``plans`` beside every peer plan within :data:`NEAR` of its share of the parameters: the
+    paired verdict, and where it stands by bits (the share of the parameters in FP8) and by time (the share of
+    FP8's decode saving)."""
+    out = []
+    for plan in plans:
+        for peer in (p for p in peers if abs(p["share"] - plan["share"]) <= NEAR):
+            v = judged(plan, peer, peer["peer"])
+            better = v["paired"]["verdict"]
+            out.append({"tune": _brief(plan), "peer": _brief(peer), **v,
+                        "by_bits": standing(better, plan["share"], peer["share"], peer["peer"]),
+                        "by_time": standing(better, plan["decode_saving"], peer["decode_saving"], peer["peer"])})
+    return out
+
+
+def print_side_by_side(rows: list[dict]) -> None:
+    for r in rows:
+        t, p = r["tune"], r["peer"]
+        print(f"{t['peer']:32s} {t['share']:4.0%} / {t['decode_saving']:4.0%}  beside  {p['peer']:9s} at "
+              f"{p['share']:4.0%} / {p['decode_saving']:4.0%}: {in_words(r, 'tune - ' + p['peer'])}; by bits: "
+              f"{r['by_bits']}; by time: {r['by_time']}", flush=True)
+
+
 def decode_saving(fp8_units: list[str], saving: dict[str, float]) -> float:
     """The share of the decode time FP8 saves with every unit in FP8 that ``fp8_units`` save (planner_views'
     time budget: the cost model, one decode step of 8 sequences on an H100)."""
@@ -139,7 +178,7 @@ def tune_plans(run: Path, skeleton: torch.nn.Module) -> list[dict]:
 
 def peer_rows(peers: dict) -> list[dict]:
     """ModelOpt's and AutoRound's plans at each budget, as planner_peers read them back (their FP8 linears)."""
-    return [{"peer": r["peer"], "level": r["level"], "fp8_linears": r["fp8_linears"]}
+    return [{"peer": r["peer"], "level": r["level"], "fp8_linears": r["fp8_linears"], "knob": r.get("knob")}
             for r in peers["rows"] if r["peer"] in PEERS and "error" not in r]
 
 
@@ -232,6 +271,8 @@ def main() -> None:
                         help="what stands for the tune beside the peers: its studies' fronts (default), or only each "
                              "run's verified policy.json (the answer at each floor: tune at several floors for "
                              "several shares)")
+    parser.add_argument("--peers-json", default=str(ROOT / "benchmarks" / "results" / "planner_views-peers.json"),
+                        help="the peers' plans (planner_peers.py's output; --shares there asks them at other budgets)")
     add_held_out(parser)
     args = parser.parse_args()
     kind = "decode" if args.decode else "floor"
@@ -254,7 +295,8 @@ def main() -> None:
     held_out = mod.get_batches(args.held_out, start=mod.N_BATCHES)
     refs = logits(model, held_out)
     root = ROOT / "benchmarks" / "results"
-    views, peers = (json.loads((root / f).read_text()) for f in ("planner_views.json", "planner_views-peers.json"))
+    views = json.loads((root / "planner_views.json").read_text())
+    peers = json.loads(Path(args.peers_json).read_text())
     done: dict[tuple, dict] = {}
 
     def score(row: dict) -> dict:  # a plan scored once however many rows name it; each row keeps its own fields
@@ -283,10 +325,13 @@ def main() -> None:
                    for level in SHARES]
     for c in comparisons:
         print_comparison(c)
+    beside = side_by_side([r for r in tuned if r.get("chosen") and r["fp8"]], rivals)
+    print_side_by_side(beside)
     load.append(os.getloadavg())
     result = {"model": "structured", "planted": marks, "tunes": {str(r): timing(r) for r in runs},
               "held_out": args.held_out, "verdict_rules": VERDICT_RULES, "tune_plans_compared": args.plans,
-              "plans": tuned, "peers": rivals, "comparisons": comparisons, "load_average": load,
+              "plans": tuned, "peers": rivals, "comparisons": comparisons,
+              "peers_from": Path(args.peers_json).name, "side_by_side": beside, "load_average": load,
               "wall_seconds": time.perf_counter() - started, "torch": torch.__version__}
     Path(args.json).write_text(stamped_dumps(result, indent=1) + "\n")
     print(f"wrote {args.json} ({result['wall_seconds']:.0f} s)")

@@ -156,3 +156,40 @@ def test_the_decode_saving_is_a_share_of_every_units_and_counts_a_unit_that_cost
     assert tuned.decode_saving(["a"], saving) == pytest.approx(0.75)
     assert tuned.decode_saving(["a", "b", "o"], saving) == pytest.approx(0.875)
     assert tuned.decode_saving([], saving) == 0.0
+
+
+def _scored(name: str, share: float, saving: float, offset: float) -> dict:
+    """A plan scored on 8 held-out batches spread over 16 dB, ``offset`` dB above the base."""
+    base = [20.0 + 2 * i for i in range(8)]
+    return {"peer": name, "share": share, "decode_saving": saving, "batch_db": [b + offset for b in base],
+            "held_out": [f"b{i}" for i in range(8)], "sqnr_db": [20.0 + offset, 34.0 + offset],
+            "median_db": 27.0 + offset}
+
+
+@pytest.mark.parametrize("tune, peer, by_bits", [
+    ((0.60, 0.70, 0.5), (0.60, 0.70, 0.0), "tune better with at least as much in FP8"),
+    ((0.62, 0.70, 0.5), (0.60, 0.70, 0.0), "tune better with at least as much in FP8"),
+    ((0.55, 0.60, 0.5), (0.60, 0.70, 0.0), "trade-off (the better plan has less in FP8)"),
+    ((0.60, 0.70, 0.0), (0.64, 0.75, 0.5), "modelopt better with at least as much in FP8"),
+    ((0.66, 0.80, 0.0), (0.64, 0.75, 0.5), "trade-off (the better plan has less in FP8)"),
+    ((0.60, 0.70, 0.0), (0.60, 0.70, 0.0), "tie at equal share"),
+    ((0.50, 0.70, 0.0), (0.55, 0.70, 0.0), "tie in SQNR, shares differ"),
+])
+def test_a_plan_is_ahead_only_where_it_is_better_with_at_least_as_much_in_fp8(tuned, tune, peer, by_bits):
+    rows = tuned.side_by_side([_scored("tune x: its policy.json", *tune)], [_scored("modelopt", *peer)])
+    (row,) = rows
+    assert row["by_bits"] == by_bits
+    assert row["paired"]["verdict"] in ("tune better", "modelopt better", "tie")
+
+
+def test_by_time_counts_the_decode_saving_not_the_parameters(tuned):
+    # more parameters in FP8 than the peer, less of the decode saving: ahead by bits, a trade-off by time
+    (row,) = tuned.side_by_side([_scored("tune", 0.62, 0.60, 0.5)], [_scored("modelopt", 0.60, 0.70, 0.0)])
+    assert row["by_bits"] == "tune better with at least as much in FP8"
+    assert row["by_time"] == "trade-off (the better plan has less in FP8)"
+
+
+def test_only_peers_near_a_plans_share_are_set_beside_it(tuned):
+    rows = tuned.side_by_side([_scored("tune", 0.30, 0.3, 0.0)],
+                              [_scored("near", 0.36, 0.4, 0.0), _scored("far", 0.50, 0.6, 0.0)])
+    assert [r["peer"]["peer"] for r in rows] == ["near"]
