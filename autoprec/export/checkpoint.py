@@ -236,7 +236,7 @@ def export_checkpoint(model: nn.Module, plan: ExportPlan, out: str | Path, token
     out.mkdir(parents=True, exist_ok=True)
     writer = _Writer(model, plan, shared_global_scales(model, plan))
     weight_map, written = {}, 0
-    kv_scales = kv_scale_tensors(model, plan.kv_cache, plan.kv_scales, plan.kv_scale_dtype)  # a few bytes: shard one
+    kv_scales = kv_scale_tensors(model, plan.kv_cache, plan.kv_scales, plan.torch_dtype)  # a few bytes: shard one
     for file_name, keys in split.filename_to_tensors.items():
         tensors = {name: t for key in keys for name, t in writer.converted(key, read(key)).items()}
         tensors.update(kv_scales)

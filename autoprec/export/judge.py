@@ -194,10 +194,11 @@ def vllm_scores(folder: str | Path, prompts: list[list[int]], vllm_python: str |
                 full: bool = False, dtype: str = "auto") -> dict[str, Any]:
     """vLLM's own scores of any checkpoint ``folder`` (autoprec's or another tool's) on ``prompts`` (rows of token
     ids), in a fresh process as the check runs it, no plan held to them: the side script's entry for the folder
-    (``logprobs`` of each actual next token, ``layers``, ``architecture``; or ``not_run`` / ``load_error``: why
-    not), with ``vllm`` and ``platform``; ``full``: also ``full``, every next-token log-probability at every scored
-    position (float32, (scored tokens, vocab), the prompts' positions one after another); ``dtype``: what vLLM
-    serves it in (``"auto"``: the checkpoint's own dtype)."""
+    (``logprobs`` of each actual next token, ``layers``, ``architecture``, ``dtype`` as served; or ``not_run`` /
+    ``load_error``: why not), with ``vllm`` and ``platform``; ``full``: also ``full``, every next-token
+    log-probability at every scored position (float32, (scored tokens, vocab), the prompts' positions one after
+    another); ``dtype``: what vLLM serves it in (``"auto"``: the checkpoint's own dtype, a float32 one downcast to
+    bfloat16)."""
     python = _vllm_python(vllm_python)
     with tempfile.TemporaryDirectory(prefix="autoprec-vllm-") as tmp:
         npy = Path(tmp) / "full.npy"
@@ -486,7 +487,7 @@ def _compare_logprobs(verdict: Verdict, entry: dict[str, Any], reference: dict[s
         return
     fp32 = _logprobs(model, prompts)
     served_plan = served_model(model, plan)
-    with kv_quantized(served_plan, plan.kv_cache, plan.kv_scales, plan.kv_scale_dtype, rounding):  # the KV cache as
+    with kv_quantized(served_plan, plan.kv_cache, plan.kv_scales, plan.torch_dtype, rounding):  # the KV cache as
         served = _logprobs(served_plan, prompts)  # the folder scales it and this vLLM rounds it
     plain = _logprobs(served_model(model, ExportPlan({}, [], plan.dtype)), prompts)
     mean, worst = _gap(entry["logprobs"], served)

@@ -57,7 +57,7 @@ def loaded_kv_problems(loaded: Mapping[str, Any] | None, plan: ExportPlan, model
     modules = dict(model.named_modules())
     skipped = {n: m.layer_idx for n, m in modules.items()
                if is_attention(m) and getattr(m, "layer_idx", None) in plan.kv_skip and n not in plan.kv_cache}
-    wanted = kv_scale_tensors(model, plan.kv_cache, plan.kv_scales, plan.kv_scale_dtype)
+    wanted = kv_scale_tensors(model, plan.kv_cache, plan.kv_scales, plan.torch_dtype)
     problems, found = [], {}
     for layer in [*plan.kv_cache, *skipped]:
         engine = next((n for n in loaded if n.startswith(layer + ".")), None)

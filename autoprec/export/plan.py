@@ -32,7 +32,7 @@ from autoprec.errors import UserError
 from autoprec.export.kvcache import kv_export_plan
 from autoprec.runtime.apply import effective_precisions
 from autoprec.runtime.experts import experts_problem, fused_experts
-from autoprec.runtime.kvcache import kv_scale_dtype
+from autoprec.runtime.kvcache import KV_FORMATS
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
 from autoprec.runtime.served_nvfp4 import NVFP4_GROUP
@@ -100,13 +100,6 @@ class ExportPlan:
     kv_cache: dict[str, str] = field(default_factory=dict)
     kv_skip: list[int] = field(default_factory=list)
     kv_scales: dict[str, Any] = field(default_factory=dict)
-    # the dtype the KV scales are written in (None: ``dtype``'s); under --keep-fp32 the plan's half precision, the
-    # scales apply_policy ran (vLLM reads each scale into the model's dtype: a bf16 one is read back exactly)
-    kv_dtype: torch.dtype | None = None
-
-    @property
-    def kv_scale_dtype(self) -> torch.dtype:
-        return self.kv_dtype or self.torch_dtype
 
     @property
     def nvfp4_layers(self) -> list[str]:
@@ -132,8 +125,6 @@ def plan_export(model: nn.Module, policy: Policy, keep_fp32: bool = False,
     plan.kv_cache, plan.kv_skip, notes = kv_export_plan(model, policy.kv_cache, ExportRefused)
     if plan.kv_cache:  # the scales the tune measured with, where the policy holds them: served as tuned
         plan.kv_scales = dict(policy.kv_amax)
-        if keep_fp32:  # rounded as without --keep-fp32: to the half precision the plan runs in
-            plan.kv_dtype = kv_scale_dtype(effective_precisions(model, policy).values())
     # and the nvfp4 inputs' (a policy holds them for all its nvfp4 layers or for none: Policy checks)
     plan.input_amax = {n: policy.input_amax[n] for n in plan.nvfp4_layers if n in policy.input_amax}
     plan.notes += notes
@@ -183,16 +174,22 @@ def _plan_weights(model: nn.Module, policy: Policy, keep_fp32: bool, profile: Ma
 
 
 def _refuse_unservable_fp32(policy: Policy, quantized: Mapping[str, Precision], keep_fp32: bool) -> None:
-    """--keep-fp32 writes dtype float32, which vLLM's compressed-tensors path refuses (it serves bf16 or fp16): one
-    line, for a plan tuned for vLLM and for any plan with quantized layers."""
-    if not keep_fp32 or (policy.engine is None and not quantized):
+    """--keep-fp32 writes dtype float32, which vLLM does not serve as written (its compressed-tensors path serves bf16
+    or fp16; vLLM 0.32 downcasts a float32 checkpoint to bfloat16): one line, for a plan tuned for vLLM, for any plan
+    with quantized layers, and for a plan with an FP8 KV cache (a kv_cache_scheme, which only an engine reads)."""
+    fp8_kv = [n for n, f in policy.kv_cache.items() if KV_FORMATS[f].quantized]
+    if not keep_fp32 or (policy.engine is None and not quantized and not fp8_kv):
         return
-    why = (f"this plan was tuned for {policy.engine}, which serves every unquantized layer in {policy.default}"
-           if policy.engine is not None else
-           f"{next(iter(quantized))!r} and the other quantized layers make it a compressed-tensors checkpoint, "
-           "which vLLM serves in bf16 or fp16 only")
+    if policy.engine is not None:
+        why = f"this plan was tuned for {policy.engine}, which serves every unquantized layer in {policy.default}"
+    elif quantized:
+        why = (f"{next(iter(quantized))!r} and the other quantized layers make it a compressed-tensors checkpoint, "
+               "which vLLM serves in bf16 or fp16 only")
+    else:
+        why = (f"the FP8 KV cache of {fp8_kv[0]!r} makes it a compressed-tensors checkpoint (a kv_cache_scheme), "
+               "which vLLM serves in bfloat16 (it downcasts float32), not in the plan's fp32")
     raise ExportRefused(f"--keep-fp32 writes dtype float32, and {why}; fix: export without --keep-fp32"
-                        + ("" if policy.engine is not None else
+                        + ("" if policy.engine is not None or not quantized else
                            " (to measure its fp32 islands as vLLM serves them, re-tune with --engine vllm)"))
 
 

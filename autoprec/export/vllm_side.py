@@ -21,7 +21,8 @@ The result holds, for the folder:
   platform's attention cannot run it (then the engine does not run the folder: ``kv_loaded`` says what it loads);
 - unless it cannot run here (``not_run``: why): ``layers``, the scheme each layer of the loaded engine actually
   holds (its ``quant_method``'s or ``scheme``'s class), read inside the engine with ``LLM.apply_model``;
-  ``architecture``, the model class vLLM resolved; ``logprobs``, per prompt the logprob vLLM gives each actual
+  ``architecture``, the model class vLLM resolved; ``dtype``, the one it serves the model in (``"auto"`` downcasts a
+  float32 checkpoint to bfloat16); ``logprobs``, per prompt the logprob vLLM gives each actual
   next token (``prompt_logprobs``, ``max_tokens=1``: prompts scored, one token generated);
 - ``kv_loaded``: each attention layer vLLM built, its KV cache dtype and the ``k_scale`` and ``v_scale`` it loaded
   (``_k_scale``, ``_v_scale``, after its KV cache method processed them), from the engine, or where only the KV
@@ -298,7 +299,7 @@ def score(folder: Path, prompts: list[list[int]], kv_skip: list[int] | None = No
         if full:
             save_full(full, prompts, outputs)
         return {"architecture": model_info[0], "layers": model_info[1], "kv_loaded": model_info[2],
-                "logprobs": logprobs}
+                "dtype": str(llm.model_config.dtype).removeprefix("torch."), "logprobs": logprobs}
     finally:
         del llm
         gc.collect()

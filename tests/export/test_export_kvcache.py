@@ -25,12 +25,12 @@ safetensors = pytest.importorskip("safetensors.torch")
 TESTS = Path(__file__).parent
 LAYERS = ("model.layers.0.self_attn", "model.layers.1.self_attn")
 
-def export(tmp_path: Path, policy: Policy, name: str, keep_fp32: bool = False) -> tuple[Path, Path, Path]:
+def export(tmp_path: Path, policy: Policy, name: str) -> tuple[Path, Path, Path]:
     model_py = tmp_path / "model.py"
     model_py.write_text(MODEL_PY)
     policy_path = policy.save(tmp_path / f"{name}.json")
     out = tmp_path / name
-    export_model_py(model_py, TunedRun(Policy.load(policy_path), None, policy_path), out, keep_fp32=keep_fp32)
+    export_model_py(model_py, TunedRun(Policy.load(policy_path), None, policy_path), out)
     return out, model_py, policy_path
 
 
@@ -103,26 +103,6 @@ def test_a_policy_with_its_kv_calibration_is_exported_at_the_tunes_scales(tmp_pa
             assert a["kv_cache"] == b["kv_cache"] == {"scheme": "fp8-head", "layers": 1, "skip_layers": [0]}
 
 
-@pytest.mark.parametrize("default, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
-def test_keep_fp32_writes_the_kv_scales_as_the_export_without_it(tmp_path, default, dtype):
-    """--keep-fp32 writes the weights in fp32, and the KV cache's k_scale and v_scale as the export without it
-    writes them: in the plan's half precision (fp16 for an fp16 plan), the scales apply_policy runs and vLLM reads
-    into the model's dtype unchanged, not the calibration in fp32 (which differs here, so the check can tell)."""
-    namespace = model_py_namespace()
-    amax = calibrate_kv(namespace["get_model"](), namespace["get_batches"]()[:2])[0]
-    policy = Policy(default=default, kv_cache=dict.fromkeys(LAYERS, "fp8"), kv_amax=amax)
-    kept, _, _ = export(tmp_path, policy, "kept", keep_fp32=True)
-    served, _, _ = export(tmp_path, policy, "served")
-    assert json.loads((kept / "config.json").read_text())["dtype"] == "float32"
-    kept_tensors, served_tensors = tensors(kept), tensors(served)
-    assert kept_tensors["model.layers.0.mlp.down_proj.weight"].dtype == torch.float32
-    for layer in LAYERS:
-        for leaf, fp32 in zip(("k_scale", "v_scale"), amax[layer].scales(KV_FORMATS["fp8"], torch.float32)):
-            written = kept_tensors[f"{layer}.{leaf}"]
-            assert written.dtype == dtype and torch.equal(written, served_tensors[f"{layer}.{leaf}"])
-            assert not torch.equal(written.float(), fp32)
-
-
 def test_a_layer_kept_in_the_models_dtype_is_the_engines_skip_list(tmp_path):
     out, _, _ = export(tmp_path, Policy(default="bf16", kv_cache={LAYERS[1]: "fp8"}), "one")
     summary = json.loads((out / "autoprec-export.json").read_text())
@@ -148,6 +128,64 @@ def test_one_scheme_per_checkpoint_a_mix_is_refused_in_one_line():
     with pytest.raises(ExportRefused, match="'kv_cache' names 'model.layers.7.self_attn', which is not a module"):
         plan_export(model, Policy(default="bf16", kv_cache={"model.layers.7.self_attn": "fp8"}))
     assert plan_export(model, Policy(default="bf16")).kv_cache == {}  # no decision: nothing changes
+
+
+KEPT_FP32 = ("--keep-fp32 writes dtype float32, and the FP8 KV cache of 'model.layers.0.self_attn' makes it a "
+             "compressed-tensors checkpoint (a kv_cache_scheme), which vLLM serves in bfloat16 (it downcasts "
+             "float32), not in the plan's fp32; fix: export without --keep-fp32")
+
+
+def test_keep_fp32_of_a_plan_with_an_fp8_kv_cache_is_refused_in_one_line(tmp_path):
+    """A plan whose only FP8 is its KV cache, exported with --keep-fp32: refused in one line, nothing written (vLLM
+    would serve the float32 folder in bfloat16: the test below); a KV cache kept in the model's dtype ("auto") is no
+    compressed-tensors checkpoint, and exports in fp32 as before."""
+    model_py = tmp_path / "model.py"
+    model_py.write_text(MODEL_PY)
+    policy_path = Policy(default="bf16", kv_cache=dict.fromkeys(LAYERS, "fp8")).save(tmp_path / "kv.json")
+    out = tmp_path / "kept"
+    with pytest.raises(ExportRefused) as refused:
+        export_model_py(model_py, TunedRun(Policy.load(policy_path), None, policy_path), out, keep_fp32=True)
+    assert str(refused.value) == KEPT_FP32
+    assert not out.exists() or not any(out.iterdir())
+    model = model_py_namespace()["get_model"]()
+    assert plan_export(model, Policy(default="bf16", kv_cache=dict.fromkeys(LAYERS, "auto")), keep_fp32=True).dtype \
+        == "fp32"
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_serves_a_float32_folder_with_an_fp8_kv_cache_in_bfloat16(tmp_path, vllm_python):
+    """Why --keep-fp32 is refused with an FP8 KV cache: the folder it wrote before the refusal (dtype float32, a
+    quantization_config holding only the kv_cache_scheme) loads in vLLM 0.32 and runs its FP8 cache at the folder's
+    scales, but in bfloat16, not the plan's fp32: vLLM's dtype "auto" downcasts a float32 checkpoint ("Downcasting
+    torch.float32 to torch.bfloat16")."""
+    from dataclasses import replace
+
+    from autoprec.export.checkpoint import export_checkpoint
+    from autoprec.export.judge import vllm_scores
+
+    namespace = model_py_namespace()
+    model = namespace["get_model"]().float()
+    policy = Policy(default="bf16", kv_cache=dict.fromkeys(LAYERS, "fp8"),
+                    kv_amax=calibrate_kv(model, namespace["get_batches"]()[:2])[0])
+    with pytest.raises(ExportRefused, match="FP8 KV cache"):
+        plan_export(model, policy, keep_fp32=True)
+    out = tmp_path / "kept"
+    export_checkpoint(model, replace(plan_export(model, policy), dtype="fp32"), out)  # what --keep-fp32 wrote
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == "float32" and config["quantization_config"]["config_groups"] == {}
+    assert config["quantization_config"]["kv_cache_scheme"]["strategy"] == "tensor"
+    entry = vllm_scores(out, [row.tolist() for row in namespace["get_batches"]()[-1]], vllm_python)
+    if "AVX-512 or AMX" in entry.get("load_error", ""):
+        pytest.skip(f"this CPU cannot allocate an FP8 KV cache: {entry['load_error']}")
+    assert "load_error" not in entry, entry["load_error"]
+    assert entry["dtype"] == "bfloat16"
+    written = tensors(out)
+    for layer in LAYERS:
+        loaded = next(v for n, v in entry["kv_loaded"].items() if n.startswith(layer + "."))
+        assert loaded["cache"] == "fp8"
+        for leaf in ("k_scale", "v_scale"):
+            assert torch.allclose(torch.tensor(loaded[leaf]), written[f"{layer}.{leaf}"].float().flatten(), rtol=2**-8)
 
 
 @pytest.mark.vllm
