@@ -131,9 +131,11 @@ def side_by_side(plans: list[dict], peers: list[dict]) -> list[dict]:
     """Each of the tune's ``plans`` beside every peer plan within :data:`NEAR` of its share of the parameters: the
     paired verdict, and where it stands by bits (the share of the parameters in FP8) and by time (the share of
     FP8's decode saving)."""
-    out = []
+    out, unique = [], {}
+    for p in peers:  # a peer's plan asked at two budgets is one plan
+        unique.setdefault((p["peer"], tuple(p["fp8_linears"])), p)
     for plan in plans:
-        for peer in (p for p in peers if abs(p["share"] - plan["share"]) <= NEAR):
+        for peer in (p for p in unique.values() if abs(p["share"] - plan["share"]) <= NEAR):
             v = judged(plan, peer, peer["peer"])
             better = v["paired"]["verdict"]
             out.append({"tune": _brief(plan), "peer": _brief(peer), **v,
@@ -271,8 +273,9 @@ def main() -> None:
                         help="what stands for the tune beside the peers: its studies' fronts (default), or only each "
                              "run's verified policy.json (the answer at each floor: tune at several floors for "
                              "several shares)")
-    parser.add_argument("--peers-json", default=str(ROOT / "benchmarks" / "results" / "planner_views-peers.json"),
-                        help="the peers' plans (planner_peers.py's output; --shares there asks them at other budgets)")
+    parser.add_argument("--peers-json", action="append", default=[],
+                        help="the peers' plans, planner_peers.py's output (repeatable; default benchmarks/results/"
+                             "planner_views-peers.json; planner_peers.py --shares asks them at other budgets)")
     add_held_out(parser)
     args = parser.parse_args()
     kind = "decode" if args.decode else "floor"
@@ -296,7 +299,8 @@ def main() -> None:
     refs = logits(model, held_out)
     root = ROOT / "benchmarks" / "results"
     views = json.loads((root / "planner_views.json").read_text())
-    peers = json.loads(Path(args.peers_json).read_text())
+    peer_files = [Path(f) for f in args.peers_json] or [root / "planner_views-peers.json"]
+    peers = {"rows": [row for f in peer_files for row in json.loads(f.read_text())["rows"]]}
     done: dict[tuple, dict] = {}
 
     def score(row: dict) -> dict:  # a plan scored once however many rows name it; each row keeps its own fields
@@ -331,7 +335,7 @@ def main() -> None:
     result = {"model": "structured", "planted": marks, "tunes": {str(r): timing(r) for r in runs},
               "held_out": args.held_out, "verdict_rules": VERDICT_RULES, "tune_plans_compared": args.plans,
               "plans": tuned, "peers": rivals, "comparisons": comparisons,
-              "peers_from": Path(args.peers_json).name, "side_by_side": beside, "load_average": load,
+              "peers_from": [f.name for f in peer_files], "side_by_side": beside, "load_average": load,
               "wall_seconds": time.perf_counter() - started, "torch": torch.__version__}
     Path(args.json).write_text(stamped_dumps(result, indent=1) + "\n")
     print(f"wrote {args.json} ({result['wall_seconds']:.0f} s)")

@@ -162,6 +162,7 @@ def _scored(name: str, share: float, saving: float, offset: float) -> dict:
     """A plan scored on 8 held-out batches spread over 16 dB, ``offset`` dB above the base."""
     base = [20.0 + 2 * i for i in range(8)]
     return {"peer": name, "share": share, "decode_saving": saving, "batch_db": [b + offset for b in base],
+            "fp8_linears": [f"{name} at {share}"],
             "held_out": [f"b{i}" for i in range(8)], "sqnr_db": [20.0 + offset, 34.0 + offset],
             "median_db": 27.0 + offset}
 
@@ -193,3 +194,8 @@ def test_only_peers_near_a_plans_share_are_set_beside_it(tuned):
     rows = tuned.side_by_side([_scored("tune", 0.30, 0.3, 0.0)],
                               [_scored("near", 0.36, 0.4, 0.0), _scored("far", 0.50, 0.6, 0.0)])
     assert [r["peer"]["peer"] for r in rows] == ["near"]
+
+
+def test_a_peer_plan_asked_at_two_budgets_is_set_beside_once(tuned):
+    twice = [_scored("modelopt", 0.36, 0.4, 0.0), {**_scored("modelopt", 0.36, 0.4, 0.0), "level": 0.3}]
+    assert len(tuned.side_by_side([_scored("tune", 0.30, 0.3, 0.0)], twice)) == 1
