@@ -5,6 +5,8 @@ A real vLLM, in a fresh process of the Python that has it (:func:`find_vllm_pyth
 
 - per layer it builds (fused ``qkv_proj`` / ``gate_up_proj`` and MoE experts included), the scheme it chose; each
   is held to the folder's plan (its ``quantization_config``): a mismatch is one line naming the layer;
+- the dtype it serves the model in (its dtype "auto", as ``vllm serve`` runs it), held to the plan's (the folder's
+  config.json ``dtype``): vLLM 0.32 serves a float32 folder (--keep-fp32) in bfloat16;
 - its logprobs of each actual next token on model.py's held-out batches, held to the in-process plan's
   (:func:`~autoprec.export.quantize.served_model`) within a bound derived from bf16 rounding as measured in the
   same run: a plain bf16 export of the same model, vLLM against the in-process bf16 model, times
@@ -354,17 +356,32 @@ def _verdict(result: dict[str, Any], folder: Path, plan: ExportPlan, model: torc
     said = {problem.partition(":")[0] for problem in verdict.problems}  # a layer the mapping named: once
     verdict.problems += [p for p in _engine_problems(layers, entry.get("mapping", {}).get("packed", {}), planned)
                          if p.partition(":")[0] not in said]
+    verdict.problems += _served_dtype_problems(folder, entry.get("dtype"), plan)
     counts: dict[str, int] = {}
     for info in layers.values():
         counts[info["scheme"]] = counts.get(info["scheme"], 0) + 1
-    verdict.lines.append(f"{head} loaded {folder} as {entry['architecture']}: {len(layers)} layers; "
-                         + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    verdict.lines.append(f"{head} loaded {folder} as {entry['architecture']} in {entry.get('dtype')}: {len(layers)} "
+                         "layers; " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
     routed = any("MoE" in info["method"] for info in layers.values())
     _compare_logprobs(verdict, entry, result["reference"] or entry, plan, model, prompts, routed,
                       kv_rounding(result["platform"]))
     verdict.scored = True
     verdict.figures["vllm_seconds"] = result["seconds"]
     return verdict
+
+
+def _served_dtype_problems(folder: Path, served: str | None, plan: ExportPlan) -> list[str]:
+    """The dtype vLLM serves the folder in (the side script's ``dtype``: its dtype "auto", as ``vllm serve`` without
+    --dtype) held to the one the plan runs its unquantized layers in (the folder's config.json ``dtype``): vLLM 0.32
+    downcasts a float32 checkpoint to bfloat16, so a --keep-fp32 export is served in bf16, where the logprob bound
+    (bf16 rounding) could not tell. The check asks vLLM for "auto", not for the plan's dtype: what a user's serve
+    runs. A mismatch is one line."""
+    planned = str(plan.torch_dtype).removeprefix("torch.")
+    if served is None or served == planned:
+        return []
+    fix = "export without --keep-fp32 (bf16, as vLLM serves it), or " if plan.dtype == "fp32" else ""
+    return [f"{folder}: vLLM serves it in {served}, the plan runs its unquantized layers in {planned}; fix: {fix}"
+            f"serve it with --dtype {planned}"]
 
 
 def planned_layers(model: torch.nn.Module, plan: ExportPlan) -> dict[str, str]:

@@ -58,15 +58,23 @@ MIXED_SCHEMES = {"model.layers.0.self_attn.qkv_proj": FP8, "model.layers.0.self_
                  "lm_head": "UnquantizedEmbeddingMethod"}  # vLLM's ParallelLMHead, unquantized
 
 
-def export(tmp_path: Path, policy: Policy, name: str, model: str = MODEL_PY) -> tuple[Path, Path, Path]:
+def export(tmp_path: Path, policy: Policy, name: str, model: str = MODEL_PY, keep_fp32: bool = False
+           ) -> tuple[Path, Path, Path]:
     """(the folder, model.py, the policy file) of ``policy`` exported from ``model``'s model.py."""
     model_py = tmp_path / "model.py"
     model_py.write_text(model)
     policy_path = tmp_path / f"{name}.json"
     policy.save(policy_path)
     out = tmp_path / name
-    export_model_py(model_py, TunedRun(Policy.load(policy_path), None, policy_path), out)
+    export_model_py(model_py, TunedRun(Policy.load(policy_path), None, policy_path), out, keep_fp32=keep_fp32)
     return out, model_py, policy_path
+
+
+def served_dtype_line(folder: Path, served: str, planned: str) -> str:
+    """The check's line for a folder vLLM serves in another dtype than the plan's."""
+    fix = "export without --keep-fp32 (bf16, as vLLM serves it), or " if planned == "float32" else ""
+    return (f"{folder}: vLLM serves it in {served}, the plan runs its unquantized layers in {planned}; fix: {fix}"
+            f"serve it with --dtype {planned}")
 
 
 def autoprec(*args: str) -> subprocess.CompletedProcess:
@@ -145,6 +153,47 @@ def test_a_plain_plan_is_served_unquantized_everywhere(tmp_path, vllm_python):
     verdict = judge_export(out, model_py, policy=policy_path, vllm_python=vllm_python)
     assert verdict.ok, verdict.problems
     assert verdict.layers == {**dict.fromkeys(MIXED_SCHEMES, PLAIN), "lm_head": "UnquantizedEmbeddingMethod"}
+
+
+@pytest.mark.parametrize(("keep_fp32", "served"), [(True, "bfloat16"), (True, "float32"), (False, "bfloat16"),
+                                                    (False, "float32")])
+def test_the_dtype_vllm_serves_in_is_held_to_the_plans(tmp_path, monkeypatch, keep_fp32, served):
+    """A vLLM (its side script's result, injected) that loads the folder, every layer unquantized as planned, and
+    serves it in ``served``: the check passes where that is the plan's dtype (float32 with --keep-fp32, else
+    bfloat16), and fails in one line naming both and the fix where it is not."""
+    from autoprec.export import judge
+
+    def side(python, folder, reference, prompts, tmp, extra=None):  # logprobs equal to the reference's: no bound
+        return {"vllm": "0.32.0", "platform": "cpu", "reference": None, "seconds": 0.0,
+                "folder": {"mapping": {"quantized": False, "packed": {}, "layers": {}}, "layers": {},
+                           "architecture": "LlamaForCausalLM", "dtype": served,
+                           "logprobs": [[0.0] * (len(ids) - 1) for ids in prompts]}}
+
+    monkeypatch.setattr(judge, "_run_side", side)
+    out, model_py, policy_path = export(tmp_path, Policy(default="bf16"), "plain", keep_fp32=keep_fp32)
+    planned = "float32" if keep_fp32 else "bfloat16"
+    assert json.loads((out / "config.json").read_text())["dtype"] == planned
+    for given in (policy_path, None):  # the plan the policy says, or the folder's config alone
+        verdict = judge_export(out, model_py, policy=given, vllm_python=sys.executable)
+        assert verdict.scored and f"LlamaForCausalLM in {served}:" in verdict.lines[0]
+        assert verdict.problems == ([] if served == planned else [served_dtype_line(out, served, planned)])
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_float32_export_is_served_in_bfloat16_and_the_check_fails_in_one_line(tmp_path):
+    """A plan with nothing quantized exported with --keep-fp32 (a plain float32 checkpoint): vLLM 0.32 serves it in
+    bfloat16 (its dtype auto downcasts float32), every layer unquantized as planned and its logprobs its own bound,
+    so only the served dtype tells: `autoprec export --check-only` fails (exit status 3) with the one line."""
+    out, model_py, policy_path = export(tmp_path, Policy(default="bf16"), "kept", keep_fp32=True)
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == "float32" and "quantization_config" not in config
+    run = autoprec("export", "--check-only", str(out), str(policy_path), "--model", str(model_py),
+                   "--vllm-python", str(VLLM))
+    assert run.returncode == 3, run.stderr
+    failed = [line for line in run.stderr.splitlines() if line.startswith("autoprec export: check failed:")]
+    assert failed == ["autoprec export: check failed: " + served_dtype_line(out, "bfloat16", "float32")], run.stderr
+    assert "Traceback" not in run.stderr
 
 
 @pytest.mark.vllm
