@@ -51,7 +51,9 @@ SCALE_DTYPE = torch.bfloat16  # the served dtype the checkpoint stores KV scales
 def kv_weights_digest(model: nn.Module, layers: Iterable[str],
                       read: Callable[[str], torch.Tensor] | None = None) -> str:
     """A digest of the weights the KV calibration of ``layers`` was measured on: every parameter of those attention
-    modules (their k/v projections among them), upcast to fp32 (the same for the model loaded as published), named.
+    modules (their k/v projections among them), named, each rounded to bf16 (the dtype a plan is served in: the model
+    tuned in fp32 and the same weights loaded or cast to bf16 give one digest; fp16 rounds otherwise, see
+    :func:`stale_kv_line`), hashed as held where they are (half the bytes of fp32 leave a GPU).
     A tune records it beside ``kv_amax`` (policy.json's ``model.kv_weights``); weights changed since (a fine-tune)
     give another digest. ``read``: a parameter the model holds on meta (a streamed export's skeleton) by its name,
     read from the checkpoint one at a time in the same order: the loaded model's digest, the model never held."""
@@ -60,7 +62,7 @@ def kv_weights_digest(model: nn.Module, layers: Iterable[str],
         for leaf, param in sorted(model.get_submodule(name).named_parameters()):
             value = read(f"{name}.{leaf}") if read is not None and param.device.type == "meta" else param
             h.update(f"{name}.{leaf}{tuple(param.shape)}".encode())
-            h.update(value.detach().float().cpu().contiguous().numpy().tobytes())
+            h.update(value.detach().to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -68,13 +70,16 @@ def stale_kv_line(model: nn.Module, policy: Any, read: Callable[[str], torch.Ten
     """One line where ``policy``'s KV calibration (``kv_amax``) was measured on other weights than ``model``'s (the
     digest it recorded, ``model.kv_weights``, differs: the model was fine-tuned since), naming the fix; None where
     they agree, where the policy records no digest (a file written before tunes recorded it), or where this process
-    does not hold the weights (FSDP2's shards, or on meta without ``read``: :func:`kv_weights_digest`'s)."""
+    does not hold the weights (FSDP2's shards, or on meta without ``read``: :func:`kv_weights_digest`'s), or holds
+    them in fp16 (fp32 weights rounded to fp16 and then to bf16 differ from those rounded to bf16 once in about one
+    element in sixteen: the digest could not tell a cast from a fine-tune, so nothing is said)."""
     recorded = policy.model.get("kv_weights") if isinstance(policy.model, Mapping) else None
     if not policy.kv_amax or not isinstance(recorded, str):
         return None
     try:
         weights = [p for name in policy.kv_amax for p in model.get_submodule(name).parameters()]
-        if any(hasattr(p, "to_local") or (p.device.type == "meta" and read is None) for p in weights):
+        if any(hasattr(p, "to_local") or (p.device.type == "meta" and read is None) or p.dtype == torch.float16
+               for p in weights):
             return None
         if kv_weights_digest(model, policy.kv_amax, read) == recorded:
             return None

@@ -301,3 +301,21 @@ def test_the_emulated_kv_scales_are_the_exported_ones_bit_for_bit(profiled, monk
         assert torch.equal(k.reshape(-1), written_k.float().reshape(-1)), name  # bit for bit
         assert torch.equal(v.reshape(-1), written_v.float().reshape(-1)), name
         assert not torch.equal(k.reshape(-1), amax[name].scales(kvcache.KV_FORMATS["fp8"], other)[0].reshape(-1))
+
+
+def test_the_same_weights_cast_to_bf16_are_not_called_stale(profiled):
+    """A policy tuned on the fp32 model, applied to the same weights loaded in bf16 (as a served model is): the same
+    digest, no warning; a fine-tune's step still changes it; in fp16 (a double rounding the digest cannot tell from a
+    fine-tune) nothing is said."""
+    from autoprec.runtime.kvcache import kv_weights_digest, stale_kv_line
+
+    model, profile, _ = profiled
+    policy = Policy(default="bf16", model={"kv_weights": kv_weights_digest(model, profile.scales)},
+                    kv_cache={LAYER0: "fp8", LAYER1: "fp8"}, kv_amax=profile.scales)
+    cast = tiny_llama(seed=0).eval().to(torch.bfloat16)
+    assert kv_weights_digest(cast, profile.scales) == policy.model["kv_weights"]
+    assert stale_kv_line(cast, policy) is None
+    with torch.no_grad():
+        cast.get_submodule(f"{LAYER1}.k_proj").weight.mul_(1.05)
+    assert stale_kv_line(cast, policy) is not None
+    assert stale_kv_line(tiny_llama(seed=0).eval().to(torch.float16), policy) is None
