@@ -45,7 +45,16 @@ def main() -> None:
     parser.add_argument("--floor", type=float, default=45.0)
     parser.add_argument("--seconds", type=float, default=180.0, help="timing cap (default 180)")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "minilm_45db_bound.json")
+    parser.add_argument("--also", action="append", default=[], metavar="NAME=POLICY.json",
+                        help="a policy file (a tune's policy.json) timed in the same paired run, and set against the "
+                             "fastest greedy step meeting the floor (repeatable)")
     args = parser.parse_args()
+    also = {}
+    for given in args.also:
+        name, _, path = given.partition("=")
+        if not path or not Path(path).is_file():
+            raise SystemExit(f"--also {given}: give NAME=POLICY.json, a policy file that exists")
+        also[name] = Policy.load(path)
 
     model = minilm.get_model()
     search = Evaluator(model, minilm.get_batches()[:2])  # the tune's search batches
@@ -70,7 +79,7 @@ def main() -> None:
         print(f"+ {name}: {after:.2f} dB on the search batches", flush=True)
 
     runs = {"fp32": None, "hand: blocks 4 and 5 fp32": Policy(default="bf16", layers=HAND),
-            **{f"greedy step {i}": Policy(default="bf16", layers=s["layers"]) for i, s in enumerate(steps)}}
+            **{f"greedy step {i}": Policy(default="bf16", layers=s["layers"]) for i, s in enumerate(steps)}, **also}
     timing = compare(policy_runs(model, unseen.batches[0], runs), reference="fp32", until="precise",
                      rel_precision=0.02, max_rounds=200, max_seconds=args.seconds)
     hand = "hand: blocks 4 and 5 fp32"
@@ -79,18 +88,21 @@ def main() -> None:
     for key, policy in runs.items():
         if policy is None:
             continue
-        row = {"unseen_db": sqnr(policy.layers, unseen), "vs_fp32": vars(timing.ratios[key]),
+        row = {"unseen_db": unseen.measure(policy).sqnr_db, "vs_fp32": vars(timing.ratios[key]),
                "vs_hand": vars(timing.ratio(key, hand)) if key != hand else None, "layers": policy.layers}
         rows[key] = row
         print(f"{key:28s} unseen {row['unseen_db']:6.2f} dB  /fp32 {timing.ratios[key]}"
               + (f"  /hand {timing.ratio(key, hand)}" if key != hand else ""))
-    meeting = [k for k, r in rows.items() if k != hand and r["unseen_db"] >= args.floor]
+    meeting = [k for k, r in rows.items() if k != hand and k not in also and r["unseen_db"] >= args.floor]
     best = min(meeting, key=lambda k: rows[k]["vs_fp32"]["estimate"]) if meeting else None
     print(f"\nfastest greedy step meeting {args.floor:g} dB unseen: {best}"
           + (f", {timing.ratio(best, hand)} of the hand policy" if best else ""))
+    against = {k: vars(timing.ratio(k, best)) for k in also if best}
+    for key in against:
+        print(f"{key}: {rows[key]['unseen_db']:.2f} dB unseen, {timing.ratio(key, best)} of {best}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(stamped_dumps({"floor_db": args.floor, "timing": timing.verdict, "steps": steps,
-                                     "policies": rows, "best_meeting_floor": best,
+                                     "policies": rows, "best_meeting_floor": best, "also_vs_best": against,
                                      "torch_threads": torch.get_num_threads()}, indent=2) + "\n")
     print(f"written: {args.json}")
 
