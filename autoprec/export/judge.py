@@ -8,9 +8,11 @@ A real vLLM, in a fresh process of the Python that has it (:func:`find_vllm_pyth
 - the dtype it serves the model in (its dtype "auto", as ``vllm serve`` runs it), held to the plan's (the folder's
   config.json ``dtype``): vLLM 0.32 serves a float32 folder (--keep-fp32) in bfloat16;
 - its logprobs of each actual next token on model.py's held-out batches, held to the in-process plan's
-  (:func:`~autoprec.export.quantize.served_model`) within a bound derived from bf16 rounding as measured in the
-  same run: a plain bf16 export of the same model, vLLM against the in-process bf16 model, times
-  :data:`FP8_FLIP_MARGIN`; the plan's own distance from fp32 is printed beside it;
+  (:func:`~autoprec.export.quantize.served_model`) within a bound derived from rounding as measured in the
+  same run: a plain export of the same model made by the check, in the plan's dtype (for every plan, a plain one
+  too: never the folder under check), vLLM against the in-process plain model, times :data:`FP8_FLIP_MARGIN`
+  (:data:`KV_FLIP_MARGIN` where only the KV cache is FP8, :data:`PLAIN_MARGIN` where nothing is); the plan's own
+  distance from fp32 is printed beside it;
 - its ``kv_cache_scheme``, and per attention layer the KV cache dtype and the ``k_scale`` and ``v_scale`` it loaded,
   held to the plan's (:mod:`.judge_kv`), also where the platform cannot allocate the cache (loaded up to it).
 
@@ -63,6 +65,12 @@ FP8_FLIP_MARGIN = 2 * math.sqrt(32)
 # rounding from vLLM (7.99e-3 mean against 1.20e-3), inside 2 x sqrt(32) = 11.3x: a bound that could not tell; the
 # emulation as vLLM's CPU kernel rounds measured 1.2x (1.47e-3).
 KV_FLIP_MARGIN = math.sqrt(32)
+# A plan with nothing quantized and no FP8 KV cache: the folder served as planned is the reference itself (the
+# check's own plain export of the model), and vLLM scores it as it scores the reference: on the judge tests' small
+# Llama 9.99e-4 mean |Δ| for both (x1.00). sqrt(2) leaves room for an engine whose kernels do not round the same way
+# twice (the folder's run and the reference's, independent roundings of one size, add in quadrature); one linear's
+# weight scaled x1.05 in the file measured 2.00e-3, 2.0x (the bound 1.41e-3).
+PLAIN_MARGIN = math.sqrt(2)
 MAX_PROMPTS, MAX_TOKENS = 8, 128  # scored prompts: FP8 runs emulated on vLLM's CPU build, slowly
 ENGINE_TIMEOUT_S = 900
 # what vLLM's CPU build cannot run: the folder is mapped (config parsing, scheme lookup), not loaded
@@ -141,13 +149,20 @@ def judge_export(folder: str | Path, model_py: str | Path, policy: str | Path | 
         plan.kv_scales = {**calibrate_kv(model, batches)[0], **plan.kv_scales}
     prompts = _prompts(holdout)
     with tempfile.TemporaryDirectory(prefix="autoprec-judge-") as tmp:
-        reference = None
-        if plan.quantized or _fp8_kv(plan):  # bf16 rounding as this vLLM and this torch differ on it: the same
-            # model, plain (for a plan that quantizes only the KV cache too: the folder itself is no plain model)
-            reference = Path(tmp) / "plain-bf16"
-            export_checkpoint(model, plan_export(model, Policy(default="bf16")), reference)
+        reference = _plain_reference(model, plan, Path(tmp))
         result = _run_side(python, folder, reference, prompts, Path(tmp), {"kv_skip_layers": plan.kv_skip or []})
     return _verdict(result, folder, plan, model, prompts)
+
+
+def _plain_reference(model: torch.nn.Module, plan: ExportPlan, tmp: Path) -> Path:
+    """The bound's reference, for every plan: the same model exported plain by the check (never the folder under
+    check, which would be its own bound), in the plan's own unquantized dtype, the one the in-process plain model of
+    :func:`_compare_logprobs` runs in: the two differ by this vLLM's and this torch's rounding only."""
+    reference = tmp / f"plain-{plan.dtype}"
+    keep_fp32 = plan.dtype == "fp32"
+    plain = plan_export(model, Policy(default="bf16" if keep_fp32 else plan.dtype), keep_fp32=keep_fp32)
+    export_checkpoint(model, plain, reference)
+    return reference
 
 
 def _plan_held_to(folder: Path, summary: dict[str, Any], policy: Path | None, model: torch.nn.Module) -> ExportPlan:
@@ -363,7 +378,7 @@ def _verdict(result: dict[str, Any], folder: Path, plan: ExportPlan, model: torc
     verdict.lines.append(f"{head} loaded {folder} as {entry['architecture']} in {entry.get('dtype')}: {len(layers)} "
                          "layers; " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
     routed = any("MoE" in info["method"] for info in layers.values())
-    _compare_logprobs(verdict, entry, result["reference"] or entry, plan, model, prompts, routed,
+    _compare_logprobs(verdict, entry, result["reference"] or {}, plan, model, prompts, routed,
                       kv_rounding(result["platform"]))
     verdict.scored = True
     verdict.figures["vllm_seconds"] = result["seconds"]
@@ -499,8 +514,8 @@ def _compare_logprobs(verdict: Verdict, entry: dict[str, Any], reference: dict[s
     4.29e-2, its mean 0.39 of its bound). The plan's FP8 KV cache rounds as this vLLM's does (``rounding``,
     :func:`~autoprec.runtime.kvcache.kv_rounding`: toward zero on its CPU build)."""
     if "logprobs" not in reference:
-        verdict.problems.append(f"the plain bf16 export of the same model (the bound's reference) did not load in "
-                                f"vLLM: {reference.get('load_error')}")
+        verdict.problems.append(f"the plain {plan.dtype} export of the same model (the bound's reference) did not "
+                                f"load in vLLM: {reference.get('load_error', 'not scored')}")
         return
     fp32 = _logprobs(model, prompts)
     served_plan = served_model(model, plan)
@@ -509,7 +524,7 @@ def _compare_logprobs(verdict: Verdict, entry: dict[str, Any], reference: dict[s
     plain = _logprobs(served_model(model, ExportPlan({}, [], plan.dtype)), prompts)
     mean, worst = _gap(entry["logprobs"], served)
     ref_mean, ref_max = _gap(reference["logprobs"], plain)
-    margin = FP8_FLIP_MARGIN if plan.quantized else KV_FLIP_MARGIN if _fp8_kv(plan) else 1.0
+    margin = FP8_FLIP_MARGIN if plan.quantized else KV_FLIP_MARGIN if _fp8_kv(plan) else PLAIN_MARGIN
     plan_mean, plan_max = _gap([t.tolist() for t in served], fp32)
     tokens = sum(len(p) - 1 for p in prompts)
     verdict.figures.update(mean=mean, max=worst, bf16_mean=ref_mean, bf16_max=ref_max, margin=margin,
@@ -518,11 +533,11 @@ def _compare_logprobs(verdict: Verdict, entry: dict[str, Any], reference: dict[s
         f"logprob of each actual next token, {tokens} tokens of {len(prompts)} held-out prompts (|Δ| mean, max):",
         f"  vLLM vs the in-process plan:          {mean:.2e}, {worst:.2e}"
         + (f" (its FP8 KV cache rounded {rounding}, as this vLLM rounds it)" if plan.kv_cache else ""),
-        f"  bf16 rounding (a plain bf16 export, vLLM vs in-process): {ref_mean:.2e}, {ref_max:.2e}; "
+        f"  {plan.dtype} rounding (a plain {plan.dtype} export, vLLM vs in-process): {ref_mean:.2e}, {ref_max:.2e}; "
         f"bound x{margin:.1f}: {margin * ref_mean:.2e}, "
         + ("(the largest not bound: a MoE reroutes tokens)" if routed else f"{margin * ref_max:.2e}"),
         f"  the plan vs fp32 (in process):        {plan_mean:.2e}, {plan_max:.2e}"]
     if mean > margin * ref_mean or (worst > margin * ref_max and not routed):
         verdict.problems.append(f"vLLM's logprobs are {mean:.2e} (mean |Δ|), {worst:.2e} (max) from the in-process "
-                                f"plan's, past the bound {margin * ref_mean:.2e}, {margin * ref_max:.2e} (bf16 "
-                                f"rounding x{margin:.1f}): vLLM serves another model than the plan")
+                                f"plan's, past the bound {margin * ref_mean:.2e}, {margin * ref_max:.2e} "
+                                f"({plan.dtype} rounding x{margin:.1f}): vLLM serves another model than the plan")

@@ -29,7 +29,8 @@ The result holds, for the folder:
   cache keeps the folder from running here, from vLLM's own executor loading it as the engine does and stopping
   before the cache (``kv_load_error``: why it could not);
 
-and for the reference (a plain bf16 export of the same model), loaded after the folder, its logprobs likewise.
+and for the reference (the check's plain export of the same model, in the plan's dtype), loaded after the folder,
+its logprobs likewise.
 
 Run it with VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine in this process, so that apply_model reaches the model).
 """

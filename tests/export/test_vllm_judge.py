@@ -3,7 +3,7 @@ scheme each layer it builds runs and what logprobs it gives; the check holds bot
 
 Run against the engine where a Python with vLLM is found (the check's lookup: $AUTOPREC_VLLM_PYTHON, else a
 finished .venv-vllm); skipped with the reason otherwise. .ci/run builds .venv-vllm and runs them (`-m vllm`).
-Each engine check takes tens of seconds on a CPU (vLLM imports, loads the folder and a plain bf16 one), so there
+Each engine check takes tens of seconds on a CPU (vLLM imports, loads the folder and its plain reference), so there
 are few; they run vLLM as a fresh process forked from one that imported it once (the ``vllm_python`` fixture,
 tests/export/vllm_warm.py), but for the command-line one, which starts the vLLM venv's own interpreter.
 """
@@ -155,6 +155,60 @@ def test_a_plain_plan_is_served_unquantized_everywhere(tmp_path, vllm_python):
     assert verdict.layers == {**dict.fromkeys(MIXED_SCHEMES, PLAIN), "lm_head": "UnquantizedEmbeddingMethod"}
 
 
+@pytest.mark.vllm
+@needs_vllm
+def test_a_plain_export_whose_weights_are_not_the_models_fails_on_logprobs(tmp_path, vllm_python):
+    """Nothing quantized, no FP8 KV cache, every layer unquantized as planned; but one linear's weight scaled x1.05
+    in the file after the export: the bound's reference is the check's own plain export, not the folder, so the
+    logprobs tell."""
+    out, model_py, policy_path = export(tmp_path, Policy(default="bf16"), "plain")
+    tensors = safetensors.load_file(str(out / "model.safetensors"))
+    tensors["model.layers.1.mlp.down_proj.weight"] = tensors["model.layers.1.mlp.down_proj.weight"] * 1.05
+    safetensors.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    verdict = judge_export(out, model_py, policy=policy_path, vllm_python=vllm_python)
+    assert verdict.layers == {**dict.fromkeys(MIXED_SCHEMES, PLAIN), "lm_head": "UnquantizedEmbeddingMethod"}
+    assert len(verdict.problems) == 1, verdict.problems
+    assert verdict.problems[0].endswith("vLLM serves another model than the plan")
+    assert verdict.figures["mean"] > verdict.figures["margin"] * verdict.figures["bf16_mean"]
+
+
+def injected_side(served: str, off: float = 0.0, seen: dict | None = None):
+    """A vLLM's side script (its result, injected) that loads the folder, every layer unquantized, serves it in
+    ``served`` and scores it as it scores the reference, ``off`` added to each logprob; ``seen``: where the reference
+    it was given is recorded (its path and its config.json)."""
+    def side(python, folder, reference, prompts, tmp, extra=None):
+        if seen is not None and reference is not None:
+            seen.update(folder=folder, reference=reference,
+                        config=json.loads((reference / "config.json").read_text()))
+        scores = [[0.0] * (len(ids) - 1) for ids in prompts]
+        return {"vllm": "0.32.0", "platform": "cpu", "seconds": 0.0,
+                "reference": {"logprobs": scores} if reference is not None else None,
+                "folder": {"mapping": {"quantized": False, "packed": {}, "layers": {}}, "layers": {},
+                           "architecture": "LlamaForCausalLM", "dtype": served,
+                           "logprobs": [[x + off for x in row] for row in scores]}}
+    return side
+
+
+@pytest.mark.parametrize(("policy", "served"), [(Policy(default="bf16"), "bfloat16"),
+                                                (Policy(default="fp16"), "float16"), (MIXED, "bfloat16")])
+def test_the_bound_is_a_plain_export_of_the_model_in_the_plans_dtype(tmp_path, monkeypatch, policy, served):
+    """For every plan, a plain one too (nothing quantized: the folder is then a plain export itself), the bound's
+    reference is the check's own plain export of the model, in the plan's dtype, not the folder under check: a
+    folder vLLM scores otherwise than that reference fails, in one line."""
+    from autoprec.export import judge
+
+    out, model_py, policy_path = export(tmp_path, policy, "folder")
+    for off, problems in ((0.0, 0), (-100.0, 1)):  # scored as the reference; far from it
+        seen: dict = {}
+        monkeypatch.setattr(judge, "_run_side", injected_side(served, off, seen))
+        verdict = judge_export(out, model_py, policy=policy_path, vllm_python=sys.executable)
+        assert seen["reference"] != seen["folder"] and seen["reference"].parent != out.parent
+        assert seen["config"]["dtype"] == served and "quantization_config" not in seen["config"]
+        logprobs = [p for p in verdict.problems if "vLLM's logprobs are" in p]
+        assert len(logprobs) == problems, verdict.problems
+        assert all(p.endswith("vLLM serves another model than the plan") for p in logprobs)
+
+
 @pytest.mark.parametrize(("keep_fp32", "served"), [(True, "bfloat16"), (True, "float32"), (False, "bfloat16"),
                                                     (False, "float32")])
 def test_the_dtype_vllm_serves_in_is_held_to_the_plans(tmp_path, monkeypatch, keep_fp32, served):
@@ -163,13 +217,7 @@ def test_the_dtype_vllm_serves_in_is_held_to_the_plans(tmp_path, monkeypatch, ke
     bfloat16), and fails in one line naming both and the fix where it is not."""
     from autoprec.export import judge
 
-    def side(python, folder, reference, prompts, tmp, extra=None):  # logprobs equal to the reference's: no bound
-        return {"vllm": "0.32.0", "platform": "cpu", "reference": None, "seconds": 0.0,
-                "folder": {"mapping": {"quantized": False, "packed": {}, "layers": {}}, "layers": {},
-                           "architecture": "LlamaForCausalLM", "dtype": served,
-                           "logprobs": [[0.0] * (len(ids) - 1) for ids in prompts]}}
-
-    monkeypatch.setattr(judge, "_run_side", side)
+    monkeypatch.setattr(judge, "_run_side", injected_side(served))
     out, model_py, policy_path = export(tmp_path, Policy(default="bf16"), "plain", keep_fp32=keep_fp32)
     planned = "float32" if keep_fp32 else "bfloat16"
     assert json.loads((out / "config.json").read_text())["dtype"] == planned
@@ -183,8 +231,9 @@ def test_the_dtype_vllm_serves_in_is_held_to_the_plans(tmp_path, monkeypatch, ke
 @needs_vllm
 def test_a_float32_export_is_served_in_bfloat16_and_the_check_fails_in_one_line(tmp_path):
     """A plan with nothing quantized exported with --keep-fp32 (a plain float32 checkpoint): vLLM 0.32 serves it in
-    bfloat16 (its dtype auto downcasts float32), every layer unquantized as planned and its logprobs its own bound,
-    so only the served dtype tells: `autoprec export --check-only` fails (exit status 3) with the one line."""
+    bfloat16 (its dtype auto downcasts float32), every layer unquantized as planned and its logprobs within the
+    bound (the check's plain reference is a float32 export too, served in bfloat16 alike), so only the served dtype
+    tells: `autoprec export --check-only` fails (exit status 3) with the one line."""
     out, model_py, policy_path = export(tmp_path, Policy(default="bf16"), "kept", keep_fp32=True)
     config = json.loads((out / "config.json").read_text())
     assert config["dtype"] == "float32" and "quantization_config" not in config
