@@ -131,6 +131,11 @@ def plan_export(model: nn.Module, policy: Policy, keep_fp32: bool = False,
     return plan
 
 
+# vLLM 0.32's dtype "auto" (what `vllm serve` runs) downcasts a float32 checkpoint (tests/export/test_vllm_judge.py)
+KEPT_FP32_NOTE = ("the folder is float32 (--keep-fp32), which vLLM serves in bfloat16 by default (its dtype auto "
+                  "downcasts float32): serve it with --dtype float32 to run it as written")
+
+
 def _plan_weights(model: nn.Module, policy: Policy, keep_fp32: bool, profile: Mapping[str, Any] | None
                   ) -> ExportPlan:
     precisions = effective_precisions(model, policy)
@@ -170,6 +175,8 @@ def _plan_weights(model: nn.Module, policy: Policy, keep_fp32: bool, profile: Ma
                      f"them ({', '.join(unmeasured[:_SHOWN])}{' and more' if len(unmeasured) > _SHOWN else ''}); "
                      f"autoprec's runtime cannot run them in FP8 ({experts_problem(experts[unmeasured[0]])}), so no "
                      "tune measured them so: the served model has their FP8 error too")
+    if keep_fp32:
+        notes.append(KEPT_FP32_NOTE)
     return ExportPlan(quantized, list(unquantized), dtype, notes)
 
 

@@ -188,7 +188,11 @@ def test_an_fp16_island_in_a_bf16_plan_is_refused_unless_kept_fp32():
     with pytest.raises(ExportRefused, match=r"'model\.layers\.0\.mlp\.down_proj' is fp16 in a plan whose other "
                                             r"layers are bf16.*--keep-fp32"):
         plan_export(model, policy)
-    assert plan_export(model, policy, keep_fp32=True).dtype == "fp32"
+    kept = plan_export(model, policy, keep_fp32=True)
+    assert kept.dtype == "fp32"
+    # said, as vLLM's default would otherwise serve the island in bf16, not the plan's fp16 nor the folder's fp32
+    assert "serve it with --dtype float32 to run it as written" in " ".join(kept.notes)
+    assert not any("--dtype float32" in n for n in plan_export(model, Policy(default="bf16")).notes)
 
 
 def test_fp8_on_a_conv_is_refused():
