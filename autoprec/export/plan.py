@@ -274,7 +274,8 @@ def _one_dtype(unquantized: dict[str, Precision], precisions: dict[str, Precisio
         name = next(n for n, p in {**unquantized, **precisions}.items() if p is Precision.FP16)
         raise ExportRefused(f"layer {name!r} is fp16 in a plan whose other layers are bf16, and engines run every "
                             "unquantized layer in one dtype; fix: make it bf16 in policy.json (or re-tune with "
-                            "--precisions bf16,fp8-rowwise), or export with --keep-fp32")
+                            "--precisions bf16,fp8-rowwise), or export with --keep-fp32 and serve it with "
+                            "--dtype float32")
     return "bf16"
 
 
