@@ -145,7 +145,8 @@ def _tuned(args: argparse.Namespace, ranks: Any, log: Any, out: Path) -> tuple[A
     if getattr(args, "served_mix", None) is not None:  # weights and KV cache for a served mix (autoprec/served_mix/)
         from autoprec.served_mix.run import check_served, print_served, served_tune
 
-        settings = {"target": config.target, "min_sqnr": config.min_sqnr, "stream": args.stream}
+        settings = {"target": config.target, "min_sqnr": config.min_sqnr, "stream": args.stream,
+                    "precisions": config.precisions}
         return served_tune(args.model_py, check_served(args.served_mix, _given(args), settings, ranks.world_size),
                            config, log), print_served
     from autoprec.stream.run import choose_mode

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,9 +26,10 @@ from autoprec.common.writing import markdown_table, text_table
 from autoprec.errors import Terminated, UserError
 from autoprec.profile.serving_estimate import ServingEstimate, kv_cache_of, serving_estimate
 from autoprec.runtime.apply import structure_fingerprint
-from autoprec.runtime.engines import VLLM
+from autoprec.runtime.engines import SERVED_DEFAULT, VLLM
 from autoprec.runtime.kvcache import kv_weights_digest
 from autoprec.runtime.policy import Policy
+from autoprec.runtime.precision import Precision
 from autoprec.search.served_mix import ServedMix, ServedPlan, held_out_sqnr, plan_mixes
 from autoprec.version import __version__
 
@@ -70,15 +71,16 @@ def parse_mix(text: str) -> ServedMix:
 
 def check_served(text: str, given: Mapping[str, str], settings: Mapping[str, Any], world_size: int) -> ServedMix:
     """The mix, once every setting is one a served-mix tune honours (before the model is loaded). ``given``: the
-    options given other than their defaults (their dest -> flag); ``settings``: target, min_sqnr, engine, stream."""
+    options given other than their defaults (their dest -> flag); ``settings``: target, min_sqnr, engine, stream,
+    precisions (``--precisions`` is taken where it names the precisions the tune plans, in any order)."""
     mix = parse_mix(text)
     why = {"budget": "its floor is the output's SQNR against fp32: give --min-sqnr DB instead",
            "new_tokens": "the mix gives the new tokens (PROMPT+NEW): leave --new-tokens out",
-           "fuse": "vLLM runs q/k/v and gate/up as one GEMM each, so each group takes one precision: leave it out",
-           "precisions": "it plans bf16 and fp8-rowwise weights (FP8_DYNAMIC, as vLLM serves them) and an FP8 KV "
-                         "cache: leave --precisions out"}
+           "fuse": "vLLM runs q/k/v and gate/up as one GEMM each, so each group takes one precision: leave it out"}
     for dest, flag in given.items():
-        if dest not in TAKEN:
+        if dest == "precisions":
+            _check_precisions(settings.get("precisions") or ())
+        elif dest not in TAKEN:
             fix = why.get(dest, f"it plans for vLLM by the mix's estimate, without a study: leave {flag} out")
             raise ServedError(f"{flag} does not apply to a --served-mix tune; fix: {fix}")
     if settings.get("stream") == "always":
@@ -92,6 +94,15 @@ def check_served(text: str, given: Mapping[str, str], settings: Mapping[str, Any
         raise ServedError("--served-mix plans weights and KV cache under one floor on the output's SQNR against fp32; "
                           "fix: add --min-sqnr DB (e.g. --min-sqnr 30)")
     return mix
+
+
+def _check_precisions(asked: Sequence[str]) -> None:
+    """``--precisions`` restating what a served-mix tune plans (:data:`SERVED_DEFAULT`, vLLM's FP8_DYNAMIC beside
+    bf16) is taken; any other set is one ServedError line naming both."""
+    if {Precision.parse(p) for p in asked} != {Precision.parse(p) for p in SERVED_DEFAULT}:
+        raise ServedError(f"a --served-mix tune plans {' and '.join(SERVED_DEFAULT)} weights (FP8_DYNAMIC, as vLLM "
+                          f"serves them) and an FP8 KV cache; given --precisions {','.join(asked)}; fix: leave "
+                          "--precisions out")
 
 
 def _estimate(model: torch.nn.Module, policy: Policy, target: str, mix: ServedMix) -> ServingEstimate:

@@ -424,6 +424,13 @@ CASES = [
     Case("generation-served-mix-with-new-tokens", [*SERVED, "--target", "h100", "--min-sqnr", "30", "--served-mix",
                                                    "16+64", "--new-tokens", "8"], 1,
          ["--new-tokens does not apply", "the mix gives the new tokens"]),
+    Case("generation-served-mix-with-other-precisions", [*SERVED, "--target", "h100", "--min-sqnr", "30",
+                                                        "--served-mix", "16+64", "--precisions", "bf16"], 1,
+         ["a --served-mix tune plans bf16 and fp8-rowwise weights", "given --precisions bf16;",
+          "fix: leave --precisions out"]),
+    Case("generation-served-mix-with-its-precisions", [*SERVED, "--target", "h100", "--min-sqnr", "30",
+                                                      "--served-mix", "16+64", "--precisions", " FP8-rowwise, bf16"],
+         1, ["prices the KV cache from a transformers config"]),  # taken: it gets as far as loading the model
     Case("generation-served-mix-stream-always", [*SERVED, "--target", "h100", "--min-sqnr", "30", "--served-mix",
                                                  "16+64", "--stream", "always"], 1, ["holds the model in memory"]),
     Case("generation-served-mix-no-kv-cache", [*SERVED, "--target", "h100", "--min-sqnr", "30", "--served-mix",

@@ -23,7 +23,7 @@ from autoprec.runtime.apply import apply_policy, remove_policy
 from autoprec.runtime.kvcache import KV_FORMATS
 from autoprec.runtime.policy import Policy
 from autoprec.search.served_mix import ServedMix, ServedPlan
-from autoprec.served_mix.run import SHORT_ALONE, ServedResult, contrast_of, kv_bound, report
+from autoprec.served_mix.run import SHORT_ALONE, ServedError, ServedResult, check_served, contrast_of, kv_bound, report
 
 LLAMA = Path(__file__).parents[1] / "cli_models" / "tiny_llama.py"
 KV_BOUND = "4096+256x32"  # 32 long prompts at once
@@ -118,3 +118,28 @@ def test_the_held_out_verdict_is_said_either_way(held_out_db, verdict):
     result = ServedResult(Policy(default="bf16", engine="vllm"), plan, plan, held_out_db, 40.0, 1, [], [], "",
                           Path("."))
     assert verdict in report(result)
+
+
+SETTINGS = {"target": "h100", "min_sqnr": 30.0, "stream": "auto"}
+
+
+@pytest.mark.parametrize("precisions", [("bf16", "fp8-rowwise"), ("fp8-rowwise", "bf16"), (" FP8-rowwise", "bf16 ")])
+def test_precisions_restating_what_a_served_mix_tune_plans_are_taken(precisions):
+    mix = check_served("16+64x2", {"precisions": "--precisions"}, {**SETTINGS, "precisions": precisions}, 1)
+    assert mix == ServedMix(16, 64, 2)
+
+
+@pytest.mark.parametrize("precisions", [("bf16",), ("bf16", "fp8"), ("bf16", "fp8-rowwise", "fp16"), ()])
+def test_precisions_other_than_what_a_served_mix_tune_plans_are_refused_in_one_line(precisions):
+    with pytest.raises(ServedError) as refused:
+        check_served("16+64", {"precisions": "--precisions"}, {**SETTINGS, "precisions": precisions}, 1)
+    assert str(refused.value) == (
+        "a --served-mix tune plans bf16 and fp8-rowwise weights (FP8_DYNAMIC, as vLLM serves them) and an FP8 KV "
+        f"cache; given --precisions {','.join(precisions)}; fix: leave --precisions out")
+
+
+def test_another_option_beside_the_planned_precisions_is_still_refused():
+    given = {"precisions": "--precisions", "trials": "--trials"}
+    with pytest.raises(ServedError, match=r"^--trials does not apply to a --served-mix tune; fix: it plans for vLLM "
+                                          r"by the mix's estimate, without a study: leave --trials out$"):
+        check_served("16+64", given, {**SETTINGS, "precisions": ("fp8-rowwise", "bf16")}, 1)
