@@ -197,7 +197,8 @@ def _too_large(module: Any, path: Path, stream: str) -> tuple[Any, str] | None:
 
 def _judge_mapping(folder: Path, summary: dict[str, Any], policy: Path | None, python: Path, checkpoint: Any,
                    why: str) -> Verdict:
-    """vLLM's config parsing and scheme mapping of every layer of ``folder`` held to the plan made on the model's
+    """vLLM's config parsing and scheme mapping of every layer of ``folder``, and the dtype it resolves from the
+    folder's config.json (its dtype "auto": what it would serve the folder in), held to the plan made on the model's
     skeleton (on meta): no weight is loaded, here or in vLLM, and no logprob compared."""
     plan = _plan_held_to(folder, summary, policy, checkpoint.model)
     with tempfile.TemporaryDirectory(prefix="autoprec-judge-") as tmp:
@@ -359,9 +360,11 @@ def _verdict(result: dict[str, Any], folder: Path, plan: ExportPlan, model: torc
     if "not_run" in entry:
         mapped = entry.get("mapping", {}).get("layers", {})
         verdict.layers = {name: info["scheme"] for name, info in mapped.items()}
+        served = entry.get("mapping", {}).get("dtype")  # "auto" as vLLM resolves it from config.json
+        verdict.problems += _served_dtype_problems(folder, served, plan)
         verdict.lines.append(f"{head}: {entry['not_run']}: checked its config parsing and scheme mapping for "
-                             f"{len(mapped)} layers" + (", and the KV cache it loads" if verdict.kv_scales else "")
-                             + ", not its logprobs")
+                             f"{len(mapped)} layers" + (f", the dtype it serves in ({served})" if served else "")
+                             + (", and the KV cache it loads" if verdict.kv_scales else "") + ", not its logprobs")
         return verdict
     if "load_error" in entry:
         verdict.problems.append(f"{folder}: vLLM cannot load it: {entry['load_error']}")

@@ -19,6 +19,8 @@ The result holds, for the folder:
   experts folded as vLLM folds them; per layer the scheme class it would build, or the error it raises; and
   ``kv_cache``, the ``kv_cache_scheme`` as it reads it, whether its KV cache method accepts it, and why this
   platform's attention cannot run it (then the engine does not run the folder: ``kv_loaded`` says what it loads);
+  and ``dtype``, the one vLLM resolves from config.json (``ModelConfig``'s, dtype ``"auto"``: what the engine
+  serves it in, told where the folder is mapped, not loaded);
 - unless it cannot run here (``not_run``: why): ``layers``, the scheme each layer of the loaded engine actually
   holds (its ``quant_method``'s or ``scheme``'s class), read inside the engine with ``LLM.apply_model``;
   ``architecture``, the model class vLLM resolved; ``dtype``, the one it serves the model in (``"auto"`` downcasts a
@@ -96,22 +98,24 @@ def model_len(folder: Path, prompts: list[list[int]] = ()) -> int:
 
 
 def config_mapping(folder: Path) -> dict:
-    """Each layer's scheme as vLLM's config parsing and scheme lookup give it, no weight loaded."""
+    """Each layer's scheme as vLLM's config parsing and scheme lookup give it, and the dtype vLLM serves the
+    folder in (its ``ModelConfig``'s, dtype "auto" resolved from config.json), no weight loaded."""
     import torch
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
     config = json.loads((folder / "config.json").read_text())
     quant = config.get("quantization_config")
     cls = model_class(config)
     packed = dict(getattr(cls, "packed_modules_mapping", {}) or {})
-    if quant is None:
-        return {"quantized": False, "packed": packed, "model_class": getattr(cls, "__name__", None), "layers": {}}
-    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
-
-    ct = CompressedTensorsConfig.from_config(quant)
-    ct.packed_modules_mapping = packed
     model_config = ModelConfig(model=str(folder), dtype="auto", skip_tokenizer_init=True,
                                max_model_len=model_len(folder))
+    found = {"packed": packed, "model_class": getattr(cls, "__name__", None),
+             "dtype": str(model_config.dtype).removeprefix("torch.")}  # "auto" resolved, as the engine resolves it
+    if quant is None:
+        return {"quantized": False, **found, "layers": {}}
+    ct = CompressedTensorsConfig.from_config(quant)
+    ct.packed_modules_mapping = packed
     names = linear_names(folder, quant)
     stub = torch.nn.Linear(1, 1, device="meta")  # a class-name target ("Linear") matches it as it would vLLM's
     layers = {}
@@ -120,7 +124,7 @@ def config_mapping(folder: Path) -> dict:
             # a FusedMoE asks for expert 0's projections (vLLM's get_moe_method), a linear for its own name
             lookup = [p for p in info["parts"] if p.startswith(f"{layer}.0.")] if info["kind"] == "moe" else [layer]
             layers[layer] = dict(info, **scheme_of(ct, stub, lookup))
-    out = {"quantized": True, "packed": packed, "model_class": getattr(cls, "__name__", None), "layers": layers}
+    out = {"quantized": True, **found, "layers": layers}
     if quant.get("kv_cache_scheme") is not None:
         out["kv_cache"] = kv_cache_mapping(ct)
     return out

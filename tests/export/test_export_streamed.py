@@ -7,6 +7,7 @@ Small models from configs (seeded), published as bf16 safetensors shards with a 
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 from pathlib import Path
 
@@ -212,11 +213,48 @@ def test_the_command_says_it_streams(tmp_path, capsys):
     assert "5 quantized layers" in captured.out
 
 
+def mapped_side(served: str, seen: dict):
+    """A vLLM's side script (its result, injected) that maps the folder only (the request's ``map_only``, recorded
+    in ``seen``), nothing quantized, and resolves its dtype "auto" from config.json to ``served``."""
+    def side(python, folder, reference, prompts, tmp, extra=None):
+        seen.update(extra or {}, reference=reference, prompts=prompts)
+        mapping = {"quantized": False, "packed": {}, "model_class": "LlamaForCausalLM", "dtype": served, "layers": {}}
+        return {"vllm": "0.32.0", "platform": "cpu", "seconds": 0.0, "reference": None,
+                "folder": {"mapping": mapping, "not_run": extra["map_only"]}}
+    return side
+
+
+@pytest.mark.parametrize(("keep_fp32", "served"), [(True, "bfloat16"), (True, "float32"), (False, "bfloat16"),
+                                                    (False, "float32")])
+def test_the_dtype_vllm_maps_a_too_large_folder_to_is_held_to_the_plans(tmp_path, monkeypatch, keep_fp32, served):
+    """A model too large to load (--stream always) is only mapped by vLLM, and the dtype it resolves from the
+    folder's config.json is held to the plan's as a loaded folder's is: a float32 folder (--keep-fp32) vLLM would
+    serve in bfloat16 fails in the same one line; the plan's dtype passes."""
+    from test_vllm_judge import served_dtype_line
+
+    from autoprec.export import judge
+
+    seen: dict = {}
+    monkeypatch.setattr(judge, "_run_side", mapped_side(served, seen))
+    model_py = _model_py(tmp_path, _publish(tmp_path / "published", "llama"))
+    out = _export(tmp_path, model_py, Policy(default="bf16"), "plain", "always", keep_fp32=keep_fp32)
+    planned = "float32" if keep_fp32 else "bfloat16"
+    assert json.loads((out / "config.json").read_text())["dtype"] == planned
+    for given in (tmp_path / "policy.json", None):  # the plan the policy says, or the folder's config alone
+        verdict = judge.judge_export(out, model_py, policy=given, vllm_python=sys.executable, stream="always")
+        assert seen["map_only"].startswith("not loaded") and seen["reference"] is None and seen["prompts"] == []
+        assert not verdict.scored and f"the dtype it serves in ({served}), not its logprobs" in verdict.lines[0]
+        assert verdict.problems == ([] if served == planned else [served_dtype_line(out, served, planned)])
+
+
 @pytest.mark.vllm
 @needs_vllm
 def test_a_checkpoint_too_large_to_load_is_checked_by_vllms_mapping_of_every_layer(tmp_path, vllm_python):
     """--stream always stands in for a model too large to load: vLLM maps every layer from config.json, no weight
-    loaded anywhere, and the mapping is held to the plan: a folder whose config drops planned layers fails."""
+    loaded anywhere, and the mapping is held to the plan: a folder whose config drops planned layers fails; so does
+    a float32 one (--keep-fp32, nothing quantized), which vLLM's dtype "auto" resolves to bfloat16."""
+    from test_vllm_judge import served_dtype_line
+
     from autoprec.export.judge import judge_export
 
     checkpoint = _publish(tmp_path / "published", "llama")
@@ -225,6 +263,7 @@ def test_a_checkpoint_too_large_to_load_is_checked_by_vllms_mapping_of_every_lay
     verdict = judge_export(out, model_py, policy=tmp_path / "policy.json", vllm_python=vllm_python, stream="always")
     assert verdict.ok and not verdict.scored, verdict.problems
     assert f"not loaded: the model is read from {checkpoint} a tensor at a time" in verdict.lines[0]
+    assert "the dtype it serves in (bfloat16), not its logprobs" in verdict.lines[0]
     fp8, plain = "CompressedTensorsW8A8Fp8", ("UnquantizedLinearMethod", "unquantized")
     assert verdict.layers["model.layers.0.self_attn.qkv_proj"] == fp8
     assert verdict.layers["model.layers.1.mlp.gate_up_proj"] == fp8
@@ -239,3 +278,7 @@ def test_a_checkpoint_too_large_to_load_is_checked_by_vllms_mapping_of_every_lay
     verdict = judge_export(out, model_py, policy=tmp_path / "policy.json", vllm_python=vllm_python, stream="always")
     problems = verdict.problems
     assert any(p.startswith("model.layers.1.mlp.gate_up_proj: the plan has") for p in problems), problems
+    kept = _export(tmp_path, model_py, Policy(default="bf16"), "kept", "always", keep_fp32=True)
+    verdict = judge_export(kept, model_py, policy=tmp_path / "policy.json", vllm_python=vllm_python, stream="always")
+    assert not verdict.scored and "the dtype it serves in (bfloat16)" in verdict.lines[0]
+    assert verdict.problems == [served_dtype_line(kept, "bfloat16", "float32")]
