@@ -43,7 +43,7 @@ from autoprec.export.plan import SCHEMES, ExportPlan, plan_export
 from autoprec.export.quantize import served_model
 from autoprec.export.run import policy_sha256, read_run
 from autoprec.inputs.userspec import import_model_py
-from autoprec.runtime.kvcache import KV_FORMATS, calibrate_kv, kv_quantized, kv_rounding
+from autoprec.runtime.kvcache import KV_FORMATS, calibrate_kv, fp8_kv_layers, kv_quantized, kv_rounding
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
 from autoprec.runtime.served_nvfp4 import amax_of_global_scale
@@ -502,11 +502,6 @@ def _gap(a: list, b: list[torch.Tensor]) -> tuple[float, float]:
     return float(diff.mean()), float(diff.max())
 
 
-def _fp8_kv(plan: ExportPlan) -> bool:
-    """Whether the plan puts some layer's KV cache in FP8."""
-    return any(KV_FORMATS[f].quantized for f in plan.kv_cache.values())
-
-
 def _compare_logprobs(verdict: Verdict, entry: dict[str, Any], reference: dict[str, Any], plan: ExportPlan,
                       model: torch.nn.Module, prompts: list[list[int]], routed: bool, rounding: str = "nearest"
                       ) -> None:
@@ -527,7 +522,7 @@ def _compare_logprobs(verdict: Verdict, entry: dict[str, Any], reference: dict[s
     plain = _logprobs(served_model(model, ExportPlan({}, [], plan.dtype)), prompts)
     mean, worst = _gap(entry["logprobs"], served)
     ref_mean, ref_max = _gap(reference["logprobs"], plain)
-    margin = FP8_FLIP_MARGIN if plan.quantized else KV_FLIP_MARGIN if _fp8_kv(plan) else PLAIN_MARGIN
+    margin = FP8_FLIP_MARGIN if plan.quantized else KV_FLIP_MARGIN if fp8_kv_layers(plan.kv_cache) else PLAIN_MARGIN
     plan_mean, plan_max = _gap([t.tolist() for t in served], fp32)
     tokens = sum(len(p) - 1 for p in prompts)
     verdict.figures.update(mean=mean, max=worst, bf16_mean=ref_mean, bf16_max=ref_max, margin=margin,

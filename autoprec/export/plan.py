@@ -32,7 +32,7 @@ from autoprec.errors import UserError
 from autoprec.export.kvcache import kv_export_plan
 from autoprec.runtime.apply import effective_precisions
 from autoprec.runtime.experts import experts_problem, fused_experts
-from autoprec.runtime.kvcache import KV_FORMATS
+from autoprec.runtime.kvcache import fp8_kv_layers
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
 from autoprec.runtime.served_nvfp4 import NVFP4_GROUP
@@ -184,7 +184,7 @@ def _refuse_unservable_fp32(policy: Policy, quantized: Mapping[str, Precision], 
     """--keep-fp32 writes dtype float32, which vLLM does not serve as written (its compressed-tensors path serves bf16
     or fp16; vLLM 0.32 downcasts a float32 checkpoint to bfloat16): one line, for a plan tuned for vLLM, for any plan
     with quantized layers, and for a plan with an FP8 KV cache (a kv_cache_scheme, which only an engine reads)."""
-    fp8_kv = [n for n, f in policy.kv_cache.items() if KV_FORMATS[f].quantized]
+    fp8_kv = fp8_kv_layers(policy.kv_cache)
     if not keep_fp32 or (policy.engine is None and not quantized and not fp8_kv):
         return
     if policy.engine is not None:

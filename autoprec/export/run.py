@@ -70,7 +70,7 @@ def export_model_py(model_py: str | Path, run: TunedRun, out: str | Path, keep_f
     plan = plan_export(model, run.policy, keep_fp32=keep_fp32, profile=run.profile)
     read = None if checkpoint is None else streamed_reader(checkpoint, plan, state_tensors(model))
     # the weights moved since the tune; streamed, each attention weight read from its shard in turn
-    stale = stale_kv_line(model, run.policy, read) if plan.kv_cache else None
+    stale = stale_kv_line(model, run.policy, read)
     if stale:
         warnings.warn(stale, stacklevel=2)
     if checkpoint is None:

@@ -63,7 +63,7 @@ from autoprec.runtime.agree import check_policy_agrees, model_groups
 from autoprec.runtime.as_served import Served, install_served, remove_served
 from autoprec.runtime.experts import EXPERTS_PRECISION, FP8ExpertsForward, is_fused_experts
 from autoprec.runtime.fp8_linear import FP8Linear, FP8RowwiseLinear
-from autoprec.runtime.kvcache import KV_FORMATS, InstalledKV, kv_scale_dtype
+from autoprec.runtime.kvcache import InstalledKV, fp8_kv_layers, kv_scale_dtype
 from autoprec.runtime.mx import BlockScaledLinear
 from autoprec.runtime.policy import Policy, PolicyError
 from autoprec.runtime.precision import Precision
@@ -405,7 +405,7 @@ def _install_kv(model: nn.Module) -> None:
     keys and values through E4M3 at the tune's static scales where attention reads them, as the tune measured."""
     state: _Installed = getattr(model, _STATE_ATTR)
     policy = state.policy
-    if policy.kv_amax and any(KV_FORMATS[f].quantized for f in policy.kv_cache.values()):  # scales rounded to
+    if policy.kv_amax and fp8_kv_layers(policy.kv_cache):  # scales rounded to
         dtype = kv_scale_dtype([policy.default, *policy.layers.values()])  # the served dtype, as the export's
         state.kv = InstalledKV(model, policy.kv_cache, policy.kv_amax, dtype)
 

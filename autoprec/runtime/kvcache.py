@@ -43,9 +43,15 @@ from autoprec.runtime.fp8 import E4M3, E4M3_MAX
 
 __all__ = ["KV_FORMATS", "KV_ROUNDINGS", "InstalledKV", "KVFormat", "KVScales", "SCALE_DTYPE", "calibrate_kv",
            "check_kv_amax", "check_kv_formats", "fake_quantize_kv", "intercept_kv", "is_mla", "kv_amax", "kv_layers",
-           "kv_quantized", "kv_rounding", "kv_scale_dtype", "kv_weights_digest", "stale_kv_line", "unwrapped_lines"]
+           "fp8_kv_layers", "kv_quantized", "kv_rounding", "kv_scale_dtype", "kv_weights_digest", "stale_kv_line",
+           "unwrapped_lines"]
 
 SCALE_DTYPE = torch.bfloat16  # the served dtype the checkpoint stores KV scales in (as llm-compressor does)
+
+
+def fp8_kv_layers(kv_cache: Mapping[str, str]) -> list[str]:
+    """The layers a policy's ``kv_cache`` (layer -> format) puts in FP8 (``fp8``, ``fp8-head``), in its order."""
+    return [n for n, f in kv_cache.items() if KV_FORMATS[f].quantized]
 
 
 def kv_weights_digest(model: nn.Module, layers: Iterable[str],
@@ -69,12 +75,13 @@ def kv_weights_digest(model: nn.Module, layers: Iterable[str],
 def stale_kv_line(model: nn.Module, policy: Any, read: Callable[[str], torch.Tensor] | None = None) -> str | None:
     """One line where ``policy``'s KV calibration (``kv_amax``) was measured on other weights than ``model``'s (the
     digest it recorded, ``model.kv_weights``, differs: the model was fine-tuned since), naming the fix; None where
-    they agree, where the policy records no digest (a file written before tunes recorded it), or where this process
+    they agree, where no layer's KV cache is FP8 (the scales are not used), where the policy records no digest (a
+    file written before tunes recorded it), or where this process
     does not hold the weights (FSDP2's shards, or on meta without ``read``: :func:`kv_weights_digest`'s), or holds
     them in fp16 (fp32 weights rounded to fp16 and then to bf16 differ from those rounded to bf16 once in about one
     element in sixteen: the digest could not tell a cast from a fine-tune, so nothing is said)."""
     recorded = policy.model.get("kv_weights") if isinstance(policy.model, Mapping) else None
-    if not policy.kv_amax or not isinstance(recorded, str):
+    if not policy.kv_amax or not isinstance(recorded, str) or not fp8_kv_layers(policy.kv_cache):
         return None
     try:
         weights = [p for name in policy.kv_amax for p in model.get_submodule(name).parameters()]

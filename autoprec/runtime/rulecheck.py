@@ -21,7 +21,7 @@ from torch import nn
 from autoprec.common.wrapped import own_class
 from autoprec.runtime.experts import EXPERTS_PRECISION, experts_problem, is_fused_experts
 from autoprec.runtime.fp8_linear import FP8Linear, FP8RowwiseLinear
-from autoprec.runtime.kvcache import KV_FORMATS, stale_kv_line
+from autoprec.runtime.kvcache import fp8_kv_layers, stale_kv_line
 from autoprec.runtime.mx import BlockScaledLinear
 from autoprec.runtime.policy import Policy, PolicyError
 from autoprec.runtime.precision import Precision
@@ -147,12 +147,12 @@ def check_model(model: nn.Module, policy: Policy) -> None:
     calibrated input scales (``input_amax``): apply_policy then scales each input by its own |max|. Or, as
     ``autoprec export`` does, where its KV calibration was measured on other weights than the model's (fine-tuned
     since: :func:`~autoprec.runtime.kvcache.stale_kv_line`)."""
-    uncalibrated = [n for n, f in policy.kv_cache.items() if KV_FORMATS[f].quantized and n not in policy.kv_amax]
+    uncalibrated = [n for n in fp8_kv_layers(policy.kv_cache) if n not in policy.kv_amax]
     if uncalibrated:
         _warn_once(policy, f"this policy puts the KV cache of {len(uncalibrated)} attention layer(s) in FP8 without "
                            "their calibrated scales ('kv_amax', written by tunes since), so apply_policy runs it in "
                            "the model's dtype; fix: tune again (`autoprec export` calibrates its own)")
-    stale = stale_kv_line(model, policy) if any(KV_FORMATS[f].quantized for f in policy.kv_cache.values()) else None
+    stale = stale_kv_line(model, policy)
     if stale:
         _warn_once(policy, stale)
     if policy.engine is not None and Precision.NVFP4 in policy.precisions_used():
