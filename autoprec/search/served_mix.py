@@ -170,7 +170,7 @@ def plan_mixes(model: nn.Module, batches: Sequence[Any], floor_db: float, target
     weights = [Candidate("weights", g, "fp8-rowwise", measure(_with(base, g), {})) for g in _groups(model)]
     kv = {strategy: [Candidate("kv", (n,), strategy, measure(base, {n: strategy})) for n in measure.scales]
           for strategy in kv_strategies}
-    plans = []
+    plans, digest = [], None
     for mix in mixes:
         time = _Timer(model, target, mix)
         best: ServedPlan | None = None
@@ -181,10 +181,11 @@ def plan_mixes(model: nn.Module, batches: Sequence[Any], floor_db: float, target
                 best = plan
         assert best is not None
         best.parts = _parts(model, best, target, mix)
-        if best.policy.kv_cache:  # the scales it was measured with, for apply_policy and the export to run it so
-            best.policy = dataclasses.replace(best.policy, kv_amax=dict(measure.scales), model={  # and on which
-                **best.policy.model, "kv_weights": kv_weights_digest(model, measure.scales)})  # weights: the export
-            # warns where the model's differ (fine-tuned since)
+        if best.policy.kv_cache:  # the scales it was measured with, for apply_policy and the export to run it so,
+            # and on which weights (the export warns where the model's differ: fine-tuned since), hashed once
+            digest = digest or kv_weights_digest(model, measure.scales)
+            best.policy = dataclasses.replace(best.policy, kv_amax=dict(measure.scales),
+                                              model={**best.policy.model, "kv_weights": digest})
         plans.append(best)
     return plans
 

@@ -27,7 +27,6 @@ from autoprec.errors import Terminated, UserError
 from autoprec.profile.serving_estimate import ServingEstimate, kv_cache_of, serving_estimate
 from autoprec.runtime.apply import structure_fingerprint
 from autoprec.runtime.engines import SERVED_DEFAULT, VLLM
-from autoprec.runtime.kvcache import kv_weights_digest
 from autoprec.runtime.policy import Policy
 from autoprec.runtime.precision import Precision
 from autoprec.search.served_mix import ServedMix, ServedPlan, held_out_sqnr, plan_mixes
@@ -237,9 +236,9 @@ def _record(result: ServedResult, model: torch.nn.Module, device: str) -> None:
     plan = result.plan
     base = _estimate(model, Policy(default="bf16"), plan.target, plan.mix)
     mine = _estimate(model, plan.policy, plan.target, plan.mix)
+    digest = result.plan.policy.model.get("kv_weights")  # the plan's, hashed with its scales: the export checks it
     result.policy.model = {"type": own_class(model).__name__, "structure": structure_fingerprint(model),
-                           **({"kv_weights": kv_weights_digest(model, result.policy.kv_amax)}  # the export checks it
-                              if result.policy.kv_amax else {})}
+                           **({"kv_weights": digest} if digest else {})}
     result.policy.tuned_on = {"device": f"estimated for {plan.target}; accuracy measured on {device}",
                               "torch": torch.__version__, "autoprec": __version__}
     result.policy.result = {

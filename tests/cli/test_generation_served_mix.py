@@ -51,6 +51,9 @@ def test_a_kv_bound_mix_writes_a_vllm_plan_of_its_kv_cache_that_loads_and_export
     assert set(policy.kv_amax) == {"model.layers.0.self_attn", "model.layers.1.self_attn"}  # its calibration
     spec = load_model_py(LLAMA)
     model = spec.model.eval()
+    from autoprec.runtime.kvcache import kv_weights_digest
+
+    assert policy.model["kv_weights"] == kv_weights_digest(model, policy.kv_amax)  # the weights it calibrated on
     with torch.no_grad():
         reference = [model_output(call_model(model, b)).float() for b in spec.holdout_batches]
     with warnings.catch_warnings(record=True) as said:
